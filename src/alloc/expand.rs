@@ -1,0 +1,343 @@
+//! Expanding fresh pages into per-token slots: the pure half of paged allocation.
+//!
+//! These functions are the host reference for the `alloc_extend` / `alloc_decode` GPU
+//! kernels: given the page size, the batch and the list of fresh pages, the output is
+//! fully determined, and the kernels must agree with it bit for bit.
+//!
+//! For request `i` with `ps` the page size (DESIGN.md, "Extend and decode on pages"):
+//!
+//! ```text
+//! new_pages(i)  = ceil(seq/ps) - ceil(prefix/ps)
+//! page_start(i) = sum of new_pages(j), j < i
+//! out_start(i)  = sum of (seq_j - prefix_j), j < i
+//! part 1  p1 = min(seq, ceil(prefix/ps)*ps) - prefix        the old partial page
+//!         out[out_start + k] = last_loc + 1 + k
+//! part 2  p2 = floor(seq/ps)*ps - ceil(prefix/ps)*ps (> 0)  whole new pages
+//!         out[out_start + p1 + k] = pages[page_start + k/ps]*ps + k%ps
+//! part 3  p3 = seq - floor(seq/ps)*ps  (when the last page is new)
+//!         out[out_start + p1 + p2 + k] = pages[page_start + new_pages - 1]*ps + k
+//! ```
+//!
+//! Decode is extend with `prefix = seq - 1`.
+//!
+//! # In place
+//!
+//! The allocators claim the fresh pages straight into the front of the caller's output
+//! buffer and expand them in place, so no scratch memory is needed. That works because
+//! a batch never needs more new pages than it has new tokens, and a token at output
+//! position `q` always reads a page at index `<= q` (`out_start(i) >= page_start(i)`,
+//! and each new page of a request comes after at least one token per earlier new
+//! page). Walking the output backwards, position `q` is written only after every
+//! token that reads page `q` at a position above `q` is done, and a token at `q`
+//! reads its page before it overwrites it.
+
+use crate::error::InvalidInput;
+
+/// Totals of a batch: the fresh pages it needs and the slots it writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BatchPlan {
+    /// Fresh pages the batch consumes.
+    pub new_pages: usize,
+    /// Slots the batch writes (`sum(seq - prefix)`).
+    pub new_tokens: usize,
+}
+
+#[inline]
+fn ceil_pages(len: u32, ps: u32) -> u64 {
+    (len as u64).div_ceil(ps as u64)
+}
+
+/// New pages one request needs (`ceil(seq/ps) - ceil(prefix/ps)`); `prefix <= seq`.
+#[inline]
+pub fn new_pages(page_size: u32, prefix_len: u32, seq_len: u32) -> u32 {
+    (ceil_pages(seq_len, page_size) - ceil_pages(prefix_len, page_size)) as u32
+}
+
+/// Count what an extend batch needs: step (a) of paged allocation. Validates the batch.
+///
+/// # Errors
+///
+/// [`InvalidInput`] if the slices differ in length, a prefix is longer than its
+/// sequence, or `page_size` is 0.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::alloc::{plan_extend, BatchPlan};
+/// let plan = plan_extend(4, &[1, 3], &[6, 7])?;
+/// assert_eq!(plan, BatchPlan { new_pages: 2, new_tokens: 9 });
+/// # Ok::<(), kvpool::InvalidInput>(())
+/// ```
+pub fn plan_extend(page_size: u32, prefix_lens: &[u32], seq_lens: &[u32]) -> Result<BatchPlan, InvalidInput> {
+    if page_size == 0 {
+        return Err(InvalidInput::NotPageAligned { count: 0, page_size });
+    }
+    if prefix_lens.len() != seq_lens.len() {
+        return Err(InvalidInput::LengthMismatch {
+            what: "prefix_lens",
+            got: prefix_lens.len(),
+            expected: seq_lens.len(),
+        });
+    }
+    let mut plan = BatchPlan::default();
+    for (request, (&prefix_len, &seq_len)) in prefix_lens.iter().zip(seq_lens).enumerate() {
+        if prefix_len > seq_len {
+            return Err(InvalidInput::PrefixLongerThanSeq { request, prefix_len, seq_len });
+        }
+        plan.new_pages += new_pages(page_size, prefix_len, seq_len) as usize;
+        plan.new_tokens += (seq_len - prefix_len) as usize;
+    }
+    Ok(plan)
+}
+
+/// Count what a decode batch needs (one token per request). Validates the batch.
+///
+/// # Errors
+///
+/// [`InvalidInput`] if a `seq_len` is 0 or `page_size` is 0.
+pub fn plan_decode(page_size: u32, seq_lens: &[u32]) -> Result<BatchPlan, InvalidInput> {
+    if page_size == 0 {
+        return Err(InvalidInput::NotPageAligned { count: 0, page_size });
+    }
+    let mut plan = BatchPlan { new_pages: 0, new_tokens: seq_lens.len() };
+    for (request, &seq_len) in seq_lens.iter().enumerate() {
+        if seq_len == 0 {
+            return Err(InvalidInput::EmptyDecode { request });
+        }
+        plan.new_pages += new_pages(page_size, seq_len - 1, seq_len) as usize;
+    }
+    Ok(plan)
+}
+
+/// Check the shapes of an expansion call against its plan.
+fn check_shapes(
+    page_size: u32,
+    plan: BatchPlan,
+    batch: usize,
+    last_locs: &[u32],
+    pages: &[u32],
+    out: &[u32],
+) -> Result<(), InvalidInput> {
+    if last_locs.len() != batch {
+        return Err(InvalidInput::LengthMismatch { what: "last_locs", got: last_locs.len(), expected: batch });
+    }
+    if pages.len() != plan.new_pages {
+        return Err(InvalidInput::PageCount { got: pages.len(), expected: plan.new_pages });
+    }
+    if out.len() != plan.new_tokens {
+        return Err(InvalidInput::OutputLength { got: out.len(), expected: plan.new_tokens });
+    }
+    let last_page = (u32::MAX as u64 + 1) / page_size as u64 - 1;
+    if let Some(&page) = pages.iter().find(|&&p| p == 0 || p as u64 > last_page) {
+        return Err(InvalidInput::BadPage { page });
+    }
+    Ok(())
+}
+
+/// Expand fresh pages into the slots of an extend batch: step (c) of paged allocation,
+/// a pure function of its inputs.
+///
+/// `last_locs[i]` is the slot of request `i`'s last prefix token; it is read only when
+/// the request has a partial prefix page to fill (part 1), so any value does when the
+/// prefix is empty or page-aligned.
+///
+/// # Errors
+///
+/// [`InvalidInput`] if the shapes disagree (see [`plan_extend`]; `pages.len()` must be
+/// the plan's `new_pages` and `out.len()` its `new_tokens`) or a page is 0 or so large
+/// its slots overflow `u32`. `out` is untouched on error.
+///
+/// # Examples
+///
+/// DESIGN.md's worked example: page size 4, pages 3 and 4 fresh.
+///
+/// ```
+/// let mut out = [0u32; 9];
+/// kvpool::alloc::expand_extend(4, &[1, 3], &[6, 7], &[4, 10], &[3, 4], &mut out)?;
+/// assert_eq!(out, [5, 6, 7, 12, 13, 11, 16, 17, 18]);
+/// # Ok::<(), kvpool::InvalidInput>(())
+/// ```
+pub fn expand_extend(
+    page_size: u32,
+    prefix_lens: &[u32],
+    seq_lens: &[u32],
+    last_locs: &[u32],
+    pages: &[u32],
+    out: &mut [u32],
+) -> Result<(), InvalidInput> {
+    let plan = plan_extend(page_size, prefix_lens, seq_lens)?;
+    check_shapes(page_size, plan, seq_lens.len(), last_locs, pages, out)?;
+    out[..pages.len()].copy_from_slice(pages);
+    expand_in_place(page_size, seq_lens.len(), |i| (prefix_lens[i], seq_lens[i], last_locs[i]), pages.len(), out);
+    Ok(())
+}
+
+/// Expand fresh pages into the slots of a decode batch (one token per request).
+///
+/// # Errors
+///
+/// As [`expand_extend`], with [`plan_decode`]'s validation.
+///
+/// # Examples
+///
+/// DESIGN.md's decode example on a fresh pool (pages 1 and 2):
+///
+/// ```
+/// let mut out = [0u32; 3];
+/// kvpool::alloc::expand_decode(4, &[5, 4, 9], &[0, 2, 0], &[1, 2], &mut out)?;
+/// assert_eq!(out, [4, 3, 8]);
+/// # Ok::<(), kvpool::InvalidInput>(())
+/// ```
+pub fn expand_decode(
+    page_size: u32,
+    seq_lens: &[u32],
+    last_locs: &[u32],
+    pages: &[u32],
+    out: &mut [u32],
+) -> Result<(), InvalidInput> {
+    let plan = plan_decode(page_size, seq_lens)?;
+    check_shapes(page_size, plan, seq_lens.len(), last_locs, pages, out)?;
+    out[..pages.len()].copy_from_slice(pages);
+    expand_in_place(page_size, seq_lens.len(), |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), pages.len(), out);
+    Ok(())
+}
+
+/// The expansion itself. `out[..n_pages]` holds the fresh pages on entry; on return
+/// `out` holds the slots. Inputs are already validated.
+pub(crate) fn expand_in_place<R>(ps: u32, batch: usize, request: R, n_pages: usize, out: &mut [u32])
+where
+    R: Fn(usize) -> (u32, u32, u32),
+{
+    if ps == 1 {
+        // Every token is its own page: the pages are the slots, in order.
+        return;
+    }
+    let ps64 = ps as u64;
+    let mut page_end = n_pages;
+    let mut out_end = out.len();
+    for i in (0..batch).rev() {
+        let (prefix, seq, last_loc) = request(i);
+        let (prefix, seq) = (prefix as u64, seq as u64);
+        let np = (seq.div_ceil(ps64) - prefix.div_ceil(ps64)) as usize;
+        let page_start = page_end - np;
+        let out_start = out_end - (seq - prefix) as usize;
+        let aligned_prefix = prefix.div_ceil(ps64) * ps64;
+        let full_end = seq / ps64 * ps64;
+        let p1 = (seq.min(aligned_prefix) - prefix) as usize;
+        let p2 = full_end.saturating_sub(aligned_prefix) as usize;
+        let p3 = if np > 0 { (seq - full_end) as usize } else { 0 };
+        // Backwards: part 3, part 2, part 1 (see the module docs for why in place works).
+        if p3 > 0 {
+            let base = out[page_start + np - 1] * ps;
+            let at = out_start + p1 + p2;
+            for k in (0..p3).rev() {
+                out[at + k] = base + k as u32;
+            }
+        }
+        for full in (0..p2 / ps as usize).rev() {
+            let base = out[page_start + full] * ps;
+            let at = out_start + p1 + full * ps as usize;
+            for k in (0..ps as usize).rev() {
+                out[at + k] = base + k as u32;
+            }
+        }
+        for k in (0..p1).rev() {
+            out[out_start + k] = last_loc.wrapping_add(1 + k as u32);
+        }
+        page_end = page_start;
+        out_end = out_start;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worked_examples() {
+        let mut out = [0u32; 9];
+        expand_extend(4, &[1, 3], &[6, 7], &[4, 10], &[3, 4], &mut out).unwrap();
+        assert_eq!(out, [5, 6, 7, 12, 13, 11, 16, 17, 18]);
+        let mut out = [0u32; 3];
+        expand_decode(4, &[5, 4, 9], &[0, 2, 0], &[1, 2], &mut out).unwrap();
+        assert_eq!(out, [4, 3, 8]);
+    }
+
+    #[test]
+    fn shape_errors_leave_output_untouched() {
+        let mut out = [7u32; 9];
+        assert_eq!(
+            expand_extend(4, &[1, 3], &[6, 7], &[4, 10], &[3], &mut out),
+            Err(InvalidInput::PageCount { got: 1, expected: 2 })
+        );
+        assert_eq!(
+            expand_extend(4, &[1, 8], &[6, 7], &[4, 10], &[3, 4], &mut out),
+            Err(InvalidInput::PrefixLongerThanSeq { request: 1, prefix_len: 8, seq_len: 7 })
+        );
+        assert_eq!(
+            expand_extend(4, &[1, 3], &[6, 7], &[4, 10], &[3, 0], &mut out),
+            Err(InvalidInput::BadPage { page: 0 })
+        );
+        assert!(expand_extend(4, &[1, 3], &[6, 7], &[4], &[3, 4], &mut out).is_err());
+        assert!(expand_extend(4, &[1, 3], &[6, 7], &[4, 10], &[3, 4], &mut out[..8]).is_err());
+        assert_eq!(out, [7u32; 9]);
+        assert_eq!(plan_decode(4, &[3, 0]), Err(InvalidInput::EmptyDecode { request: 1 }));
+    }
+
+    /// A forward, out-of-place transcription of the formula, to check the backward
+    /// in-place walk against.
+    fn forward(ps: u32, prefix: &[u32], seq: &[u32], last: &[u32], pages: &[u32]) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut page_start = 0usize;
+        for i in 0..seq.len() {
+            let (pre, s) = (prefix[i] as u64, seq[i] as u64);
+            let p = ps as u64;
+            let np = (s.div_ceil(p) - pre.div_ceil(p)) as usize;
+            let p1 = s.min(pre.div_ceil(p) * p) - pre;
+            for k in 0..p1 {
+                out.push(last[i] + 1 + k as u32);
+            }
+            let p2 = (s / p * p).saturating_sub(pre.div_ceil(p) * p);
+            for k in 0..p2 {
+                out.push(pages[page_start + (k / p) as usize] * ps + (k % p) as u32);
+            }
+            if np > 0 && s % p != 0 {
+                for k in 0..s - s / p * p {
+                    out.push(pages[page_start + np - 1] * ps + k as u32);
+                }
+            }
+            page_start += np;
+        }
+        out
+    }
+
+    #[test]
+    fn in_place_matches_forward_formula() {
+        // A small deterministic generator: no external randomness in unit tests.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u32| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m as u64) as u32
+        };
+        for _ in 0..2000 {
+            let ps = [1, 2, 3, 4, 5, 16, 64][next(7) as usize];
+            let batch = next(6) as usize;
+            let (mut prefix, mut seq, mut last) = (vec![], vec![], vec![]);
+            for _ in 0..batch {
+                let s = next(300);
+                let p = next(s + 1);
+                prefix.push(p);
+                seq.push(s);
+                // a last_loc consistent with the prefix's position in its page
+                last.push(if p == 0 { 0 } else { 1000 * ps + (p - 1) % ps });
+            }
+            let plan = plan_extend(ps, &prefix, &seq).unwrap();
+            let pages: Vec<u32> = (0..plan.new_pages).map(|k| 7 + 3 * k as u32).collect();
+            let mut out = vec![0u32; plan.new_tokens];
+            expand_extend(ps, &prefix, &seq, &last, &pages, &mut out).unwrap();
+            assert_eq!(out, forward(ps, &prefix, &seq, &last, &pages), "ps {ps} {prefix:?} {seq:?}");
+        }
+    }
+}

@@ -1,0 +1,533 @@
+//! KV slot allocators: [`TokenAllocator`] (page size 1) and [`PagedAllocator`].
+//!
+//! Both sit on one [`SlotPool`] of *pages* (a token is a page of one slot) and follow
+//! SGLang's numbering: with page size `ps` and `size` tokens there are `size / ps`
+//! pages numbered from 1; page `p` holds slots `p*ps .. (p+1)*ps`, so slots
+//! `0..ps` (page 0) are never handed out and a KV buffer needs `size + ps` rows.
+//!
+//! A batch allocation runs in three steps:
+//!
+//! 1. **plan** — count the new pages the batch needs ([`plan_extend`],
+//!    [`plan_decode`]), validating it;
+//! 2. **reserve** — take that many pages from the pool, all or nothing, lock-free;
+//! 3. **expand** — turn the pages into per-token slots ([`expand_extend`],
+//!    [`expand_decode`]): the pure function the GPU kernels are checked against.
+//!
+//! The pages are claimed into the caller's output buffer and expanded in place, so a
+//! batch allocation touches no memory but the pool's bitmap and the caller's buffer.
+
+mod expand;
+
+pub use expand::{expand_decode, expand_extend, new_pages, plan_decode, plan_extend, BatchPlan};
+
+use crate::error::{
+    AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, Unit,
+};
+use crate::slots::{FreeGroup, SlotPool};
+
+/// What the prefix cache (and a scheduler) needs from a KV allocator; implemented by
+/// [`TokenAllocator`] and [`PagedAllocator`].
+///
+/// All methods take `&self` and are lock-free; see [`PagedAllocator`] for the exact
+/// semantics, which both share (a token allocator is a paged one with `page_size 1`).
+pub trait KvAllocator: Send + Sync {
+    /// Tokens per page (1 for a token allocator).
+    fn page_size(&self) -> u32;
+    /// Token capacity: `pages * page_size`.
+    fn size(&self) -> usize;
+    /// Free tokens now (`free pages * page_size`).
+    fn available_size(&self) -> usize;
+    /// Allocate `out.len()` slots (a whole number of pages) into `out`.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError`]: out of memory, or `out.len()` is not a multiple of the page size.
+    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError>;
+    /// Allocate the slots of an extend (prefill) batch; see [`PagedAllocator::alloc_extend`].
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError`]; nothing changes on error.
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError>;
+    /// Allocate one slot per request of a decode batch; see [`PagedAllocator::alloc_decode`].
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError`]; nothing changes on error.
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError>;
+    /// Free token slots (a paged allocator frees the distinct pages they lie in).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] naming a slot that is out of range or not allocated.
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError>;
+    /// Open a free group whose frees are published together when it ends.
+    fn free_group(&self) -> KvFreeGroup<'_>;
+    /// Whether `slot`'s page is allocated now.
+    fn is_allocated(&self, slot: u32) -> bool;
+    /// Tokens needed to allocate this extend batch (new pages times page size).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidInput`] for a malformed batch.
+    fn extend_need(&self, prefix_lens: &[u32], seq_lens: &[u32]) -> Result<usize, InvalidInput> {
+        Ok(plan_extend(self.page_size(), prefix_lens, seq_lens)?.new_pages * self.page_size() as usize)
+    }
+    /// Tokens needed to allocate this decode batch.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidInput`] for a malformed batch.
+    fn decode_need(&self, seq_lens: &[u32]) -> Result<usize, InvalidInput> {
+        Ok(plan_decode(self.page_size(), seq_lens)?.new_pages * self.page_size() as usize)
+    }
+    /// Free everything (exclusive access, so no operation is in flight).
+    fn clear(&mut self);
+    /// Check internal consistency in O(capacity); exact at quiescence.
+    ///
+    /// # Errors
+    ///
+    /// [`InvariantViolation`] on a kvpool bug.
+    fn check_invariants(&self) -> Result<(), InvariantViolation>;
+}
+
+/// A paged KV slot allocator: SGLang's `PagedTokenToKVPoolAllocator`, lock-free.
+///
+/// # Examples
+///
+/// DESIGN.md's worked example:
+///
+/// ```
+/// use kvpool::{KvAllocator, PagedAllocator};
+///
+/// let alloc = PagedAllocator::new(256, 4)?;
+/// let mut first = [0u32; 8];
+/// alloc.alloc(&mut first)?;                      // pages 1 and 2
+/// assert_eq!(first, [4, 5, 6, 7, 8, 9, 10, 11]);
+///
+/// let mut out = [0u32; 9];
+/// alloc.alloc_extend(&[1, 3], &[6, 7], &[4, 10], &mut out)?;
+/// assert_eq!(out, [5, 6, 7, 12, 13, 11, 16, 17, 18]); // pages 3 and 4
+///
+/// alloc.free(&out)?;                             // frees pages 1, 2, 3 and 4
+/// assert_eq!(alloc.available_size(), 256);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct PagedAllocator {
+    pages: SlotPool,
+    page_size: u32,
+    /// `log2(page_size)` when it is a power of two: divisions become shifts.
+    shift: Option<u32>,
+}
+
+impl PagedAllocator {
+    /// An allocator of `size` tokens in pages of `page_size` (`size / page_size` pages;
+    /// a remainder is unused, as in SGLang).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] if `page_size` is 0 or the slot numbers would overflow `u32`.
+    pub fn new(size: usize, page_size: u32) -> Result<Self, ConfigError> {
+        if page_size == 0 {
+            return Err(ConfigError::ZeroPageSize);
+        }
+        let num_pages = size as u64 / page_size as u64;
+        // The highest slot is (num_pages + 1) * page_size - 1.
+        if (num_pages + 1) * page_size as u64 > u32::MAX as u64 + 1 {
+            return Err(ConfigError::TooLarge { size: size as u64, page_size });
+        }
+        Ok(PagedAllocator {
+            pages: SlotPool::new(num_pages as u32),
+            page_size,
+            shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
+        })
+    }
+
+    /// Number of pages (page numbers are `1..=num_pages`).
+    pub fn num_pages(&self) -> u32 {
+        self.pages.capacity()
+    }
+
+    /// Free pages now.
+    pub fn available_pages(&self) -> usize {
+        self.pages.available()
+    }
+
+    /// The page of `slot`.
+    #[inline]
+    pub fn page_of(&self, slot: u32) -> u32 {
+        match self.shift {
+            Some(s) => slot >> s,
+            None => slot / self.page_size,
+        }
+    }
+
+    fn oom(&self, pages: usize) -> AllocError {
+        let ps = self.page_size as usize;
+        AllocError::OutOfMemory(OutOfMemory {
+            requested: pages * ps,
+            available: self.pages.available() * ps,
+            evictable: None,
+            unit: Unit::Tokens,
+        })
+    }
+
+    /// Allocate whole pages: `out.len() / page_size` pages, expanded into slots.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::Invalid`] if `out.len()` is not a multiple of the page size;
+    /// [`AllocError::OutOfMemory`] (in tokens) if too few pages are free.
+    pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        let ps = self.page_size as usize;
+        if out.len() % ps != 0 {
+            return Err(InvalidInput::NotPageAligned { count: out.len(), page_size: self.page_size }.into());
+        }
+        let n = out.len() / ps;
+        if n == 0 {
+            return Ok(());
+        }
+        self.pages.reserve(n, Unit::Pages).map_err(|_| self.oom(n))?;
+        self.pages.claim(&mut out[..n]);
+        if ps > 1 {
+            // Backwards, so page k (at out[k]) is read before slot k*ps.. overwrites it.
+            for p in (0..n).rev() {
+                let base = out[p] * self.page_size;
+                for k in (0..ps).rev() {
+                    out[p * ps + k] = base + k as u32;
+                }
+            }
+        }
+        crate::debug_check(self);
+        Ok(())
+    }
+
+    /// Allocate the new slots of an extend (prefill) batch, all or nothing.
+    ///
+    /// Request `i` already holds `prefix_lens[i]` tokens, the last at slot
+    /// `last_locs[i]`, and grows to `seq_lens[i]`; `out` receives
+    /// `sum(seq - prefix)` slots, request after request. The old partial page is filled
+    /// first (slots `last_loc + 1, ...`), then fresh pages. `last_locs[i]` is read
+    /// only when the prefix ends inside a page; it must then be an allocated slot at
+    /// the matching position of its page.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::Invalid`] for a malformed batch (see [`plan_extend`]), a wrong
+    /// `out` length or a bad `last_loc`; [`AllocError::OutOfMemory`] when too few pages
+    /// are free (`requested` counts the tokens of the pages needed). `out` and the pool
+    /// are unchanged on error.
+    pub fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        let plan = plan_extend(self.page_size, prefix_lens, seq_lens)?;
+        self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (prefix_lens[i], seq_lens[i]))?;
+        self.reserve_and_expand(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len())
+    }
+
+    /// Allocate one slot per request of a decode batch; `seq_lens[i]` counts the new
+    /// token, so request `i` needs a fresh page exactly when its new token starts one.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend).
+    pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        let plan = plan_decode(self.page_size, seq_lens)?;
+        self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
+        self.reserve_and_expand(plan, out, |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), seq_lens.len())
+    }
+
+    /// Shapes, and every `last_loc` that part 1 will read.
+    fn check_batch<F>(
+        &self,
+        plan: expand::BatchPlan,
+        batch: usize,
+        last_locs: &[u32],
+        out: &[u32],
+        req: F,
+    ) -> Result<(), InvalidInput>
+    where
+        F: Fn(usize) -> (u32, u32),
+    {
+        if last_locs.len() != batch {
+            return Err(InvalidInput::LengthMismatch { what: "last_locs", got: last_locs.len(), expected: batch });
+        }
+        if out.len() != plan.new_tokens {
+            return Err(InvalidInput::OutputLength { got: out.len(), expected: plan.new_tokens });
+        }
+        if self.page_size == 1 {
+            return Ok(());
+        }
+        let ps = self.page_size;
+        for (request, &last_loc) in last_locs.iter().enumerate() {
+            let (prefix, seq) = req(request);
+            // Part 1 reads last_loc when the prefix ends inside a page and grows.
+            if prefix % ps != 0 && seq > prefix {
+                let ok = last_loc % ps == (prefix - 1) % ps && self.is_allocated(last_loc);
+                if !ok {
+                    return Err(InvalidInput::BadLastLoc { request, last_loc });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn reserve_and_expand<R>(
+        &self,
+        plan: expand::BatchPlan,
+        out: &mut [u32],
+        req: R,
+        batch: usize,
+    ) -> Result<(), AllocError>
+    where
+        R: Fn(usize) -> (u32, u32, u32),
+    {
+        if plan.new_pages > 0 {
+            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|_| self.oom(plan.new_pages))?;
+            self.pages.claim(&mut out[..plan.new_pages]);
+        }
+        expand::expand_in_place(self.page_size, batch, req, plan.new_pages, out);
+        crate::debug_check(self);
+        Ok(())
+    }
+
+    /// Free token slots: the distinct pages they lie in are freed (slots of one page may
+    /// repeat; listing one slot of a page frees the whole page, as in SGLang).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] naming the first slot whose page is out of range or not allocated;
+    /// nothing is freed then.
+    pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        let mut group = self.free_group();
+        let r = group.free(slots);
+        group.end();
+        r
+    }
+
+    /// Open a free group (SGLang's `free_group_begin`/`free_group_end`).
+    pub fn free_group(&self) -> KvFreeGroup<'_> {
+        let group = if self.page_size == 1 { self.pages.free_group() } else { FreeGroup::merging(&self.pages) };
+        KvFreeGroup { group, alloc: self }
+    }
+
+    /// Whether `slot`'s page is allocated.
+    pub fn is_allocated(&self, slot: u32) -> bool {
+        slot >= self.page_size && self.pages.is_allocated(self.page_of(slot))
+    }
+
+    /// Map a page-level free error back to the first slot the caller passed in it.
+    fn slot_error(&self, slots: &[u32], mut e: FreeError) -> FreeError {
+        if let FreeErrorKind::OutOfRange { .. } = e.kind {
+            e.kind = FreeErrorKind::OutOfRange {
+                first: self.page_size,
+                last: ((self.num_pages() as u64 + 1) * self.page_size as u64 - 1) as u32,
+            };
+        }
+        if self.page_size > 1 {
+            if let Some(&s) = slots.iter().find(|&&s| self.page_of(s) == e.index) {
+                e.index = s;
+            }
+        }
+        e
+    }
+}
+
+impl KvAllocator for PagedAllocator {
+    fn page_size(&self) -> u32 {
+        self.page_size
+    }
+    fn size(&self) -> usize {
+        self.num_pages() as usize * self.page_size as usize
+    }
+    fn available_size(&self) -> usize {
+        self.pages.available() * self.page_size as usize
+    }
+    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        PagedAllocator::alloc(self, out)
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        PagedAllocator::alloc_extend(self, prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        PagedAllocator::alloc_decode(self, seq_lens, last_locs, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        PagedAllocator::free(self, slots)
+    }
+    fn free_group(&self) -> KvFreeGroup<'_> {
+        PagedAllocator::free_group(self)
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        PagedAllocator::is_allocated(self, slot)
+    }
+    fn clear(&mut self) {
+        self.pages.clear();
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.pages.check_invariants()
+    }
+}
+
+impl core::fmt::Debug for PagedAllocator {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("PagedAllocator")
+            .field("page_size", &self.page_size)
+            .field("num_pages", &self.num_pages())
+            .field("available_pages", &self.available_pages())
+            .finish()
+    }
+}
+
+/// A free group over a KV allocator: frees of token slots published together when the
+/// group ends (or is dropped).
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::{KvAllocator, TokenAllocator};
+/// let alloc = TokenAllocator::new(8)?;
+/// let mut a = [0u32; 4];
+/// alloc.alloc(&mut a)?;
+/// let mut group = alloc.free_group();
+/// group.free(&a[..1])?;
+/// group.free(&a[1..])?;
+/// assert_eq!(alloc.available_size(), 4);
+/// drop(group);
+/// assert_eq!(alloc.available_size(), 8);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use = "a free group publishes its frees when it ends"]
+pub struct KvFreeGroup<'a> {
+    group: FreeGroup<'a>,
+    alloc: &'a PagedAllocator,
+}
+
+impl KvFreeGroup<'_> {
+    /// Free token slots into the group.
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::free`]; nothing is freed on error.
+    pub fn free(&mut self, slots: &[u32]) -> Result<(), FreeError> {
+        let a = self.alloc;
+        let r = if a.page_size == 1 {
+            self.group.free_iter(slots.iter().copied())
+        } else {
+            self.group.free_iter(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }))
+        };
+        r.map_err(|e| a.slot_error(slots, e))
+    }
+
+    /// Tokens freed into the group so far (not yet available).
+    pub fn pending_tokens(&self) -> usize {
+        self.group.pending() * self.alloc.page_size as usize
+    }
+
+    /// End the group, publishing its frees; returns the tokens made available.
+    pub fn end(self) -> usize {
+        self.group.end() * self.alloc.page_size as usize
+    }
+}
+
+impl core::fmt::Debug for KvFreeGroup<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("KvFreeGroup").field("pending_tokens", &self.pending_tokens()).finish()
+    }
+}
+
+/// A token allocator (page size 1): SGLang's `TokenToKVPoolAllocator`, lock-free.
+///
+/// Slots are `1..=size`; `alloc_extend` and `alloc_decode` ignore `last_locs` (no
+/// partial pages exist).
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::{KvAllocator, TokenAllocator};
+/// let alloc = TokenAllocator::new(16)?;
+/// let mut out = [0u32; 5];
+/// alloc.alloc_extend(&[0, 2], &[3, 4], &[0, 0], &mut out)?;
+/// assert_eq!(out, [1, 2, 3, 4, 5]);
+/// let err = alloc.alloc(&mut [0u32; 12]).unwrap_err();
+/// assert!(err.to_string().starts_with("Out of memory. Try to lower your batch size."));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct TokenAllocator(PagedAllocator);
+
+impl TokenAllocator {
+    /// An allocator of slots `1..=size`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::TooLarge`] if `size >= u32::MAX`.
+    pub fn new(size: usize) -> Result<Self, ConfigError> {
+        PagedAllocator::new(size, 1).map(TokenAllocator)
+    }
+}
+
+impl core::ops::Deref for TokenAllocator {
+    type Target = PagedAllocator;
+    fn deref(&self) -> &PagedAllocator {
+        &self.0
+    }
+}
+
+impl KvAllocator for TokenAllocator {
+    fn page_size(&self) -> u32 {
+        1
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn available_size(&self) -> usize {
+        self.0.available_size()
+    }
+    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc(out)
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        self.0.alloc_extend(prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc_decode(seq_lens, last_locs, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.0.free(slots)
+    }
+    fn free_group(&self) -> KvFreeGroup<'_> {
+        self.0.free_group()
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        self.0.is_allocated(slot)
+    }
+    fn clear(&mut self) {
+        self.0.pages.clear();
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.0.check_invariants()
+    }
+}

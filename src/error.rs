@@ -1,0 +1,343 @@
+//! Error types, one per failure family.
+//!
+//! * [`OutOfMemory`] — an allocation asked for more than is free. Nothing changed.
+//!   Its message follows SGLang's ("Out of memory. Try to lower your batch size. ...").
+//! * [`FreeError`] — a free named an index that is out of range or not allocated.
+//! * [`InvalidInput`] — arguments that can never succeed (mismatched batch lengths,
+//!   a prefix longer than its sequence, an output buffer of the wrong size, ...).
+//! * [`AllocError`] — what the batch allocation entry points return: either of the
+//!   first and the last.
+//! * [`ConfigError`] — a constructor's parameters are unusable.
+//! * [`RowError`] — a request-row operation was out of bounds.
+
+use core::fmt;
+
+/// What a count in an [`OutOfMemory`] error is measured in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// KV token slots.
+    Tokens,
+    /// Whole pages of `page_size` tokens.
+    Pages,
+    /// Request rows of a [`ReqToTokenPool`](crate::ReqToTokenPool).
+    Rows,
+    /// Bare indices of a [`SlotPool`](crate::SlotPool).
+    Indices,
+}
+
+impl Unit {
+    fn name(self) -> &'static str {
+        match self {
+            Unit::Tokens => "tokens",
+            Unit::Pages => "pages",
+            Unit::Rows => "request rows",
+            Unit::Indices => "indices",
+        }
+    }
+}
+
+/// Not enough free capacity for an all-or-nothing allocation. Nothing was changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OutOfMemory {
+    /// How many units were asked for.
+    pub requested: usize,
+    /// How many were free when the request was refused.
+    pub available: usize,
+    /// How many more a prefix cache could have freed by eviction, when one is involved.
+    pub evictable: Option<usize>,
+    /// What the counts are measured in.
+    pub unit: Unit,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let u = self.unit.name();
+        write!(
+            f,
+            "Out of memory. Try to lower your batch size.\nTry to allocate {} {u}.\nAvailable {u}: {}",
+            self.requested, self.available
+        )?;
+        if let Some(e) = self.evictable {
+            write!(f, "\nEvictable {u}: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for OutOfMemory {}
+
+/// Why a free was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FreeErrorKind {
+    /// The index is 0 (reserved) or above the pool's capacity.
+    OutOfRange {
+        /// The lowest valid index.
+        first: u32,
+        /// The highest valid index.
+        last: u32,
+    },
+    /// The index is already free: a double free, or an index that was never handed out.
+    NotAllocated,
+}
+
+/// A free named an index that it may not free.
+///
+/// Out-of-range and already-free indices are found before anything changes: the whole
+/// batch is refused. The one case found later is an index named twice in one batch
+/// (or freed by two threads at once): the index is freed once, the error names it, and
+/// the rest of the batch is freed. In every case the pool's counts stay exact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FreeError {
+    /// The offending index (a slot, page or row number, as the caller passed it).
+    pub index: u32,
+    /// What is wrong with it.
+    pub kind: FreeErrorKind,
+    /// Whether the rest of the batch was freed anyway (see the type's docs).
+    pub rest_freed: bool,
+}
+
+impl fmt::Display for FreeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            FreeErrorKind::OutOfRange { first, last } => write!(
+                f,
+                "cannot free index {}: out of range (valid indices are {first}..={last}; below that is the reserved padding slot or page)",
+                self.index
+            )?,
+            FreeErrorKind::NotAllocated => write!(
+                f,
+                "cannot free index {}: it is not allocated (double free, or never handed out)",
+                self.index
+            )?,
+        }
+        if self.rest_freed {
+            f.write_str("; the other indices of the batch were freed")
+        } else {
+            f.write_str("; nothing was freed")
+        }
+    }
+}
+
+impl std::error::Error for FreeError {}
+
+/// Arguments that can never succeed. Nothing was changed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum InvalidInput {
+    /// Two per-request input slices have different lengths.
+    LengthMismatch {
+        /// Which argument.
+        what: &'static str,
+        /// Its length.
+        got: usize,
+        /// The batch size it should match.
+        expected: usize,
+    },
+    /// A caller's output buffer has the wrong length.
+    OutputLength {
+        /// Its length.
+        got: usize,
+        /// The length the call writes.
+        expected: usize,
+    },
+    /// Request `request` has `prefix_len > seq_len`.
+    PrefixLongerThanSeq {
+        /// The request's position in the batch.
+        request: usize,
+        /// Its prefix length.
+        prefix_len: u32,
+        /// Its sequence length.
+        seq_len: u32,
+    },
+    /// Request `request` has a prefix but its `last_loc` is not a valid slot.
+    BadLastLoc {
+        /// The request's position in the batch.
+        request: usize,
+        /// The slot given.
+        last_loc: u32,
+    },
+    /// A count that must be a whole number of pages is not.
+    NotPageAligned {
+        /// The count.
+        count: usize,
+        /// The page size.
+        page_size: u32,
+    },
+    /// A page number handed to the expansion is 0 or out of range.
+    BadPage {
+        /// The page number.
+        page: u32,
+    },
+    /// The page list passed to an expansion does not have the length the batch needs.
+    PageCount {
+        /// Pages given.
+        got: usize,
+        /// Pages the batch needs.
+        expected: usize,
+    },
+    /// A decode step for a request with `seq_len == 0`.
+    EmptyDecode {
+        /// The request's position in the batch.
+        request: usize,
+    },
+}
+
+impl fmt::Display for InvalidInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InvalidInput::LengthMismatch { what, got, expected } => {
+                write!(f, "`{what}` has {got} entries but the batch has {expected} requests")
+            }
+            InvalidInput::OutputLength { got, expected } => {
+                write!(f, "output buffer holds {got} slots but the call writes {expected}")
+            }
+            InvalidInput::PrefixLongerThanSeq { request, prefix_len, seq_len } => {
+                write!(f, "request {request}: prefix_len {prefix_len} is longer than seq_len {seq_len}")
+            }
+            InvalidInput::BadLastLoc { request, last_loc } => {
+                write!(f, "request {request}: last_loc {last_loc} is not an allocated slot of this pool")
+            }
+            InvalidInput::NotPageAligned { count, page_size } => {
+                write!(f, "{count} is not a multiple of the page size {page_size}")
+            }
+            InvalidInput::BadPage { page } => write!(f, "page {page} is 0 or beyond the pool"),
+            InvalidInput::PageCount { got, expected } => {
+                write!(f, "{got} pages given but the batch needs {expected}")
+            }
+            InvalidInput::EmptyDecode { request } => {
+                write!(f, "request {request}: decode needs seq_len >= 1 (the new token is counted)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for InvalidInput {}
+
+/// What the batch allocation entry points return on failure.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum AllocError {
+    /// Not enough free capacity; nothing changed.
+    OutOfMemory(OutOfMemory),
+    /// The arguments can never succeed; nothing changed.
+    Invalid(InvalidInput),
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::OutOfMemory(e) => e.fmt(f),
+            AllocError::Invalid(e) => write!(f, "invalid allocation request: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for AllocError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AllocError::OutOfMemory(e) => Some(e),
+            AllocError::Invalid(e) => Some(e),
+        }
+    }
+}
+
+impl From<OutOfMemory> for AllocError {
+    fn from(e: OutOfMemory) -> Self {
+        AllocError::OutOfMemory(e)
+    }
+}
+
+impl From<InvalidInput> for AllocError {
+    fn from(e: InvalidInput) -> Self {
+        AllocError::Invalid(e)
+    }
+}
+
+impl AllocError {
+    /// The out-of-memory details, if that is what this is.
+    pub fn out_of_memory(&self) -> Option<&OutOfMemory> {
+        match self {
+            AllocError::OutOfMemory(e) => Some(e),
+            AllocError::Invalid(_) => None,
+        }
+    }
+}
+
+/// A constructor's parameters are unusable.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ConfigError {
+    /// `page_size` must be at least 1.
+    ZeroPageSize,
+    /// The slot numbers would not fit in a `u32`.
+    TooLarge {
+        /// The requested token capacity.
+        size: u64,
+        /// The page size.
+        page_size: u32,
+    },
+    /// A dimension that must be positive is zero.
+    Zero(&'static str),
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::ZeroPageSize => f.write_str("page size must be at least 1"),
+            ConfigError::TooLarge { size, page_size } => {
+                write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
+            }
+            ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A request-row operation was refused. Nothing was changed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum RowError {
+    /// A write or read past `max_context_len`.
+    OutOfBounds {
+        /// The row.
+        row: u32,
+        /// First column of the range.
+        start: usize,
+        /// Length of the range.
+        len: usize,
+        /// The row length.
+        max_context_len: usize,
+    },
+    /// A row handle from another pool.
+    ForeignRow {
+        /// The row number.
+        row: u32,
+    },
+}
+
+impl fmt::Display for RowError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RowError::OutOfBounds { row, start, len, max_context_len } => write!(
+                f,
+                "row {row}: range {start}..{} is beyond max_context_len {max_context_len}",
+                start.saturating_add(*len)
+            ),
+            RowError::ForeignRow { row } => {
+                write!(f, "row handle {row} belongs to a different ReqToTokenPool")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RowError {}
+
+/// A `check_invariants()` found the structure inconsistent. This is a kvpool bug (or
+/// memory corruption); the message says which invariant broke.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InvariantViolation(pub String);
+
+impl fmt::Display for InvariantViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invariant violated: {}", self.0)
+    }
+}
+
+impl std::error::Error for InvariantViolation {}

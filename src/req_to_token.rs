@@ -1,0 +1,261 @@
+//! [`ReqToTokenPool`]: request rows mapping token positions to KV slots.
+//!
+//! SGLang's `req_to_token` is a `[size, max_context_len]` table: row `r` holds the KV
+//! slot of every token of the request that owns row `r`. Rows are handed out by a
+//! [`SlotPool`]; the holder of a [`ReqRow`] handle is the only one who can write its
+//! row in safe code, because the handle is unique (neither `Clone` nor `Copy`) and
+//! writing needs `&mut ReqRow`.
+//!
+//! # Why the shared table is sound
+//!
+//! The table lives in `UnsafeCell`s and is shared by every thread through `&self`. A
+//! cell of row `r` is touched only through a handle for row `r`:
+//!
+//! * the [`SlotPool`] never hands one index to two owners, so at most one live handle
+//!   names row `r` (handles from before a [`clear`](ReqToTokenPool::clear) carry an
+//!   older pool generation and are refused);
+//! * writes need `&mut ReqRow` and reads borrow `&ReqRow`, so Rust's borrow rules
+//!   keep reads and writes of one row apart;
+//! * freeing a row consumes its handle; the pool's `Release` on free and `Acquire` on
+//!   allocation order the old owner's accesses before the new owner's.
+//!
+//! The row cells are plain memory, not atomics; loom models cover the row-handle arena
+//! (the [`SlotPool`]), which is where the hand-off between threads happens.
+
+use core::cell::UnsafeCell;
+
+use crate::error::{ConfigError, InvariantViolation, OutOfMemory, RowError, Unit};
+use crate::slots::SlotPool;
+
+/// A request row handle: the right to read and write one row of a [`ReqToTokenPool`].
+///
+/// Unique by construction; give it back with [`ReqToTokenPool::free`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a request row is held until it is freed"]
+pub struct ReqRow {
+    /// 1-based index in the row pool.
+    slot: u32,
+    pool: u64,
+}
+
+impl ReqRow {
+    /// The row number, `0..size` (SGLang's `req_pool_idx`).
+    pub fn index(&self) -> usize {
+        self.slot as usize - 1
+    }
+}
+
+/// `size` request rows of `max_context_len` KV slots each.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::ReqToTokenPool;
+///
+/// let pool = ReqToTokenPool::new(4, 16)?;
+/// let mut row = pool.alloc()?;
+/// pool.write(&mut row, 0, &[7, 8, 9])?;
+/// pool.write(&mut row, 3, &[10])?;
+/// assert_eq!(pool.read(&row, 0..4)?, &[7, 8, 9, 10]);
+/// assert!(pool.write(&mut row, 15, &[1, 2]).is_err()); // past max_context_len
+/// pool.free(row)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ReqToTokenPool {
+    rows: SlotPool,
+    table: Box<[UnsafeCell<u32>]>,
+    max_context_len: usize,
+    generation: u64,
+}
+
+// SAFETY: the table's cells are only reached through a unique `ReqRow` for their row
+// (see the module docs); every other field is atomic or immutable.
+unsafe impl Sync for ReqToTokenPool {}
+// SAFETY: the pool owns its table; nothing in it is tied to a thread.
+unsafe impl Send for ReqToTokenPool {}
+
+impl ReqToTokenPool {
+    /// `size` rows of `max_context_len` slots, zero-filled (slot 0 is the padding slot).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] if `max_context_len` is 0; [`ConfigError::TooLarge`] if
+    /// the table would not fit in memory addressing.
+    pub fn new(size: u32, max_context_len: usize) -> Result<Self, ConfigError> {
+        if max_context_len == 0 {
+            return Err(ConfigError::Zero("max_context_len"));
+        }
+        let cells = (size as usize)
+            .checked_mul(max_context_len)
+            .filter(|&c| c <= isize::MAX as usize / 4)
+            .ok_or(ConfigError::TooLarge { size: size as u64 * max_context_len as u64, page_size: 1 })?;
+        let table = (0..cells).map(|_| UnsafeCell::new(0)).collect();
+        Ok(ReqToTokenPool { rows: SlotPool::new(size), table, max_context_len, generation: next_generation() })
+    }
+
+    /// Number of rows.
+    pub fn size(&self) -> usize {
+        self.rows.capacity() as usize
+    }
+
+    /// Slots per row.
+    pub fn max_context_len(&self) -> usize {
+        self.max_context_len
+    }
+
+    /// Free rows now.
+    pub fn available_size(&self) -> usize {
+        self.rows.available()
+    }
+
+    /// Take a free row. Lock-free; does not allocate.
+    ///
+    /// # Errors
+    ///
+    /// [`OutOfMemory`] (in rows) when every row is taken.
+    pub fn alloc(&self) -> Result<ReqRow, OutOfMemory> {
+        let mut one = [0u32];
+        self.rows.alloc_as(&mut one, Unit::Rows)?;
+        Ok(ReqRow { slot: one[0], pool: self.generation })
+    }
+
+    /// Give a row back.
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::ForeignRow`] if the handle belongs to another pool (or to this pool
+    /// before a [`clear`](Self::clear)); the handle is consumed either way.
+    pub fn free(&self, row: ReqRow) -> Result<(), RowError> {
+        self.own(&row)?;
+        // The handle is unique, so its row is allocated: this cannot fail.
+        self.rows.free(&[row.slot]).map_err(|_| RowError::ForeignRow { row: row.slot - 1 })
+    }
+
+    fn own(&self, row: &ReqRow) -> Result<(), RowError> {
+        if row.pool == self.generation {
+            Ok(())
+        } else {
+            Err(RowError::ForeignRow { row: row.slot - 1 })
+        }
+    }
+
+    fn bounds(&self, row: &ReqRow, start: usize, len: usize) -> Result<usize, RowError> {
+        self.own(row)?;
+        match start.checked_add(len) {
+            Some(end) if end <= self.max_context_len => Ok(row.index() * self.max_context_len + start),
+            _ => Err(RowError::OutOfBounds { row: row.slot - 1, start, len, max_context_len: self.max_context_len }),
+        }
+    }
+
+    /// Write `slots` into the row at positions `start..start + slots.len()`.
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::OutOfBounds`] past `max_context_len`, [`RowError::ForeignRow`] for
+    /// another pool's handle. Nothing is written on error.
+    pub fn write(&self, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), RowError> {
+        let at = self.bounds(row, start, slots.len())?;
+        let cells = &self.table[at..at + slots.len()];
+        // SAFETY: `&mut ReqRow` is the unique right to this row (module docs), so no
+        // other reference to these cells exists while we write.
+        let dst = unsafe { core::slice::from_raw_parts_mut(UnsafeCell::raw_get(cells.as_ptr()), cells.len()) };
+        dst.copy_from_slice(slots);
+        Ok(())
+    }
+
+    /// Read positions `range` of the row.
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read(&self, row: &ReqRow, range: core::ops::Range<usize>) -> Result<&[u32], RowError> {
+        let len = range.end.saturating_sub(range.start);
+        let at = self.bounds(row, range.start, len)?;
+        let cells = &self.table[at..at + len];
+        // SAFETY: a shared borrow of the unique handle: nobody can write this row while
+        // the returned slice (which borrows `row`) lives. UnsafeCell<u32> has u32's layout.
+        Ok(unsafe { core::slice::from_raw_parts(UnsafeCell::raw_get(cells.as_ptr()) as *const u32, len) })
+    }
+
+    /// The whole row (`max_context_len` slots).
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::ForeignRow`] for another pool's handle.
+    pub fn row(&self, row: &ReqRow) -> Result<&[u32], RowError> {
+        self.read(row, 0..self.max_context_len)
+    }
+
+    /// Free every row. Outstanding handles become foreign (their use is an error).
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.generation = next_generation();
+    }
+
+    /// Check the row arena's invariants (O(size)); exact at quiescence.
+    ///
+    /// # Errors
+    ///
+    /// [`InvariantViolation`] on a kvpool bug.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.rows.check_invariants()
+    }
+}
+
+impl core::fmt::Debug for ReqToTokenPool {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ReqToTokenPool")
+            .field("size", &self.size())
+            .field("max_context_len", &self.max_context_len)
+            .field("available", &self.available_size())
+            .finish()
+    }
+}
+
+/// Pool generations tell handles of different pools (and of one pool before and after
+/// `clear`) apart. Not part of any concurrent algorithm, so it is a plain std atomic
+/// even under loom.
+fn next_generation() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_unique_and_bounded() {
+        let pool = ReqToTokenPool::new(2, 4).unwrap();
+        let mut a = pool.alloc().unwrap();
+        let mut b = pool.alloc().unwrap();
+        assert_ne!(a.index(), b.index());
+        assert_eq!(pool.alloc().unwrap_err().unit, Unit::Rows);
+        pool.write(&mut a, 0, &[1, 2, 3, 4]).unwrap();
+        pool.write(&mut b, 2, &[9, 9]).unwrap();
+        assert_eq!(pool.row(&a).unwrap(), &[1, 2, 3, 4]);
+        assert_eq!(pool.row(&b).unwrap(), &[0, 0, 9, 9]);
+        assert!(matches!(pool.write(&mut a, 4, &[1]), Err(RowError::OutOfBounds { .. })));
+        assert!(matches!(pool.write(&mut a, usize::MAX, &[1]), Err(RowError::OutOfBounds { .. })));
+        assert_eq!(pool.row(&a).unwrap(), &[1, 2, 3, 4]);
+        pool.write(&mut a, 4, &[]).unwrap();
+        pool.free(a).unwrap();
+        assert_eq!(pool.available_size(), 1);
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn foreign_and_stale_handles_are_refused() {
+        let p1 = ReqToTokenPool::new(2, 4).unwrap();
+        let mut p2 = ReqToTokenPool::new(2, 4).unwrap();
+        let mut a = p1.alloc().unwrap();
+        assert_eq!(p2.write(&mut a, 0, &[1]), Err(RowError::ForeignRow { row: 0 }));
+        let stale = p2.alloc().unwrap();
+        p2.clear();
+        assert_eq!(p2.available_size(), 2);
+        assert!(p2.row(&stale).is_err());
+        assert!(p2.free(stale).is_err());
+        assert_eq!(p2.available_size(), 2);
+        assert!(ReqToTokenPool::new(1, 0).is_err());
+    }
+}

@@ -1,0 +1,80 @@
+//! The loom facade: the only module that names `std::sync::atomic` or `loom`.
+//!
+//! Normal builds re-export std's atomics and threads. Under `RUSTFLAGS="--cfg loom"`
+//! the same names come from [`loom`](https://docs.rs/loom), so the model checker
+//! explores every interleaving of kvpool's atomics — and of the atomics in a user's
+//! own scheduler, when they model-check their code with our types.
+//!
+//! Code elsewhere in the crate writes `crate::sync::atomic::AtomicU64` and never
+//! `std::sync::atomic::AtomicU64`; a grep for `std::sync::atomic` outside this file
+//! should find nothing.
+
+#[cfg(not(loom))]
+mod imp {
+    pub(crate) mod atomic {
+        #[allow(unused_imports)]
+        pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    }
+    #[allow(unused_imports)]
+    pub(crate) use std::sync::Arc;
+
+    /// Spin-loop hint (loom: a yield to the scheduler instead).
+    #[inline]
+    pub(crate) fn spin_loop() {
+        std::hint::spin_loop();
+    }
+}
+
+#[cfg(loom)]
+mod imp {
+    pub(crate) mod atomic {
+        #[allow(unused_imports)]
+        pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    }
+    #[allow(unused_imports)]
+    pub(crate) use loom::sync::Arc;
+
+    /// Under loom a spinning thread must yield, or the model never terminates.
+    #[inline]
+    pub(crate) fn spin_loop() {
+        loom::thread::yield_now();
+    }
+}
+
+#[allow(unused_imports)]
+pub(crate) use imp::*;
+
+/// Exponential backoff for contended compare-and-swap loops (crossbeam's shape):
+/// spin `2^step` hints for a few steps, then stop growing. Under loom every step is a
+/// yield so the checker can schedule the other threads.
+#[derive(Debug, Default)]
+pub(crate) struct Backoff {
+    step: u32,
+}
+
+impl Backoff {
+    const SPIN_LIMIT: u32 = 6;
+
+    #[inline]
+    pub(crate) fn new() -> Self {
+        Backoff { step: 0 }
+    }
+
+    /// Back off after a failed compare-and-swap.
+    #[inline]
+    pub(crate) fn spin(&mut self) {
+        #[cfg(loom)]
+        {
+            spin_loop();
+        }
+        #[cfg(not(loom))]
+        {
+            for _ in 0..(1u32 << self.step.min(Self::SPIN_LIMIT)) {
+                spin_loop();
+            }
+        }
+        if self.step <= Self::SPIN_LIMIT {
+            self.step += 1;
+        }
+    }
+}
