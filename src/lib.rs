@@ -47,7 +47,9 @@
 pub(crate) mod sync;
 
 pub mod alloc;
+pub mod baseline;
 pub mod error;
+pub mod radix;
 pub mod req_to_token;
 pub mod slots;
 

@@ -1,0 +1,5 @@
+//! The radix prefix cache.
+
+mod policy;
+
+pub use policy::{EvictionPolicy, UnknownPolicy};

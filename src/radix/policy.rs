@@ -1,0 +1,91 @@
+//! Eviction policies.
+
+use core::fmt;
+use core::str::FromStr;
+
+/// Which unlocked leaf [`evict`](super::RadixCache::evict) removes first.
+///
+/// All policies order by a logical clock (one tick per node touch), so the order is
+/// deterministic; SGLang uses `time.monotonic()` for the same fields.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EvictionPolicy {
+    /// Least recently used first (the default).
+    #[default]
+    Lru,
+    /// Least frequently used first (hit count), then least recently used.
+    Lfu,
+    /// Oldest created first.
+    Fifo,
+    /// Most recently used first.
+    Mru,
+    /// Newest created first.
+    Filo,
+    /// Lowest priority first, then least recently used.
+    Priority,
+}
+
+impl EvictionPolicy {
+    /// Every policy, for tests and command-line help.
+    pub const ALL: [EvictionPolicy; 6] = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::Fifo,
+        EvictionPolicy::Mru,
+        EvictionPolicy::Filo,
+        EvictionPolicy::Priority,
+    ];
+
+    /// The policy's name as SGLang spells it (`lru`, `lfu`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::Fifo => "fifo",
+            EvictionPolicy::Mru => "mru",
+            EvictionPolicy::Filo => "filo",
+            EvictionPolicy::Priority => "priority",
+        }
+    }
+
+    /// The eviction key of a node: smaller keys are evicted first. Timestamps are
+    /// distinct ticks of one logical clock, so keys never tie.
+    #[inline]
+    pub fn key(self, last_access: u64, created: u64, hit_count: u64, priority: i64) -> (i64, u64) {
+        match self {
+            EvictionPolicy::Lru => (0, last_access),
+            EvictionPolicy::Lfu => (hit_count.min(i64::MAX as u64) as i64, last_access),
+            EvictionPolicy::Fifo => (0, created),
+            EvictionPolicy::Mru => (0, u64::MAX - last_access),
+            EvictionPolicy::Filo => (0, u64::MAX - created),
+            EvictionPolicy::Priority => (priority, last_access),
+        }
+    }
+}
+
+impl fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The error of parsing an [`EvictionPolicy`] from an unknown name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownPolicy(pub String);
+
+impl fmt::Display for UnknownPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority", self.0)
+    }
+}
+
+impl std::error::Error for UnknownPolicy {}
+
+impl FromStr for EvictionPolicy {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
+        EvictionPolicy::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| UnknownPolicy(s.to_string()))
+    }
+}
