@@ -52,6 +52,8 @@ pub mod error;
 pub mod radix;
 pub mod req_to_token;
 pub mod slots;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
