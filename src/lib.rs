@@ -50,6 +50,8 @@ pub mod alloc;
 pub mod error;
 pub mod req_to_token;
 pub mod slots;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
