@@ -16,5 +16,5 @@ target="${1:-loom_*}"
 shift || true
 
 start=$(date +%s)
-cargo test --release --target-dir target/loom --test "$target" -- --test-threads="${LOOM_TEST_THREADS:-2}" "$@"
+cargo test --release --no-fail-fast --target-dir target/loom --test "$target" -- --test-threads="${LOOM_TEST_THREADS:-2}" "$@"
 echo "loom: models passed in $(( $(date +%s) - start ))s (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
