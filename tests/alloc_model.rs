@@ -461,3 +461,89 @@ fn runner_detects_divergence() {
     let err = run_allocator(alloc, &[]).unwrap_err();
     assert!(err.contains("fresh allocator has 7 available, expected 8"), "{err}");
 }
+
+/// Threads run prefill and decode steps on a shared paged allocator (page size 3, not a
+/// power of two) and free their requests, some through free groups. Page ownership is
+/// tracked in atomics: a page handed to two requests at once fails the test; every
+/// request's slots follow its pages.
+#[test]
+fn threads_never_share_a_page() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Barrier};
+    const THREADS: u32 = 4;
+    const ROUNDS: usize = if cfg!(miri) { 20 } else { 5_000 };
+    const PS: u32 = 3;
+    const PAGES: u32 = 120;
+    let alloc = Arc::new(PagedAllocator::new((PAGES * PS) as usize, PS).unwrap());
+    let owner: Arc<Vec<AtomicU32>> = Arc::new((0..=PAGES).map(|_| AtomicU32::new(0)).collect());
+    let start = Arc::new(Barrier::new(THREADS as usize));
+    let workers: Vec<_> = (1..=THREADS)
+        .map(|t| {
+            let (alloc, owner, start) = (Arc::clone(&alloc), Arc::clone(&owner), Arc::clone(&start));
+            std::thread::spawn(move || {
+                let mut rng = 0x2545_F491u64 * t as u64 + 7;
+                let mut next = move |m: u32| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    (rng % m as u64) as u32
+                };
+                let take = |page: u32| {
+                    let prev = owner[page as usize].swap(t, Ordering::Relaxed);
+                    assert_eq!(prev, 0, "page {page} handed to thread {t} while thread {prev} held it");
+                };
+                let mut done = 0usize;
+                let mut slots: Vec<u32> = Vec::with_capacity(64);
+                start.wait();
+                for _ in 0..ROUNDS {
+                    // prefill a request of 1..=40 tokens, then decode a few steps
+                    let seq = 1 + next(40);
+                    let mut out = vec![0u32; seq as usize];
+                    if alloc.alloc_extend(&[0], &[seq], &[0], &mut out).is_err() {
+                        continue;
+                    }
+                    for (k, &s) in out.iter().enumerate() {
+                        if k as u32 % PS == 0 {
+                            take(s / PS);
+                        }
+                        assert_eq!(s % PS, k as u32 % PS, "slot {s} at position {k}");
+                    }
+                    slots.clear();
+                    slots.extend_from_slice(&out);
+                    let mut len = seq;
+                    for _ in 0..next(8) {
+                        let mut one = [0u32; 1];
+                        let last = *slots.last().unwrap();
+                        if alloc.alloc_decode(&[len + 1], &[last], &mut one).is_err() {
+                            break;
+                        }
+                        if len % PS == 0 {
+                            take(one[0] / PS);
+                        } else {
+                            assert_eq!(one[0], last + 1);
+                        }
+                        slots.push(one[0]);
+                        len += 1;
+                    }
+                    for &s in slots.iter().step_by(PS as usize) {
+                        let prev = owner[(s / PS) as usize].swap(0, Ordering::Relaxed);
+                        assert_eq!(prev, t, "page {} changed owner while held", s / PS);
+                    }
+                    if next(2) == 0 {
+                        alloc.free(&slots).unwrap();
+                    } else {
+                        let mut g = alloc.free_group();
+                        g.free(&slots).unwrap();
+                        g.end();
+                    }
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let done: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert!(done > 0);
+    assert_eq!(alloc.available_size(), (PAGES * PS) as usize);
+    alloc.check_invariants().unwrap();
+}

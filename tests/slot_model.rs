@@ -211,3 +211,66 @@ fn empty_pool() {
     assert!(!pool.is_allocated(0) && !pool.is_allocated(1));
     pool.check_invariants().unwrap();
 }
+
+/// Threads allocate, hold, and free random batches (some through free groups) at
+/// full speed. Every index's owner is tracked in an atomic: claiming an index someone
+/// else holds, or freeing one we do not hold, fails the test. Complements the loom
+/// models with many threads and large batches.
+#[test]
+fn threads_never_share_an_index() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::{Arc, Barrier};
+    const THREADS: u32 = 4;
+    const ROUNDS: usize = if cfg!(miri) { 50 } else { 20_000 };
+    const CAP: u32 = 300;
+    let pool = Arc::new(SlotPool::new(CAP));
+    let owner: Arc<Vec<AtomicU32>> = Arc::new((0..=CAP).map(|_| AtomicU32::new(0)).collect());
+    let start = Arc::new(Barrier::new(THREADS as usize));
+    let workers: Vec<_> = (1..=THREADS)
+        .map(|t| {
+            let (pool, owner, start) = (Arc::clone(&pool), Arc::clone(&owner), Arc::clone(&start));
+            std::thread::spawn(move || {
+                let mut rng = 0x9E37_79B9u64 * t as u64 + 1;
+                let mut next = move |m: u64| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng % m
+                };
+                let mut buf = [0u32; 100];
+                let mut oks = 0usize;
+                start.wait();
+                for _ in 0..ROUNDS {
+                    let n = 1 + next(100) as usize;
+                    let got = &mut buf[..n];
+                    if pool.alloc(got).is_err() {
+                        continue;
+                    }
+                    oks += 1;
+                    for &i in got.iter() {
+                        let prev = owner[i as usize].swap(t, Ordering::Relaxed);
+                        assert_eq!(prev, 0, "index {i} handed to thread {t} while thread {prev} held it");
+                    }
+                    for &i in got.iter() {
+                        let prev = owner[i as usize].swap(0, Ordering::Relaxed);
+                        assert_eq!(prev, t, "index {i} changed owner while held");
+                    }
+                    if next(2) == 0 {
+                        pool.free(got).unwrap();
+                    } else {
+                        let mut g = pool.free_group();
+                        let half = n / 2;
+                        g.free(&got[..half]).unwrap();
+                        g.free(&got[half..]).unwrap();
+                        assert_eq!(g.end(), n);
+                    }
+                }
+                oks
+            })
+        })
+        .collect();
+    let oks: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert!(oks > 0);
+    assert_eq!(pool.available(), CAP as usize);
+    pool.check_invariants().unwrap();
+}
