@@ -510,8 +510,8 @@ fn threads_never_share_a_page() {
                     }
                     slots.clear();
                     slots.extend_from_slice(&out);
-                    let mut len = seq;
-                    for _ in 0..next(8) {
+                    for len in seq..seq + next(8) {
+                        // decode the token after `len`: a new page exactly when `len` fills one
                         let mut one = [0u32; 1];
                         let last = *slots.last().unwrap();
                         if alloc.alloc_decode(&[len + 1], &[last], &mut one).is_err() {
@@ -523,7 +523,6 @@ fn threads_never_share_a_page() {
                             assert_eq!(one[0], last + 1);
                         }
                         slots.push(one[0]);
-                        len += 1;
                     }
                     for &s in slots.iter().step_by(PS as usize) {
                         let prev = owner[(s / PS) as usize].swap(0, Ordering::Relaxed);
