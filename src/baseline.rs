@@ -17,7 +17,8 @@
 //!   created; it returns how many leading tokens were already present;
 //! * every touch and every creation is one tick of the clock, so timestamps are
 //!   distinct and eviction order is deterministic;
-//! * each node on a match's path (not the root) gets one hit, for LFU.
+//! * each node on a match's path (not the root) gets one hit, for LFU; a split's upper
+//!   node inherits the hits of the node it was cut from.
 
 use std::collections::{BinaryHeap, HashMap};
 
@@ -177,7 +178,6 @@ impl<A: KvAllocator> ReferenceRadixCache<A> {
             let n = self.key_match(&self.nodes[child].key, rest);
             if n < self.nodes[child].key.len() {
                 let upper = self.split(child, n);
-                self.nodes[upper].hit_count += 1;
                 value.extend_from_slice(&self.nodes[upper].value);
                 node = upper;
                 break;

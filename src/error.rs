@@ -174,6 +174,11 @@ pub enum InvalidInput {
         /// Pages the batch needs.
         expected: usize,
     },
+    /// Slots meant to fill one page are not that page's slots in order.
+    NotAPage {
+        /// The first slot of the offending page-sized chunk.
+        slot: u32,
+    },
     /// A decode step for a request with `seq_len == 0`.
     EmptyDecode {
         /// The request's position in the batch.
@@ -202,6 +207,9 @@ impl fmt::Display for InvalidInput {
             InvalidInput::BadPage { page } => write!(f, "page {page} is 0 or beyond the pool"),
             InvalidInput::PageCount { got, expected } => {
                 write!(f, "{got} pages given but the batch needs {expected}")
+            }
+            InvalidInput::NotAPage { slot } => {
+                write!(f, "slots from {slot} are not one whole page in order (page-aligned, consecutive)")
             }
             InvalidInput::EmptyDecode { request } => {
                 write!(f, "request {request}: decode needs seq_len >= 1 (the new token is counted)")

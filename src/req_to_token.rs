@@ -177,6 +177,20 @@ impl ReqToTokenPool {
         Ok(unsafe { core::slice::from_raw_parts(UnsafeCell::raw_get(cells.as_ptr()) as *const u32, len) })
     }
 
+    /// Positions `range` of the row, writable.
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read_mut(&self, row: &mut ReqRow, range: core::ops::Range<usize>) -> Result<&mut [u32], RowError> {
+        let len = range.end.saturating_sub(range.start);
+        let at = self.bounds(row, range.start, len)?;
+        let cells = &self.table[at..at + len];
+        // SAFETY: the returned slice borrows the unique handle mutably, so nothing else
+        // reads or writes this row while it lives (module docs).
+        Ok(unsafe { core::slice::from_raw_parts_mut(UnsafeCell::raw_get(cells.as_ptr()), len) })
+    }
+
     /// The whole row (`max_context_len` slots).
     ///
     /// # Errors

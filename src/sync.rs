@@ -44,6 +44,31 @@ mod imp {
 #[allow(unused_imports)]
 pub(crate) use imp::*;
 
+/// An `UnsafeCell` with tokio's closure API, so loom can check every access under
+/// `--cfg loom` (it tracks concurrent `with`/`with_mut` and reports data races).
+#[cfg(not(loom))]
+#[derive(Debug)]
+pub(crate) struct UnsafeCell<T>(core::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+#[allow(dead_code)]
+impl<T> UnsafeCell<T> {
+    pub(crate) fn new(t: T) -> Self {
+        UnsafeCell(core::cell::UnsafeCell::new(t))
+    }
+    #[inline]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+    #[inline]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+#[cfg(loom)]
+pub(crate) use loom::cell::UnsafeCell;
+
 /// Exponential backoff for contended compare-and-swap loops (crossbeam's shape):
 /// spin `2^step` hints for a few steps, then stop growing. Under loom every step is a
 /// yield so the checker can schedule the other threads.

@@ -1,5 +1,996 @@
-//! The radix prefix cache.
+//! [`RadixCache`]: a fixed-capacity, concurrent radix prefix cache with eviction.
+//!
+//! It reproduces SGLang's `RadixCache` — page-aligned matching, splits on partial
+//! matches, insert returning the cached prefix length, lock counts along a path with
+//! exact `evictable_size` / `protected_size`, leaf eviction by policy, the request
+//! helpers — and adds what SGLang's Python tree cannot: no allocation after
+//! construction, and lookups from any number of threads that never block.
+//!
+//! # Layout: everything is keyed by pages
+//!
+//! The tree stores no per-node vectors. A cached page `p` holds slots
+//! `p*ps .. (p+1)*ps`; the tree keeps
+//!
+//! * `slot_token[s]`: the token whose KV is in slot `s`;
+//! * `next_page[p]`: the next page of the node that holds `p`;
+//! * a **node record**: `(first page, page count)`, the namespace, and the *last page of
+//!   its parent* (page 0, never handed out, stands for the root).
+//!
+//! A node is therefore a run of pages linked through `next_page`, and its children are
+//! found in a hash table keyed by **(parent's last page, namespace, tokens of the
+//! child's first page)**: chained buckets of fixed size, linked through the records.
+//! A tree over `N` pages has at most `N + 1` nodes (every node but the root owns a page),
+//! so every arena is sized once, at construction, from the allocator's page count.
+//!
+//! Keying children by the parent's *last page* is what makes splits cheap and atomic:
+//! splitting node `C = (f, n)` after `m` pages creates `U = (f, m)` and `C' = (p_m, n-m)`;
+//! `C'` ends on the same page as `C`, so `C`'s children need no change. `C'` is published
+//! under `(p_(m-1), ns, tokens of p_m)` — reachable only through `U` — and then one store
+//! replaces `C` by `U` in `C`'s bucket chain. A reader sees either the old `C` (its pages and
+//! children unchanged) or the new `U -> C'`; never a half-made split.
+//!
+//! Leases (locks held by requests) name their node by its last page too, which splits
+//! never change, so a lease stays valid across any number of splits.
+//!
+//! # Concurrency
+//!
+//! * **Lookups** ([`peek_prefix`](RadixCache::peek_prefix)) are lock-free and never wait
+//!   for anything. They read only atomics and validate optimistically:
+//!   - each record has a generation (`gen`: even while published, odd once retired); a
+//!     reader reads `gen`, the record and its pages' tokens, then re-reads `gen` after an
+//!     `Acquire` fence: a change means the record was split or evicted meanwhile, and
+//!     the lookup restarts from the root;
+//!   - each bucket has a removal version; a lookup that finds no child in a bucket
+//!     re-reads the version, so a miss caused by a concurrent unlink is retried;
+//!   - at the end the deepest matched record is validated once more. While it is live,
+//!     every page on its path is in the tree (only leaves are evicted), so no returned
+//!     slot was freed while the lookup ran. The retire `gen` bump is `SeqCst` and comes
+//!     before any free, and the final check loads `gen` with `SeqCst`: a lookup whose
+//!     final check still sees the old `gen` is ordered before the eviction.
+//!   - writers store tokens and page links with `Release` *before* publishing a record
+//!     (`Release` on the bucket head); readers load the head with `Acquire`.
+//!
+//!   A lookup restarts only when a node on its own path was split or evicted, or its
+//!   bucket lost a node, during the lookup: every restart is another thread's progress.
+//!
+//! * **Changes** — [`match_prefix`](RadixCache::match_prefix) (which updates recency and
+//!   may split), [`insert`](RadixCache::insert), [`evict`](RadixCache::evict), lock and
+//!   unlock, the request helpers — are applied one at a time under a writer latch (one
+//!   atomic flag, taken with backoff). Critical sections are bounded (O(key length) or
+//!   O(evicted pages)), allocate nothing, and make no system calls. Lookups never touch the
+//!   latch, so routers keep reading at full speed while the scheduler writes. The latch
+//!   is the one place kvpool serializes; SGLang serializes the same operations behind
+//!   Python's GIL and the scheduler loop.
+//!
+//! * **Match and lock** happen in one critical section
+//!   ([`match_and_lock`](RadixCache::match_and_lock)), so no eviction can slip between them:
+//!   eviction runs under the same latch and only takes leaves whose lock count is 0.
+//!   A match result taken without a lock ([`MatchResult`]) can be locked later with
+//!   [`lock`](RadixCache::lock), which re-validates it (the last page must still end a node
+//!   in the same incarnation — a per-page epoch rules out ABA) and fails with
+//!   [`CacheError::StaleMatch`] if the node was evicted.
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::radix::{RadixCache, RadixConfig};
+//! use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+//!
+//! let cache = RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(4, 32)?, RadixConfig::default())?;
+//! // A request computed tokens [1, 2, 3] into slots it allocated:
+//! let mut slots = [0u32; 3];
+//! cache.allocator().alloc(&mut slots)?;
+//! assert_eq!(cache.insert(0, &[1, 2, 3], &slots, 0)?, 0);
+//! assert_eq!((cache.total_size(), cache.evictable_size()), (3, 3));
+//!
+//! // A later request with the same start reuses them.
+//! let mut hit = [0u32; 4];
+//! let lease = cache.match_and_lock(0, &[1, 2, 9, 9], &mut hit);
+//! assert_eq!(&hit[..lease.len()], &slots[..2]);
+//! assert_eq!(cache.protected_size(), 2);
+//! drop(lease); // unlocks
+//! assert_eq!(cache.evict(3), 3);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
+mod events;
+mod heap;
 mod policy;
 
+pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use policy::{EvictionPolicy, UnknownPolicy};
+
+use core::fmt;
+use core::hash::Hasher;
+
+use crossbeam_utils::CachePadded;
+use rustc_hash::FxHasher;
+
+use crate::alloc::KvAllocator;
+use crate::error::{AllocError, FreeError, InvalidInput, InvariantViolation, RowError};
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{Backoff, UnsafeCell};
+
+const NIL: u32 = u32::MAX;
+const ROOT: u32 = 0;
+
+/// Configuration of a [`RadixCache`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RadixConfig {
+    /// Eviction order (LRU by default).
+    pub policy: EvictionPolicy,
+    /// Capacity of the KV event queue; `None` (the default) turns events off.
+    pub event_capacity: Option<usize>,
+}
+
+/// Why a cache operation was refused. Nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheError {
+    /// The arguments can never succeed.
+    Invalid(InvalidInput),
+    /// A slot to insert lies in a page the tree already holds, or that is not allocated.
+    SlotNotOwned {
+        /// The slot.
+        slot: u32,
+    },
+    /// A request row was out of bounds.
+    Row(RowError),
+    /// Freeing duplicate or tail slots failed (they were not allocated).
+    Free(FreeError),
+    /// The lease or match belongs to another cache, or its node no longer exists.
+    StaleMatch,
+}
+
+impl fmt::Display for CacheError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CacheError::Invalid(e) => write!(f, "invalid cache request: {e}"),
+            CacheError::SlotNotOwned { slot } => {
+                write!(f, "slot {slot} cannot be inserted: its page is already cached or not allocated to the caller")
+            }
+            CacheError::Row(e) => e.fmt(f),
+            CacheError::Free(e) => e.fmt(f),
+            CacheError::StaleMatch => {
+                f.write_str("the matched node was evicted, or the lease belongs to another cache")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CacheError {}
+
+impl From<InvalidInput> for CacheError {
+    fn from(e: InvalidInput) -> Self {
+        CacheError::Invalid(e)
+    }
+}
+
+impl From<RowError> for CacheError {
+    fn from(e: RowError) -> Self {
+        CacheError::Row(e)
+    }
+}
+
+/// The result of [`RadixCache::match_prefix`]: how many tokens matched and which node
+/// the match ended at. Not a lock: see [`RadixCache::lock`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatchResult {
+    len: usize,
+    last_page: u32,
+    epoch: u32,
+}
+
+impl MatchResult {
+    /// Matched tokens (a whole number of pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether nothing matched.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A lock on a matched path: the nodes from the match's last node up to the root are
+/// protected from eviction while the lease lives. Dropping it unlocks.
+#[must_use = "dropping a lease unlocks its path at once"]
+pub struct Lease<'c, A: KvAllocator> {
+    cache: &'c RadixCache<A>,
+    raw: RawLease,
+}
+
+/// A lease without its borrow of the cache (see [`Lease::detach`]); give it back with
+/// [`RadixCache::release`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "a detached lease keeps its path locked until released"]
+pub struct RawLease {
+    last_page: u32,
+    epoch: u32,
+    len: usize,
+    cache_id: u64,
+}
+
+impl RawLease {
+    /// Tokens covered by the lease (the matched prefix length).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the lease covers nothing (an empty match; unlocking it is a no-op).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<'c, A: KvAllocator> Lease<'c, A> {
+    /// Tokens covered by the lease (SGLang's `cache_protected_len`).
+    pub fn len(&self) -> usize {
+        self.raw.len
+    }
+    /// Whether the lease covers nothing.
+    pub fn is_empty(&self) -> bool {
+        self.raw.len == 0
+    }
+    /// Keep the lock but drop the borrow (for storing it in a `'static` structure).
+    pub fn detach(self) -> RawLease {
+        let raw = self.raw;
+        core::mem::forget(self);
+        raw
+    }
+}
+
+impl<A: KvAllocator> Drop for Lease<'_, A> {
+    fn drop(&mut self) {
+        // A lease made by this cache for a live node cannot fail to unlock.
+        let _ = self.cache.release_raw(self.raw);
+    }
+}
+
+impl<A: KvAllocator> fmt::Debug for Lease<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease").field("len", &self.raw.len).field("last_page", &self.raw.last_page).finish()
+    }
+}
+
+/// A request that could not be finished, handed back with the reason (nothing changed).
+pub struct Unfinished<'c, A: KvAllocator> {
+    /// Why.
+    pub error: CacheError,
+    /// The request's row, still held.
+    pub row: ReqRow,
+    /// The request's lease, still held.
+    pub lease: Lease<'c, A>,
+}
+
+impl<A: KvAllocator> fmt::Debug for Unfinished<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Unfinished").field("error", &self.error).finish()
+    }
+}
+
+impl<A: KvAllocator> fmt::Display for Unfinished<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+/// The reader-visible part of a node.
+struct Record {
+    /// Even: published (live) or never used; odd: retired. Bumped with `SeqCst`.
+    gen: AtomicU64,
+    /// `first_page << 32 | page_count`.
+    span: AtomicU64,
+    parent_page: AtomicU32,
+    namespace: AtomicU64,
+    key_hash: AtomicU64,
+    hash_next: AtomicU32,
+}
+
+/// The writer-only part of a node.
+#[derive(Clone, Copy, Debug, Default)]
+struct Meta {
+    lock_ref: u32,
+    children: u32,
+    heap_pos: u32,
+    last_page: u32,
+    last_access: u64,
+    created: u64,
+    hit_count: u64,
+    priority: i64,
+    alive: bool,
+}
+
+/// Everything only the latch holder touches.
+struct Inner {
+    meta: Box<[Meta]>,
+    free_ids: Vec<u32>,
+    heap: Vec<u32>,
+    /// Which pages the tree holds (one bit each).
+    in_tree: Box<[u64]>,
+    /// For a page that ends a node: that node.
+    page_owner: Box<[u32]>,
+    /// Bumped each time a page becomes the end of a node (rules out ABA on leases).
+    page_epoch: Box<[u32]>,
+    /// Page hashes, when events are on.
+    digests: Box<[BlockHash]>,
+    clock: u64,
+}
+
+/// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
+pub struct RadixCache<A: KvAllocator> {
+    alloc: A,
+    req_pool: ReqToTokenPool,
+    policy: EvictionPolicy,
+    ps: usize,
+    num_pages: u32,
+    records: Box<[Record]>,
+    slot_token: Box<[AtomicU32]>,
+    next_page: Box<[AtomicU32]>,
+    /// `removal_version << 32 | head record`.
+    buckets: Box<[AtomicU64]>,
+    bucket_mask: usize,
+    latch: CachePadded<AtomicBool>,
+    inner: UnsafeCell<Inner>,
+    evictable: AtomicUsize,
+    protected: AtomicUsize,
+    total: AtomicUsize,
+    events: Option<EventQueue>,
+    id: u64,
+}
+
+// SAFETY: `inner` is only reached while holding the latch (`write`), which gives
+// mutual exclusion with Acquire/Release; everything else is atomic or immutable.
+unsafe impl<A: KvAllocator> Sync for RadixCache<A> {}
+// SAFETY: the cache owns all its data; nothing is tied to a thread.
+unsafe impl<A: KvAllocator> Send for RadixCache<A> {}
+
+enum Lookup {
+    Found { id: u32, gen: u64 },
+    Miss { bucket: usize, word: u64 },
+    Conflict,
+}
+
+fn span_of(v: u64) -> (u32, u32) {
+    ((v >> 32) as u32, v as u32)
+}
+
+fn cache_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+struct LatchGuard<'a>(&'a AtomicBool);
+
+impl Drop for LatchGuard<'_> {
+    fn drop(&mut self) {
+        // Release: the critical section's writes happen-before the next holder's.
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl<A: KvAllocator> RadixCache<A> {
+    /// A cache over `alloc` (whose pages it caches) and `req_pool` (whose rows the
+    /// request helpers read and free).
+    ///
+    /// Allocates every arena now: about 40 bytes per page plus 4 bytes per slot (and 32
+    /// bytes per page with events on).
+    ///
+    /// # Errors
+    ///
+    /// Never at present; the `Result` leaves room for configuration checks.
+    pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError> {
+        let ps = alloc.page_size() as usize;
+        let num_pages = (alloc.size() / ps) as u32;
+        let nrec = num_pages as usize + 3;
+        let records: Box<[Record]> = (0..nrec)
+            .map(|i| Record {
+                gen: AtomicU64::new(if i == ROOT as usize { 0 } else { 1 }),
+                span: AtomicU64::new(0),
+                parent_page: AtomicU32::new(0),
+                namespace: AtomicU64::new(0),
+                key_hash: AtomicU64::new(0),
+                hash_next: AtomicU32::new(NIL),
+            })
+            .collect();
+        let nslots = (num_pages as usize + 1) * ps;
+        let nbuckets = (nrec * 2).next_power_of_two();
+        let meta = vec![Meta::default(); nrec].into_boxed_slice();
+        let events = config.event_capacity.map(EventQueue::new);
+        let inner = Inner {
+            meta,
+            free_ids: Vec::with_capacity(nrec),
+            heap: Vec::with_capacity(nrec),
+            in_tree: vec![0u64; (num_pages as usize + 1).div_ceil(64)].into_boxed_slice(),
+            page_owner: vec![NIL; num_pages as usize + 1].into_boxed_slice(),
+            page_epoch: vec![0u32; num_pages as usize + 1].into_boxed_slice(),
+            digests: if events.is_some() {
+                vec![[0u8; 32]; num_pages as usize + 1].into_boxed_slice()
+            } else {
+                Box::new([])
+            },
+            clock: 0,
+        };
+        let cache = RadixCache {
+            alloc,
+            req_pool,
+            policy: config.policy,
+            ps,
+            num_pages,
+            records,
+            slot_token: (0..nslots).map(|_| AtomicU32::new(0)).collect(),
+            next_page: (0..num_pages as usize + 1).map(|_| AtomicU32::new(0)).collect(),
+            buckets: (0..nbuckets).map(|_| AtomicU64::new(NIL as u64)).collect(),
+            bucket_mask: nbuckets - 1,
+            latch: CachePadded::new(AtomicBool::new(false)),
+            inner: UnsafeCell::new(inner),
+            evictable: AtomicUsize::new(0),
+            protected: AtomicUsize::new(0),
+            total: AtomicUsize::new(0),
+            events,
+            id: cache_id(),
+        };
+        cache.write(|w| w.init());
+        Ok(cache)
+    }
+
+    /// The KV allocator.
+    pub fn allocator(&self) -> &A {
+        &self.alloc
+    }
+
+    /// The request rows.
+    pub fn req_pool(&self) -> &ReqToTokenPool {
+        &self.req_pool
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.ps
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// The event queue, when events are on.
+    pub fn events(&self) -> Option<&EventQueue> {
+        self.events.as_ref()
+    }
+
+    /// Tokens cached in unlocked nodes (a snapshot under concurrency).
+    pub fn evictable_size(&self) -> usize {
+        self.evictable.load(Ordering::Acquire)
+    }
+
+    /// Tokens cached in locked nodes.
+    pub fn protected_size(&self) -> usize {
+        self.protected.load(Ordering::Acquire)
+    }
+
+    /// Tokens cached.
+    pub fn total_size(&self) -> usize {
+        self.total.load(Ordering::Acquire)
+    }
+
+    fn write<R>(&self, f: impl FnOnce(&mut Writer<'_, A>) -> R) -> R {
+        let mut backoff = Backoff::new();
+        // Acquire: the previous holder's writes (Release on unlock) are visible.
+        while self.latch.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            backoff.spin();
+        }
+        let _guard = LatchGuard(&self.latch);
+        self.inner.with_mut(|p| {
+            // SAFETY: we hold the latch, so no other reference to `inner` exists.
+            let s = unsafe { &mut *p };
+            f(&mut Writer { c: self, s })
+        })
+    }
+
+    fn aligned<'k>(&self, key: &'k [u32], out_len: usize) -> &'k [u32] {
+        let n = key.len().min(out_len);
+        &key[..n / self.ps * self.ps]
+    }
+
+    // ---- reader-side helpers: atomics only ----
+
+    fn key_hash(&self, parent_page: u32, namespace: u64, page_tokens: &[u32]) -> u64 {
+        self.key_hash_iter(parent_page, namespace, page_tokens.iter().copied())
+    }
+
+    fn key_hash_iter(&self, parent_page: u32, namespace: u64, tokens: impl Iterator<Item = u32>) -> u64 {
+        let mut h = FxHasher::default();
+        h.write_u32(parent_page);
+        h.write_u64(namespace);
+        for t in tokens {
+            h.write_u32(t);
+        }
+        // FxHash's low bits are weak: mix before taking the bucket from them.
+        let x = h.finish();
+        (x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9)
+    }
+
+    fn page_eq(&self, page: u32, key_page: &[u32]) -> bool {
+        if page == 0 || page > self.num_pages {
+            return false;
+        }
+        let base = page as usize * self.ps;
+        self.slot_token[base..base + self.ps].iter().zip(key_page).all(|(t, &k)| t.load(Ordering::Relaxed) == k)
+    }
+
+    fn find_child(&self, parent_page: u32, namespace: u64, key_page: &[u32]) -> Lookup {
+        let h = self.key_hash(parent_page, namespace, key_page);
+        let bucket = h as usize & self.bucket_mask;
+        // Acquire: pairs with the Release that published the head record.
+        let word = self.buckets[bucket].load(Ordering::Acquire);
+        let mut id = word as u32;
+        let mut steps = 0usize;
+        while id != NIL {
+            if id as usize >= self.records.len() || steps > self.records.len() {
+                return Lookup::Conflict;
+            }
+            let r = &self.records[id as usize];
+            let gen = r.gen.load(Ordering::Acquire);
+            if gen & 1 == 0
+                && r.key_hash.load(Ordering::Relaxed) == h
+                && r.parent_page.load(Ordering::Relaxed) == parent_page
+                && r.namespace.load(Ordering::Relaxed) == namespace
+                && self.page_eq(span_of(r.span.load(Ordering::Relaxed)).0, key_page)
+            {
+                return Lookup::Found { id, gen };
+            }
+            id = r.hash_next.load(Ordering::Acquire);
+            steps += 1;
+        }
+        Lookup::Miss { bucket, word }
+    }
+
+    /// Match `key` (whole pages) against record `id`'s pages, writing slots to `out`.
+    /// Returns (pages matched, last matched page, pages in the node).
+    fn match_in_node(&self, id: u32, key: &[u32], out: &mut [u32]) -> (usize, u32, usize) {
+        self.walk_node(id, key, Some(out))
+    }
+
+    /// [`match_in_node`](Self::match_in_node) without writing slots.
+    fn count_in_node(&self, id: u32, key: &[u32]) -> (usize, u32, usize) {
+        self.walk_node(id, key, None)
+    }
+
+    fn walk_node(&self, id: u32, key: &[u32], mut out: Option<&mut [u32]>) -> (usize, u32, usize) {
+        let (first, n) = span_of(self.records[id as usize].span.load(Ordering::Relaxed));
+        let (ps, n) = (self.ps, n as usize);
+        let mut page = first;
+        let mut last = 0;
+        let mut m = 0;
+        while m < n && (m + 1) * ps <= key.len() {
+            if !self.page_eq(page, &key[m * ps..(m + 1) * ps]) {
+                break;
+            }
+            if let Some(out) = out.as_deref_mut() {
+                let base = page * ps as u32;
+                for (k, o) in out[m * ps..(m + 1) * ps].iter_mut().enumerate() {
+                    *o = base + k as u32;
+                }
+            }
+            last = page;
+            m += 1;
+            if m < n {
+                page = self.next_page[page as usize].load(Ordering::Acquire);
+            }
+        }
+        (m, last, n)
+    }
+
+    /// Longest cached prefix of `key` in `namespace`, read-only: no recency update, no
+    /// split, never blocks, never takes the latch. Writes the matched slots to
+    /// `out[..len]` and returns `len` (whole pages; the key is cut to `out.len()`).
+    ///
+    /// For routers and admission estimates. The slots are valid when it returns but not
+    /// protected afterwards: lock with [`match_and_lock`](Self::match_and_lock) to use them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvpool::radix::{RadixCache, RadixConfig};
+    /// # use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+    /// let cache = RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, RadixConfig::default())?;
+    /// let mut s = [0u32; 2];
+    /// cache.allocator().alloc(&mut s)?;
+    /// cache.insert(7, &[5, 6], &s, 0)?;
+    /// let mut out = [0u32; 3];
+    /// assert_eq!(cache.peek_prefix(7, &[5, 6, 1], &mut out), 2);
+    /// assert_eq!(cache.peek_prefix(8, &[5, 6, 1], &mut out), 0); // other namespace
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        let key = self.aligned(key, out.len());
+        let ps = self.ps;
+        let mut backoff = Backoff::new();
+        'retry: loop {
+            let (mut pos, mut cur) = (0usize, 0u32);
+            let mut deepest: Option<(u32, u64)> = None;
+            while pos < key.len() {
+                match self.find_child(cur, namespace, &key[pos..pos + ps]) {
+                    Lookup::Conflict => {
+                        backoff.spin();
+                        continue 'retry;
+                    }
+                    Lookup::Miss { bucket, word } => {
+                        fence(Ordering::Acquire);
+                        if self.buckets[bucket].load(Ordering::Relaxed) >> 32 != word >> 32 {
+                            backoff.spin();
+                            continue 'retry;
+                        }
+                        break;
+                    }
+                    Lookup::Found { id, gen } => {
+                        let (m, last, n) = self.match_in_node(id, &key[pos..], &mut out[pos..]);
+                        fence(Ordering::Acquire);
+                        if self.records[id as usize].gen.load(Ordering::SeqCst) != gen || m == 0 {
+                            backoff.spin();
+                            continue 'retry;
+                        }
+                        deepest = Some((id, gen));
+                        pos += m * ps;
+                        if m < n {
+                            break;
+                        }
+                        cur = last;
+                    }
+                }
+            }
+            if let Some((id, gen)) = deepest {
+                fence(Ordering::Acquire);
+                if self.records[id as usize].gen.load(Ordering::SeqCst) != gen {
+                    backoff.spin();
+                    continue 'retry;
+                }
+            }
+            return pos;
+        }
+    }
+
+    /// SGLang's `match_prefix`: the longest cached prefix of `key` (cut to whole pages and
+    /// to `out.len()`), its slots written to `out[..len]`. Updates recency and hit counts
+    /// along the path and splits the last node when the match ends inside it. Does not
+    /// lock: see [`match_and_lock`](Self::match_and_lock).
+    pub fn match_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
+        let key = self.aligned(key, out.len());
+        let r = self.write(|w| w.match_path(namespace, key, out));
+        crate::debug_check(self);
+        r
+    }
+
+    /// Match and lock in one step, so no eviction can come between (the crux of using
+    /// a prefix cache from several threads). The lease protects the matched path until
+    /// dropped; `lease.len()` tokens of `out` hold the matched slots.
+    pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A> {
+        let key = self.aligned(key, out.len());
+        let raw = self.write(|w| {
+            let m = w.match_path(namespace, key, out);
+            w.inc_lock(m.last_page);
+            m
+        });
+        crate::debug_check(self);
+        Lease {
+            cache: self,
+            raw: RawLease { last_page: raw.last_page, epoch: raw.epoch, len: raw.len, cache_id: self.id },
+        }
+    }
+
+    /// Lock the path of an earlier [`match_prefix`](Self::match_prefix).
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::StaleMatch`] if the matched node was evicted since.
+    pub fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A>, CacheError> {
+        self.write(|w| {
+            if m.last_page != 0 && !w.is_node_end(m.last_page, m.epoch) {
+                return Err(CacheError::StaleMatch);
+            }
+            w.inc_lock(m.last_page);
+            Ok(())
+        })?;
+        Ok(Lease {
+            cache: self,
+            raw: RawLease { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
+        })
+    }
+
+    /// Unlock a detached lease.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::StaleMatch`] if it belongs to another cache or was already released
+    /// (nothing changes then).
+    pub fn release(&self, lease: RawLease) -> Result<(), CacheError> {
+        self.release_raw(lease)
+    }
+
+    fn release_raw(&self, lease: RawLease) -> Result<(), CacheError> {
+        if lease.cache_id != self.id {
+            return Err(CacheError::StaleMatch);
+        }
+        if lease.last_page == 0 {
+            return Ok(());
+        }
+        let r = self.write(|w| {
+            if !w.is_node_end(lease.last_page, lease.epoch) || w.node_of(lease.last_page).lock_ref == 0 {
+                return Err(CacheError::StaleMatch);
+            }
+            w.dec_lock(lease.last_page);
+            Ok(())
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// Insert `key -> slots` (whole pages); returns how many leading tokens were already
+    /// cached. The caller's slots for those are duplicates it must free (the request
+    /// helpers do that); the tree takes ownership of the rest. `priority` raises the
+    /// priority of every node on the path (for [`EvictionPolicy::Priority`]).
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Invalid`] if the lengths differ or are not whole pages, or a page's
+    /// slots are not that page's slots in order; [`CacheError::SlotNotOwned`] if a new
+    /// page is already in the tree or not allocated. Nothing changes on error.
+    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
+        let r = self.write(|w| w.insert(namespace, key, slots, priority));
+        crate::debug_check(self);
+        r
+    }
+
+    /// Evict unlocked leaves in policy order until at least `num_tokens` tokens were
+    /// freed, or nothing evictable is left. Returns the tokens freed (whole leaves go, so
+    /// it may be more than asked).
+    pub fn evict(&self, num_tokens: usize) -> usize {
+        if num_tokens == 0 {
+            return 0;
+        }
+        let r = self.write(|w| w.evict(num_tokens));
+        crate::debug_check(self);
+        r
+    }
+
+    fn make_room(&self, need: usize) {
+        let avail = self.alloc.available_size();
+        if avail < need {
+            self.evict(need - avail);
+        }
+    }
+
+    fn with_evictable(&self, e: AllocError) -> AllocError {
+        match e {
+            AllocError::OutOfMemory(mut oom) => {
+                oom.evictable = Some(self.evictable_size());
+                AllocError::OutOfMemory(oom)
+            }
+            other => other,
+        }
+    }
+
+    /// Allocate `out.len()` slots (whole pages), evicting the shortfall first.
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::alloc`]; an out-of-memory error also states the evictable tokens.
+    pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        self.make_room(out.len());
+        self.alloc.alloc(out).map_err(|e| self.with_evictable(e))
+    }
+
+    /// [`KvAllocator::alloc_extend`], evicting the shortfall first.
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::alloc_extend`]; an out-of-memory error also states the evictable
+    /// tokens left.
+    pub fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        self.make_room(self.alloc.extend_need(prefix_lens, seq_lens)?);
+        self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+    }
+
+    /// [`KvAllocator::alloc_decode`], evicting the shortfall first.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend).
+    pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.make_room(self.alloc.decode_need(seq_lens)?);
+        self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+    }
+
+    /// Check that `slots` may be freed (every one allocated).
+    fn check_owned(&self, slots: &[u32]) -> Result<(), CacheError> {
+        match slots.iter().find(|&&s| !self.alloc.is_allocated(s)) {
+            Some(&slot) => Err(CacheError::Free(FreeError {
+                index: slot,
+                kind: crate::FreeErrorKind::NotAllocated,
+                rest_freed: false,
+            })),
+            None => Ok(()),
+        }
+    }
+
+    /// SGLang's `cache_finished_req`. `token_ids` are the request's tokens that have KV
+    /// (prompt plus outputs, minus the last generated token); the row holds their slots.
+    /// Inserts the page-aligned part, frees the slots the tree already had beyond the
+    /// lease (duplicates) and the unaligned tail, unlocks, and frees the row. Returns the
+    /// prefix length the insert found.
+    ///
+    /// # Errors
+    ///
+    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
+    pub fn cache_finished_req<'c>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, A>,
+        priority: i64,
+    ) -> Result<usize, Unfinished<'c, A>> {
+        let r = self.finish(namespace, token_ids, &row, &lease, priority);
+        match r {
+            Ok(n) => {
+                core::mem::forget(lease); // its lock was released by `finish`
+                                          // The row is ours: freeing it cannot fail.
+                let _ = self.req_pool.free(row);
+                Ok(n)
+            }
+            Err(error) => Err(Unfinished { error, row, lease }),
+        }
+    }
+
+    fn finish(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A>,
+        priority: i64,
+    ) -> Result<usize, CacheError> {
+        if lease.raw.cache_id != self.id {
+            return Err(CacheError::StaleMatch);
+        }
+        let kv = self.req_pool.read(row, 0..token_ids.len())?;
+        let aligned = token_ids.len() / self.ps * self.ps;
+        let protected = lease.len();
+        if protected > aligned {
+            return Err(InvalidInput::PrefixLongerThanSeq {
+                request: 0,
+                prefix_len: protected as u32,
+                seq_len: aligned as u32,
+            }
+            .into());
+        }
+        self.check_owned(&kv[protected..])?;
+        let r = self.write(|w| {
+            let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
+            let mut group = self.alloc.free_group();
+            if new_prefix > protected {
+                group.free(&kv[protected..new_prefix]).map_err(CacheError::Free)?;
+            }
+            group.free(&kv[aligned..]).map_err(CacheError::Free)?;
+            drop(group);
+            w.dec_lock(lease.raw.last_page);
+            Ok(new_prefix)
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `cache_unfinished_req` (chunked prefill): inserts the page-aligned part of
+    /// `token_ids`, frees the duplicates, re-matches, rewrites the row with the tree's
+    /// slots, and moves the lease to the new last node. The unaligned tail stays with the
+    /// request. Afterwards `lease.len()` is the new protected length.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`]; nothing changed.
+    pub fn cache_unfinished_req(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A>,
+        priority: i64,
+    ) -> Result<(), CacheError> {
+        if lease.raw.cache_id != self.id {
+            return Err(CacheError::StaleMatch);
+        }
+        let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
+        let aligned = token_ids.len() / self.ps * self.ps;
+        let protected = lease.len();
+        if protected > aligned {
+            return Err(InvalidInput::PrefixLongerThanSeq {
+                request: 0,
+                prefix_len: protected as u32,
+                seq_len: aligned as u32,
+            }
+            .into());
+        }
+        self.check_owned(&kv[protected..aligned])?;
+        let m = self.write(|w| {
+            let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
+            if new_prefix > protected {
+                self.alloc.free(&kv[protected..new_prefix]).map_err(CacheError::Free)?;
+            }
+            let m = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
+            debug_assert_eq!(m.len, aligned);
+            w.inc_lock(m.last_page);
+            w.dec_lock(lease.raw.last_page);
+            Ok::<_, CacheError>(m)
+        })?;
+        lease.raw.last_page = m.last_page;
+        lease.raw.epoch = m.epoch;
+        lease.raw.len = m.len;
+        crate::debug_check(self);
+        Ok(())
+    }
+
+    /// Drop the whole tree: cached slots go back to the allocator, sizes go to 0, an
+    /// `AllBlocksCleared` event is sent. Exclusive access, so no lease is outstanding
+    /// (detached leases become stale).
+    pub fn reset(&mut self) {
+        self.write(|w| w.reset());
+    }
+
+    /// A readable dump of the tree: one line per node, indented by depth, with its
+    /// length, first tokens and lock count; then the totals.
+    pub fn pretty_print(&self) -> String {
+        self.write(|w| w.pretty())
+    }
+
+    /// Check every invariant in O(capacity): sizes add up, every cached page is owned by
+    /// exactly one node and allocated, bucket chains hold exactly the live nodes, lock
+    /// counts are monotone towards the root, the eviction heap holds exactly the
+    /// evictable leaves in heap order. Exact at quiescence.
+    ///
+    /// # Errors
+    ///
+    /// [`InvariantViolation`] naming the broken invariant (a kvpool bug).
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.write(|w| w.check())
+    }
+
+    /// Nodes in the tree, not counting the root.
+    pub fn node_count(&self) -> usize {
+        self.write(|w| w.s.meta.iter().skip(1).filter(|m| m.alive).count())
+    }
+}
+
+impl<A: KvAllocator> crate::CheckInvariants for RadixCache<A> {
+    fn check(&self) -> Result<(), InvariantViolation> {
+        self.check_invariants()
+    }
+}
+
+impl<A: KvAllocator> fmt::Debug for RadixCache<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RadixCache")
+            .field("page_size", &self.ps)
+            .field("policy", &self.policy)
+            .field("total", &self.total_size())
+            .field("evictable", &self.evictable_size())
+            .field("protected", &self.protected_size())
+            .finish()
+    }
+}
+
+/// The latch holder's view: all tree changes go through here.
+struct Writer<'a, A: KvAllocator> {
+    c: &'a RadixCache<A>,
+    s: &'a mut Inner,
+}
+
+mod writer;
+
+#[cfg(all(test, not(loom)))]
+mod tests;

@@ -1,0 +1,324 @@
+use super::*;
+use crate::baseline::ReferenceRadixCache;
+use crate::{PagedAllocator, TokenAllocator};
+
+fn token_cache(size: usize, policy: EvictionPolicy) -> RadixCache<TokenAllocator> {
+    let config = RadixConfig { policy, event_capacity: Some(1024) };
+    RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(8, 64).unwrap(), config).unwrap()
+}
+
+fn alloc_slots<A: KvAllocator>(c: &RadixCache<A>, n: usize) -> Vec<u32> {
+    let mut v = vec![0u32; n];
+    c.allocator().alloc(&mut v).unwrap();
+    v
+}
+
+#[test]
+fn design_vectors() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 3);
+    assert_eq!(c.insert(0, &[1, 2, 3], &s, 0).unwrap(), 0);
+    assert_eq!((c.total_size(), c.evictable_size()), (3, 3));
+    let mut out = [0u32; 2];
+    assert_eq!(c.match_prefix(0, &[1, 2], &mut out).len(), 2);
+    assert_eq!(out, [s[0], s[1]]);
+    c.check_invariants().unwrap();
+
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let a = alloc_slots(&c, 8);
+    c.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &a, 0).unwrap();
+    let b = alloc_slots(&c, 4);
+    assert_eq!(c.insert(0, &[1, 2, 9, 10], &b, 0).unwrap(), 2);
+    c.allocator().free(&b[..2]).unwrap(); // the caller frees its duplicates
+    assert_eq!(c.total_size(), 10);
+    let mut out = [0u32; 6];
+    let m = c.match_prefix(0, &[1, 2, 3, 4, 999, 1000], &mut out);
+    assert_eq!(m.len(), 4);
+    assert_eq!(out[..4], a[..4]);
+    c.check_invariants().unwrap();
+    assert_eq!(c.node_count(), 4); // [1,2] -> {[3,4] -> [5..8], [9,10]}
+}
+
+#[test]
+fn locks_move_sizes_only_on_zero_one() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 3);
+    c.insert(0, &[1, 2, 3], &s, 0).unwrap();
+    let mut out = [0u32; 2];
+    let l1 = c.match_and_lock(0, &[1, 2], &mut out);
+    assert_eq!((c.evictable_size(), c.protected_size()), (1, 2));
+    let l2 = c.match_and_lock(0, &[1, 2], &mut out);
+    assert_eq!((c.evictable_size(), c.protected_size()), (1, 2));
+    drop(l1);
+    assert_eq!((c.evictable_size(), c.protected_size()), (1, 2));
+    // locked nodes are not evicted, the unlocked leaf is
+    assert_eq!(c.evict(100), 1);
+    assert_eq!(c.total_size(), 2);
+    drop(l2);
+    assert_eq!((c.evictable_size(), c.protected_size()), (2, 0));
+    assert_eq!(c.evict(1), 2);
+    assert_eq!(c.allocator().available_size(), 64);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn detached_leases_and_stale_matches() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &s, 0).unwrap();
+    let mut out = [0u32; 4];
+    let raw = c.match_and_lock(0, &[1, 2, 3, 4], &mut out).detach();
+    assert_eq!(c.protected_size(), 4);
+    c.release(raw).unwrap();
+    assert_eq!(c.release(raw), Err(CacheError::StaleMatch)); // double release refused
+    assert_eq!(c.protected_size(), 0);
+    let m = c.match_prefix(0, &[1, 2, 3, 4], &mut out);
+    c.evict(4);
+    assert!(matches!(c.lock(&m), Err(CacheError::StaleMatch)));
+    let other = token_cache(8, EvictionPolicy::Lru);
+    assert_eq!(other.release(raw), Err(CacheError::StaleMatch));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn insert_validates_before_changing_anything() {
+    let c = RadixCache::new(
+        PagedAllocator::new(64, 4).unwrap(),
+        ReqToTokenPool::new(1, 8).unwrap(),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let s = alloc_slots(&c, 8);
+    assert!(matches!(c.insert(0, &[1, 2, 3], &s[..3], 0), Err(CacheError::Invalid(_))));
+    assert!(matches!(c.insert(0, &[1, 2, 3, 4], &s[..3], 0), Err(CacheError::Invalid(_))));
+    let bad = [s[1], s[0], s[2], s[3]];
+    assert!(matches!(c.insert(0, &[1, 2, 3, 4], &bad, 0), Err(CacheError::Invalid(_))));
+    assert!(matches!(c.insert(0, &[1, 2, 3, 4], &[40, 41, 42, 43], 0), Err(CacheError::SlotNotOwned { slot: 40 })));
+    c.insert(0, &[1, 2, 3, 4], &s[..4], 0).unwrap();
+    // the same page again, under another key: refused, tree unchanged
+    assert!(matches!(c.insert(0, &[9, 9, 9, 9], &s[..4], 0), Err(CacheError::SlotNotOwned { .. })));
+    // a page twice in one insert
+    let dup = [s[4], s[5], s[6], s[7], s[4], s[5], s[6], s[7]];
+    assert!(matches!(c.insert(0, &[5, 5, 5, 5, 6, 6, 6, 6], &dup, 0), Err(CacheError::SlotNotOwned { .. })));
+    assert_eq!(c.total_size(), 4);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn page_sizes_and_partial_pages() {
+    for ps in [1u32, 2, 4, 16] {
+        let alloc = PagedAllocator::new(256, ps).unwrap();
+        let c = RadixCache::new(alloc, ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default()).unwrap();
+        let n = 4 * ps as usize;
+        let key: Vec<u32> = (100..100 + n as u32).collect();
+        let s = alloc_slots(&c, n);
+        c.insert(0, &key, &s, 0).unwrap();
+        let mut out = vec![0u32; n + 3];
+        // a query one token short of 3 pages matches 2 pages
+        let q = &key[..3 * ps as usize - 1];
+        assert_eq!(c.peek_prefix(0, q, &mut out), (2 * ps as usize).min(q.len() / ps as usize * ps as usize));
+        // mismatch in the last token of page 3 -> 2 pages, and a split
+        let mut q = key[..3 * ps as usize].to_vec();
+        *q.last_mut().unwrap() = 7;
+        let m = c.match_prefix(0, &q, &mut out);
+        assert_eq!(m.len(), 2 * ps as usize);
+        assert_eq!(out[..m.len()], s[..m.len()]);
+        assert_eq!(c.node_count(), 2);
+        c.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn namespaces_never_share_nodes() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let a = alloc_slots(&c, 3);
+    let b = alloc_slots(&c, 3);
+    assert_eq!(c.insert(1, &[1, 2, 3], &a, 0).unwrap(), 0);
+    assert_eq!(c.insert(2, &[1, 2, 3], &b, 0).unwrap(), 0);
+    let mut out = [0u32; 3];
+    assert_eq!(c.peek_prefix(2, &[1, 2, 3], &mut out), 3);
+    assert_eq!(out.to_vec(), b);
+    assert_eq!(c.peek_prefix(3, &[1, 2, 3], &mut out), 0);
+    assert_eq!(c.node_count(), 2);
+}
+
+/// Insert three leaves under a shared root so each policy has a distinct order.
+fn eviction_order(policy: EvictionPolicy) -> Vec<u32> {
+    let c = token_cache(64, policy);
+    for (first, prio) in [(10u32, 5i64), (20, 1), (30, 3)] {
+        let s = alloc_slots(&c, 2);
+        c.insert(0, &[first, first + 1], &s, prio).unwrap();
+    }
+    let mut out = [0u32; 2];
+    // touch 10 twice and 20 once (recency and hit counts)
+    c.match_prefix(0, &[10, 11], &mut out);
+    c.match_prefix(0, &[20, 21], &mut out);
+    c.match_prefix(0, &[10, 11], &mut out);
+    let mut order = vec![];
+    while c.total_size() > 0 {
+        let before: Vec<u32> =
+            [10u32, 20, 30].into_iter().filter(|&k| c.peek_prefix(0, &[k, k + 1], &mut out) == 2).collect();
+        c.evict(1);
+        for k in before {
+            if c.peek_prefix(0, &[k, k + 1], &mut out) == 0 {
+                order.push(k);
+            }
+        }
+    }
+    order
+}
+
+#[test]
+fn eviction_order_per_policy() {
+    assert_eq!(eviction_order(EvictionPolicy::Lru), [30, 20, 10]);
+    assert_eq!(eviction_order(EvictionPolicy::Mru), [10, 20, 30]);
+    assert_eq!(eviction_order(EvictionPolicy::Fifo), [10, 20, 30]);
+    assert_eq!(eviction_order(EvictionPolicy::Filo), [30, 20, 10]);
+    assert_eq!(eviction_order(EvictionPolicy::Lfu), [30, 20, 10]);
+    assert_eq!(eviction_order(EvictionPolicy::Priority), [20, 30, 10]);
+}
+
+#[test]
+fn eviction_promotes_parents() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let a = alloc_slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a, 0).unwrap();
+    let b = alloc_slots(&c, 4);
+    assert_eq!(c.insert(0, &[1, 2, 5, 6], &b, 0).unwrap(), 2);
+    c.allocator().free(&b[..2]).unwrap();
+    // leaves [3,4] and [5,6] go first, then the parent [1,2]
+    assert_eq!(c.evict(6), 6);
+    assert_eq!(c.total_size(), 0);
+    assert_eq!(c.allocator().available_size(), 64);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn request_lifecycle_frees_duplicates_and_tail() {
+    let alloc = PagedAllocator::new(64, 4).unwrap();
+    let c = RadixCache::new(alloc, ReqToTokenPool::new(2, 32).unwrap(), RadixConfig::default()).unwrap();
+    let prompt: Vec<u32> = (1..=10).collect();
+    for round in 0..2 {
+        let mut row = c.req_pool().alloc().unwrap();
+        let mut hit = [0u32; 10];
+        let lease = c.match_and_lock(0, &prompt, &mut hit);
+        assert_eq!(lease.len(), if round == 0 { 0 } else { 8 });
+        let h = lease.len();
+        c.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+        let mut new = vec![0u32; 10 - h];
+        let last = if h > 0 { hit[h - 1] } else { 0 };
+        c.alloc_extend(&[h as u32], &[10], &[last], &mut new).unwrap();
+        c.req_pool().write(&mut row, h, &new).unwrap();
+        assert_eq!(c.cache_finished_req(0, &prompt, row, lease, 0).unwrap(), h);
+        // 8 aligned tokens cached, the 2-token tail freed
+        assert_eq!(c.total_size(), 8);
+        assert_eq!(c.allocator().available_size(), 64 - 8);
+        c.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn unfinished_request_rewrites_row_and_moves_lock() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    // someone else cached [1,2,3]
+    let other = alloc_slots(&c, 3);
+    c.insert(0, &[1, 2, 3], &other, 0).unwrap();
+    // our request computed [1,2,3,4,5] from scratch (no hit)
+    let mut row = c.req_pool().alloc().unwrap();
+    let mut lease = c.match_and_lock(0, &[], &mut []);
+    let mine = alloc_slots(&c, 5);
+    c.req_pool().write(&mut row, 0, &mine).unwrap();
+    c.cache_unfinished_req(0, &[1, 2, 3, 4, 5], &mut row, &mut lease, 0).unwrap();
+    assert_eq!(lease.len(), 5);
+    // the row now holds the tree's slots; our duplicates for [1,2,3] were freed
+    let r = c.req_pool().read(&row, 0..5).unwrap();
+    assert_eq!(r[..3], other[..]);
+    assert_eq!(r[3..], mine[3..]);
+    assert!(!c.allocator().is_allocated(mine[0]));
+    assert_eq!(c.protected_size(), 5);
+    let r = c.cache_finished_req(0, &[1, 2, 3, 4, 5], row, lease, 0).unwrap();
+    assert_eq!(r, 5);
+    assert_eq!(c.protected_size(), 0);
+    assert_eq!(c.allocator().available_size(), 64 - 5);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn alloc_evicts_the_shortfall_and_reports_evictable() {
+    let c = token_cache(8, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 6);
+    c.insert(0, &[1, 2, 3, 4, 5, 6], &s, 0).unwrap();
+    let mut out = [0u32; 4];
+    c.alloc(&mut out).unwrap(); // 2 free + evicts the 6-token leaf
+    assert_eq!(c.total_size(), 0);
+    let mut big = [0u32; 5];
+    let e = c.alloc(&mut big).unwrap_err();
+    let oom = e.out_of_memory().unwrap();
+    assert_eq!((oom.requested, oom.available, oom.evictable), (5, 4, Some(0)));
+    assert!(e.to_string().contains("Evictable tokens: 0"));
+}
+
+#[test]
+fn events_follow_the_tree() {
+    let alloc = PagedAllocator::new(64, 2).unwrap();
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(64) };
+    let c = RadixCache::new(alloc, ReqToTokenPool::new(1, 8).unwrap(), config).unwrap();
+    let q = c.events().unwrap();
+    assert_eq!(q.pop(), Some(KvEvent::AllBlocksCleared));
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &s, 0).unwrap();
+    let h1 = page_hash(None, &[1, 2]);
+    let h2 = page_hash(Some(&h1), &[3, 4]);
+    assert_eq!(q.pop(), Some(KvEvent::BlockStored { hash: h1, parent: None, page: s[0] / 2, namespace: 0 }));
+    assert_eq!(q.pop(), Some(KvEvent::BlockStored { hash: h2, parent: Some(h1), page: s[2] / 2, namespace: 0 }));
+    // a split stores nothing new; a child under the split uses the right parent hash
+    let t = alloc_slots(&c, 4);
+    assert_eq!(c.insert(0, &[1, 2, 7, 8], &t, 0).unwrap(), 2);
+    let h3 = page_hash(Some(&h1), &[7, 8]);
+    assert_eq!(q.pop(), Some(KvEvent::BlockStored { hash: h3, parent: Some(h1), page: t[2] / 2, namespace: 0 }));
+    assert_eq!(q.pop(), None);
+    c.allocator().free(&t[..2]).unwrap();
+    c.evict(2);
+    assert!(matches!(q.pop(), Some(KvEvent::BlockRemoved { .. })));
+}
+
+#[test]
+fn reset_returns_everything() {
+    let mut c = token_cache(32, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 5);
+    c.insert(0, &[1, 2, 3, 4, 5], &s, 0).unwrap();
+    c.reset();
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, 32));
+    let mut out = [0u32; 5];
+    assert_eq!(c.peek_prefix(0, &[1, 2, 3, 4, 5], &mut out), 0);
+    c.check_invariants().unwrap();
+    let s = alloc_slots(&c, 5);
+    c.insert(0, &[1, 2, 3, 4, 5], &s, 0).unwrap();
+    assert!(c.pretty_print().contains("5 [1, 2, 3, 4, 5] r=0"));
+}
+
+#[test]
+fn agrees_with_reference_on_a_scripted_run() {
+    let c = token_cache(64, EvictionPolicy::Lru);
+    let mut r = ReferenceRadixCache::new(TokenAllocator::new(64).unwrap(), EvictionPolicy::Lru);
+    let keys: [&[u32]; 5] = [&[1, 2, 3, 4], &[1, 2, 5], &[1, 2, 3, 9, 9], &[7, 7], &[1, 2, 5, 6, 6]];
+    for k in keys {
+        let mut out = vec![0u32; k.len()];
+        let m = c.match_prefix(0, k, &mut out);
+        let (rv, _) = r.match_prefix(0, k);
+        assert_eq!(m.len(), rv.len());
+        let s = alloc_slots(&c, k.len());
+        let mut rs = vec![0u32; k.len()];
+        r.allocator().alloc(&mut rs).unwrap();
+        assert_eq!(s, rs);
+        let a = c.insert(0, k, &s, 0).unwrap();
+        assert_eq!(a, r.insert(0, k, &rs, 0));
+        c.allocator().free(&s[..a]).unwrap();
+        r.allocator().free(&rs[..a]).unwrap();
+    }
+    while c.total_size() > 0 {
+        assert_eq!(c.evict(1), r.evict(1));
+        assert_eq!(c.total_size(), r.total_size());
+        c.check_invariants().unwrap();
+    }
+}

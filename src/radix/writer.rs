@@ -1,0 +1,734 @@
+//! Tree changes, applied by the latch holder. See the parent module for the protocol.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use super::heap::Heap;
+use super::{page_hash, span_of, CacheError, KvEvent, Lookup, MatchResult, Meta, Writer, NIL, ROOT};
+use crate::alloc::KvAllocator;
+use crate::error::{InvalidInput, InvariantViolation};
+use crate::sync::atomic::{fence, Ordering};
+
+const EMPTY: Meta = Meta {
+    lock_ref: 0,
+    children: 0,
+    heap_pos: NIL,
+    last_page: 0,
+    last_access: 0,
+    created: 0,
+    hit_count: 0,
+    priority: 0,
+    alive: false,
+};
+
+/// Slots freed per allocator call during eviction (a stack buffer: no allocation).
+const FREE_CHUNK: usize = 64;
+
+impl<A: KvAllocator> Writer<'_, A> {
+    pub(super) fn init(&mut self) {
+        let n = self.s.meta.len();
+        for m in self.s.meta.iter_mut() {
+            *m = EMPTY;
+        }
+        self.s.meta[ROOT as usize] = Meta { alive: true, lock_ref: 1, priority: i64::MIN, ..EMPTY };
+        self.s.free_ids.clear();
+        self.s.free_ids.extend((1..n as u32).rev());
+        self.s.heap.clear();
+        self.s.in_tree.iter_mut().for_each(|w| *w = 0);
+        self.s.page_owner.iter_mut().for_each(|o| *o = NIL);
+        self.s.page_owner[0] = ROOT;
+        self.c.evictable.store(0, Ordering::Release);
+        self.c.protected.store(0, Ordering::Release);
+        self.c.total.store(0, Ordering::Release);
+        self.event(KvEvent::AllBlocksCleared);
+    }
+
+    fn heap(&mut self) -> Heap<'_> {
+        Heap { heap: &mut self.s.heap, meta: &mut self.s.meta, policy: self.c.policy }
+    }
+
+    fn event(&self, e: KvEvent) {
+        if let Some(q) = &self.c.events {
+            q.push(e);
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.s.clock += 1;
+        self.s.clock
+    }
+
+    fn touch(&mut self, id: u32) {
+        let t = self.tick();
+        self.s.meta[id as usize].last_access = t;
+        self.heap().update(id);
+    }
+
+    fn span(&self, id: u32) -> (u32, u32) {
+        span_of(self.c.records[id as usize].span.load(Ordering::Relaxed))
+    }
+
+    fn next(&self, page: u32) -> u32 {
+        self.c.next_page[page as usize].load(Ordering::Relaxed)
+    }
+
+    fn advance(&self, mut page: u32, steps: usize) -> u32 {
+        for _ in 0..steps {
+            page = self.next(page);
+        }
+        page
+    }
+
+    fn page_hash_of(&self, parent_page: u32, namespace: u64, page: u32) -> u64 {
+        let ps = self.c.ps;
+        let base = page as usize * ps;
+        let mut tokens = [0u32; 64];
+        if ps <= tokens.len() {
+            for (k, t) in tokens[..ps].iter_mut().enumerate() {
+                *t = self.c.slot_token[base + k].load(Ordering::Relaxed);
+            }
+            self.c.key_hash(parent_page, namespace, &tokens[..ps])
+        } else {
+            // Pages larger than the stack buffer hash through an iterator.
+            self.c.key_hash_iter(
+                parent_page,
+                namespace,
+                (0..ps).map(|k| self.c.slot_token[base + k].load(Ordering::Relaxed)),
+            )
+        }
+    }
+
+    pub(super) fn node_of(&self, page: u32) -> &Meta {
+        &self.s.meta[self.s.page_owner[page as usize] as usize]
+    }
+
+    fn in_tree(&self, page: u32) -> bool {
+        self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
+    }
+
+    fn set_in_tree(&mut self, page: u32, on: bool) {
+        let (w, b) = (page as usize / 64, 1u64 << (page % 64));
+        if on {
+            self.s.in_tree[w] |= b;
+        } else {
+            self.s.in_tree[w] &= !b;
+        }
+    }
+
+    /// Whether `page` still ends a node, in the incarnation `epoch`.
+    pub(super) fn is_node_end(&self, page: u32, epoch: u32) -> bool {
+        page as usize <= self.c.num_pages as usize
+            && self.s.page_owner[page as usize] != NIL
+            && self.s.page_epoch[page as usize] == epoch
+            && self.in_tree(page)
+    }
+
+    // ---- records and buckets ----
+
+    /// Take a free record and fill it (unpublished, its `gen` still odd).
+    fn new_record(&mut self, first: u32, pages: u32, parent_page: u32, namespace: u64, key_hash: u64) -> u32 {
+        let id = self.s.free_ids.pop().expect("a tree over N pages never needs more than N + 1 nodes");
+        let r = &self.c.records[id as usize];
+        debug_assert!(r.gen.load(Ordering::Relaxed) & 1 == 1);
+        // Release: a stale reader that sees any field below also sees the odd `gen`
+        // this record was retired with (it then discards what it read).
+        fence(Ordering::Release);
+        r.span.store((first as u64) << 32 | pages as u64, Ordering::Relaxed);
+        r.parent_page.store(parent_page, Ordering::Relaxed);
+        r.namespace.store(namespace, Ordering::Relaxed);
+        r.key_hash.store(key_hash, Ordering::Relaxed);
+        id
+    }
+
+    fn bucket_of(&self, id: u32) -> usize {
+        self.c.records[id as usize].key_hash.load(Ordering::Relaxed) as usize & self.c.bucket_mask
+    }
+
+    /// Make a filled record live (`gen` even) and link it at the head of its bucket.
+    fn publish(&mut self, id: u32) {
+        let r = &self.c.records[id as usize];
+        let b = self.bucket_of(id);
+        let word = self.c.buckets[b].load(Ordering::Relaxed);
+        r.hash_next.store(word as u32, Ordering::Relaxed);
+        r.gen.fetch_add(1, Ordering::Release);
+        // Release: readers that load this head (Acquire) see the record's fields and
+        // the tokens and page links written before.
+        self.c.buckets[b].store(word & !0xffff_ffff | id as u64, Ordering::Release);
+    }
+
+    /// Find the link that points at `id` in its bucket: `None` for the head.
+    fn predecessor(&self, id: u32) -> Option<u32> {
+        let b = self.bucket_of(id);
+        let mut cur = self.c.buckets[b].load(Ordering::Relaxed) as u32;
+        let mut prev = None;
+        while cur != id {
+            debug_assert!(cur != NIL, "record {id} is not in its bucket");
+            prev = Some(cur);
+            cur = self.c.records[cur as usize].hash_next.load(Ordering::Relaxed);
+        }
+        prev
+    }
+
+    /// Replace `old` by the filled record `new` (same key hash) in one store.
+    fn swap_in(&mut self, old: u32, new: u32) {
+        let b = self.bucket_of(old);
+        let next = self.c.records[old as usize].hash_next.load(Ordering::Relaxed);
+        let r = &self.c.records[new as usize];
+        r.hash_next.store(next, Ordering::Relaxed);
+        r.gen.fetch_add(1, Ordering::Release);
+        match self.predecessor(old) {
+            None => {
+                let word = self.c.buckets[b].load(Ordering::Relaxed);
+                self.c.buckets[b].store(word & !0xffff_ffff | new as u64, Ordering::Release);
+            }
+            Some(p) => self.c.records[p as usize].hash_next.store(new, Ordering::Release),
+        }
+    }
+
+    /// Unlink `id` from its bucket and bump the bucket's removal version, so a lookup
+    /// that missed in this bucket meanwhile retries.
+    fn unlink(&mut self, id: u32) {
+        let b = self.bucket_of(id);
+        let next = self.c.records[id as usize].hash_next.load(Ordering::Relaxed);
+        let prev = self.predecessor(id);
+        let word = self.c.buckets[b].load(Ordering::Relaxed);
+        let version = (word >> 32).wrapping_add(1) << 32;
+        match prev {
+            None => self.c.buckets[b].store(version | next as u64, Ordering::Release),
+            Some(p) => {
+                self.c.records[p as usize].hash_next.store(next, Ordering::Release);
+                self.c.buckets[b].store(version | (word & 0xffff_ffff), Ordering::Release);
+            }
+        }
+    }
+
+    /// Retire an unlinked record: readers holding it will fail validation. Must come
+    /// before its pages are freed.
+    fn retire(&mut self, id: u32) {
+        // SeqCst: a lookup whose final SeqCst check still sees the old gen is ordered
+        // before this retirement, hence before the frees that follow it.
+        self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::Release);
+        self.s.meta[id as usize] = EMPTY;
+        self.s.free_ids.push(id);
+    }
+
+    // ---- operations ----
+
+    /// Walk `key`, touching as SGLang does, splitting a partially matched node.
+    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
+        if key.is_empty() {
+            return MatchResult { len: 0, last_page: 0, epoch: 0 };
+        }
+        let ps = self.c.ps;
+        self.touch(ROOT);
+        let (mut pos, mut cur) = (0usize, 0u32);
+        while pos < key.len() {
+            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            self.s.meta[id as usize].hit_count += 1;
+            self.touch(id);
+            let (m, last, n) = self.c.match_in_node(id, &key[pos..], &mut out[pos..]);
+            pos += m * ps;
+            cur = last;
+            if m < n {
+                self.split(id, m);
+                break;
+            }
+        }
+        MatchResult { len: pos, last_page: cur, epoch: self.s.page_epoch[cur as usize] }
+    }
+
+    /// Cut node `id` after `m` pages; returns the new upper node.
+    fn split(&mut self, id: u32, m: usize) -> u32 {
+        let (first, n) = self.span(id);
+        let r = &self.c.records[id as usize];
+        let (parent_page, namespace, key_hash) = (
+            r.parent_page.load(Ordering::Relaxed),
+            r.namespace.load(Ordering::Relaxed),
+            r.key_hash.load(Ordering::Relaxed),
+        );
+        let cut = self.advance(first, m - 1);
+        let lower_first = self.next(cut);
+        let upper = self.new_record(first, m as u32, parent_page, namespace, key_hash);
+        let lower_hash = self.page_hash_of(cut, namespace, lower_first);
+        let lower = self.new_record(lower_first, n - m as u32, cut, namespace, lower_hash);
+        // The lower part is reachable only through the upper one, which is not yet
+        // published: linking it first is invisible.
+        self.publish(lower);
+        // One store replaces the old node by the upper part for every reader.
+        self.swap_in(id, upper);
+        let old = self.s.meta[id as usize];
+        self.heap().replace(id, lower);
+        self.retire(id);
+        let heap_pos = self.s.meta[lower as usize].heap_pos;
+        self.s.meta[lower as usize] = Meta { heap_pos, ..old };
+        let t = self.tick();
+        self.s.meta[upper as usize] =
+            Meta { children: 1, heap_pos: NIL, last_page: cut, last_access: t, created: t, ..old };
+        self.s.page_owner[cut as usize] = upper;
+        self.s.page_epoch[cut as usize] = self.s.page_epoch[cut as usize].wrapping_add(1);
+        self.s.page_owner[old.last_page as usize] = lower;
+        upper
+    }
+
+    /// Read-only walk: how many leading tokens of `key` are cached.
+    fn cached_len(&self, namespace: u64, key: &[u32]) -> usize {
+        let ps = self.c.ps;
+        let (mut pos, mut cur) = (0usize, 0u32);
+        while pos < key.len() {
+            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
+            pos += m * ps;
+            if m < n {
+                break;
+            }
+            cur = last;
+        }
+        pos
+    }
+
+    /// Validate an insert's arguments and the pages it would take; marks those pages as
+    /// in the tree on success, changes nothing on error.
+    fn claim_new_pages(&mut self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
+        let ps = self.c.ps;
+        if key.len() != slots.len() {
+            return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
+        }
+        if key.len() % ps != 0 {
+            return Err(InvalidInput::NotPageAligned { count: key.len(), page_size: ps as u32 }.into());
+        }
+        for chunk in slots.chunks_exact(ps) {
+            let s0 = chunk[0];
+            let page = s0 / ps as u32;
+            let whole = s0 % ps as u32 == 0 && chunk.iter().enumerate().all(|(k, &s)| s == s0.wrapping_add(k as u32));
+            if !whole || page == 0 || page > self.c.num_pages {
+                return Err(InvalidInput::NotAPage { slot: s0 }.into());
+            }
+        }
+        for (i, chunk) in slots[from..].chunks_exact(ps).enumerate() {
+            let page = chunk[0] / ps as u32;
+            if self.in_tree(page) || !self.c.alloc.is_allocated(chunk[0]) {
+                for undo in slots[from..from + i * ps].chunks_exact(ps) {
+                    self.set_in_tree(undo[0] / ps as u32, false);
+                }
+                return Err(CacheError::SlotNotOwned { slot: chunk[0] });
+            }
+            self.set_in_tree(page, true);
+        }
+        Ok(())
+    }
+
+    pub(super) fn insert(
+        &mut self,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+    ) -> Result<usize, CacheError> {
+        let ps = self.c.ps;
+        let cached = if key.len() == slots.len() && key.len() % ps == 0 { self.cached_len(namespace, key) } else { 0 };
+        self.claim_new_pages(key, slots, cached)?;
+        self.touch(ROOT);
+        let (mut pos, mut cur) = (0usize, 0u32);
+        while pos < key.len() {
+            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            self.touch(id);
+            let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
+            pos += m * ps;
+            cur = last;
+            let node = if m < n { self.split(id, m) } else { id };
+            let meta = &mut self.s.meta[node as usize];
+            if priority > meta.priority {
+                meta.priority = priority;
+                self.heap().update(node);
+            }
+            if m < n {
+                break;
+            }
+        }
+        debug_assert_eq!(pos, cached);
+        if pos < key.len() {
+            self.new_leaf(cur, namespace, &key[pos..], &slots[pos..], priority);
+        }
+        Ok(pos)
+    }
+
+    fn new_leaf(&mut self, parent_page: u32, namespace: u64, key: &[u32], slots: &[u32], priority: i64) {
+        let ps = self.c.ps;
+        let pages = key.len() / ps;
+        let mut prev_hash = (parent_page != 0 && self.c.events.is_some()).then(|| self.s.digests[parent_page as usize]);
+        let mut last = 0;
+        for i in 0..pages {
+            let page = slots[i * ps] / ps as u32;
+            let base = page as usize * ps;
+            for k in 0..ps {
+                // Release: a reader that sees this token (and then validates) is ordered
+                // after whatever freed and recycled the slot before.
+                self.c.slot_token[base + k].store(key[i * ps + k], Ordering::Release);
+            }
+            let next = if i + 1 < pages { slots[(i + 1) * ps] / ps as u32 } else { 0 };
+            self.c.next_page[page as usize].store(next, Ordering::Release);
+            if self.c.events.is_some() {
+                let h = page_hash(prev_hash.as_ref(), &key[i * ps..(i + 1) * ps]);
+                self.s.digests[page as usize] = h;
+                self.event(KvEvent::BlockStored { hash: h, parent: prev_hash, page, namespace });
+                prev_hash = Some(h);
+            }
+            last = page;
+        }
+        let first = slots[0] / ps as u32;
+        let h = self.c.key_hash(parent_page, namespace, &key[..ps]);
+        let id = self.new_record(first, pages as u32, parent_page, namespace, h);
+        self.publish(id);
+        let t = self.tick();
+        self.s.meta[id as usize] = Meta { alive: true, last_page: last, last_access: t, created: t, priority, ..EMPTY };
+        self.s.page_owner[last as usize] = id;
+        self.s.page_epoch[last as usize] = self.s.page_epoch[last as usize].wrapping_add(1);
+        let parent = self.s.page_owner[parent_page as usize];
+        self.s.meta[parent as usize].children += 1;
+        self.heap().remove(parent);
+        self.heap().push(id);
+        self.c.evictable.fetch_add(key.len(), Ordering::Release);
+        self.c.total.fetch_add(key.len(), Ordering::Release);
+    }
+
+    fn parent_of(&self, id: u32) -> u32 {
+        let pp = self.c.records[id as usize].parent_page.load(Ordering::Relaxed);
+        self.s.page_owner[pp as usize]
+    }
+
+    fn len_of(&self, id: u32) -> usize {
+        self.span(id).1 as usize * self.c.ps
+    }
+
+    pub(super) fn inc_lock(&mut self, last_page: u32) {
+        if last_page == 0 {
+            return;
+        }
+        let mut id = self.s.page_owner[last_page as usize];
+        while id != ROOT {
+            if self.s.meta[id as usize].lock_ref == 0 {
+                let len = self.len_of(id);
+                self.c.evictable.fetch_sub(len, Ordering::Release);
+                self.c.protected.fetch_add(len, Ordering::Release);
+                self.heap().remove(id);
+            }
+            self.s.meta[id as usize].lock_ref += 1;
+            id = self.parent_of(id);
+        }
+    }
+
+    pub(super) fn dec_lock(&mut self, last_page: u32) {
+        if last_page == 0 {
+            return;
+        }
+        let mut id = self.s.page_owner[last_page as usize];
+        while id != ROOT {
+            let m = &mut self.s.meta[id as usize];
+            debug_assert!(m.lock_ref > 0);
+            m.lock_ref -= 1;
+            if m.lock_ref == 0 {
+                let leaf = m.children == 0;
+                let len = self.len_of(id);
+                self.c.evictable.fetch_add(len, Ordering::Release);
+                self.c.protected.fetch_sub(len, Ordering::Release);
+                if leaf {
+                    self.heap().push(id);
+                }
+            }
+            id = self.parent_of(id);
+        }
+    }
+
+    pub(super) fn evict(&mut self, num_tokens: usize) -> usize {
+        let ps = self.c.ps;
+        let mut freed = 0usize;
+        let mut group = self.c.alloc.free_group();
+        let mut buf = [0u32; FREE_CHUNK];
+        let mut fill = 0usize;
+        while freed < num_tokens {
+            let Some(x) = self.heap().pop() else { break };
+            let (first, count) = self.span(x);
+            let parent = self.parent_of(x);
+            let last_page = self.s.meta[x as usize].last_page;
+            // Unpublish and retire before any page is freed (see the module docs).
+            self.unlink(x);
+            self.retire(x);
+            let mut page = first;
+            for i in 0..count {
+                if self.c.events.is_some() {
+                    self.event(KvEvent::BlockRemoved { hash: self.s.digests[page as usize], page });
+                }
+                self.set_in_tree(page, false);
+                buf[fill] = page * ps as u32;
+                fill += 1;
+                if fill == FREE_CHUNK {
+                    let r = group.free(&buf);
+                    debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
+                    fill = 0;
+                }
+                if i + 1 < count {
+                    page = self.next(page);
+                }
+            }
+            self.s.page_owner[last_page as usize] = NIL;
+            let len = count as usize * ps;
+            self.c.evictable.fetch_sub(len, Ordering::Release);
+            self.c.total.fetch_sub(len, Ordering::Release);
+            freed += len;
+            let pm = &mut self.s.meta[parent as usize];
+            pm.children -= 1;
+            if parent != ROOT && pm.children == 0 && pm.lock_ref == 0 {
+                self.heap().push(parent);
+            }
+        }
+        let r = group.free(&buf[..fill]);
+        debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
+        group.end();
+        freed
+    }
+
+    pub(super) fn reset(&mut self) {
+        let ps = self.c.ps;
+        let mut group = self.c.alloc.free_group();
+        for id in 1..self.s.meta.len() as u32 {
+            if !self.s.meta[id as usize].alive {
+                continue;
+            }
+            let (first, count) = self.span(id);
+            let mut page = first;
+            for i in 0..count {
+                let r = group.free(&[page * ps as u32]);
+                debug_assert!(r.is_ok());
+                if i + 1 < count {
+                    page = self.next(page);
+                }
+            }
+            self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
+        }
+        group.end();
+        for b in self.c.buckets.iter() {
+            let w = b.load(Ordering::Relaxed);
+            b.store(((w >> 32).wrapping_add(1) << 32) | NIL as u64, Ordering::Release);
+        }
+        self.init();
+    }
+
+    // ---- introspection ----
+
+    fn first_tokens(&self, id: u32, max: usize) -> Vec<u32> {
+        let (first, count) = self.span(id);
+        let ps = self.c.ps;
+        let mut out = Vec::new();
+        let mut page = first;
+        'pages: for i in 0..count {
+            for k in 0..ps {
+                if out.len() == max {
+                    break 'pages;
+                }
+                out.push(self.c.slot_token[page as usize * ps + k].load(Ordering::Relaxed));
+            }
+            if i + 1 < count {
+                page = self.next(page);
+            }
+        }
+        out
+    }
+
+    fn children_map(&self) -> HashMap<u32, Vec<u32>> {
+        let mut map: HashMap<u32, Vec<u32>> = HashMap::new();
+        for id in 1..self.s.meta.len() as u32 {
+            if self.s.meta[id as usize].alive {
+                map.entry(self.parent_of(id)).or_default().push(id);
+            }
+        }
+        for v in map.values_mut() {
+            v.sort_by_key(|&id| self.first_tokens(id, usize::MAX));
+        }
+        map
+    }
+
+    pub(super) fn pretty(&self) -> String {
+        let map = self.children_map();
+        let mut s = String::new();
+        let mut stack = vec![(ROOT, 0usize)];
+        while let Some((id, depth)) = stack.pop() {
+            if id != ROOT {
+                let m = &self.s.meta[id as usize];
+                let ns = self.c.records[id as usize].namespace.load(Ordering::Relaxed);
+                let _ = write!(
+                    s,
+                    "{:indent$}{} {:?}{} r={}",
+                    "",
+                    self.len_of(id),
+                    self.first_tokens(id, 10),
+                    if self.len_of(id) > 10 { "..." } else { "" },
+                    m.lock_ref,
+                    indent = 2 * (depth - 1)
+                );
+                if ns != 0 {
+                    let _ = write!(s, " ns={ns}");
+                }
+                s.push('\n');
+            }
+            if let Some(children) = map.get(&id) {
+                for &c in children.iter().rev() {
+                    stack.push((c, depth + 1));
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            "#tokens: {} (evictable {}, protected {})",
+            self.c.total.load(Ordering::Relaxed),
+            self.c.evictable.load(Ordering::Relaxed),
+            self.c.protected.load(Ordering::Relaxed)
+        );
+        s
+    }
+
+    pub(super) fn check(&self) -> Result<(), InvariantViolation> {
+        self.check_inner().map_err(InvariantViolation)
+    }
+
+    fn check_inner(&self) -> Result<(), String> {
+        let ps = self.c.ps;
+        let mut owner_of_page = vec![NIL; self.c.num_pages as usize + 1];
+        let (mut total, mut evictable, mut protected) = (0usize, 0usize, 0usize);
+        let mut children = vec![0u32; self.s.meta.len()];
+        let mut live = 0usize;
+        for id in 1..self.s.meta.len() as u32 {
+            let m = &self.s.meta[id as usize];
+            let gen = self.c.records[id as usize].gen.load(Ordering::Relaxed);
+            if !m.alive {
+                if gen & 1 == 0 {
+                    return Err(format!("free record {id} has an even gen"));
+                }
+                continue;
+            }
+            live += 1;
+            if gen & 1 == 1 {
+                return Err(format!("live node {id} has an odd gen"));
+            }
+            let (first, count) = self.span(id);
+            if count == 0 {
+                return Err(format!("node {id} is empty"));
+            }
+            let mut page = first;
+            for i in 0..count {
+                if page == 0 || page > self.c.num_pages {
+                    return Err(format!("node {id} links to page {page}"));
+                }
+                if owner_of_page[page as usize] != NIL {
+                    return Err(format!("page {page} is in nodes {} and {id}", owner_of_page[page as usize]));
+                }
+                owner_of_page[page as usize] = id;
+                if !self.in_tree(page) {
+                    return Err(format!("page {page} of node {id} is not marked in the tree"));
+                }
+                if !self.c.alloc.is_allocated(page * ps as u32) {
+                    return Err(format!("page {page} of node {id} is free in the allocator"));
+                }
+                if i + 1 < count {
+                    page = self.next(page);
+                }
+            }
+            if page != m.last_page || self.s.page_owner[page as usize] != id {
+                return Err(format!("node {id} ends on page {page}, recorded {}", m.last_page));
+            }
+            let parent = self.parent_of(id);
+            if parent == NIL || !self.s.meta[parent as usize].alive {
+                return Err(format!("node {id} has no live parent"));
+            }
+            if self.s.meta[parent as usize].lock_ref < m.lock_ref && parent != ROOT {
+                return Err(format!("node {id} has more locks than its parent"));
+            }
+            children[parent as usize] += 1;
+            let len = count as usize * ps;
+            total += len;
+            if m.lock_ref == 0 {
+                evictable += len;
+            } else {
+                protected += len;
+            }
+            // In its bucket chain exactly once.
+            let b = self.bucket_of(id);
+            let mut cur = self.c.buckets[b].load(Ordering::Relaxed) as u32;
+            let mut seen = 0;
+            let mut steps = 0;
+            while cur != NIL && steps <= self.s.meta.len() {
+                seen += usize::from(cur == id);
+                cur = self.c.records[cur as usize].hash_next.load(Ordering::Relaxed);
+                steps += 1;
+            }
+            if seen != 1 {
+                return Err(format!("node {id} appears {seen} times in its bucket"));
+            }
+            let pp = self.c.records[id as usize].parent_page.load(Ordering::Relaxed);
+            let ns = self.c.records[id as usize].namespace.load(Ordering::Relaxed);
+            if self.c.records[id as usize].key_hash.load(Ordering::Relaxed) != self.page_hash_of(pp, ns, first) {
+                return Err(format!("node {id} has a stale key hash"));
+            }
+        }
+        let chained: usize = self
+            .c
+            .buckets
+            .iter()
+            .map(|b| {
+                let mut n = 0;
+                let mut cur = b.load(Ordering::Relaxed) as u32;
+                while cur != NIL && n <= self.s.meta.len() {
+                    n += 1;
+                    cur = self.c.records[cur as usize].hash_next.load(Ordering::Relaxed);
+                }
+                n
+            })
+            .sum();
+        if chained != live {
+            return Err(format!("{chained} records in buckets, {live} live nodes"));
+        }
+        for (id, &n) in children.iter().enumerate() {
+            if self.s.meta[id].alive && self.s.meta[id].children != n {
+                return Err(format!("node {id} counts {} children, has {n}", self.s.meta[id].children));
+            }
+        }
+        for page in 1..=self.c.num_pages {
+            if self.in_tree(page) != (owner_of_page[page as usize] != NIL) {
+                return Err(format!("page {page}: in-tree mark disagrees with the nodes"));
+            }
+        }
+        let sizes = (
+            self.c.total.load(Ordering::Relaxed),
+            self.c.evictable.load(Ordering::Relaxed),
+            self.c.protected.load(Ordering::Relaxed),
+        );
+        if sizes != (total, evictable, protected) {
+            return Err(format!(
+                "sizes (total, evictable, protected) {sizes:?}, nodes add up to {:?}",
+                (total, evictable, protected)
+            ));
+        }
+        let mut leaves = 0;
+        for id in 1..self.s.meta.len() as u32 {
+            let m = &self.s.meta[id as usize];
+            let should = m.alive && m.lock_ref == 0 && m.children == 0;
+            leaves += usize::from(should);
+            if should != (m.heap_pos != NIL) {
+                return Err(format!("node {id}: evictable leaf {should} but heap membership differs"));
+            }
+        }
+        if leaves != self.s.heap.len() {
+            return Err(format!("heap holds {} nodes, {leaves} evictable leaves", self.s.heap.len()));
+        }
+        let heap = Heap { heap: &mut self.s.heap.clone(), meta: &mut self.s.meta.to_vec(), policy: self.c.policy };
+        heap.check()?;
+        if self.s.free_ids.len() + live + 1 != self.s.meta.len() {
+            return Err(format!(
+                "{} free records + {live} live + root != {}",
+                self.s.free_ids.len(),
+                self.s.meta.len()
+            ));
+        }
+        Ok(())
+    }
+}
