@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::baseline::{RefNodeId, ReferenceRadixCache};
 use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::EvictionPolicy;
+use crate::radix::{EvictionPolicy, Lease, RadixCache};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::KvAllocator;
 
@@ -66,7 +66,7 @@ pub trait ReplayCache: Sync {
     /// `out[..hit]` and lock it; returns `hit` and the lease.
     fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>);
     /// Match without locking (a router's look-up); returns the hit length.
-    fn match_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize;
+    fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize;
     /// Evict at least `num_tokens` unlocked tokens if there are that many; returns the
     /// tokens freed.
     fn evict(&self, num_tokens: usize) -> usize;
@@ -123,7 +123,7 @@ pub trait ReplayCache: Sync {
 ///
 /// Every call takes the mutex (uncontended in sequential mode). Router look-ups go
 /// through the reference's `match_prefix`, which, like SGLang's, may split a node and
-/// refreshes recency.
+/// refreshes recency (kvpool's [`RadixCache::peek_prefix`] does neither).
 #[derive(Debug)]
 pub struct ReferenceCache<A: KvAllocator = crate::PagedAllocator> {
     tree: Mutex<ReferenceRadixCache<A>>,
@@ -235,7 +235,9 @@ impl<A: KvAllocator> ReplayCache for ReferenceCache<A> {
         out[..slots.len()].copy_from_slice(&slots);
         (slots.len(), RefLease { node, len: slots.len() })
     }
-    fn match_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+    fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        // The reference has no read-only look-up: this refreshes recency (and may
+        // split), as SGLang's `match_prefix` does.
         let (slots, _) = self.tree().match_prefix(namespace, key);
         out[..slots.len()].copy_from_slice(&slots);
         slots.len()
@@ -287,5 +289,77 @@ impl<A: KvAllocator> ReplayCache for ReferenceCache<A> {
             )));
         }
         Ok(())
+    }
+}
+
+/// kvpool's concurrent [`RadixCache`]: lookups are lock-free, changes go through its
+/// writer latch, allocation through the lock-free allocator.
+impl<A: KvAllocator> ReplayCache for RadixCache<A> {
+    type Lease<'a>
+        = Lease<'a, A>
+    where
+        Self: 'a;
+
+    fn name(&self) -> &'static str {
+        "kvpool"
+    }
+    fn page_size(&self) -> u32 {
+        RadixCache::page_size(self) as u32
+    }
+    fn capacity_tokens(&self) -> usize {
+        self.allocator().size()
+    }
+    fn available_tokens(&self) -> usize {
+        self.allocator().available_size()
+    }
+    fn evictable_tokens(&self) -> usize {
+        self.evictable_size()
+    }
+    fn cached_tokens(&self) -> usize {
+        self.total_size()
+    }
+    fn req_pool(&self) -> &ReqToTokenPool {
+        RadixCache::req_pool(self)
+    }
+    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Lease<'_, A>) {
+        let lease = RadixCache::match_and_lock(self, namespace, key, out);
+        (lease.len(), lease)
+    }
+    fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        RadixCache::peek_prefix(self, namespace, key, out)
+    }
+    fn evict(&self, num_tokens: usize) -> usize {
+        RadixCache::evict(self, num_tokens)
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        RadixCache::alloc_extend(self, prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        RadixCache::alloc_decode(self, seq_lens, last_locs, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.allocator().free(slots)
+    }
+    fn unlock(&self, lease: Lease<'_, A>) {
+        drop(lease);
+    }
+    fn cache_finished_req<'a>(
+        &'a self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'a, A>,
+    ) -> Result<usize, ReplayError> {
+        RadixCache::cache_finished_req(self, namespace, token_ids, row, lease, 0)
+            .map_err(|u| ReplayError::internal("cache_finished_req", u))
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        RadixCache::check_invariants(self)
     }
 }

@@ -56,7 +56,7 @@ pub use trace::{
 };
 
 use crate::error::InvariantViolation;
-use crate::radix::EvictionPolicy;
+use crate::radix::{EvictionPolicy, RadixCache, RadixConfig};
 
 /// The namespace (`extra_key`) every replayed request uses.
 pub const NAMESPACE: u64 = 0;
@@ -111,8 +111,10 @@ impl FromStr for Mode {
 /// Which prefix cache the replay drives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CacheKind {
-    /// [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache) behind a mutex.
+    /// kvpool's concurrent [`RadixCache`](crate::radix::RadixCache).
     #[default]
+    Kvpool,
+    /// [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache) behind a mutex.
     Reference,
 }
 
@@ -120,6 +122,7 @@ impl CacheKind {
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
+            CacheKind::Kvpool => "kvpool",
             CacheKind::Reference => "reference",
         }
     }
@@ -129,8 +132,9 @@ impl FromStr for CacheKind {
     type Err = ReplayError;
     fn from_str(s: &str) -> Result<Self, ReplayError> {
         match s.to_ascii_lowercase().as_str() {
+            "kvpool" => Ok(CacheKind::Kvpool),
             "reference" => Ok(CacheKind::Reference),
-            _ => Err(ReplayError::Config(format!("unknown cache {s:?}; expected reference"))),
+            _ => Err(ReplayError::Config(format!("unknown cache {s:?}; expected kvpool or reference"))),
         }
     }
 }
@@ -308,6 +312,13 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
     let rows = config.rows() as u32;
     let max_context_len = trace.max_kv_len().max(1);
     match config.cache {
+        CacheKind::Kvpool => {
+            let alloc = crate::PagedAllocator::new(config.capacity_tokens, config.page_size)?;
+            let req_pool = crate::ReqToTokenPool::new(rows, max_context_len)?;
+            let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
+            let cache = RadixCache::new(alloc, req_pool, radix)?;
+            run(&cache, trace, config, progress)
+        }
         CacheKind::Reference => {
             let cache =
                 ReferenceCache::new(config.capacity_tokens, config.page_size, config.policy, rows, max_context_len)?;

@@ -280,12 +280,21 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         self.totals.peak_used_tokens = self.totals.peak_used_tokens.max(used);
     }
 
-    /// Evict the shortfall of `need` tokens, if that much is evictable.
-    fn make_room(&mut self, need: usize) {
+    /// Make `need` tokens free by evicting the shortfall. Returns `false`, evicting
+    /// nothing, when not even that much is evictable: the allocation is then not tried
+    /// (it would fail, and a cache that evicts inside its allocation would empty itself
+    /// for nothing). Only this thread allocates, evicts or locks, so what it frees stays
+    /// free until its allocation.
+    fn make_room(&mut self, need: usize) -> bool {
         let available = self.cache.available_tokens();
-        if need > available && need - available <= self.cache.evictable_tokens() {
-            self.totals.evicted_tokens += self.cache.evict(need - available) as u64;
+        if need <= available {
+            return true;
         }
+        if need - available > self.cache.evictable_tokens() {
+            return false;
+        }
+        self.totals.evicted_tokens += self.cache.evict(need - available) as u64;
+        true
     }
 
     fn admit(&mut self, r: usize, alone: bool) -> Result<Admission<C::Lease<'c>>, ReplayError> {
@@ -305,12 +314,23 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         };
         write_row(cache, &mut row, 0, &self.slots[..hit])?;
         let last_loc = if hit > 0 { self.slots[hit - 1] } else { 0 };
-        self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
-        let t = Instant::now();
-        let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut self.slots[..prompt - hit]);
-        self.hist.alloc_extend.record_since(t);
-        if let Err(e) = res {
-            out_of_memory(&e, "alloc_extend")?;
+        let fits = self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
+        let res = if fits {
+            let t = Instant::now();
+            let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut self.slots[..prompt - hit]);
+            self.hist.alloc_extend.record_since(t);
+            res.map(|()| true)
+        } else {
+            Ok(false)
+        };
+        let admitted = match res {
+            Ok(admitted) => admitted,
+            Err(e) => {
+                out_of_memory(&e, "alloc_extend")?;
+                false
+            }
+        };
+        if !admitted {
             release(cache, row, 0..0)?;
             cache.unlock(lease);
             let nobody_else = alone && self.shared.pending.load(Ordering::Acquire) == 0;
@@ -373,13 +393,16 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         }
         loop {
             let need: usize = b.seq_lens.iter().map(|&s| decode_need(self.ps, s)).sum();
-            self.make_room(need);
-            let m = running.len();
-            let t = Instant::now();
-            let res = cache.alloc_decode(&b.seq_lens, &b.last_locs, &mut b.out[..m]);
-            self.hist.alloc_decode.record_since(t);
-            let Err(e) = res else { break };
-            out_of_memory(&e, "alloc_decode")?;
+            if self.make_room(need) {
+                let m = running.len();
+                let t = Instant::now();
+                let res = cache.alloc_decode(&b.seq_lens, &b.last_locs, &mut b.out[..m]);
+                self.hist.alloc_decode.record_since(t);
+                match res {
+                    Ok(()) => break,
+                    Err(e) => out_of_memory(&e, "alloc_decode")?,
+                }
+            }
             if self.shared.pending.load(Ordering::Acquire) > 0 {
                 // Requests being finished will free or unlock their tokens.
                 self.wait_for_output()?;
@@ -522,7 +545,7 @@ fn router_thread<C: ReplayCache>(
         let len = trace.request(r).input_length as usize;
         trace.write_prompt(r, &mut prompt);
         let t = Instant::now();
-        let hit = cache.match_prefix(NAMESPACE, &prompt[..len], &mut slots[..len]);
+        let hit = cache.peek_prefix(NAMESPACE, &prompt[..len], &mut slots[..len]);
         res.route.record_since(t);
         res.matches += 1;
         res.hit_tokens += hit as u64;
