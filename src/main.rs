@@ -107,6 +107,10 @@ mod cli {
             trace.truncate(limit);
         }
         config.validate(&trace)?;
+        if let Some(path) = &args.plot {
+            // Fail now rather than after the replay: the file is written at the end.
+            std::fs::File::create(path).map_err(|e| ReplayError::Plot(format!("{}: {e}", path.display())))?;
+        }
 
         let bar = if args.json || !std::io::stderr().is_terminal() {
             ProgressBar::hidden()

@@ -304,6 +304,10 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         if kv_len.div_ceil(ps) * ps > self.capacity {
             return Ok(Admission::Rejected);
         }
+        // Read before the attempt: if no request was with the output thread then, none
+        // held memory during it (only this thread admits), so a failure is final. Read
+        // after, a finish that freed memory mid-attempt would look like no one's.
+        let pending_before = self.shared.pending.load(Ordering::Acquire);
         self.trace.write_prompt(r, &mut self.prompt);
         let t = Instant::now();
         let (hit, lease) = cache.match_and_lock(NAMESPACE, &self.prompt[..prompt], &mut self.slots[..prompt]);
@@ -333,7 +337,7 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         if !admitted {
             release(cache, row, 0..0)?;
             cache.unlock(lease);
-            let nobody_else = alone && self.shared.pending.load(Ordering::Acquire) == 0;
+            let nobody_else = alone && pending_before == 0;
             return Ok(if nobody_else { Admission::Rejected } else { Admission::Wait });
         }
         write_row(cache, &mut row, hit, &self.slots[..prompt - hit])?;
@@ -392,6 +396,8 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             b.last_locs.push(run.last_loc);
         }
         loop {
+            // As in `admit`: whether anyone else could hold memory during the attempt.
+            let pending_before = self.shared.pending.load(Ordering::Acquire);
             let need: usize = b.seq_lens.iter().map(|&s| decode_need(self.ps, s)).sum();
             if self.make_room(need) {
                 let m = running.len();
@@ -403,7 +409,7 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
                     Err(e) => out_of_memory(&e, "alloc_decode")?,
                 }
             }
-            if self.shared.pending.load(Ordering::Acquire) > 0 {
+            if pending_before > 0 {
                 // Requests being finished will free or unlock their tokens.
                 self.wait_for_output()?;
                 continue;
