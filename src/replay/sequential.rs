@@ -34,13 +34,14 @@ pub(crate) const PROGRESS_EVERY: u64 = 64;
 /// use kvpool::radix::EvictionPolicy;
 ///
 /// let text = "{\"input_length\": 32, \"output_length\": 5, \"hash_ids\": [1]}\n\
-///             {\"input_length\": 40, \"output_length\": 1, \"hash_ids\": [1]}\n";
+///             {\"input_length\": 50, \"output_length\": 1, \"hash_ids\": [1]}\n";
 /// let trace = Trace::from_jsonl_str(text, "example")?;
 /// let cache = ReferenceCache::new(1024, 16, EvictionPolicy::Lru, 1, trace.max_kv_len())?;
 /// let report = run_sequential(&cache, &trace, &ReplayConfig::default(), &|_| {})?;
-/// // Request 0 caches 36 KV tokens as 2 whole pages; request 1 hits those 32.
+/// // Request 0 has 36 KV tokens and caches 2 whole pages; request 1 hits those 32,
+/// // and its 50 KV tokens add one more page (the 2-token tail is freed).
 /// assert_eq!(report.hit_tokens, 32);
-/// assert_eq!(report.final_cached_tokens, 32 + 32); // + 40 tokens of request 1, aligned
+/// assert_eq!(report.final_cached_tokens, 48);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
