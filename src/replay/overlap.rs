@@ -242,24 +242,25 @@ fn scheduler<'c, C: ReplayCache>(
         // Admit in order: retracted requests first, then the trace.
         while running.len() < max_running {
             let Some(r) = retracted.front().copied().or((next < n).then_some(next)) else { break };
-            let admission = s.admit(r, running.is_empty())?;
-            if matches!(admission, Admission::Wait) {
-                break;
-            }
+            let run = match s.admit(r, running.is_empty())? {
+                Admission::Wait => break,
+                Admission::Admitted(run) => Some(run),
+                Admission::Rejected => None,
+            };
+            // `r` leaves the waiting queue.
             if retracted.front() == Some(&r) {
                 retracted.pop_front();
             } else {
                 next += 1;
                 shared.next_admit.store(next, Ordering::Release);
             }
-            match admission {
-                Admission::Admitted(run) if run.seq == run.kv_len => s.send(run)?,
-                Admission::Admitted(run) => running.push(run),
-                Admission::Rejected => {
+            match run {
+                Some(run) if run.seq == run.kv_len => s.send(run)?,
+                Some(run) => running.push(run),
+                None => {
                     s.totals.rejected += 1;
                     shared.done_requests.fetch_add(1, Ordering::Relaxed);
                 }
-                Admission::Wait => unreachable!("handled above"),
             }
         }
         if running.is_empty() {

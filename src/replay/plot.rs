@@ -66,7 +66,13 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .x_label_area_size(36)
         .y_label_area_size(70)
         .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
-    chart.configure_mesh().x_desc("requests done").y_desc("thousands of tokens").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("thousands of tokens")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()?;
     let capacity = k(report.capacity_tokens);
     chart
         .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
@@ -80,14 +86,13 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, k(p.cached_tokens))), &BLUE))?
         .label("tokens cached")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
-    chart.configure_series_labels().position(SeriesLabelPosition::LowerRight).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
 
-    let mut chart = ChartBuilder::on(&bottom)
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..x_max, 0f64..100f64)?;
-    chart.configure_mesh().x_desc("requests done").y_desc("cumulative hit rate, %").draw()?;
     let rate = |p: &TimelinePoint| {
         if p.prompt_tokens == 0 {
             0.0
@@ -95,11 +100,30 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
             100.0 * p.hit_tokens as f64 / p.prompt_tokens as f64
         }
     };
+    // Scale to the rates seen (a 5% hit rate is a flat line on a 0-100 axis).
+    let rate_max = timeline.iter().map(rate).fold(0.0, f64::max);
+    let y_max = (rate_max * 1.25).clamp(1.0, 100.0).ceil();
+    let mut chart = ChartBuilder::on(&bottom)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("cumulative hit rate, %")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .draw()?;
     chart
         .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, rate(p))), &GREEN))?
         .label(format!("hit rate (final {:.2}%)", report.hit_rate * 100.0))
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], GREEN));
-    chart.configure_series_labels().position(SeriesLabelPosition::LowerRight).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

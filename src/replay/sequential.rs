@@ -82,6 +82,8 @@ pub fn run_sequential<C: ReplayCache>(
         write_row(cache, &mut row, 0, &slots[..hit])?;
 
         let outcome = serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist)?;
+        // For the timeline: the slots in use with this request's all allocated.
+        let used_before_finish = if config.timeline { capacity - cache.available_tokens() } else { 0 };
         if let Some(held_end) = outcome {
             // Rejected: release what it held (the slots it allocated past the cached
             // prefix, whole pages as the prefix is page-aligned), its lock, its row.
@@ -102,7 +104,7 @@ pub fn run_sequential<C: ReplayCache>(
         if config.timeline {
             timeline.push(TimelinePoint {
                 requests_done: r as u32 + 1,
-                used_tokens: (capacity - cache.available_tokens()) as u64,
+                used_tokens: used_before_finish as u64,
                 cached_tokens: cache.cached_tokens() as u64,
                 prompt_tokens: totals.prompt_tokens,
                 hit_tokens: totals.hit_tokens,

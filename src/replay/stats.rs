@@ -151,12 +151,14 @@ pub struct Latencies {
     pub route: Option<Percentiles>,
 }
 
-/// One point of the timeline that `--plot` draws: the state after a request finished.
+/// One point of the timeline that `--plot` draws: the state when a request finished
+/// (or was rejected).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TimelinePoint {
     /// Requests finished or rejected so far.
     pub requests_done: u32,
-    /// KV slots in use (cached plus held by running requests).
+    /// KV slots in use: cached plus held by running requests (sequential mode: taken
+    /// just before the request's finish, so its own slots count).
     pub used_tokens: u64,
     /// Tokens in the prefix cache.
     pub cached_tokens: u64,
