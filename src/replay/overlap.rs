@@ -203,6 +203,8 @@ struct Scheduler<'c, C: ReplayCache> {
     ps: u32,
     capacity: usize,
     prompt: Vec<u32>,
+    /// The request whose prompt is in `prompt`.
+    prompt_of: usize,
     slots: Vec<u32>,
     totals: Totals,
     hist: Histograms,
@@ -225,6 +227,7 @@ fn scheduler<'c, C: ReplayCache>(
         ps: cache.page_size(),
         capacity: cache.capacity_tokens(),
         prompt: vec![0; max_input],
+        prompt_of: usize::MAX,
         slots: vec![0; max_input],
         totals: Totals::default(),
         hist: Histograms::default(),
@@ -309,7 +312,11 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         // held memory during it (only this thread admits), so a failure is final. Read
         // after, a finish that freed memory mid-attempt would look like no one's.
         let pending_before = self.shared.pending.load(Ordering::Acquire);
-        self.trace.write_prompt(r, &mut self.prompt);
+        if self.prompt_of != r {
+            // A request that waits is retried every step: expand its prompt once.
+            self.trace.write_prompt(r, &mut self.prompt);
+            self.prompt_of = r;
+        }
         let t = Instant::now();
         let (hit, lease) = cache.match_and_lock(NAMESPACE, &self.prompt[..prompt], &mut self.slots[..prompt]);
         self.hist.match_.record_since(t);
