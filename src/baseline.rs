@@ -313,6 +313,11 @@ impl<A: KvAllocator> ReferenceRadixCache<A> {
         self.protected
     }
 
+    /// Nodes in the tree, not counting the root.
+    pub fn node_count(&self) -> usize {
+        self.nodes.iter().skip(1).filter(|n| n.alive).count()
+    }
+
     /// Tokens cached.
     pub fn total_size(&self) -> usize {
         self.nodes.iter().skip(1).filter(|n| n.alive).map(|n| n.value.len()).sum()

@@ -54,6 +54,8 @@ pub mod radix;
 pub mod replay;
 pub mod req_to_token;
 pub mod slots;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{

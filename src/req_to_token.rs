@@ -163,12 +163,22 @@ impl ReqToTokenPool {
         Ok(())
     }
 
-    /// Read positions `range` of the row.
+    /// Read positions `range` of the row. The slice borrows the handle, so the row
+    /// cannot be written while it lives:
+    ///
+    /// ```compile_fail
+    /// let pool = kvpool::ReqToTokenPool::new(1, 4)?;
+    /// let mut row = pool.alloc()?;
+    /// let view = pool.read(&row, 0..2)?;
+    /// pool.write(&mut row, 0, &[1])?; // error: `row` is borrowed by `view`
+    /// println!("{view:?}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     ///
     /// As [`write`](Self::write).
-    pub fn read(&self, row: &ReqRow, range: core::ops::Range<usize>) -> Result<&[u32], RowError> {
+    pub fn read<'a>(&'a self, row: &'a ReqRow, range: core::ops::Range<usize>) -> Result<&'a [u32], RowError> {
         let len = range.end.saturating_sub(range.start);
         let at = self.bounds(row, range.start, len)?;
         let cells = &self.table[at..at + len];
@@ -182,7 +192,11 @@ impl ReqToTokenPool {
     /// # Errors
     ///
     /// As [`write`](Self::write).
-    pub fn read_mut(&self, row: &mut ReqRow, range: core::ops::Range<usize>) -> Result<&mut [u32], RowError> {
+    pub fn read_mut<'a>(
+        &'a self,
+        row: &'a mut ReqRow,
+        range: core::ops::Range<usize>,
+    ) -> Result<&'a mut [u32], RowError> {
         let len = range.end.saturating_sub(range.start);
         let at = self.bounds(row, range.start, len)?;
         let cells = &self.table[at..at + len];
@@ -196,7 +210,7 @@ impl ReqToTokenPool {
     /// # Errors
     ///
     /// [`RowError::ForeignRow`] for another pool's handle.
-    pub fn row(&self, row: &ReqRow) -> Result<&[u32], RowError> {
+    pub fn row<'a>(&'a self, row: &'a ReqRow) -> Result<&'a [u32], RowError> {
         self.read(row, 0..self.max_context_len)
     }
 

@@ -960,6 +960,13 @@ impl<A: KvAllocator> RadixCache<A> {
         self.write(|w| w.check())
     }
 
+    /// Every cached path from the root to a leaf as (namespace, tokens, slots), sorted:
+    /// a canonical view for comparing trees whatever their node layout. O(cached tokens)
+    /// and allocating: for tests and debugging.
+    pub fn leaf_paths(&self) -> Vec<(u64, Vec<u32>, Vec<u32>)> {
+        self.write(|w| w.leaf_paths())
+    }
+
     /// Nodes in the tree, not counting the root.
     pub fn node_count(&self) -> usize {
         self.write(|w| w.s.meta.iter().skip(1).filter(|m| m.alive).count())

@@ -548,6 +548,46 @@ impl<A: KvAllocator> Writer<'_, A> {
         map
     }
 
+    fn node_tokens(&self, id: u32) -> (Vec<u32>, Vec<u32>) {
+        let (first, count) = self.span(id);
+        let ps = self.c.ps;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let mut page = first;
+        for i in 0..count {
+            for j in 0..ps {
+                let slot = page as usize * ps + j;
+                k.push(self.c.slot_token[slot].load(Ordering::Relaxed));
+                v.push(slot as u32);
+            }
+            if i + 1 < count {
+                page = self.next(page);
+            }
+        }
+        (k, v)
+    }
+
+    pub(super) fn leaf_paths(&self) -> Vec<(u64, Vec<u32>, Vec<u32>)> {
+        let mut out = Vec::new();
+        for id in 1..self.s.meta.len() as u32 {
+            let m = &self.s.meta[id as usize];
+            if !m.alive || m.children != 0 {
+                continue;
+            }
+            let ns = self.c.records[id as usize].namespace.load(Ordering::Relaxed);
+            let (mut keys, mut vals) = (Vec::new(), Vec::new());
+            let mut x = id;
+            while x != ROOT {
+                let (k, v) = self.node_tokens(x);
+                keys.splice(0..0, k);
+                vals.splice(0..0, v);
+                x = self.parent_of(x);
+            }
+            out.push((ns, keys, vals));
+        }
+        out.sort();
+        out
+    }
+
     pub(super) fn pretty(&self) -> String {
         let map = self.children_map();
         let mut s = String::new();

@@ -1,0 +1,318 @@
+//! [`RadixCache`] against [`ReferenceRadixCache`], operation by operation.
+//!
+//! Each side has its own allocator of the same shape; since both allocators hand out
+//! the lowest free pages and the caches free the same pages in the same order, the two
+//! sides must agree on every slot number, not just on lengths. After every operation the
+//! driver compares sizes, free space, the canonical leaf paths and node counts, runs
+//! `check_invariants()`, and checks that every page is owned exactly once: by the tree,
+//! by an open request, or by the free pool.
+
+use arbitrary::Arbitrary;
+
+use crate::baseline::{RefNodeId, ReferenceRadixCache};
+use crate::radix::{EvictionPolicy, Lease, RadixCache, RadixConfig};
+use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
+
+/// Tokens come from a tiny alphabet so keys share prefixes often.
+const ALPHABET: u8 = 3;
+/// Longest key.
+const MAX_KEY: usize = 24;
+/// Open requests at most.
+const MAX_REQS: usize = 6;
+
+/// One step of a radix-cache model run.
+#[derive(Arbitrary, Debug, Clone)]
+pub enum RadixOp {
+    /// A request arrives: match and lock its tokens, take a row, allocate the rest.
+    Start {
+        /// Token seeds.
+        key: Vec<u8>,
+        /// Namespace (0..=1).
+        ns: bool,
+    },
+    /// An open request finishes (`cache_finished_req`).
+    Finish {
+        /// Which open request (modulo their number).
+        req: u8,
+        /// Insert priority.
+        prio: i8,
+    },
+    /// An open request caches its progress (`cache_unfinished_req`).
+    Chunk {
+        /// Which open request.
+        req: u8,
+    },
+    /// An open request is dropped: its own slots are freed, its lease released.
+    Abort {
+        /// Which open request.
+        req: u8,
+    },
+    /// A direct insert of freshly allocated slots (duplicates are freed).
+    Insert {
+        /// Token seeds.
+        key: Vec<u8>,
+        /// Namespace.
+        ns: bool,
+        /// Priority.
+        prio: i8,
+    },
+    /// SGLang's match (touches, may split), without locking.
+    Match {
+        /// Token seeds.
+        key: Vec<u8>,
+        /// Namespace.
+        ns: bool,
+    },
+    /// The lock-free read-only lookup.
+    Peek {
+        /// Token seeds.
+        key: Vec<u8>,
+        /// Namespace.
+        ns: bool,
+    },
+    /// Evict at least `n` tokens.
+    Evict {
+        /// Tokens to free.
+        n: u8,
+    },
+}
+
+struct Req<'c> {
+    ns: u64,
+    tokens: Vec<u32>,
+    row: ReqRow,
+    lease: Lease<'c, PagedAllocator>,
+    ref_kv: Vec<u32>,
+    ref_node: RefNodeId,
+    ref_protected: usize,
+}
+
+fn tokens(seeds: &[u8], ps: usize) -> Vec<u32> {
+    let mut t: Vec<u32> = seeds.iter().take(MAX_KEY).map(|&s| (s % ALPHABET) as u32).collect();
+    if ps > 1 && t.len() > ps && seeds.first().is_some_and(|s| s & 0x80 != 0) {
+        // sometimes cut to whole pages, so inserts of full keys happen too
+        t.truncate(t.len() / ps * ps);
+    }
+    t
+}
+
+fn check<T: PartialEq + std::fmt::Debug>(what: &str, step: usize, got: T, want: T) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("step {step}: {what}: kvpool {got:?}, reference {want:?}"))
+    }
+}
+
+/// Run `ops` on a cache of `pages` pages of `page_size` tokens (both clamped to small
+/// ranges) with `policy`, comparing with the reference after every step.
+///
+/// # Errors
+///
+/// The first disagreement or broken invariant, described.
+pub fn run(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp]) -> Result<(), String> {
+    let ps = [1u32, 2, 4][page_size as usize % 3] as usize;
+    let pages = 4 + pages as usize % 28;
+    let policy = EvictionPolicy::ALL[policy as usize % EvictionPolicy::ALL.len()];
+    let make = || PagedAllocator::new(pages * ps, ps as u32).expect("small allocator");
+    let config = RadixConfig { policy, event_capacity: None };
+    let cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
+        .map_err(|e| e.to_string())?;
+    let mut reference = ReferenceRadixCache::new(make(), policy);
+    let mut reqs: Vec<Req<'_>> = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
+        compare(&cache, &reference, &reqs, ps, pages, step)?;
+    }
+    // Finish everything, then evict everything: the pool must be whole again.
+    while let Some(r) = reqs.pop() {
+        abort(&cache, &mut reference, r, ps);
+    }
+    cache.evict(usize::MAX);
+    reference.evict(usize::MAX);
+    compare(&cache, &reference, &reqs, ps, pages, ops.len())?;
+    check("free tokens at the end", ops.len(), cache.allocator().available_size(), pages * ps)
+}
+
+fn abort(
+    cache: &RadixCache<PagedAllocator>,
+    reference: &mut ReferenceRadixCache<PagedAllocator>,
+    r: Req<'_>,
+    ps: usize,
+) {
+    let own = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap()[r.lease.len()..].to_vec();
+    let _ = ps;
+    cache.allocator().free(&own).expect("a request owns its slots");
+    drop(r.lease);
+    cache.req_pool().free(r.row).unwrap();
+    reference.allocator().free(&r.ref_kv[r.ref_protected..]).expect("reference request owns its slots");
+    reference.dec_lock_ref(r.ref_node);
+}
+
+fn apply<'c>(
+    cache: &'c RadixCache<PagedAllocator>,
+    reference: &mut ReferenceRadixCache<PagedAllocator>,
+    reqs: &mut Vec<Req<'c>>,
+    op: &RadixOp,
+    ps: usize,
+    step: usize,
+) -> Result<(), String> {
+    match op {
+        RadixOp::Start { key, ns } => {
+            let t = tokens(key, ps);
+            if reqs.len() == MAX_REQS || t.is_empty() {
+                return Ok(());
+            }
+            let ns = *ns as u64;
+            let mut hit = vec![0u32; t.len()];
+            let lease = cache.match_and_lock(ns, &t, &mut hit);
+            let (ref_hit, ref_node) = reference.match_prefix(ns, &t);
+            reference.inc_lock_ref(ref_node);
+            let h = lease.len();
+            check("start: hit", step, &hit[..h], &ref_hit[..])?;
+            let last = if h > 0 { hit[h - 1] } else { 0 };
+            let mut new = vec![0u32; t.len() - h];
+            let got = cache.alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut new);
+            // reference: evict the shortfall, then allocate
+            let need = reference.allocator().extend_need(&[h as u32], &[t.len() as u32]).unwrap();
+            let avail = reference.allocator().available_size();
+            if avail < need {
+                reference.evict(need - avail);
+            }
+            let mut ref_new = vec![0u32; t.len() - h];
+            let want = reference.allocator().alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut ref_new);
+            check("start: alloc ok", step, got.is_ok(), want.is_ok())?;
+            if got.is_err() {
+                drop(lease);
+                reference.dec_lock_ref(ref_node);
+                return Ok(());
+            }
+            check("start: new slots", step, &new, &ref_new)?;
+            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
+            cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+            cache.req_pool().write(&mut row, h, &new).unwrap();
+            let mut ref_kv = ref_hit;
+            ref_kv.extend_from_slice(&ref_new);
+            reqs.push(Req { ns, tokens: t, row, lease, ref_kv, ref_node, ref_protected: h });
+        }
+        RadixOp::Finish { req, prio } => {
+            if reqs.is_empty() {
+                return Ok(());
+            }
+            let r = reqs.remove(*req as usize % reqs.len());
+            let got =
+                cache.cache_finished_req(r.ns, &r.tokens, r.row, r.lease, *prio as i64).map_err(|e| e.to_string())?;
+            let want =
+                reference.cache_finished_req(r.ns, &r.tokens, &r.ref_kv, r.ref_protected, r.ref_node, *prio as i64);
+            check("finish: cached prefix", step, got, want)?;
+        }
+        RadixOp::Chunk { req } => {
+            if reqs.is_empty() {
+                return Ok(());
+            }
+            let i = *req as usize % reqs.len();
+            let r = &mut reqs[i];
+            cache.cache_unfinished_req(r.ns, &r.tokens, &mut r.row, &mut r.lease, 0).map_err(|e| e.to_string())?;
+            let (p, n) = reference.cache_unfinished_req(r.ns, &r.tokens, &mut r.ref_kv, r.ref_protected, r.ref_node, 0);
+            r.ref_protected = p;
+            r.ref_node = n;
+            check("chunk: protected", step, r.lease.len(), p)?;
+            let row = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap();
+            check("chunk: row", step, row, &r.ref_kv[..])?;
+        }
+        RadixOp::Abort { req } => {
+            if reqs.is_empty() {
+                return Ok(());
+            }
+            let r = reqs.remove(*req as usize % reqs.len());
+            abort(cache, reference, r, ps);
+        }
+        RadixOp::Insert { key, ns, prio } => {
+            let t = tokens(key, ps);
+            let t = &t[..t.len() / ps * ps];
+            let ns = *ns as u64;
+            let mut s = vec![0u32; t.len()];
+            let mut rs = vec![0u32; t.len()];
+            let got = cache.allocator().alloc(&mut s);
+            let want = reference.allocator().alloc(&mut rs);
+            check("insert: alloc ok", step, got.is_ok(), want.is_ok())?;
+            if got.is_err() {
+                return Ok(());
+            }
+            check("insert: slots", step, &s, &rs)?;
+            let a = cache.insert(ns, t, &s, *prio as i64).map_err(|e| format!("step {step}: insert: {e}"))?;
+            let b = reference.insert(ns, t, &rs, *prio as i64);
+            check("insert: prefix", step, a, b)?;
+            cache.allocator().free(&s[..a]).map_err(|e| e.to_string())?;
+            reference.allocator().free(&rs[..b]).map_err(|e| e.to_string())?;
+        }
+        RadixOp::Match { key, ns } => {
+            let t = tokens(key, ps);
+            let mut out = vec![0u32; t.len()];
+            let m = cache.match_prefix(*ns as u64, &t, &mut out);
+            let (v, _) = reference.match_prefix(*ns as u64, &t);
+            check("match", step, &out[..m.len()], &v[..])?;
+        }
+        RadixOp::Peek { key, ns } => {
+            let t = tokens(key, ps);
+            let mut out = vec![0u32; t.len()];
+            let n = cache.peek_prefix(*ns as u64, &t, &mut out);
+            // The reference has no read-only match: compare against its leaf paths.
+            let best = reference
+                .leaf_paths()
+                .into_iter()
+                .filter(|(pns, _, _)| *pns == *ns as u64)
+                .map(|(_, k, v)| {
+                    let common = k.iter().zip(&t).take_while(|(a, b)| a == b).count() / ps * ps;
+                    (common, v)
+                })
+                .max_by_key(|(c, _)| *c);
+            let (len, slots) = best.map_or((0, vec![]), |(c, v)| (c, v[..c].to_vec()));
+            check("peek", step, (n, &out[..n]), (len, &slots[..]))?;
+        }
+        RadixOp::Evict { n } => {
+            let a = cache.evict(*n as usize);
+            let b = reference.evict(*n as usize);
+            check("evict", step, a, b)?;
+        }
+    }
+    Ok(())
+}
+
+fn compare(
+    cache: &RadixCache<PagedAllocator>,
+    reference: &ReferenceRadixCache<PagedAllocator>,
+    reqs: &[Req<'_>],
+    ps: usize,
+    pages: usize,
+    step: usize,
+) -> Result<(), String> {
+    cache.check_invariants().map_err(|e| format!("step {step}: {e}"))?;
+    check("total", step, cache.total_size(), reference.total_size())?;
+    check("evictable", step, cache.evictable_size(), reference.evictable_size())?;
+    check("protected", step, cache.protected_size(), reference.protected_size())?;
+    check("available", step, cache.allocator().available_size(), reference.allocator().available_size())?;
+    check("nodes", step, cache.node_count(), reference.node_count())?;
+    check("leaf paths", step, cache.leaf_paths(), reference.leaf_paths())?;
+    // Every page owned exactly once: tree, open requests, free pool.
+    let mut owner = vec![0u8; pages + 1];
+    for (_, _, slots) in cache.leaf_paths() {
+        for s in slots.chunks(ps) {
+            owner[s[0] as usize / ps] = 1; // shared prefixes repeat: mark, do not count
+        }
+    }
+    let tree_pages = owner.iter().filter(|&&o| o == 1).count();
+    check("tree pages", step, tree_pages * ps, cache.total_size())?;
+    for r in reqs {
+        let row = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap();
+        for &s in &row[r.lease.len()..] {
+            let p = s as usize / ps;
+            if owner[p] == 1 {
+                return Err(format!("step {step}: page {p} is in the tree and owned by a request"));
+            }
+            owner[p] = 2;
+        }
+    }
+    let owned = owner.iter().filter(|&&o| o != 0).count();
+    check("pages owned + free", step, owned + cache.allocator().available_size() / ps, pages)
+}

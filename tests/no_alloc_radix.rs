@@ -1,0 +1,118 @@
+//! Zero heap allocations in the radix cache's hot paths: match, peek, match-and-lock,
+//! unlock, insert (with splits), evict, allocation with eviction, and the request
+//! helpers. A counting global allocator counts this thread's allocations while armed.
+#![cfg(not(loom))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, TokenAllocator};
+
+struct Counting;
+
+thread_local! {
+    static ARMED: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator; the bookkeeping touches only thread-locals
+// that do not allocate (const-initialized Cells).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if ARMED.with(Cell::get) {
+            COUNT.with(|c| c.set(c.get() + 1));
+        }
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if ARMED.with(Cell::get) {
+            COUNT.with(|c| c.set(c.get() + 1));
+        }
+        // SAFETY: same contract as ours.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations(f: impl FnOnce()) -> usize {
+    COUNT.with(|c| c.set(0));
+    ARMED.with(|a| a.set(true));
+    f();
+    ARMED.with(|a| a.set(false));
+    COUNT.with(Cell::get)
+}
+
+#[test]
+fn the_counter_counts() {
+    assert_eq!(allocations(|| drop(std::hint::black_box(vec![1u8; 10]))), 1);
+}
+
+fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
+    let ps = cache.page_size();
+    let prompt: Vec<u32> = (0..(40 * ps) as u32).collect();
+    let mut other = prompt.clone();
+    other[20 * ps] = 9999; // diverges in the middle: forces a split
+    let mut hit = vec![0u32; prompt.len()];
+    let mut new = vec![0u32; prompt.len()];
+    let mut row = cache.req_pool().alloc().unwrap();
+    let mut row2 = cache.req_pool().alloc().unwrap();
+
+    let n = allocations(|| {
+        for round in 0..3 {
+            for key in [&prompt, &other] {
+                let row = if round % 2 == 0 { &mut row } else { &mut row2 };
+                let mut lease = cache.match_and_lock(0, key, &mut hit);
+                let h = lease.len();
+                cache.req_pool().write(row, 0, &hit[..h]).unwrap();
+                let last = if h > 0 { hit[h - 1] } else { 0 };
+                let out = &mut new[..key.len() - h];
+                cache.alloc_extend(&[h as u32], &[key.len() as u32], &[last], out).unwrap();
+                cache.req_pool().write(row, h, out).unwrap();
+                cache.cache_unfinished_req(0, key, row, &mut lease, 0).unwrap();
+                drop(lease);
+                let _ = cache.peek_prefix(0, key, &mut hit);
+                let m = cache.match_prefix(0, &key[..30 * ps], &mut hit);
+                assert!(!m.is_empty());
+                cache.evict(5 * ps);
+            }
+        }
+    });
+    assert_eq!(n, 0, "allocations in the radix cache's hot paths");
+
+    // The finishing helper too (it consumes the row; do it last).
+    let mut lease = cache.match_and_lock(0, &prompt, &mut hit);
+    let h = lease.len();
+    cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+    let out = &mut new[..prompt.len() - h];
+    let last = if h > 0 { hit[h - 1] } else { 0 };
+    cache.alloc_extend(&[h as u32], &[prompt.len() as u32], &[last], out).unwrap();
+    cache.req_pool().write(&mut row, h, out).unwrap();
+    cache.cache_unfinished_req(0, &prompt, &mut row, &mut lease, 0).unwrap();
+    let n = allocations(|| {
+        cache.cache_finished_req(0, &prompt, row, lease, 1).unwrap();
+        cache.evict(usize::MAX);
+    });
+    assert_eq!(n, 0, "allocations in cache_finished_req / evict");
+    drop(row2);
+}
+
+#[test]
+fn radix_hot_paths_do_not_allocate() {
+    for policy in EvictionPolicy::ALL {
+        let config = RadixConfig { policy, event_capacity: Some(4096) };
+        let tok =
+            RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
+        exercise(&tok.unwrap());
+        let paged =
+            RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
+        exercise(&paged.unwrap());
+    }
+}
