@@ -111,7 +111,7 @@ impl FromStr for Mode {
 /// Which prefix cache the replay drives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CacheKind {
-    /// kvpool's concurrent [`RadixCache`](crate::radix::RadixCache).
+    /// kvpool's concurrent [`RadixCache`].
     #[default]
     Kvpool,
     /// [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache) behind a mutex.

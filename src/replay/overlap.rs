@@ -1,28 +1,5 @@
-//! The overlap driver: scheduler, output and router threads sharing one cache.
-//!
-//! * The **scheduler** (the calling thread) admits requests in trace order while fewer
-//!   than `max_running` run: match and lock the prompt, take a row, `alloc_extend` the
-//!   rest. Then one decode step: a single `alloc_decode` call gives every running
-//!   request one slot. Requests whose KV is complete go to the output thread.
-//! * The **output thread** finishes those requests (`cache_finished_req`: insert, free
-//!   duplicates and the tail, unlock, free the row) while the scheduler allocates.
-//! * **Routers** (`routers` threads) match upcoming prompts read-only, as a KV-aware
-//!   router does when a request arrives: router `k` takes requests `k, k + K, ...`, and
-//!   matches each once it is among the next `max_running` requests to be admitted
-//!   (one that was admitted before its router got to it is skipped).
-//!
-//! Memory pressure is handled as an engine does: before an allocation that needs more
-//! than is free, the scheduler evicts the shortfall (when that much is evictable). If
-//! an admission still does not fit, the request waits for the next step. If a decode
-//! step does not fit, the scheduler first waits for requests that the output thread
-//! is finishing (their tokens become evictable), and otherwise retracts the most
-//! recently admitted request: its slots, lock and row are released and it goes back to
-//! the front of the waiting queue (SGLang's `retract_decode`). A request whose KV
-//! (rounded up to pages) exceeds the whole pool is rejected before it is admitted; so
-//! is one that cannot be admitted while nothing else holds memory.
-//!
-//! Nothing here allocates per request: every buffer is sized from the trace up front,
-//! the channel to the output thread is bounded, and latencies go to fixed histograms.
+//! The overlap driver: scheduler, output and router threads sharing one cache (see
+//! [`run_overlap`]).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -90,8 +67,32 @@ struct RouterResult {
     route: LatencyHistogram,
 }
 
-/// Replay `trace` through `cache` with an overlap scheduler (issue 5, step 4); see the
-/// [module docs](self) for the threads and how memory pressure is handled.
+/// Replay `trace` through `cache` with an overlap scheduler (issue 5, step 4).
+///
+/// * The **scheduler** (the calling thread) admits requests in trace order while fewer
+///   than `max_running` run: match and lock the prompt, take a row, `alloc_extend` the
+///   rest. Then one decode step: a single `alloc_decode` call gives every running
+///   request one slot. Requests whose KV is complete go to the output thread.
+/// * The **output thread** finishes those requests (`cache_finished_req`: insert, free
+///   duplicates and the tail, unlock, free the row) while the scheduler allocates.
+/// * **Routers** (`routers` threads) match upcoming prompts read-only, as a KV-aware
+///   router does when a request arrives: router `k` takes requests `k, k + K, ...`, and
+///   matches each once it is among the next `max_running` requests to be admitted
+///   (one that was admitted before its router got to it is skipped).
+///
+/// Memory pressure is handled as an engine does: before an allocation that needs more
+/// than is free, the scheduler evicts the shortfall (when that much is evictable). If
+/// an admission still does not fit, the request waits for the next step. If a decode
+/// step does not fit, the scheduler first waits for requests that the output thread
+/// is finishing (their tokens become evictable), and otherwise retracts the most
+/// recently admitted request: its slots, lock and row are released and it goes back to
+/// the front of the waiting queue (SGLang's `retract_decode`). A request whose KV
+/// (rounded up to pages) exceeds the whole pool is rejected before it is admitted; so
+/// is one that cannot be admitted while nothing else holds memory.
+///
+/// The driver allocates nothing per request (every buffer is sized from the trace up
+/// front, the channel to the output thread is bounded, latencies go to fixed
+/// histograms), so with kvpool's cache the whole hot path is allocation-free.
 ///
 /// The hit counts depend on the interleaving (a request can only hit what finished
 /// before it was matched), so unlike [`run_sequential`](super::run_sequential) the
