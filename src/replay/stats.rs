@@ -299,8 +299,8 @@ impl fmt::Display for Report {
             )?;
         }
         row(f, "wall time", format!("{:.3} s", self.wall_seconds))?;
-        row(f, "requests/s", format!("{:.0}", self.requests_per_second))?;
-        row(f, "tokens/s", format!("{:.0}", self.tokens_per_second))?;
+        row(f, "requests/s", thousands(self.requests_per_second.round() as u64))?;
+        row(f, "tokens/s", thousands(self.tokens_per_second.round() as u64))?;
         writeln!(f, "  {:<22} {:>10} {:>10}", "latency", "p50", "p99")?;
         let l = &self.latency_ns;
         let mut ops = vec![
@@ -310,7 +310,7 @@ impl fmt::Display for Report {
             ("finish", l.finish),
         ];
         if let Some(r) = l.route {
-            ops.push(("route (match_prefix)", r));
+            ops.push(("route (peek_prefix)", r));
         }
         for (name, p) in ops {
             writeln!(f, "    {name:<20} {:>10} {:>10}", duration(p.p50), duration(p.p99))?;
