@@ -85,10 +85,9 @@ impl ReqToTokenPool {
         if max_context_len == 0 {
             return Err(ConfigError::Zero("max_context_len"));
         }
-        let cells = (size as usize)
-            .checked_mul(max_context_len)
-            .filter(|&c| c <= isize::MAX as usize / 4)
-            .ok_or(ConfigError::TooLarge { size: size as u64 * max_context_len as u64, page_size: 1 })?;
+        let cells = (size as usize).checked_mul(max_context_len).filter(|&c| c <= isize::MAX as usize / 4).ok_or(
+            ConfigError::TooLarge { size: (size as u64).saturating_mul(max_context_len as u64), page_size: 1 },
+        )?;
         let table = (0..cells).map(|_| UnsafeCell::new(0)).collect();
         Ok(ReqToTokenPool { rows: SlotPool::new(size), table, max_context_len, generation: next_generation() })
     }

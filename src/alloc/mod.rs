@@ -168,11 +168,13 @@ impl PagedAllocator {
         }
     }
 
-    fn oom(&self, pages: usize) -> AllocError {
+    /// The page pool's refusal, in tokens. Uses the count the refusal saw: re-reading
+    /// `available` here could report more than was requested, if a free landed since.
+    fn oom(&self, refused: OutOfMemory) -> AllocError {
         let ps = self.page_size as usize;
         AllocError::OutOfMemory(OutOfMemory {
-            requested: pages * ps,
-            available: self.pages.available() * ps,
+            requested: refused.requested * ps,
+            available: refused.available * ps,
             evictable: None,
             unit: Unit::Tokens,
         })
@@ -193,7 +195,7 @@ impl PagedAllocator {
         if n == 0 {
             return Ok(());
         }
-        self.pages.reserve(n, Unit::Pages).map_err(|_| self.oom(n))?;
+        self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
         self.pages.claim(&mut out[..n]);
         if ps > 1 {
             // Backwards, so page k (at out[k]) is read before slot k*ps.. overwrites it.
@@ -293,7 +295,7 @@ impl PagedAllocator {
         R: Fn(usize) -> (u32, u32, u32),
     {
         if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|_| self.oom(plan.new_pages))?;
+            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
             self.pages.claim(&mut out[..plan.new_pages]);
         }
         expand::expand_in_place(self.page_size, batch, req, plan.new_pages, out);

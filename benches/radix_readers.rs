@@ -1,0 +1,136 @@
+//! Lookup throughput with 1, 2, 4, 8 reader threads while one writer thread inserts and
+//! evicts, for kvpool's `RadixCache::peek_prefix` (lock-free) and for the reference tree
+//! behind a `Mutex` (how engines share SGLang's/TGI's tree between scheduler and router
+//! threads). Each criterion iteration is one lookup per reader thread; the reported
+//! throughput counts lookups of all readers together.
+//!
+//! `cargo bench --bench radix_readers`
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvpool::baseline::ReferenceRadixCache;
+use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+
+const PS: u32 = 16;
+const CAPACITY: usize = 1 << 20;
+const PROMPT: usize = 2048;
+const SYSTEM: usize = 512;
+
+/// Prompts: 64 "system prompts" of 512 tokens, each followed by a distinct body.
+fn prompt(i: u64) -> Vec<u32> {
+    let sys = (i % 64) as u32;
+    let mut v: Vec<u32> = (0..SYSTEM as u32).map(|t| sys * 100_000 + t).collect();
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    v.extend((SYSTEM..PROMPT).map(|_| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 50_000) as u32
+    }));
+    v
+}
+
+trait Shared: Send + Sync + 'static {
+    fn lookup(&self, key: &[u32], out: &mut [u32]) -> usize;
+    fn write_one(&self, key: &[u32]);
+}
+
+impl Shared for RadixCache<PagedAllocator> {
+    fn lookup(&self, key: &[u32], out: &mut [u32]) -> usize {
+        self.peek_prefix(0, key, out)
+    }
+    fn write_one(&self, key: &[u32]) {
+        let mut slots = vec![0u32; key.len()];
+        if self.alloc(&mut slots).is_ok() {
+            let dup = self.insert(0, key, &slots, 0).unwrap();
+            self.allocator().free(&slots[..dup]).unwrap();
+        }
+    }
+}
+
+impl Shared for Mutex<ReferenceRadixCache<PagedAllocator>> {
+    fn lookup(&self, key: &[u32], out: &mut [u32]) -> usize {
+        let (v, _) = self.lock().unwrap().match_prefix(0, key);
+        out[..v.len()].copy_from_slice(&v);
+        v.len()
+    }
+    fn write_one(&self, key: &[u32]) {
+        let mut c = self.lock().unwrap();
+        let mut slots = vec![0u32; key.len()];
+        let avail = c.allocator().available_size();
+        if avail < key.len() {
+            c.evict(key.len() - avail);
+        }
+        if c.allocator().alloc(&mut slots).is_ok() {
+            let dup = c.insert(0, key, &slots, 0);
+            c.allocator().free(&slots[..dup]).unwrap();
+        }
+    }
+}
+
+fn run<S: Shared>(c: &mut Criterion, name: &str, shared: Arc<S>) {
+    let prompts: Arc<Vec<Vec<u32>>> = Arc::new((0..4096).map(prompt).collect());
+    for p in prompts.iter().take(400) {
+        shared.write_one(p);
+    }
+    let mut group = c.benchmark_group(format!("readers_with_writer/{name}"));
+    group.measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500)).sample_size(20);
+    for readers in [1usize, 2, 4, 8] {
+        group.throughput(Throughput::Elements(readers as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(readers), &readers, |b, &readers| {
+            b.iter_custom(|iters| {
+                let stop = Arc::new(AtomicBool::new(false));
+                let writer = {
+                    let (shared, prompts, stop) = (shared.clone(), prompts.clone(), stop.clone());
+                    thread::spawn(move || {
+                        let mut i = 400usize;
+                        while !stop.load(Ordering::Relaxed) {
+                            shared.write_one(&prompts[i % prompts.len()]);
+                            i += 7;
+                        }
+                    })
+                };
+                let start = Arc::new(Barrier::new(readers + 1));
+                let handles: Vec<_> = (0..readers)
+                    .map(|r| {
+                        let (shared, prompts, start) = (shared.clone(), prompts.clone(), start.clone());
+                        thread::spawn(move || {
+                            let mut out = vec![0u32; PROMPT];
+                            start.wait();
+                            let t = Instant::now();
+                            for i in 0..iters as usize {
+                                let p = &prompts[(i * 13 + r * 101) % prompts.len()];
+                                black_box(shared.lookup(p, &mut out));
+                            }
+                            t.elapsed()
+                        })
+                    })
+                    .collect();
+                start.wait();
+                let times: Vec<Duration> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+                stop.store(true, Ordering::Relaxed);
+                writer.join().unwrap();
+                times.into_iter().max().unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn readers(c: &mut Criterion) {
+    let make = || PagedAllocator::new(CAPACITY, PS).unwrap();
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let kv = Arc::new(RadixCache::new(make(), ReqToTokenPool::new(16, PROMPT).unwrap(), config).unwrap());
+    run(c, "kvpool_peek", kv);
+    let reference = Arc::new(Mutex::new(ReferenceRadixCache::new(make(), EvictionPolicy::Lru)));
+    run(c, "mutex_reference", reference);
+}
+
+criterion_group!(benches, readers);
+criterion_main!(benches);

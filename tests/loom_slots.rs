@@ -1,0 +1,343 @@
+#![cfg(loom)]
+//! Loom models of `SlotPool`: every interleaving (within the preemption bound) of a few
+//! threads allocating and freeing.
+//!
+//! Run with `scripts/loom.sh` (`RUSTFLAGS="--cfg loom" cargo test --release --test loom_slots`).
+//!
+//! Ownership is checked with loom's `UnsafeCell`: whoever holds index `i` writes its tag
+//! into cell `i` after claiming it and reads it back before freeing it. Two holders at
+//! once — or a hand-off without a happens-before edge from the old owner's free to the
+//! new owner's claim — is a data race on that cell, which loom reports as a causality
+//! violation; a wrong tag read back fails the assertion.
+//!
+//! | model                                   | what it proves                                        |
+//! |-----------------------------------------|-------------------------------------------------------|
+//! | `alloc_and_free_never_double_hand_out`  | concurrent batch alloc/free: one owner per index, count conserved |
+//! | `batch_alloc_across_two_words`          | the same when batches span two bitmap words           |
+//! | `racing_for_the_last_slots`             | all-or-nothing: exactly one of two `alloc(2)` on 3 free wins |
+//! | `racing_for_the_last_slots_with_a_free` | all-or-nothing with a free landing mid-race, two words |
+//! | `free_group_publishes_atomically`       | an observer sees none or all of a group; allocs needing it fail until it ends |
+//! | `free_group_across_words_with_alloc`    | the same with the group's bits in two words and a concurrent claim |
+//! | `double_free_racing_with_alloc`         | a double free is reported, counts stay exact, nothing else is touched |
+
+use loom::cell::UnsafeCell;
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+
+use kvpool::{FreeErrorKind, SlotPool};
+
+/// One loom-tracked cell per index (`0..=capacity`): the current owner's tag.
+struct Owners(Vec<UnsafeCell<usize>>);
+
+impl Owners {
+    fn new(capacity: u32) -> Self {
+        Owners((0..=capacity).map(|_| UnsafeCell::new(0)).collect())
+    }
+
+    /// Record that `tag` now holds `indices` (call right after a successful alloc).
+    fn claim(&self, indices: &[u32], tag: usize) {
+        for &i in indices {
+            // SAFETY: loom checks this access; a concurrent access by another holder is
+            // exactly the bug this model looks for, and loom reports it instead of racing.
+            self.0[i as usize].with_mut(|p| unsafe { *p = tag });
+        }
+    }
+
+    /// Check that `tag` still holds `indices` (call right before freeing them).
+    fn check(&self, indices: &[u32], tag: usize) {
+        for &i in indices {
+            // SAFETY: as in `claim`.
+            let held = self.0[i as usize].with(|p| unsafe { *p });
+            assert_eq!(held, tag, "index {i} was handed to someone else while held");
+        }
+    }
+}
+
+fn distinct_in_range(indices: &[u32], capacity: u32) {
+    for (k, &i) in indices.iter().enumerate() {
+        assert!((1..=capacity).contains(&i), "index {i} out of range");
+        assert!(!indices[..k].contains(&i), "index {i} handed out twice in one batch: {indices:?}");
+    }
+}
+
+/// Two threads allocate, use and free batches while the main thread frees what it
+/// held: no index has two owners, and every index comes back.
+#[test]
+fn alloc_and_free_never_double_hand_out() {
+    loom::model(|| {
+        const CAP: u32 = 4;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut held = [0u32; 2];
+        pool.alloc(&mut held).unwrap();
+        owners.claim(&held, 9);
+
+        let workers: Vec<_> = [(1usize, 2usize), (2, 1)]
+            .into_iter()
+            .map(|(tag, n)| {
+                let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+                thread::spawn(move || {
+                    let mut got = [0u32; 2];
+                    let got = &mut got[..n];
+                    if pool.alloc(got).is_ok() {
+                        distinct_in_range(got, CAP);
+                        owners.claim(got, tag);
+                        owners.check(got, tag);
+                        pool.free(got).unwrap();
+                    }
+                })
+            })
+            .collect();
+        owners.check(&held, 9);
+        pool.free(&held).unwrap();
+        for w in workers {
+            w.join().unwrap();
+        }
+        assert_eq!(pool.available(), CAP as usize);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Batches that must take bits from both words of a 66-index pool.
+#[test]
+fn batch_alloc_across_two_words() {
+    loom::model(|| {
+        const CAP: u32 = 66;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        // free 64 (last bit of word 0) and 65 (first bit of word 1)
+        pool.free(&[64, 65]).unwrap();
+        owners.claim(&[1, 66], 9);
+
+        let taker = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut got = [0u32; 2];
+                if pool.alloc(&mut got).is_ok() {
+                    distinct_in_range(&got, CAP);
+                    owners.claim(&got, 1);
+                    owners.check(&got, 1);
+                    pool.free(&got).unwrap();
+                }
+            })
+        };
+        let freer = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                owners.check(&[1, 66], 9);
+                pool.free(&[1, 66]).unwrap();
+            })
+        };
+        let one = pool.alloc_one();
+        if let Ok(i) = one {
+            owners.claim(&[i], 3);
+            owners.check(&[i], 3);
+            pool.free(&[i]).unwrap();
+        }
+        taker.join().unwrap();
+        freer.join().unwrap();
+        assert_eq!(pool.available(), 4);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Exactly one of two `alloc(2)` on 3 free indices succeeds; the loser sees the count
+/// the winner left and its buffer is untouched.
+#[test]
+fn racing_for_the_last_slots() {
+    loom::model(|| {
+        let pool = Arc::new(SlotPool::new(3));
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || {
+                    let mut got = [u32::MAX; 2];
+                    match pool.alloc(&mut got) {
+                        Ok(()) => {
+                            distinct_in_range(&got, 3);
+                            Some(got)
+                        }
+                        Err(e) => {
+                            assert_eq!((e.requested, e.available), (2, 1));
+                            assert_eq!(got, [u32::MAX; 2], "a refused alloc wrote its buffer");
+                            None
+                        }
+                    }
+                })
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+        let winners: Vec<_> = results.iter().flatten().collect();
+        assert_eq!(winners.len(), 1, "{results:?}");
+        assert_eq!(pool.available(), 1);
+        let won = winners[0];
+        let left = (1..=3).find(|i| !won.contains(i)).unwrap();
+        assert!(!pool.is_allocated(left) && pool.is_allocated(won[0]) && pool.is_allocated(won[1]));
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Two `alloc(2)` race for 3 free indices spread over two words while a third thread
+/// frees one more: both may win only if the free was published in time; nobody ever
+/// holds a partial batch, and the counts add up.
+#[test]
+fn racing_for_the_last_slots_with_a_free() {
+    loom::model(|| {
+        const CAP: u32 = 66;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        pool.free(&[2, 64, 66]).unwrap();
+        owners.claim(&[65], 9);
+
+        let racers: Vec<_> = (1..=2)
+            .map(|tag| {
+                let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+                thread::spawn(move || {
+                    let mut got = [u32::MAX; 2];
+                    match pool.alloc(&mut got) {
+                        Ok(()) => {
+                            distinct_in_range(&got, CAP);
+                            owners.claim(&got, tag);
+                            true
+                        }
+                        Err(e) => {
+                            assert_eq!(e.requested, 2);
+                            assert!(e.available < 2);
+                            assert_eq!(got, [u32::MAX; 2]);
+                            false
+                        }
+                    }
+                })
+            })
+            .collect();
+        owners.check(&[65], 9);
+        pool.free(&[65]).unwrap();
+        let wins = racers.into_iter().map(|r| r.join().unwrap() as usize).sum::<usize>();
+        assert!(wins >= 1);
+        assert_eq!(pool.available(), 4 - 2 * wins);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// A group's two frees become available together at its end: an observer reads
+/// `available()` as 0 or 2, never 1, and an alloc that succeeds has seen the end begin.
+#[test]
+fn free_group_publishes_atomically() {
+    loom::model(|| {
+        let pool = Arc::new(SlotPool::new(3));
+        let mut all = [0u32; 3];
+        pool.alloc(&mut all).unwrap();
+        let ending = Arc::new(AtomicBool::new(false));
+
+        let grouper = {
+            let (pool, ending) = (Arc::clone(&pool), Arc::clone(&ending));
+            thread::spawn(move || {
+                let mut g = pool.free_group();
+                g.free(&[1]).unwrap();
+                g.free(&[3]).unwrap();
+                ending.store(true, Ordering::Release);
+                assert_eq!(g.end(), 2);
+            })
+        };
+        let seen = pool.available();
+        assert!(seen == 0 || seen == 2, "saw {seen} of a group of 2");
+        if let Ok(i) = pool.alloc_one() {
+            assert!(ending.load(Ordering::Acquire), "allocated {i} before the group ended");
+            assert!(i == 1 || i == 3);
+            let later = pool.available();
+            assert!(later <= 1, "the group published twice: {later}");
+            pool.free(&[i]).unwrap();
+        }
+        grouper.join().unwrap();
+        assert_eq!(pool.available(), 2);
+        assert!(pool.is_allocated(2));
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// A group frees one index in each word of a 66-index pool while another thread
+/// allocates the one index available: that alloc may claim a group bit (it is free
+/// once set) but never more than it reserved, and the group's count arrives whole.
+#[test]
+fn free_group_across_words_with_alloc() {
+    loom::model(|| {
+        const CAP: u32 = 66;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        pool.free(&[66]).unwrap(); // one available from the start
+        owners.claim(&[2, 65], 9);
+
+        let grouper = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                owners.check(&[2, 65], 9);
+                let mut g = pool.free_group();
+                g.free(&[2, 65]).unwrap();
+                g.end()
+            })
+        };
+        let taker = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let i = pool.alloc_one().expect("one index was available throughout");
+                owners.claim(&[i], 1);
+                i
+            })
+        };
+        assert_eq!(grouper.join().unwrap(), 2);
+        let i = taker.join().unwrap();
+        assert!([2, 65, 66].contains(&i), "{i}");
+        assert_eq!(pool.available(), 2);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Two threads free the same index while a third allocates. At most one free succeeds
+/// — unless the allocator was handed the index between them, the API-level ABA the
+/// module docs describe — the other is told `NotAllocated`, and no other index and no
+/// count is disturbed.
+#[test]
+fn double_free_racing_with_alloc() {
+    loom::model(|| {
+        let pool = Arc::new(SlotPool::new(2));
+        let mut all = [0u32; 2];
+        pool.alloc(&mut all).unwrap();
+
+        let freers: Vec<_> = (0..2)
+            .map(|_| {
+                let pool = Arc::clone(&pool);
+                thread::spawn(move || match pool.free(&[1]) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        assert_eq!((e.index, e.kind), (1, FreeErrorKind::NotAllocated));
+                        false
+                    }
+                })
+            })
+            .collect();
+        let got = pool.alloc_one();
+        let oks = freers.into_iter().map(|f| f.join().unwrap() as usize).sum::<usize>();
+        assert!(oks >= 1, "the first free of an allocated index must succeed");
+        match got {
+            Ok(i) => {
+                assert_eq!(i, 1, "only index 1 was ever free");
+                // both frees succeeded only if the alloc took 1 in between
+                assert_eq!(pool.available(), oks - 1);
+                assert_eq!(pool.is_allocated(1), oks == 1);
+            }
+            Err(_) => {
+                assert_eq!(oks, 1, "a double free succeeded with no alloc in between");
+                assert_eq!(pool.available(), 1);
+            }
+        }
+        assert!(pool.is_allocated(2), "an unrelated index was freed");
+        pool.check_invariants().unwrap();
+    });
+}

@@ -1,0 +1,175 @@
+#![cfg(not(loom))]
+//! Hot paths never touch the heap: a counting global allocator sees zero allocations
+//! in `SlotPool`, `TokenAllocator`, `PagedAllocator` and `ReqToTokenPool` operations
+//! after construction.
+//!
+//! Only allocations made by the current thread while its flag is on are counted, so
+//! the test harness's own threads (output capture, other tests) do not interfere.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::hint::black_box;
+
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+
+struct Counting;
+
+thread_local! {
+    // `const` initialisers: no lazy initialisation, no destructor, so touching these
+    // from inside the allocator never allocates or recurses.
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    // `try_with`: during thread teardown the slots may be gone; then we are not counting.
+    let _ = COUNTING.try_with(|on| {
+        if on.get() {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+        }
+    });
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged; the
+// counting touches only `const`-initialised thread-locals, which never allocate.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded from our caller, who upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: as in `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: `ptr` came from this allocator (hence from `System`) with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator (hence from `System`) with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Heap allocations `f` makes on this thread.
+fn allocations<R>(f: impl FnOnce() -> R) -> (usize, R) {
+    COUNT.with(|c| c.set(0));
+    COUNTING.with(|on| on.set(true));
+    let r = f();
+    COUNTING.with(|on| on.set(false));
+    (COUNT.with(|c| c.get()), r)
+}
+
+#[track_caller]
+fn assert_no_alloc<R>(what: &str, f: impl FnOnce() -> R) -> R {
+    let (n, r) = allocations(f);
+    assert_eq!(n, 0, "{what} made {n} heap allocation(s)");
+    r
+}
+
+/// The counter works: if it did not, every other test here would pass vacuously.
+#[test]
+fn counter_sees_allocations() {
+    let (n, v) = allocations(|| black_box(Vec::<u32>::with_capacity(16)));
+    assert_eq!(n, 1);
+    drop(v);
+    let (n, _) = allocations(|| {
+        let mut v = black_box(Vec::<u32>::new());
+        v.extend(0..100u32);
+        black_box(v)
+    });
+    assert!(n >= 1, "growing a Vec was not counted");
+    // and an error path that allocates is counted (formatting a message)
+    let e = SlotPool::new(1).alloc(&mut [0u32; 2]).unwrap_err();
+    let (n, _) = allocations(|| black_box(e.to_string()));
+    assert!(n >= 1);
+}
+
+#[test]
+fn slot_pool_hot_paths() {
+    let pool = SlotPool::new(200); // spans four words
+    let mut a = [0u32; 70];
+    let mut b = [0u32; 3];
+    assert_no_alloc("SlotPool::alloc", || pool.alloc(&mut a)).unwrap();
+    assert_no_alloc("SlotPool::alloc_one", || pool.alloc_one()).unwrap();
+    assert_no_alloc("SlotPool::alloc (error)", || pool.alloc(&mut [0u32; 500])).unwrap_err();
+    assert_no_alloc("SlotPool::free", || pool.free(&a[..35])).unwrap();
+    assert_no_alloc("SlotPool::free (double free error)", || pool.free(&a[..1])).unwrap_err();
+    assert_no_alloc("SlotPool::free (out of range error)", || pool.free(&[999])).unwrap_err();
+    assert_no_alloc("SlotPool::free (duplicate error)", || pool.free(&[a[40], a[40]])).unwrap_err();
+    assert_no_alloc("SlotPool free group", || {
+        let mut g = pool.free_group();
+        g.free(&a[41..50]).unwrap();
+        g.free(&a[50..]).unwrap();
+        g.end()
+    });
+    assert_no_alloc("SlotPool::alloc after frees", || pool.alloc(&mut b)).unwrap();
+    assert_no_alloc("SlotPool::check_invariants", || pool.check_invariants()).unwrap();
+    assert_no_alloc("SlotPool::available", || pool.available());
+}
+
+fn allocator_hot_paths<A: KvAllocator>(alloc: &A) {
+    let ps = alloc.page_size();
+    let mut whole = vec![0u32; 4 * ps as usize];
+    let mut extend = vec![0u32; 3 * ps as usize + 1];
+    let mut decode = [0u32; 2];
+    assert_no_alloc("alloc", || alloc.alloc(&mut whole)).unwrap();
+    // request 0 continues the partial page of a prefix of 1 token at slot whole[0]
+    let prefix = [1, 0];
+    let seq = [1 + ps + 1, 2 * ps];
+    assert_eq!(extend.len() as u32, seq[0] - prefix[0] + seq[1] - prefix[1]);
+    assert_no_alloc("alloc_extend", || alloc.alloc_extend(&prefix, &seq, &[whole[0], 0], &mut extend)).unwrap();
+    // decode: request 0 (now ps + 2 tokens, the last at extend[ps]) grows by one; request 1 is new
+    let last = extend[ps as usize];
+    assert_no_alloc("alloc_decode", || alloc.alloc_decode(&[ps + 3, 1], &[last, 0], &mut decode)).unwrap();
+    assert_no_alloc("alloc_extend (error)", || alloc.alloc_extend(&[0], &[1 << 20], &[0], &mut extend)).unwrap_err();
+    assert_no_alloc("alloc_decode (error)", || alloc.alloc_decode(&[0], &[0], &mut decode[..1])).unwrap_err();
+    // extend and decode share pages with `whole`: one batch frees each page once
+    let all: Vec<u32> = whole.iter().chain(&extend).chain(&decode).copied().collect();
+    assert_no_alloc("free", || alloc.free(&all)).unwrap();
+    assert_no_alloc("free (error)", || alloc.free(&whole[..1])).unwrap_err();
+    let mut other = vec![0u32; 2 * ps as usize];
+    alloc.alloc(&mut whole).unwrap();
+    alloc.alloc(&mut other).unwrap();
+    assert_no_alloc("free group", || {
+        let mut g = alloc.free_group();
+        g.free(&whole).unwrap();
+        g.free(&other).unwrap();
+        g.free(&other[..1]).unwrap_err();
+        g.end()
+    });
+    assert_no_alloc("available_size", || alloc.available_size());
+    assert_eq!(alloc.available_size(), alloc.size());
+}
+
+#[test]
+fn token_allocator_hot_paths() {
+    allocator_hot_paths(&TokenAllocator::new(300).unwrap());
+}
+
+#[test]
+fn paged_allocator_hot_paths() {
+    for ps in [2, 3, 4, 16, 64] {
+        allocator_hot_paths(&PagedAllocator::new(100 * ps as usize, ps).unwrap());
+    }
+}
+
+#[test]
+fn req_to_token_pool_hot_paths() {
+    let pool = ReqToTokenPool::new(8, 64).unwrap();
+    let slots: Vec<u32> = (100..164).collect();
+    let mut row = assert_no_alloc("ReqToTokenPool::alloc", || pool.alloc()).unwrap();
+    assert_no_alloc("ReqToTokenPool::write", || pool.write(&mut row, 0, &slots[..40])).unwrap();
+    assert_no_alloc("ReqToTokenPool::write (error)", || pool.write(&mut row, 60, &slots[..40])).unwrap_err();
+    let sum = assert_no_alloc("ReqToTokenPool::read", || pool.read(&row, 0..40).unwrap().iter().sum::<u32>());
+    assert_eq!(sum, (100..140).sum());
+    assert_no_alloc("ReqToTokenPool::row", || pool.row(&row).map(|r| r.len())).unwrap();
+    assert_no_alloc("ReqToTokenPool::free", || pool.free(row)).unwrap();
+    assert_eq!(pool.available_size(), 8);
+}
