@@ -50,6 +50,8 @@ pub mod alloc;
 pub mod baseline;
 pub mod error;
 pub mod radix;
+#[cfg(all(feature = "replay", not(loom)))]
+pub mod replay;
 pub mod req_to_token;
 pub mod slots;
 #[cfg(feature = "testing")]

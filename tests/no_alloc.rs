@@ -168,7 +168,7 @@ fn req_to_token_pool_hot_paths() {
     assert_no_alloc("ReqToTokenPool::write", || pool.write(&mut row, 0, &slots[..40])).unwrap();
     assert_no_alloc("ReqToTokenPool::write (error)", || pool.write(&mut row, 60, &slots[..40])).unwrap_err();
     let sum = assert_no_alloc("ReqToTokenPool::read", || pool.read(&row, 0..40).unwrap().iter().sum::<u32>());
-    assert_eq!(sum, (100..140).sum());
+    assert_eq!(sum, (100..140).sum::<u32>());
     assert_no_alloc("ReqToTokenPool::row", || pool.row(&row).map(|r| r.len())).unwrap();
     assert_no_alloc("ReqToTokenPool::free", || pool.free(row)).unwrap();
     assert_eq!(pool.available_size(), 8);

@@ -1,0 +1,468 @@
+//! Trace-driven scheduler simulation: the engine behind `kvpool replay`.
+//!
+//! A [`Trace`] of requests (the bundled Mooncake conversation trace, or any file in its
+//! format) is replayed through a prefix cache, its KV allocator and its request rows,
+//! the way an inference engine's scheduler drives them, and the result is a [`Report`]
+//! of hit rate, memory use, throughput and latency. No GPU work is simulated: the
+//! replay measures the memory system alone.
+//!
+//! * [`run_sequential`] — one thread, one request at a time, deterministic: match and
+//!   lock the prompt, take a row, `alloc_extend` the rest of the prompt, one
+//!   `alloc_decode` per output token after the first, evicting the shortfall when
+//!   short, then `cache_finished_req`. A request that does not fit even after
+//!   evicting everything evictable is rejected (what it held is released).
+//! * [`run_overlap`] — an overlap scheduler: a scheduler thread admits requests in
+//!   order (up to `max_running`) and allocates one decode slot per running request per
+//!   step, an output thread finishes completed requests concurrently, and router
+//!   threads match upcoming prompts read-only, as a KV-aware router would.
+//!
+//! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
+//! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
+//! mutex), so the same loop runs both and their hit counts can be compared.
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::replay::{replay, Mode, ReplayConfig, Trace};
+//!
+//! // Two requests sharing their first 512-token block.
+//! let text = "{\"input_length\": 600, \"output_length\": 10, \"hash_ids\": [1, 2]}\n\
+//!             {\"input_length\": 700, \"output_length\": 10, \"hash_ids\": [1, 3]}\n";
+//! let trace = Trace::from_jsonl_str(text, "example")?;
+//! let config = ReplayConfig { mode: Mode::Sequential, ..ReplayConfig::default() };
+//! let report = replay(&trace, &config, &|_| {})?;
+//! assert_eq!((report.requests, report.prompt_tokens, report.hit_tokens), (2, 1300, 512));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod cache;
+mod overlap;
+mod plot;
+mod sequential;
+mod stats;
+mod trace;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use cache::{RefLease, ReferenceCache, ReplayCache};
+pub use overlap::run_overlap;
+pub use plot::write_plot;
+pub use sequential::run_sequential;
+pub use stats::{Latencies, LatencyHistogram, Percentiles, Report, TimelinePoint};
+pub use trace::{
+    output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
+    MAX_HASH_ID, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
+};
+
+use crate::error::InvariantViolation;
+use crate::radix::{EvictionPolicy, RadixCache, RadixConfig};
+
+/// The namespace (`extra_key`) every replayed request uses.
+pub const NAMESPACE: u64 = 0;
+
+/// Default token capacity of the KV pool: 1,048,576.
+pub const DEFAULT_CAPACITY_TOKENS: usize = 1 << 20;
+/// Default page size.
+pub const DEFAULT_PAGE_SIZE: u32 = 16;
+/// Default number of requests running at once in overlap mode.
+pub const DEFAULT_MAX_RUNNING: usize = 32;
+/// Default number of router threads in overlap mode.
+pub const DEFAULT_ROUTERS: usize = 2;
+/// The most requests that may run at once.
+pub const MAX_RUNNING_LIMIT: usize = 4096;
+/// The most router threads.
+pub const MAX_ROUTERS: usize = 64;
+/// The largest request-row table the replay builds (`rows * max_context_len` slots,
+/// 4 bytes each): 4 GiB.
+pub const MAX_ROW_TABLE_SLOTS: usize = 1 << 30;
+
+/// How requests are scheduled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// One request at a time, one thread, deterministic.
+    Sequential,
+    /// Scheduler, output and router threads at once.
+    #[default]
+    Overlap,
+}
+
+impl Mode {
+    /// `sequential` or `overlap`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Sequential => "sequential",
+            Mode::Overlap => "overlap",
+        }
+    }
+}
+
+impl FromStr for Mode {
+    type Err = ReplayError;
+    fn from_str(s: &str) -> Result<Self, ReplayError> {
+        match s.to_ascii_lowercase().as_str() {
+            "sequential" => Ok(Mode::Sequential),
+            "overlap" => Ok(Mode::Overlap),
+            _ => Err(ReplayError::Config(format!("unknown mode {s:?}; expected sequential or overlap"))),
+        }
+    }
+}
+
+/// Which prefix cache the replay drives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CacheKind {
+    /// kvpool's concurrent [`RadixCache`].
+    #[default]
+    Kvpool,
+    /// [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache) behind a mutex.
+    Reference,
+}
+
+impl CacheKind {
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheKind::Kvpool => "kvpool",
+            CacheKind::Reference => "reference",
+        }
+    }
+}
+
+impl FromStr for CacheKind {
+    type Err = ReplayError;
+    fn from_str(s: &str) -> Result<Self, ReplayError> {
+        match s.to_ascii_lowercase().as_str() {
+            "kvpool" => Ok(CacheKind::Kvpool),
+            "reference" => Ok(CacheKind::Reference),
+            _ => Err(ReplayError::Config(format!("unknown cache {s:?}; expected kvpool or reference"))),
+        }
+    }
+}
+
+/// What to replay with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayConfig {
+    /// Token capacity of the KV pool (default 1,048,576).
+    pub capacity_tokens: usize,
+    /// Tokens per page (default 16).
+    pub page_size: u32,
+    /// Eviction policy (default LRU).
+    pub policy: EvictionPolicy,
+    /// Scheduling mode (default overlap).
+    pub mode: Mode,
+    /// Which prefix cache to drive.
+    pub cache: CacheKind,
+    /// Requests running at once in overlap mode (default 32).
+    pub max_running: usize,
+    /// Router threads in overlap mode (default 2).
+    pub routers: usize,
+    /// Record a per-request [`TimelinePoint`] (for `--plot`).
+    pub timeline: bool,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            capacity_tokens: DEFAULT_CAPACITY_TOKENS,
+            page_size: DEFAULT_PAGE_SIZE,
+            policy: EvictionPolicy::Lru,
+            mode: Mode::Overlap,
+            cache: CacheKind::default(),
+            max_running: DEFAULT_MAX_RUNNING,
+            routers: DEFAULT_ROUTERS,
+            timeline: false,
+        }
+    }
+}
+
+impl ReplayConfig {
+    /// Request rows the replay needs: one in sequential mode; in overlap mode the
+    /// running requests plus as many waiting for the output thread.
+    pub fn rows(&self) -> usize {
+        match self.mode {
+            Mode::Sequential => 1,
+            Mode::Overlap => 2 * self.max_running + 2,
+        }
+    }
+
+    /// Check the configuration against a trace.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::replay::{ReplayConfig, Trace};
+    /// let trace = Trace::from_jsonl_str("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}", "t")?;
+    /// let bad = ReplayConfig { page_size: 0, ..ReplayConfig::default() };
+    /// assert_eq!(bad.validate(&trace).unwrap_err().to_string(), "--page-size must be at least 1");
+    /// # Ok::<(), kvpool::replay::TraceError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ReplayError::Config`] naming the offending option.
+    pub fn validate(&self, trace: &Trace) -> Result<(), ReplayError> {
+        let bad = |m: String| Err(ReplayError::Config(m));
+        if self.capacity_tokens == 0 {
+            return bad("--capacity-tokens must be at least 1".into());
+        }
+        if self.page_size == 0 {
+            return bad("--page-size must be at least 1".into());
+        }
+        if self.capacity_tokens < self.page_size as usize {
+            return bad(format!(
+                "--capacity-tokens {} is less than one page of {} tokens",
+                self.capacity_tokens, self.page_size
+            ));
+        }
+        if self.max_running == 0 || self.max_running > MAX_RUNNING_LIMIT {
+            return bad(format!("--max-running must be between 1 and {MAX_RUNNING_LIMIT}, not {}", self.max_running));
+        }
+        if self.routers > MAX_ROUTERS {
+            return bad(format!("--routers must be at most {MAX_ROUTERS}, not {}", self.routers));
+        }
+        if (self.rows() as u64) * (trace.max_kv_len().max(1) as u64) > MAX_ROW_TABLE_SLOTS as u64 {
+            return bad(format!(
+                "{} request rows of {} tokens (the longest request) exceed the {} slot row table limit; \
+                 lower --max-running",
+                self.rows(),
+                trace.max_kv_len(),
+                MAX_ROW_TABLE_SLOTS
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a replay failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// An option is out of range (the message names it).
+    Config(String),
+    /// The trace could not be loaded.
+    Trace(TraceError),
+    /// An invariant did not hold at the end: a slot or row was leaked, or the cache
+    /// is inconsistent.
+    Invariant(InvariantViolation),
+    /// A call the driver makes correctly was refused: a bug in the cache or driver.
+    Internal(String),
+    /// The plot could not be written.
+    Plot(String),
+}
+
+impl ReplayError {
+    pub(crate) fn internal(what: &str, e: impl fmt::Display) -> Self {
+        ReplayError::Internal(format!("{what}: {e}"))
+    }
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReplayError::Config(m) => f.write_str(m),
+            ReplayError::Trace(e) => write!(f, "cannot load trace {e}"),
+            ReplayError::Invariant(e) => write!(f, "invariant violated at the end of the replay: {e}"),
+            ReplayError::Internal(m) => write!(f, "internal error (a kvpool bug): {m}"),
+            ReplayError::Plot(m) => write!(f, "cannot write the plot: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ReplayError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ReplayError::Trace(e) => Some(e),
+            ReplayError::Invariant(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<TraceError> for ReplayError {
+    fn from(e: TraceError) -> Self {
+        ReplayError::Trace(e)
+    }
+}
+
+impl From<InvariantViolation> for ReplayError {
+    fn from(e: InvariantViolation) -> Self {
+        ReplayError::Invariant(e)
+    }
+}
+
+impl From<crate::ConfigError> for ReplayError {
+    fn from(e: crate::ConfigError) -> Self {
+        ReplayError::Config(e.to_string())
+    }
+}
+
+/// Replay `trace` as `config` says: build the cache, run the driver of the mode.
+/// `progress` is called now and then with the number of requests done.
+///
+/// # Examples
+///
+/// See the [module docs](self).
+///
+/// # Errors
+///
+/// [`ReplayError::Config`] for a bad configuration, [`ReplayError::Invariant`] if the
+/// final accounting fails, [`ReplayError::Internal`] on a refused call.
+pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sync)) -> Result<Report, ReplayError> {
+    config.validate(trace)?;
+    let rows = config.rows() as u32;
+    let max_context_len = trace.max_kv_len().max(1);
+    match config.cache {
+        CacheKind::Kvpool => {
+            let alloc = crate::PagedAllocator::new(config.capacity_tokens, config.page_size)?;
+            let req_pool = crate::ReqToTokenPool::new(rows, max_context_len)?;
+            let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
+            let cache = RadixCache::new(alloc, req_pool, radix)?;
+            run(&cache, trace, config, progress)
+        }
+        CacheKind::Reference => {
+            let cache =
+                ReferenceCache::new(config.capacity_tokens, config.page_size, config.policy, rows, max_context_len)?;
+            run(&cache, trace, config, progress)
+        }
+    }
+}
+
+/// Run the driver of `config.mode` over an existing cache.
+fn run<C: ReplayCache>(
+    cache: &C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report, ReplayError> {
+    match config.mode {
+        Mode::Sequential => run_sequential(cache, trace, config, progress),
+        Mode::Overlap => run_overlap(cache, trace, config, progress),
+    }
+}
+
+/// Counters every driver keeps; summed into the [`Report`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Totals {
+    pub served: u64,
+    pub rejected: u64,
+    pub retracted: u64,
+    pub prompt_tokens: u64,
+    pub hit_tokens: u64,
+    pub output_tokens: u64,
+    /// Tokens the cache newly took in (page-aligned KV minus what it already held).
+    pub added_tokens: u64,
+    /// Tokens the driver's explicit `evict` calls freed.
+    pub evicted_tokens: u64,
+    pub peak_used_tokens: u64,
+    pub router_matches: u64,
+    pub router_hit_tokens: u64,
+}
+
+/// The latency histograms of a run.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Histograms {
+    pub match_: LatencyHistogram,
+    pub alloc_extend: LatencyHistogram,
+    pub alloc_decode: LatencyHistogram,
+    pub finish: LatencyHistogram,
+    pub route: LatencyHistogram,
+}
+
+/// Check the end state and assemble the report. At quiescence every KV slot in use
+/// must be cached, every row free, the cache consistent, and the cache's growth
+/// (`added`) minus its evictions must equal what it holds.
+pub(crate) fn finish_report<C: ReplayCache>(
+    cache: &C,
+    config: &ReplayConfig,
+    totals: Totals,
+    hist: &Histograms,
+    wall_seconds: f64,
+    timeline: Vec<TimelinePoint>,
+) -> Result<Report, ReplayError> {
+    cache.check_invariants()?;
+    let pool = cache.req_pool();
+    if pool.available_size() != pool.size() {
+        return Err(InvariantViolation(format!(
+            "{} of {} request rows are still held",
+            pool.size() - pool.available_size(),
+            pool.size()
+        ))
+        .into());
+    }
+    let cached = cache.cached_tokens() as u64;
+    let used = (cache.capacity_tokens() - cache.available_tokens()) as u64;
+    if used != cached {
+        return Err(InvariantViolation(format!(
+            "{used} KV slots are in use but the cache holds {cached} tokens: {} slots leaked",
+            used as i64 - cached as i64
+        ))
+        .into());
+    }
+    if totals.added_tokens != cached + totals.evicted_tokens {
+        return Err(InvariantViolation(format!(
+            "the cache took in {} tokens and evicted {}, but holds {cached}",
+            totals.added_tokens, totals.evicted_tokens
+        ))
+        .into());
+    }
+    let requests = totals.served + totals.rejected;
+    let rate = |x: f64| if wall_seconds > 0.0 { x / wall_seconds } else { 0.0 };
+    let overlap = config.mode == Mode::Overlap;
+    Ok(Report {
+        requests,
+        rejected: totals.rejected,
+        prompt_tokens: totals.prompt_tokens,
+        hit_tokens: totals.hit_tokens,
+        hit_rate: if totals.prompt_tokens > 0 { totals.hit_tokens as f64 / totals.prompt_tokens as f64 } else { 0.0 },
+        computed_tokens: totals.prompt_tokens - totals.hit_tokens,
+        output_tokens: totals.output_tokens,
+        evicted_tokens: totals.evicted_tokens,
+        peak_used_tokens: totals.peak_used_tokens,
+        final_cached_tokens: cached,
+        wall_seconds,
+        requests_per_second: rate(requests as f64),
+        tokens_per_second: rate((totals.prompt_tokens + totals.output_tokens) as f64),
+        latency_ns: Latencies {
+            match_: hist.match_.summary(),
+            alloc_extend: hist.alloc_extend.summary(),
+            alloc_decode: hist.alloc_decode.summary(),
+            finish: hist.finish.summary(),
+            route: (overlap && config.routers > 0).then(|| hist.route.summary()),
+        },
+        mode: config.mode.name(),
+        cache: cache.name(),
+        policy: config.policy.name(),
+        page_size: cache.page_size(),
+        capacity_tokens: cache.capacity_tokens() as u64,
+        max_running: if overlap { config.max_running as u64 } else { 1 },
+        routers: if overlap { config.routers as u64 } else { 0 },
+        retracted: totals.retracted,
+        router_matches: totals.router_matches,
+        router_hit_tokens: totals.router_hit_tokens,
+        invariants_ok: true,
+        timeline,
+    })
+}
+
+/// New tokens (whole pages) a decode step at `seq_len` needs: a page when the new
+/// token starts one.
+#[inline]
+pub(crate) fn decode_need(page_size: u32, seq_len: u32) -> usize {
+    if (seq_len - 1) % page_size == 0 {
+        page_size as usize
+    } else {
+        0
+    }
+}
+
+/// Evict the shortfall when `need` tokens are more than are free; returns the tokens
+/// evicted.
+#[inline]
+pub(crate) fn make_room<C: ReplayCache>(cache: &C, need: usize) -> u64 {
+    let available = cache.available_tokens();
+    if need > available {
+        cache.evict(need - available) as u64
+    } else {
+        0
+    }
+}

@@ -1,0 +1,570 @@
+//! The overlap driver: scheduler, output and router threads sharing one cache (see
+//! [`run_overlap`]).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use crossbeam_utils::Backoff;
+
+use crate::alloc::new_pages;
+use crate::req_to_token::ReqRow;
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
+use super::{
+    decode_need, finish_report, Histograms, LatencyHistogram, ReplayCache, ReplayConfig, ReplayError, Report,
+    TimelinePoint, Totals, Trace, NAMESPACE,
+};
+
+/// State the threads share. Counters only: requests move through the channel.
+struct Shared {
+    /// The first request not yet admitted (routers match from here on).
+    next_admit: AtomicUsize,
+    /// Requests sent to the output thread and not yet finished.
+    pending: AtomicUsize,
+    /// Requests served or rejected (for progress).
+    done_requests: AtomicU64,
+    /// The scheduler is done: routers stop.
+    done: AtomicBool,
+    /// The output thread failed: the scheduler stops waiting for it.
+    failed: AtomicBool,
+}
+
+/// A request the scheduler is running.
+struct Running<L> {
+    r: usize,
+    row: ReqRow,
+    lease: L,
+    hit: usize,
+    /// Tokens with a slot so far.
+    seq: usize,
+    kv_len: usize,
+    last_loc: u32,
+}
+
+/// A request whose KV is complete, on its way to the output thread.
+struct Finished<L> {
+    r: usize,
+    row: ReqRow,
+    lease: L,
+    hit: usize,
+}
+
+/// What the output thread measured.
+#[derive(Default)]
+struct OutputResult {
+    totals: Totals,
+    finish: LatencyHistogram,
+    timeline: Vec<TimelinePoint>,
+}
+
+/// What a router measured.
+#[derive(Default)]
+struct RouterResult {
+    matches: u64,
+    hit_tokens: u64,
+    route: LatencyHistogram,
+}
+
+/// Replay `trace` through `cache` with an overlap scheduler (issue 5, step 4).
+///
+/// * The **scheduler** (the calling thread) admits requests in trace order while fewer
+///   than `max_running` run: match and lock the prompt, take a row, `alloc_extend` the
+///   rest. Then one decode step: a single `alloc_decode` call gives every running
+///   request one slot. Requests whose KV is complete go to the output thread.
+/// * The **output thread** finishes those requests (`cache_finished_req`: insert, free
+///   duplicates and the tail, unlock, free the row) while the scheduler allocates.
+/// * **Routers** (`routers` threads) match upcoming prompts read-only, as a KV-aware
+///   router does when a request arrives: router `k` takes requests `k, k + K, ...`, and
+///   matches each once it is among the next `max_running` requests to be admitted
+///   (one that was admitted before its router got to it is skipped).
+///
+/// Memory pressure is handled as an engine does: before an allocation that needs more
+/// than is free, the scheduler evicts the shortfall (when that much is evictable). If
+/// an admission still does not fit, the request waits for the next step. If a decode
+/// step does not fit, the scheduler first waits for requests that the output thread
+/// is finishing (their tokens become evictable), and otherwise retracts the most
+/// recently admitted request: its slots, lock and row are released and it goes back to
+/// the front of the waiting queue (SGLang's `retract_decode`). A request whose KV
+/// (rounded up to pages) exceeds the whole pool is rejected before it is admitted; so
+/// is one that cannot be admitted while nothing else holds memory.
+///
+/// The driver allocates nothing per request (every buffer is sized from the trace up
+/// front, the channel to the output thread is bounded, latencies go to fixed
+/// histograms), so with kvpool's cache the whole hot path is allocation-free.
+///
+/// The hit counts depend on the interleaving (a request can only hit what finished
+/// before it was matched), so unlike [`run_sequential`](super::run_sequential) the
+/// result is not deterministic; the end-of-run accounting is exact all the same.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::replay::{run_overlap, ReferenceCache, ReplayConfig, Trace};
+/// use kvpool::radix::EvictionPolicy;
+///
+/// let text = "{\"input_length\": 1000, \"output_length\": 50, \"hash_ids\": [1, 2]}\n".repeat(20);
+/// let trace = Trace::from_jsonl_str(&text, "example")?;
+/// let config = ReplayConfig { max_running: 4, routers: 2, ..ReplayConfig::default() };
+/// let cache = ReferenceCache::new(1 << 14, 16, EvictionPolicy::Lru, config.rows() as u32, trace.max_kv_len())?;
+/// let report = run_overlap(&cache, &trace, &config, &|_| {})?;
+/// assert_eq!(report.requests, 20);
+/// assert!(report.invariants_ok);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+///
+/// [`ReplayError::Config`] if the cache's request pool has fewer rows than
+/// [`ReplayConfig::rows`] or rows too short for the trace; [`ReplayError::Invariant`] if
+/// the end-of-run accounting fails; [`ReplayError::Internal`] if the cache refuses a
+/// call or a thread panics.
+pub fn run_overlap<C: ReplayCache>(
+    cache: &C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report, ReplayError> {
+    let pool = cache.req_pool();
+    if pool.size() < config.rows() || pool.max_context_len() < trace.max_kv_len() {
+        return Err(ReplayError::Config(format!(
+            "overlap mode with --max-running {} needs {} request rows of {} tokens; the cache has {} of {}",
+            config.max_running,
+            config.rows(),
+            trace.max_kv_len(),
+            pool.size(),
+            pool.max_context_len()
+        )));
+    }
+    if config.max_running == 0 {
+        return Err(ReplayError::Config("--max-running must be at least 1".into()));
+    }
+    let shared = Shared {
+        next_admit: AtomicUsize::new(0),
+        pending: AtomicUsize::new(0),
+        done_requests: AtomicU64::new(0),
+        done: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+    };
+    let start = Instant::now();
+    let (tx, rx) = crossbeam_channel::bounded(config.max_running);
+    let (sched, output, routers) = std::thread::scope(|s| {
+        let shared = &shared;
+        let output = s.spawn(move || output_thread(cache, trace, config, rx, shared, progress));
+        let routers: Vec<_> =
+            (0..config.routers).map(|k| s.spawn(move || router_thread(cache, trace, config, k, shared))).collect();
+        let sched = scheduler(cache, trace, config, tx, shared);
+        shared.done.store(true, Ordering::Release);
+        let output = output.join();
+        let routers: Vec<_> = routers.into_iter().map(|h| h.join()).collect();
+        (sched, output, routers)
+    });
+    let wall = start.elapsed().as_secs_f64();
+    let panicked = |who: &str| ReplayError::Internal(format!("the {who} thread panicked"));
+    let output = output.map_err(|_| panicked("output"))?;
+    let (mut totals, mut hist) = sched?;
+    let output = output?;
+    totals.served = output.totals.served;
+    totals.prompt_tokens = output.totals.prompt_tokens;
+    totals.hit_tokens = output.totals.hit_tokens;
+    totals.output_tokens = output.totals.output_tokens;
+    totals.added_tokens = output.totals.added_tokens;
+    hist.finish = output.finish;
+    for router in routers {
+        let router = router.map_err(|_| panicked("router"))?;
+        totals.router_matches += router.matches;
+        totals.router_hit_tokens += router.hit_tokens;
+        hist.route.merge(&router.route);
+    }
+    progress(totals.served + totals.rejected);
+    finish_report(cache, config, totals, &hist, wall, output.timeline)
+}
+
+/// The scheduler's buffers, sized once.
+struct Batch {
+    seq_lens: Vec<u32>,
+    last_locs: Vec<u32>,
+    out: Vec<u32>,
+}
+
+/// What admitting one request came to.
+enum Admission<L> {
+    Admitted(Running<L>),
+    /// Not now: memory or rows are held by other requests.
+    Wait,
+    Rejected,
+}
+
+struct Scheduler<'c, C: ReplayCache> {
+    cache: &'c C,
+    trace: &'c Trace,
+    shared: &'c Shared,
+    tx: Sender<Finished<C::Lease<'c>>>,
+    ps: u32,
+    capacity: usize,
+    prompt: Vec<u32>,
+    /// The request whose prompt is in `prompt`.
+    prompt_of: usize,
+    slots: Vec<u32>,
+    totals: Totals,
+    hist: Histograms,
+}
+
+fn scheduler<'c, C: ReplayCache>(
+    cache: &'c C,
+    trace: &'c Trace,
+    config: &ReplayConfig,
+    tx: Sender<Finished<C::Lease<'c>>>,
+    shared: &'c Shared,
+) -> Result<(Totals, Histograms), ReplayError> {
+    let max_running = config.max_running;
+    let max_input = trace.max_input_length().max(1);
+    let mut s = Scheduler {
+        cache,
+        trace,
+        shared,
+        tx,
+        ps: cache.page_size(),
+        capacity: cache.capacity_tokens(),
+        prompt: vec![0; max_input],
+        prompt_of: usize::MAX,
+        slots: vec![0; max_input],
+        totals: Totals::default(),
+        hist: Histograms::default(),
+    };
+    let mut batch = Batch {
+        seq_lens: Vec::with_capacity(max_running),
+        last_locs: Vec::with_capacity(max_running),
+        out: vec![0; max_running],
+    };
+    let mut running: Vec<Running<C::Lease<'c>>> = Vec::with_capacity(max_running);
+    let mut retracted: VecDeque<usize> = VecDeque::with_capacity(max_running);
+    let mut next = 0;
+    let n = trace.len();
+    loop {
+        // Admit in order: retracted requests first, then the trace.
+        while running.len() < max_running {
+            let Some(r) = retracted.front().copied().or((next < n).then_some(next)) else { break };
+            let run = match s.admit(r, running.is_empty())? {
+                Admission::Wait => break,
+                Admission::Admitted(run) => Some(run),
+                Admission::Rejected => None,
+            };
+            // `r` leaves the waiting queue.
+            if retracted.front() == Some(&r) {
+                retracted.pop_front();
+            } else {
+                next += 1;
+                shared.next_admit.store(next, Ordering::Release);
+            }
+            match run {
+                Some(run) if run.seq == run.kv_len => s.send(run)?,
+                Some(run) => running.push(run),
+                None => {
+                    s.totals.rejected += 1;
+                    shared.done_requests.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if running.is_empty() {
+            if retracted.is_empty() && next >= n {
+                return Ok((s.totals, s.hist));
+            }
+            // Requests wait but nothing runs: the memory is with the output thread.
+            s.wait_for_output()?;
+            continue;
+        }
+        s.decode_step(&mut running, &mut retracted, &mut batch)?;
+    }
+}
+
+impl<'c, C: ReplayCache> Scheduler<'c, C> {
+    fn note_peak(&mut self) {
+        let used = (self.capacity - self.cache.available_tokens()) as u64;
+        self.totals.peak_used_tokens = self.totals.peak_used_tokens.max(used);
+    }
+
+    /// Make `need` tokens free by evicting the shortfall. Returns `false`, evicting
+    /// nothing, when not even that much is evictable: the allocation is then not tried
+    /// (it would fail, and a cache that evicts inside its allocation would empty itself
+    /// for nothing). Only this thread allocates, evicts or locks, so what it frees stays
+    /// free until its allocation.
+    fn make_room(&mut self, need: usize) -> bool {
+        let available = self.cache.available_tokens();
+        if need <= available {
+            return true;
+        }
+        if need - available > self.cache.evictable_tokens() {
+            return false;
+        }
+        self.totals.evicted_tokens += self.cache.evict(need - available) as u64;
+        true
+    }
+
+    fn admit(&mut self, r: usize, alone: bool) -> Result<Admission<C::Lease<'c>>, ReplayError> {
+        let (cache, ps) = (self.cache, self.ps as usize);
+        let q = self.trace.request(r);
+        let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
+        if kv_len.div_ceil(ps) * ps > self.capacity {
+            return Ok(Admission::Rejected);
+        }
+        // Read before the attempt: if no request was with the output thread then, none
+        // held memory during it (only this thread admits), so a failure is final. Read
+        // after, a finish that freed memory mid-attempt would look like no one's.
+        let pending_before = self.shared.pending.load(Ordering::Acquire);
+        if self.prompt_of != r {
+            // A request that waits is retried every step: expand its prompt once.
+            self.trace.write_prompt(r, &mut self.prompt);
+            self.prompt_of = r;
+        }
+        let t = Instant::now();
+        let (hit, lease) = cache.match_and_lock(NAMESPACE, &self.prompt[..prompt], &mut self.slots[..prompt]);
+        self.hist.match_.record_since(t);
+        let Ok(mut row) = cache.req_pool().alloc() else {
+            cache.unlock(lease);
+            return Ok(Admission::Wait);
+        };
+        write_row(cache, &mut row, 0, &self.slots[..hit])?;
+        let last_loc = if hit > 0 { self.slots[hit - 1] } else { 0 };
+        let fits = self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
+        let res = if fits {
+            let t = Instant::now();
+            let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut self.slots[..prompt - hit]);
+            self.hist.alloc_extend.record_since(t);
+            res.map(|()| true)
+        } else {
+            Ok(false)
+        };
+        let admitted = match res {
+            Ok(admitted) => admitted,
+            Err(e) => {
+                out_of_memory(&e, "alloc_extend")?;
+                false
+            }
+        };
+        if !admitted {
+            release(cache, row, 0..0)?;
+            cache.unlock(lease);
+            let nobody_else = alone && pending_before == 0;
+            return Ok(if nobody_else { Admission::Rejected } else { Admission::Wait });
+        }
+        write_row(cache, &mut row, hit, &self.slots[..prompt - hit])?;
+        self.note_peak();
+        let last_loc = if prompt > hit { self.slots[prompt - hit - 1] } else { last_loc };
+        Ok(Admission::Admitted(Running { r, row, lease, hit, seq: prompt, kv_len, last_loc }))
+    }
+
+    /// Hand a complete request to the output thread.
+    fn send(&mut self, run: Running<C::Lease<'c>>) -> Result<(), ReplayError> {
+        self.shared.pending.fetch_add(1, Ordering::AcqRel);
+        let finished = Finished { r: run.r, row: run.row, lease: run.lease, hit: run.hit };
+        self.tx.send(finished).map_err(|_| ReplayError::Internal("the output thread stopped".into()))
+    }
+
+    /// Wait until the output thread finishes at least one more request.
+    fn wait_for_output(&self) -> Result<(), ReplayError> {
+        let seen = self.shared.pending.load(Ordering::Acquire);
+        if seen == 0 {
+            return Ok(());
+        }
+        let backoff = Backoff::new();
+        while self.shared.pending.load(Ordering::Acquire) >= seen {
+            if self.shared.failed.load(Ordering::Acquire) {
+                return Err(ReplayError::Internal("the output thread failed".into()));
+            }
+            if backoff.is_completed() {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                backoff.snooze();
+            }
+        }
+        Ok(())
+    }
+
+    /// Give up a running request's memory: its slots past the cached prefix, its lock
+    /// and its row.
+    fn release_running(&mut self, run: Running<C::Lease<'c>>) -> Result<(), ReplayError> {
+        release(self.cache, run.row, run.hit..run.seq)?;
+        self.cache.unlock(run.lease);
+        Ok(())
+    }
+
+    /// One decode step: one slot for every running request, in one `alloc_decode`.
+    fn decode_step(
+        &mut self,
+        running: &mut Vec<Running<C::Lease<'c>>>,
+        retracted: &mut VecDeque<usize>,
+        b: &mut Batch,
+    ) -> Result<(), ReplayError> {
+        let cache = self.cache;
+        b.seq_lens.clear();
+        b.last_locs.clear();
+        for run in running.iter() {
+            b.seq_lens.push(run.seq as u32 + 1);
+            b.last_locs.push(run.last_loc);
+        }
+        loop {
+            // As in `admit`: whether anyone else could hold memory during the attempt.
+            let pending_before = self.shared.pending.load(Ordering::Acquire);
+            let need: usize = b.seq_lens.iter().map(|&s| decode_need(self.ps, s)).sum();
+            if self.make_room(need) {
+                let m = running.len();
+                let t = Instant::now();
+                let res = cache.alloc_decode(&b.seq_lens, &b.last_locs, &mut b.out[..m]);
+                self.hist.alloc_decode.record_since(t);
+                match res {
+                    Ok(()) => break,
+                    Err(e) => out_of_memory(&e, "alloc_decode")?,
+                }
+            }
+            if pending_before > 0 {
+                // Requests being finished will free or unlock their tokens.
+                self.wait_for_output()?;
+                continue;
+            }
+            // Retract the most recently admitted request.
+            let Some(victim) = running.pop() else { return Ok(()) };
+            b.seq_lens.pop();
+            b.last_locs.pop();
+            let r = victim.r;
+            self.release_running(victim)?;
+            if running.is_empty() {
+                // It could not decode alone with nothing else holding memory.
+                self.totals.rejected += 1;
+                self.shared.done_requests.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            retracted.push_front(r);
+            self.totals.retracted += 1;
+        }
+        if b.seq_lens.iter().any(|&s| decode_need(self.ps, s) > 0) {
+            self.note_peak();
+        }
+        for (run, &slot) in running.iter_mut().zip(&b.out) {
+            write_row(cache, &mut run.row, run.seq, &[slot])?;
+            run.seq += 1;
+            run.last_loc = slot;
+        }
+        let mut k = 0;
+        while k < running.len() {
+            if running[k].seq == running[k].kv_len {
+                let run = running.remove(k);
+                self.send(run)?;
+            } else {
+                k += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn write_row<C: ReplayCache>(cache: &C, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
+    cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
+}
+
+fn output_thread<'c, C: ReplayCache>(
+    cache: &'c C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    rx: Receiver<Finished<C::Lease<'c>>>,
+    shared: &Shared,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<OutputResult, ReplayError> {
+    let result = output_loop(cache, trace, config, &rx, shared, progress);
+    if result.is_err() {
+        shared.failed.store(true, Ordering::Release);
+    }
+    result
+}
+
+fn output_loop<'c, C: ReplayCache>(
+    cache: &'c C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    rx: &Receiver<Finished<C::Lease<'c>>>,
+    shared: &Shared,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<OutputResult, ReplayError> {
+    let ps = cache.page_size() as usize;
+    let capacity = cache.capacity_tokens();
+    let mut tokens = vec![0u32; trace.max_kv_len().max(1)];
+    let mut out = OutputResult {
+        timeline: Vec::with_capacity(if config.timeline { trace.len() } else { 0 }),
+        ..OutputResult::default()
+    };
+    for f in rx.iter() {
+        let q = trace.request(f.r);
+        let kv_len = q.kv_len();
+        trace.write_kv_tokens(f.r, &mut tokens);
+        let t = Instant::now();
+        let cached = cache.cache_finished_req(NAMESPACE, &tokens[..kv_len], f.row, f.lease)?;
+        out.finish.record_since(t);
+        shared.pending.fetch_sub(1, Ordering::AcqRel);
+        let aligned = kv_len / ps * ps;
+        let t = &mut out.totals;
+        t.added_tokens += (aligned - cached.min(aligned)) as u64;
+        t.served += 1;
+        t.prompt_tokens += q.input_length as u64;
+        t.hit_tokens += f.hit as u64;
+        t.output_tokens += q.output_length as u64;
+        let done = shared.done_requests.fetch_add(1, Ordering::Relaxed) + 1;
+        if config.timeline {
+            out.timeline.push(TimelinePoint {
+                requests_done: done as u32,
+                used_tokens: (capacity - cache.available_tokens()) as u64,
+                cached_tokens: cache.cached_tokens() as u64,
+                prompt_tokens: t.prompt_tokens,
+                hit_tokens: t.hit_tokens,
+            });
+        }
+        if done % PROGRESS_EVERY == 0 {
+            progress(done);
+        }
+    }
+    Ok(out)
+}
+
+fn router_thread<C: ReplayCache>(
+    cache: &C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    k: usize,
+    shared: &Shared,
+) -> RouterResult {
+    let mut res = RouterResult::default();
+    let max_input = trace.max_input_length().max(1);
+    let (mut prompt, mut slots) = (vec![0u32; max_input], vec![0u32; max_input]);
+    let window = config.max_running;
+    let backoff = Backoff::new();
+    let mut r = k;
+    while r < trace.len() {
+        let next = shared.next_admit.load(Ordering::Acquire);
+        if r < next {
+            // Admitted before this router got to it.
+            r += config.routers;
+            continue;
+        }
+        if r >= next + window {
+            if shared.done.load(Ordering::Acquire) {
+                break;
+            }
+            if backoff.is_completed() {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                backoff.snooze();
+            }
+            continue;
+        }
+        backoff.reset();
+        let len = trace.request(r).input_length as usize;
+        trace.write_prompt(r, &mut prompt);
+        let t = Instant::now();
+        let hit = cache.peek_prefix(NAMESPACE, &prompt[..len], &mut slots[..len]);
+        res.route.record_since(t);
+        res.matches += 1;
+        res.hit_tokens += hit as u64;
+        r += config.routers;
+    }
+    res
+}

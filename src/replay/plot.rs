@@ -1,0 +1,129 @@
+//! `--plot`: cache occupancy and cumulative hit rate against request index, as SVG.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use super::{ReplayError, Report, TimelinePoint};
+
+/// The most points drawn per line; longer timelines are thinned evenly.
+const MAX_POINTS: usize = 2000;
+
+fn thin(timeline: &[TimelinePoint]) -> impl Iterator<Item = &TimelinePoint> {
+    let step = timeline.len().div_ceil(MAX_POINTS).max(1);
+    let last = timeline.len().saturating_sub(1);
+    timeline.iter().enumerate().filter(move |(i, _)| i % step == 0 || *i == last).map(|(_, p)| p)
+}
+
+/// Draw the report's timeline into an SVG file: KV slots in use and tokens cached
+/// (top, in thousands of tokens, with the capacity as a line) and the cumulative hit
+/// rate (bottom), against the number of requests done.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::replay::{replay, write_plot, Mode, ReplayConfig, Trace};
+/// let text = "{\"input_length\": 600, \"output_length\": 10, \"hash_ids\": [1, 2]}\n".repeat(3);
+/// let trace = Trace::from_jsonl_str(&text, "example")?;
+/// let config = ReplayConfig { mode: Mode::Sequential, timeline: true, ..ReplayConfig::default() };
+/// let report = replay(&trace, &config, &|_| {})?;
+/// let path = std::env::temp_dir().join(format!("kvpool-doc-plot-{}.svg", std::process::id()));
+/// write_plot(&report, &path)?;
+/// assert!(std::fs::read_to_string(&path)?.starts_with("<svg"));
+/// # std::fs::remove_file(&path)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+///
+/// [`ReplayError::Plot`] if the report has no timeline (the replay ran without
+/// [`ReplayConfig::timeline`](super::ReplayConfig::timeline)) or the file cannot be
+/// written.
+pub fn write_plot(report: &Report, path: &Path) -> Result<(), ReplayError> {
+    if report.timeline.is_empty() {
+        return Err(ReplayError::Plot("the replay recorded no timeline (no request was served)".into()));
+    }
+    draw(report, path).map_err(|e| ReplayError::Plot(format!("{}: {e}", path.display())))
+}
+
+fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let timeline = &report.timeline;
+    let x_max = timeline.last().map_or(1, |p| p.requests_done).max(1) as f64;
+    let k = |t: u64| t as f64 / 1000.0;
+    let y_max = k(report.capacity_tokens.max(report.peak_used_tokens).max(1)) * 1.05;
+
+    let root = SVGBackend::new(path, (1000, 720)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(400);
+    let title = format!(
+        "kvpool replay: {} mode, {} cache, {}, page size {}",
+        report.mode, report.cache, report.policy, report.page_size
+    );
+
+    let mut chart = ChartBuilder::on(&top)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("thousands of tokens")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()?;
+    let capacity = k(report.capacity_tokens);
+    chart
+        .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
+        .label("capacity")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.5)));
+    chart
+        .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, k(p.used_tokens))), &RED))?
+        .label("KV slots in use")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RED));
+    chart
+        .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, k(p.cached_tokens))), &BLUE))?
+        .label("tokens cached")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+
+    let rate = |p: &TimelinePoint| {
+        if p.prompt_tokens == 0 {
+            0.0
+        } else {
+            100.0 * p.hit_tokens as f64 / p.prompt_tokens as f64
+        }
+    };
+    // Scale to the rates seen (a 5% hit rate is a flat line on a 0-100 axis).
+    let rate_max = timeline.iter().map(rate).fold(0.0, f64::max);
+    let y_max = (rate_max * 1.25).clamp(1.0, 100.0).ceil();
+    let mut chart = ChartBuilder::on(&bottom)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("cumulative hit rate, %")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, rate(p))), &GREEN))?
+        .label(format!("hit rate (final {:.2}%)", report.hit_rate * 100.0))
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], GREEN));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

@@ -1,0 +1,491 @@
+//! Request traces: loading, validation and token expansion.
+//!
+//! A trace is a JSON-lines file in the format of the Mooncake traces: one request a
+//! line, `{"timestamp": ms, "input_length": L, "output_length": O, "hash_ids": [..]}`,
+//! where each hash id stands for one 512-token block of the prompt. Token ids are not
+//! in the file; they are expanded deterministically, so every implementation replays
+//! exactly the same tokens (issue 5):
+//!
+//! * request `r` is the request on line `r + 1` (0-based line number `r`);
+//! * prompt token `p < L` is `h_(p/512) * 512 + p % 512`;
+//! * output token `j < O` is `2^31 + r * 2048 + j`.
+//!
+//! Prompt tokens stay below `2^31` and output tokens of different requests never
+//! collide, which bounds what a trace may hold: hash ids below `2^22`, at most 2048
+//! output tokens per request and at most `2^20` requests. A line that breaks a bound,
+//! or whose `input_length` exceeds `512 * len(hash_ids)`, is an input error naming the
+//! line.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Tokens per hash block.
+pub const BLOCK_TOKENS: u32 = 512;
+/// The first output token id: `2^31`.
+pub const OUTPUT_TOKEN_BASE: u32 = 1 << 31;
+/// Output token ids reserved per request (`output_length` may not exceed it).
+pub const MAX_OUTPUT_LEN: u32 = 2048;
+/// The largest hash id whose tokens stay below [`OUTPUT_TOKEN_BASE`].
+pub const MAX_HASH_ID: u64 = (OUTPUT_TOKEN_BASE / BLOCK_TOKENS) as u64 - 1;
+/// The most requests a trace may hold (their output ids must fit in a `u32`).
+pub const MAX_REQUESTS: usize = ((u32::MAX - OUTPUT_TOKEN_BASE) / MAX_OUTPUT_LEN + 1) as usize;
+
+/// The Mooncake conversation trace, bundled with the crate (gzip; see `data/README.md`).
+static BUNDLED_TRACE_GZ: &[u8] = include_bytes!("../../data/mooncake_conversation_trace.jsonl.gz");
+
+/// The name [`Trace::bundled`] reports as its source.
+pub const BUNDLED_TRACE_NAME: &str = "mooncake_conversation_trace.jsonl (bundled)";
+
+/// Prompt token `p` of a request whose blocks are `hash_ids` (`p < 512 * hash_ids.len()`).
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::replay::prompt_token;
+/// assert_eq!(prompt_token(&[7, 3], 0), 7 * 512);
+/// assert_eq!(prompt_token(&[7, 3], 513), 3 * 512 + 1);
+/// ```
+///
+/// # Panics
+///
+/// If `p` lies past the last block (the loader guarantees it does not for a
+/// [`Trace`]'s requests).
+#[inline]
+pub fn prompt_token(hash_ids: &[u32], p: usize) -> u32 {
+    hash_ids[p / BLOCK_TOKENS as usize] * BLOCK_TOKENS + (p % BLOCK_TOKENS as usize) as u32
+}
+
+/// Output token `j` of request `r`: `2^31 + r * 2048 + j`.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::replay::output_token;
+/// assert_eq!(output_token(0, 0), 1 << 31);
+/// assert_eq!(output_token(2, 5), (1 << 31) + 2 * 2048 + 5);
+/// ```
+#[inline]
+pub fn output_token(r: usize, j: usize) -> u32 {
+    OUTPUT_TOKEN_BASE + r as u32 * MAX_OUTPUT_LEN + j as u32
+}
+
+/// One request of a [`Trace`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceRequest {
+    /// Arrival time in milliseconds (not used by the replay, which runs as fast as it can).
+    pub timestamp_ms: u64,
+    /// Prompt tokens `L`.
+    pub input_length: u32,
+    /// Generated tokens `O`.
+    pub output_length: u32,
+    hash_start: u32,
+    hash_len: u32,
+}
+
+impl TraceRequest {
+    /// Tokens whose KV the request ends up holding: the prompt plus the outputs minus
+    /// the last generated token (whose KV is never written), `L + max(O, 1) - 1`.
+    #[inline]
+    pub fn kv_len(&self) -> usize {
+        self.input_length as usize + self.output_length.saturating_sub(1) as usize
+    }
+}
+
+/// A loaded, validated trace.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::replay::Trace;
+///
+/// let text = r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [5, 9]}"#;
+/// let trace = Trace::from_jsonl_str(text, "inline")?;
+/// assert_eq!(trace.len(), 1);
+/// let mut tokens = vec![0; trace.request(0).kv_len()];
+/// trace.write_kv_tokens(0, &mut tokens);
+/// assert_eq!(tokens.len(), 602);
+/// assert_eq!(&tokens[510..514], &[5 * 512 + 510, 5 * 512 + 511, 9 * 512, 9 * 512 + 1]);
+/// assert_eq!(&tokens[600..], &[1 << 31, (1 << 31) + 1]);
+/// # Ok::<(), kvpool::replay::TraceError>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Trace {
+    requests: Vec<TraceRequest>,
+    hash_ids: Vec<u32>,
+    source: String,
+}
+
+/// Why a trace could not be loaded. Its message names the source and, for a bad line,
+/// the 1-based line number.
+#[derive(Debug)]
+pub struct TraceError {
+    /// Where the trace came from (a path, or a name given by the caller).
+    pub source: String,
+    /// The 1-based line, when one line is at fault.
+    pub line: Option<usize>,
+    /// What is wrong.
+    pub kind: TraceErrorKind,
+}
+
+/// What is wrong with a trace.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TraceErrorKind {
+    /// The file could not be opened or read.
+    Io(std::io::Error),
+    /// A line is not a JSON object with the expected fields.
+    Json(serde_json::Error),
+    /// A blank line before the last request (the line number is the request's id).
+    BlankLine,
+    /// `input_length > 512 * len(hash_ids)`.
+    PromptLongerThanBlocks {
+        /// The line's `input_length`.
+        input_length: u64,
+        /// Its number of hash ids.
+        blocks: usize,
+    },
+    /// A hash id above [`MAX_HASH_ID`].
+    HashIdTooLarge {
+        /// The hash id.
+        hash_id: u64,
+    },
+    /// `output_length` above [`MAX_OUTPUT_LEN`].
+    OutputTooLong {
+        /// The line's `output_length`.
+        output_length: u64,
+    },
+    /// More than [`MAX_REQUESTS`] requests.
+    TooManyRequests,
+    /// No request at all.
+    Empty,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}: line {line}: ", self.source)?,
+            None => write!(f, "{}: ", self.source)?,
+        }
+        match &self.kind {
+            TraceErrorKind::Io(e) => write!(f, "{e}"),
+            TraceErrorKind::Json(e) => write!(f, "not a trace record: {e}"),
+            TraceErrorKind::BlankLine => {
+                f.write_str("blank line (every line is one request; its 0-based line number is the request id)")
+            }
+            TraceErrorKind::PromptLongerThanBlocks { input_length, blocks } => write!(
+                f,
+                "input_length {input_length} exceeds 512 * len(hash_ids) = {} ({blocks} blocks)",
+                512 * *blocks as u64
+            ),
+            TraceErrorKind::HashIdTooLarge { hash_id } => {
+                write!(f, "hash id {hash_id} is above {MAX_HASH_ID} (prompt tokens must stay below 2^31)")
+            }
+            TraceErrorKind::OutputTooLong { output_length } => {
+                write!(f, "output_length {output_length} is above {MAX_OUTPUT_LEN} (output token ids would collide)")
+            }
+            TraceErrorKind::TooManyRequests => write!(f, "more than {MAX_REQUESTS} requests"),
+            TraceErrorKind::Empty => f.write_str("the trace holds no request"),
+        }
+    }
+}
+
+impl std::error::Error for TraceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.kind {
+            TraceErrorKind::Io(e) => Some(e),
+            TraceErrorKind::Json(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// One line of the file, as serde reads it.
+#[derive(Deserialize)]
+struct RawRequest {
+    #[serde(default)]
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+impl Trace {
+    /// The bundled Mooncake conversation trace (12,031 requests), decoded from the copy
+    /// embedded in the binary.
+    ///
+    /// # Errors
+    ///
+    /// [`TraceError`] only if the embedded copy is damaged.
+    pub fn bundled() -> Result<Trace, TraceError> {
+        Trace::from_reader(BUNDLED_TRACE_GZ, BUNDLED_TRACE_NAME)
+    }
+
+    /// Load a JSON-lines trace from a file; a gzip file (by its magic bytes) is
+    /// decompressed on the fly.
+    ///
+    /// # Errors
+    ///
+    /// [`TraceError`]: the file cannot be read, or a line is malformed (the error names
+    /// the line), or the trace is empty.
+    pub fn from_path(path: &Path) -> Result<Trace, TraceError> {
+        let source = path.display().to_string();
+        let file = std::fs::File::open(path).map_err(|e| TraceError {
+            source: source.clone(),
+            line: None,
+            kind: TraceErrorKind::Io(e),
+        })?;
+        Trace::from_reader(file, &source)
+    }
+
+    /// Parse a trace held in a string; `source` names it in error messages.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_path`](Self::from_path).
+    pub fn from_jsonl_str(text: &str, source: &str) -> Result<Trace, TraceError> {
+        Trace::from_reader(text.as_bytes(), source)
+    }
+
+    /// Parse a trace from a reader (plain JSON lines, or gzip of them).
+    ///
+    /// # Errors
+    ///
+    /// As [`from_path`](Self::from_path).
+    pub fn from_reader<R: Read>(reader: R, source: &str) -> Result<Trace, TraceError> {
+        let err = |line: Option<usize>, kind| TraceError { source: source.to_string(), line, kind };
+        let mut reader = BufReader::with_capacity(1 << 16, reader);
+        let head = reader.fill_buf().map_err(|e| err(None, TraceErrorKind::Io(e)))?;
+        if head.starts_with(&[0x1f, 0x8b]) {
+            let decoder = flate2::bufread::MultiGzDecoder::new(reader);
+            Trace::parse_lines(BufReader::with_capacity(1 << 16, decoder), source)
+        } else {
+            Trace::parse_lines(reader, source)
+        }
+    }
+
+    fn parse_lines<R: BufRead>(mut reader: R, source: &str) -> Result<Trace, TraceError> {
+        let err = |line: Option<usize>, kind| TraceError { source: source.to_string(), line, kind };
+        let mut trace = Trace { requests: Vec::new(), hash_ids: Vec::new(), source: source.to_string() };
+        let mut line = String::new();
+        let mut line_no = 0;
+        let mut first_blank = None;
+        loop {
+            line.clear();
+            let n = reader.read_line(&mut line).map_err(|e| err(Some(line_no + 1), TraceErrorKind::Io(e)))?;
+            if n == 0 {
+                break;
+            }
+            line_no += 1;
+            if line.trim().is_empty() {
+                first_blank.get_or_insert(line_no);
+                continue;
+            }
+            if let Some(blank) = first_blank {
+                return Err(err(Some(blank), TraceErrorKind::BlankLine));
+            }
+            if trace.requests.len() == MAX_REQUESTS {
+                return Err(err(Some(line_no), TraceErrorKind::TooManyRequests));
+            }
+            let raw: RawRequest =
+                serde_json::from_str(&line).map_err(|e| err(Some(line_no), TraceErrorKind::Json(e)))?;
+            trace.push(raw).map_err(|kind| err(Some(line_no), kind))?;
+        }
+        if trace.requests.is_empty() {
+            return Err(err(None, TraceErrorKind::Empty));
+        }
+        Ok(trace)
+    }
+
+    fn push(&mut self, raw: RawRequest) -> Result<(), TraceErrorKind> {
+        let blocks = raw.hash_ids.len();
+        if raw.input_length > BLOCK_TOKENS as u64 * blocks as u64 {
+            return Err(TraceErrorKind::PromptLongerThanBlocks { input_length: raw.input_length, blocks });
+        }
+        if raw.output_length > MAX_OUTPUT_LEN as u64 {
+            return Err(TraceErrorKind::OutputTooLong { output_length: raw.output_length });
+        }
+        if let Some(&hash_id) = raw.hash_ids.iter().find(|&&h| h > MAX_HASH_ID) {
+            return Err(TraceErrorKind::HashIdTooLarge { hash_id });
+        }
+        // Only the blocks the prompt reaches are kept (ids past it are never read).
+        let used = (raw.input_length as usize).div_ceil(BLOCK_TOKENS as usize);
+        // input_length <= 512 * blocks and hash ids < 2^22, so these fit in u32.
+        let hash_start = self.hash_ids.len() as u32;
+        self.hash_ids.extend(raw.hash_ids[..used].iter().map(|&h| h as u32));
+        let timestamp_ms = if raw.timestamp.is_finite() && raw.timestamp > 0.0 { raw.timestamp as u64 } else { 0 };
+        self.requests.push(TraceRequest {
+            timestamp_ms,
+            input_length: raw.input_length as u32,
+            output_length: raw.output_length as u32,
+            hash_start,
+            hash_len: used as u32,
+        });
+        Ok(())
+    }
+
+    /// Where the trace came from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Number of requests.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether there are no requests (never true for a loaded trace).
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Keep only the first `n` requests.
+    pub fn truncate(&mut self, n: usize) {
+        self.requests.truncate(n);
+        let end = self.requests.last().map_or(0, |r| (r.hash_start + r.hash_len) as usize);
+        self.hash_ids.truncate(end);
+    }
+
+    /// Request `r`.
+    ///
+    /// # Panics
+    ///
+    /// If `r >= len()`.
+    #[inline]
+    pub fn request(&self, r: usize) -> TraceRequest {
+        self.requests[r]
+    }
+
+    /// All requests in file order.
+    pub fn requests(&self) -> &[TraceRequest] {
+        &self.requests
+    }
+
+    /// The hash ids of request `r` that its prompt reaches (`ceil(L / 512)` of them).
+    ///
+    /// # Panics
+    ///
+    /// If `r >= len()`.
+    #[inline]
+    pub fn hash_ids(&self, r: usize) -> &[u32] {
+        let q = &self.requests[r];
+        &self.hash_ids[q.hash_start as usize..(q.hash_start + q.hash_len) as usize]
+    }
+
+    /// Write the prompt of request `r` into `out[..L]`.
+    ///
+    /// # Panics
+    ///
+    /// If `r >= len()` or `out` is shorter than the prompt.
+    pub fn write_prompt(&self, r: usize, out: &mut [u32]) {
+        let q = self.requests[r];
+        let out = &mut out[..q.input_length as usize];
+        for (block, &h) in out.chunks_mut(BLOCK_TOKENS as usize).zip(self.hash_ids(r)) {
+            let base = h * BLOCK_TOKENS;
+            for (k, t) in block.iter_mut().enumerate() {
+                *t = base + k as u32;
+            }
+        }
+    }
+
+    /// Write the KV tokens of request `r` (prompt, then every output token but the
+    /// last) into `out[..kv_len]`.
+    ///
+    /// # Panics
+    ///
+    /// If `r >= len()` or `out` is shorter than [`TraceRequest::kv_len`].
+    pub fn write_kv_tokens(&self, r: usize, out: &mut [u32]) {
+        let q = self.requests[r];
+        self.write_prompt(r, out);
+        let prompt = q.input_length as usize;
+        for (j, t) in out[prompt..q.kv_len()].iter_mut().enumerate() {
+            *t = output_token(r, j);
+        }
+    }
+
+    /// The longest prompt.
+    pub fn max_input_length(&self) -> usize {
+        self.requests.iter().map(|q| q.input_length as usize).max().unwrap_or(0)
+    }
+
+    /// The longest [`TraceRequest::kv_len`].
+    pub fn max_kv_len(&self) -> usize {
+        self.requests.iter().map(TraceRequest::kv_len).max().unwrap_or(0)
+    }
+
+    /// Sum of `input_length`.
+    pub fn total_input_tokens(&self) -> u64 {
+        self.requests.iter().map(|q| q.input_length as u64).sum()
+    }
+
+    /// Sum of `output_length`.
+    pub fn total_output_tokens(&self) -> u64 {
+        self.requests.iter().map(|q| q.output_length as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Trace, TraceError> {
+        Trace::from_jsonl_str(text, "t.jsonl")
+    }
+
+    #[test]
+    fn expansion_follows_the_formula() {
+        let t = parse(
+            "{\"input_length\": 1030, \"output_length\": 4, \"hash_ids\": [1, 2, 3, 99]}\n\
+             {\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [4]}\n",
+        )
+        .unwrap();
+        assert_eq!(t.hash_ids(0), &[1, 2, 3]); // block 3 is past the prompt
+        let mut out = vec![0; t.request(0).kv_len()];
+        t.write_kv_tokens(0, &mut out);
+        assert_eq!(out.len(), 1033);
+        for (p, &tok) in out[..1030].iter().enumerate() {
+            assert_eq!(tok, [1u32, 2, 3][p / 512] * 512 + (p % 512) as u32);
+        }
+        assert_eq!(&out[1030..], &[1 << 31, (1 << 31) + 1, (1 << 31) + 2]);
+        let mut out = vec![0; 1];
+        t.write_kv_tokens(1, &mut out);
+        assert_eq!(out, [4 * 512]);
+        assert_eq!(output_token(1, 0), (1 << 31) + 2048);
+    }
+
+    #[test]
+    fn bad_lines_are_named() {
+        let e = parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n{oops}\n").unwrap_err();
+        assert_eq!(e.line, Some(2));
+        assert!(e.to_string().starts_with("t.jsonl: line 2: not a trace record"), "{e}");
+        let e = parse("{\"input_length\": 513, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
+        assert!(matches!(e.kind, TraceErrorKind::PromptLongerThanBlocks { input_length: 513, blocks: 1 }));
+        let e = parse("{\"input_length\": 1, \"output_length\": 2049, \"hash_ids\": [1]}").unwrap_err();
+        assert!(matches!(e.kind, TraceErrorKind::OutputTooLong { .. }));
+        let e = parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [4194304]}").unwrap_err();
+        assert!(matches!(e.kind, TraceErrorKind::HashIdTooLarge { hash_id: 4194304 }));
+        let e = parse("{\"input_length\": -1, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
+        assert!(matches!(e.kind, TraceErrorKind::Json(_)));
+        let e = parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n\n{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
+        assert_eq!((e.line, matches!(e.kind, TraceErrorKind::BlankLine)), (Some(2), true));
+        assert!(matches!(parse("\n\n").unwrap_err().kind, TraceErrorKind::Empty));
+        // Trailing blank lines are fine.
+        assert_eq!(parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n\n").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn bounds_keep_token_spaces_apart() {
+        assert_eq!(prompt_token(&[MAX_HASH_ID as u32], 511), OUTPUT_TOKEN_BASE - 1);
+        assert_eq!(output_token(MAX_REQUESTS - 1, MAX_OUTPUT_LEN as usize - 1), u32::MAX);
+    }
+
+    #[test]
+    fn gzip_input_is_detected() {
+        let t = Trace::bundled().unwrap();
+        assert_eq!(t.len(), 12_031);
+        assert_eq!(t.total_input_tokens(), 144_793_823);
+        assert_eq!(t.total_output_tokens(), 4_122_048);
+    }
+}

@@ -1,0 +1,103 @@
+//! The replay's hot path does not allocate: with kvpool's cache, replaying twice as
+//! many requests makes no more heap allocations (every buffer is sized up front).
+//! Counted with a global allocator wrapper.
+#![cfg(all(not(loom), feature = "replay"))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use kvpool::radix::{RadixCache, RadixConfig};
+use kvpool::replay::{run_overlap, run_sequential, Mode, ReplayConfig, Trace};
+use kvpool::{PagedAllocator, ReqToTokenPool};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, passed on as is.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout (see `alloc`).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: as for `alloc` and `dealloc`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// A trace of `n` requests over a few shared prefixes, long enough to evict.
+fn trace(n: usize) -> Trace {
+    let text: String = (0..n)
+        .map(|r| {
+            let blocks = 1 + r % 5;
+            let ids: Vec<String> = (0..blocks).map(|b| ((r % 7) * 10 + b).to_string()).collect();
+            let input = blocks * 512 - (r * 37) % 300;
+            format!(
+                "{{\"input_length\": {input}, \"output_length\": {}, \"hash_ids\": [{}]}}\n",
+                1 + r % 90,
+                ids.join(",")
+            )
+        })
+        .collect();
+    Trace::from_jsonl_str(&text, "alloc-test").unwrap()
+}
+
+fn cache(config: &ReplayConfig, trace: &Trace) -> RadixCache<PagedAllocator> {
+    let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).unwrap();
+    let rows = ReqToTokenPool::new(config.rows() as u32, trace.max_kv_len()).unwrap();
+    RadixCache::new(alloc, rows, RadixConfig { policy: config.policy, ..RadixConfig::default() }).unwrap()
+}
+
+/// Allocations made while replaying `trace` (cache and trace built beforehand).
+fn allocations(config: &ReplayConfig, trace: &Trace) -> (u64, u64) {
+    let cache = cache(config, trace);
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let report = match config.mode {
+        Mode::Sequential => run_sequential(&cache, trace, config, &|_| {}),
+        Mode::Overlap => run_overlap(&cache, trace, config, &|_| {}),
+    };
+    COUNTING.store(false, Ordering::SeqCst);
+    let report = report.unwrap();
+    (ALLOCATIONS.load(Ordering::SeqCst), report.evicted_tokens)
+}
+
+// One test function, so no other test thread allocates while counting is on.
+#[test]
+fn replay_allocations_do_not_grow_with_the_trace() {
+    let (short, long) = (trace(200), trace(800));
+
+    let seq = ReplayConfig { mode: Mode::Sequential, capacity_tokens: 8192, page_size: 16, ..ReplayConfig::default() };
+    let (a, evicted) = allocations(&seq, &short);
+    let (b, _) = allocations(&seq, &long);
+    assert!(evicted > 0, "the capacity is meant to force eviction");
+    assert_eq!(a, b, "sequential: {a} allocations for 200 requests, {b} for 800");
+
+    // Overlap: thread start-up and the channel allocate; requests must not.
+    let ovl = ReplayConfig {
+        mode: Mode::Overlap,
+        capacity_tokens: 8192,
+        page_size: 16,
+        max_running: 4,
+        routers: 2,
+        ..ReplayConfig::default()
+    };
+    let (a, _) = allocations(&ovl, &short);
+    let (b, _) = allocations(&ovl, &long);
+    assert!(b <= a + 16, "overlap: {a} allocations for 200 requests, {b} for 800");
+}

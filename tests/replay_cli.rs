@@ -1,0 +1,332 @@
+//! `kvpool replay` end to end: small traces whose every reported number is worked out
+//! by hand (sequential mode), the output formats, and bad input.
+#![cfg(all(not(loom), feature = "replay"))]
+
+mod replay_common;
+
+use replay_common::{int, kvpool, replay_json, write_text, write_trace};
+
+/// Scenario A, page size 4, capacity 1024 (no eviction). Per request:
+///
+/// * r0 `L=10 O=3 [1]`: no hit; extend 10 -> 3 pages; decodes at seq 11, 12 stay in
+///   page 3; KV 12 = 3 whole pages cached. Used 12.
+/// * r1 `L=9 O=1 [1]`: the page-aligned key is 8 tokens, all cached (splits r0's node):
+///   hit 8; extend 1 token -> 1 new page (used 16, peak 16); finish inserts 8 (all
+///   present), frees the 1-token tail page. Used 12.
+/// * r2 `L=5 O=2 [2]`: no hit; extend 5 -> 2 pages (used 20); decode seq 6 stays in page;
+///   KV 6: 4 cached, tail page freed. Used/cached 16.
+/// * r3 `L=7 O=3 [3]`: no hit; extend 7 -> 2 pages (24); decode seq 8 in page, seq 9
+///   starts a page (28, the peak); KV 9: 8 cached, tail page freed. Cached 24.
+const SCENARIO_A: &[(u64, u64, &[u64])] = &[(10, 3, &[1]), (9, 1, &[1]), (5, 2, &[2]), (7, 3, &[3])];
+
+/// Scenario B, page size 4, capacity 16 tokens (4 pages): eviction and a rejection.
+///
+/// * r0 `L=8 O=1 [1]`: caches A (8). Used 8.
+/// * r1 `L=4 O=1 [2]`: caches B (4). Used 12.
+/// * r2 `L=8 O=1 [1]`: hit 8 (the whole prompt), nothing to allocate; A is touched.
+/// * r3 `L=8 O=1 [3]`: needs 2 pages, 1 free: evict 4. LRU: B (older than A) goes (4).
+///   FIFO: A (created first) goes (8). Caches C (8). Peak 16.
+/// * r4 `L=4 O=1 [2]`: LRU: B is gone, miss; needs 1 page, none free: evict A (8).
+///   FIFO: B is cached: hit 4.
+/// * r5 `L=8 O=1 [1]`: A is gone in both; needs 2 pages. LRU: 1 free, evict C (8).
+///   FIFO: 1 free, evict B (4).
+/// * r6 `L=20 O=1 [4,..]`: 5 pages > 4: after evicting everything (LRU: 12, FIFO: 16) it
+///   still does not fit: rejected.
+/// * r7 `L=6 O=3 [5]`: extend 2 pages, decodes at seq 7, 8 stay in page; caches 8.
+///
+/// LRU: hits 8, evicted 4+8+8+12 = 32. FIFO: hits 8+4, evicted 8+4+16 = 28.
+const SCENARIO_B: &[(u64, u64, &[u64])] =
+    &[(8, 1, &[1]), (4, 1, &[2]), (8, 1, &[1]), (8, 1, &[3]), (4, 1, &[2]), (8, 1, &[1]), (20, 1, &[4]), (6, 3, &[5])];
+
+fn check(v: &serde_json::Value, expected: &[(&str, u64)]) {
+    for &(key, want) in expected {
+        assert_eq!(int(v, key), want, "{key} in {v}");
+    }
+    let prompt = int(v, "prompt_tokens");
+    let hit = int(v, "hit_tokens");
+    assert_eq!(int(v, "computed_tokens"), prompt - hit);
+    let rate = v["hit_rate"].as_f64().unwrap();
+    assert!((rate - hit as f64 / prompt as f64).abs() < 1e-12, "hit_rate {rate}");
+    assert_eq!(v["invariants_ok"], serde_json::Value::Bool(true));
+    assert_eq!(v["mode"], "sequential");
+}
+
+#[test]
+fn scenario_a_every_number() {
+    let path = write_trace("a.jsonl", SCENARIO_A);
+    for cache in ["kvpool", "reference"] {
+        let v = replay_json(&[
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            "sequential",
+            "--page-size",
+            "4",
+            "--capacity-tokens",
+            "1024",
+            "--cache",
+            cache,
+        ]);
+        assert_eq!(v["cache"], cache);
+        check(
+            &v,
+            &[
+                ("requests", 4),
+                ("rejected", 0),
+                ("prompt_tokens", 31),
+                ("hit_tokens", 8),
+                ("computed_tokens", 23),
+                ("output_tokens", 9),
+                ("evicted_tokens", 0),
+                ("peak_used_tokens", 28),
+                ("final_cached_tokens", 24),
+                ("page_size", 4),
+                ("capacity_tokens", 1024),
+            ],
+        );
+        // Every operation was timed: the latency object has all four, with p50 <= p99.
+        for op in ["match", "alloc_extend", "alloc_decode", "finish"] {
+            let l = &v["latency_ns"][op];
+            assert!(l["p50"].as_u64().unwrap() <= l["p99"].as_u64().unwrap(), "{op}: {l}");
+        }
+    }
+}
+
+#[test]
+fn scenario_b_eviction_order_and_rejection() {
+    let path = write_trace("b.jsonl", SCENARIO_B);
+    let run = |cache: &str, policy: &str| {
+        replay_json(&[
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            "sequential",
+            "--page-size",
+            "4",
+            "--capacity-tokens",
+            "16",
+            "--policy",
+            policy,
+            "--cache",
+            cache,
+        ])
+    };
+    for cache in ["kvpool", "reference"] {
+        let common = [
+            ("requests", 8),
+            ("rejected", 1),
+            ("prompt_tokens", 46),
+            ("output_tokens", 9),
+            ("peak_used_tokens", 16),
+            ("final_cached_tokens", 8),
+        ];
+        let lru = run(cache, "lru");
+        check(&lru, &common);
+        check(&lru, &[("hit_tokens", 8), ("evicted_tokens", 32)]);
+        let fifo = run(cache, "fifo");
+        check(&fifo, &common);
+        check(&fifo, &[("hit_tokens", 12), ("evicted_tokens", 28)]);
+        assert_eq!(fifo["policy"], "fifo");
+    }
+}
+
+#[test]
+fn page_size_one_counts_every_token() {
+    // Page size 1: matches are not cut to pages. r1 shares 700 tokens with r0 (block 1
+    // whole, 188 of block 2); r0's KV is 1000 + 4 = 1004 tokens, all cached.
+    let path = write_trace("p1.jsonl", &[(1000, 5, &[1, 2]), (700, 2, &[1, 2]), (3, 1, &[9])]);
+    let v = replay_json(&[
+        "--trace",
+        path.to_str().unwrap(),
+        "--mode",
+        "sequential",
+        "--page-size",
+        "1",
+        "--capacity-tokens",
+        "5000",
+    ]);
+    check(
+        &v,
+        &[
+            ("requests", 3),
+            ("prompt_tokens", 1703),
+            ("hit_tokens", 700),
+            ("output_tokens", 8),
+            ("evicted_tokens", 0),
+            // r1's KV is 701 tokens: 700 cached already, 1 new (its decode slot); r2
+            // adds 3. Nothing is ever freed, so the peak is the end state.
+            ("peak_used_tokens", 1004 + 1 + 3),
+            ("final_cached_tokens", 1004 + 1 + 3),
+        ],
+    );
+}
+
+#[test]
+fn table_output_names_every_figure() {
+    let path = write_trace("table.jsonl", SCENARIO_A);
+    let out = kvpool(&["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential", "--page-size", "4"]);
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    for label in [
+        "requests",
+        "rejected",
+        "prompt tokens",
+        "hit tokens",
+        "computed tokens",
+        "output tokens",
+        "evicted tokens",
+        "peak used tokens",
+        "final cached tokens",
+        "wall time",
+        "requests/s",
+        "tokens/s",
+        "alloc_extend",
+        "alloc_decode",
+        "finish",
+        "invariants: hold",
+    ] {
+        assert!(table.contains(label), "missing {label:?} in:\n{table}");
+    }
+    assert!(table.contains("hit tokens             8 (25.81%)"), "{table}");
+    // No progress bar on a pipe.
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn json_has_the_issue_keys() {
+    let path = write_trace("keys.jsonl", SCENARIO_A);
+    for mode in ["sequential", "overlap"] {
+        let v = replay_json(&["--trace", path.to_str().unwrap(), "--mode", mode, "--routers", "1"]);
+        for key in [
+            "requests",
+            "rejected",
+            "prompt_tokens",
+            "hit_tokens",
+            "hit_rate",
+            "computed_tokens",
+            "output_tokens",
+            "evicted_tokens",
+            "peak_used_tokens",
+            "final_cached_tokens",
+            "wall_seconds",
+            "latency_ns",
+        ] {
+            assert!(v.get(key).is_some(), "{mode}: missing {key} in {v}");
+        }
+        for op in ["match", "alloc_extend", "alloc_decode", "finish"] {
+            assert!(v["latency_ns"][op]["p50"].is_u64() && v["latency_ns"][op]["p99"].is_u64(), "{v}");
+        }
+        assert_eq!(v["mode"], mode);
+    }
+}
+
+#[test]
+fn limit_takes_the_first_requests() {
+    let path = write_trace("limit.jsonl", SCENARIO_A);
+    let v =
+        replay_json(&["--trace", path.to_str().unwrap(), "--mode", "sequential", "--page-size", "4", "--limit", "2"]);
+    // r0 and r1 of scenario A.
+    check(&v, &[("requests", 2), ("prompt_tokens", 19), ("hit_tokens", 8), ("final_cached_tokens", 12)]);
+    let v = replay_json(&["--trace", path.to_str().unwrap(), "--mode", "sequential", "--limit", "100"]);
+    assert_eq!(int(&v, "requests"), 4);
+}
+
+#[test]
+fn plot_writes_an_svg() {
+    let path = write_trace("plot.jsonl", SCENARIO_B);
+    let svg = path.with_extension("svg");
+    for mode in ["sequential", "overlap"] {
+        let _ = std::fs::remove_file(&svg);
+        let out = kvpool(&[
+            "replay",
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            mode,
+            "--page-size",
+            "4",
+            "--capacity-tokens",
+            "16",
+            "--plot",
+            svg.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(text.starts_with("<svg"), "{}", &text[..100.min(text.len())]);
+        for label in ["tokens cached", "KV slots in use", "hit rate", "requests done"] {
+            assert!(text.contains(label), "{mode}: missing {label:?}");
+        }
+    }
+}
+
+/// Run with args that must fail; return stderr.
+fn fails(args: &[&str]) -> String {
+    let out = kvpool(args);
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert!(out.stdout.is_empty(), "{args:?} printed to stdout");
+    stderr
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let good = write_trace("good.jsonl", SCENARIO_A);
+    let good = good.to_str().unwrap();
+
+    let e = fails(&["replay", "--trace", "/nonexistent/trace.jsonl"]);
+    assert!(e.contains("/nonexistent/trace.jsonl") && e.contains("No such file"), "{e}");
+
+    let bad = write_text(
+        "malformed.jsonl",
+        "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+         {\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+         {\"input_length\": 10, \"output_length\": 1 \"hash_ids\": [1]}\n",
+    );
+    let e = fails(&["replay", "--trace", bad.to_str().unwrap()]);
+    assert!(e.contains("line 3"), "{e}");
+
+    let missing = write_text("missing-field.jsonl", "{\"input_length\": 10, \"hash_ids\": [1]}\n");
+    let e = fails(&["replay", "--trace", missing.to_str().unwrap()]);
+    assert!(e.contains("line 1") && e.contains("output_length"), "{e}");
+
+    let long = write_text(
+        "too-long.jsonl",
+        "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+         {\"input_length\": 1025, \"output_length\": 1, \"hash_ids\": [1, 2]}\n",
+    );
+    let e = fails(&["replay", "--trace", long.to_str().unwrap()]);
+    assert!(e.contains("line 2") && e.contains("input_length 1025 exceeds 512 * len(hash_ids) = 1024"), "{e}");
+
+    let blank = write_text(
+        "blank.jsonl",
+        "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\n\
+         {\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n",
+    );
+    let e = fails(&["replay", "--trace", blank.to_str().unwrap()]);
+    assert!(e.contains("line 2") && e.contains("blank line"), "{e}");
+
+    let empty = write_text("empty.jsonl", "");
+    assert!(fails(&["replay", "--trace", empty.to_str().unwrap()]).contains("no request"));
+
+    let e = fails(&["replay", "--trace", good, "--capacity-tokens", "0"]);
+    assert!(e.contains("--capacity-tokens must be at least 1"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--page-size", "0"]);
+    assert!(e.contains("--page-size must be at least 1"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--page-size", "64", "--capacity-tokens", "32"]);
+    assert!(e.contains("less than one page"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--max-running", "0"]);
+    assert!(e.contains("--max-running"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--limit", "0"]);
+    assert!(e.contains("--limit must be at least 1"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--policy", "random"]);
+    assert!(e.contains("unknown eviction policy"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--mode", "parallel"]);
+    assert!(e.contains("unknown mode"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--capacity-tokens=-5"]);
+    assert!(e.contains("--capacity-tokens"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--capacity-tokens", "99999999999999"]);
+    assert!(e.contains("too large") || e.contains("overflow") || e.contains("u32"), "{e}");
+    let e = fails(&["replay", "--trace", good, "--plot", "/nonexistent/dir/plot.svg", "--mode", "sequential"]);
+    assert!(e.contains("cannot write the plot"), "{e}");
+}
