@@ -48,8 +48,12 @@ pub(crate) mod sync;
 
 pub mod alloc;
 pub mod error;
+pub mod kv;
 pub mod req_to_token;
 pub mod slots;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
