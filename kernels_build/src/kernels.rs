@@ -484,8 +484,7 @@ fn copy_loop(
     let last = k.add_u32(v, 32 * (unroll - 1));
     let short = k.setp_u32(Cmp::Ge, last, count);
     k.bra_if(short, true, tail);
-    let loaded: Vec<Vec<R32>> =
-        (0..unroll).map(|j| k.ld_global(sw, sp, j * 32 * vec_bytes, nc, None)).collect();
+    let loaded: Vec<Vec<R32>> = (0..unroll).map(|j| k.ld_global(sw, sp, j * 32 * vec_bytes, nc, None)).collect();
     for (j, words) in loaded.into_iter().enumerate() {
         let out = convert(k, store, words, vec_bytes, inv_scale);
         k.st_global(dw, dp, j as u32 * 32 * dst_bytes, &out, None);
@@ -614,15 +613,16 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
             let er = k.param_u64("err");
             let (token, layer, _) = row_prologue(&mut k, nt);
             let t64 = k.cvt_u64_u32(token);
-            let dense = |k: &mut Kernel, base: ParamRef<R64>, row_stride: ParamRef<R64>, layer_stride: ParamRef<R64>| {
-                let base = k.ld_param_u64(base);
-                let ls = k.ld_param_u64(layer_stride);
-                let lo = k.mul_lo_u64(layer, ls);
-                let base = k.add_u64(base, lo);
-                let rs = k.ld_param_u64(row_stride);
-                let to = k.mul_lo_u64(t64, rs);
-                k.add_u64(base, to)
-            };
+            let dense =
+                |k: &mut Kernel, base: ParamRef<R64>, row_stride: ParamRef<R64>, layer_stride: ParamRef<R64>| {
+                    let base = k.ld_param_u64(base);
+                    let ls = k.ld_param_u64(layer_stride);
+                    let lo = k.mul_lo_u64(layer, ls);
+                    let base = k.add_u64(base, lo);
+                    let rs = k.ld_param_u64(row_stride);
+                    let to = k.mul_lo_u64(t64, rs);
+                    k.add_u64(base, to)
+                };
             let nope = dense(&mut k, ns, nrs, nls);
             let rope = dense(&mut k, rs, rrs, rls);
             let dst = k.ld_param_u64(d);

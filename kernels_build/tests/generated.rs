@@ -204,7 +204,8 @@ fn row_kernels_use_the_requested_vector_width() {
     let ga = kernel_text(t, "kv_copy", "kv_gather_v8");
     assert!(ga.contains("ld.global.nc.v2.u32") && ga.contains("st.global.v2.u32"));
     // Every row kernel checks its slots against num_rows and reports through err.
-    for (stem, name) in [("kv_scatter", "kv_scatter_copy_v16"), ("kv_copy", "kv_gather_v4"), ("kv_copy", "kv_move_v1")] {
+    for (stem, name) in [("kv_scatter", "kv_scatter_copy_v16"), ("kv_copy", "kv_gather_v4"), ("kv_copy", "kv_move_v1")]
+    {
         let text = kernel_text(t, stem, name);
         assert!(text.contains("_param_num_rows") && text.contains("st.global.u32 [%rd"), "{name}");
     }

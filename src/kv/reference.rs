@@ -39,7 +39,11 @@ impl RowTable<'_> {
                 return Err(KvError::SlotOutOfRange { slot: row, rows: n_rows });
             }
             if seq as usize > self.stride {
-                return Err(KvError::Shape { what: "seq_len (max_context_len)", got: seq as usize, expected: self.stride });
+                return Err(KvError::Shape {
+                    what: "seq_len (max_context_len)",
+                    got: seq as usize,
+                    expected: self.stride,
+                });
             }
         }
         Ok(())
