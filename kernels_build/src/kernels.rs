@@ -529,7 +529,8 @@ fn checked_slot(k: &mut Kernel, slots: R64, token: R32, num_rows: R32, err: R64)
 /// Parameters (all byte strides and pointers `u64`, counts `u32`):
 ///
 /// * `Scatter`: `k_src, v_src, src_row_stride, src_layer_stride, k_dst, v_dst,
-///   dst_layer_stride, slots, n_tokens, vecs, num_rows, inv_scale (f32), err`
+///   dst_layer_stride, slots, n_tokens, vecs, num_rows, k_inv_scale (f32),
+///   v_inv_scale (f32), err`
 /// * `ScatterMla`: `nope_src, nope_row_stride, nope_layer_stride, rope_src,
 ///   rope_row_stride, rope_layer_stride, dst, dst_layer_stride, slots, n_tokens,
 ///   nope_vecs, rope_vecs, num_rows, inv_scale (f32), err`
@@ -562,7 +563,8 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
             let nt = k.param_u32("n_tokens");
             let vc = k.param_u32("vecs");
             let nr = k.param_u32("num_rows");
-            let isc = k.param_f32("inv_scale");
+            let kisc = k.param_f32("k_inv_scale");
+            let visc = k.param_f32("v_inv_scale");
             let er = k.param_u64("err");
             let (token, layer, is_v) = row_prologue(&mut k, nt);
             let ks = k.ld_param_u64(ks);
@@ -591,7 +593,13 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
                 let off = k.mul_wide_u32(slot, row_bytes);
                 k.add_u64(dst, off)
             };
-            let inv = if matches!(store, Store::Fp8(_)) { Some(k.ld_param_f32(isc)) } else { None };
+            let inv = if matches!(store, Store::Fp8(_)) {
+                let ki = k.ld_param_f32(kisc);
+                let vi = k.ld_param_f32(visc);
+                Some(k.selp_f32(vi, ki, is_v))
+            } else {
+                None
+            };
             let lane = lane_pointers(&mut k, &[(src, vec_bytes), (dst, dst_vec)]);
             copy_loop(&mut k, store, vec_bytes, true, lane.0, vecs, lane.1[0], lane.1[1], inv);
         }

@@ -602,6 +602,12 @@ impl Kernel {
         self.ins(format_args!("mul.rn.f32 {d}, {a}, 0f{:08X}", imm.to_bits()));
         d
     }
+    /// `selp.f32 d, a, b, p` (`p ? a : b`)
+    pub fn selp_f32(&mut self, a: F32, b: F32, p: Pred) -> F32 {
+        let d = self.f32();
+        self.ins(format_args!("selp.f32 {d}, {a}, {b}, {p}"));
+        d
+    }
     /// `cvt.rni.u32.f32`: round to the nearest integer, ties to even.
     pub fn cvt_rni_u32_f32(&mut self, a: F32) -> R32 {
         let d = self.r32();
