@@ -33,7 +33,7 @@ impl RowTable<'_> {
         if self.rows.len() != batch {
             return Err(KvError::Shape { what: "rows", got: self.rows.len(), expected: batch });
         }
-        let n_rows = if self.stride == 0 { 0 } else { self.cells.len() / self.stride };
+        let n_rows = self.cells.len().checked_div(self.stride).unwrap_or(0);
         for (&row, &seq) in self.rows.iter().zip(seq_lens) {
             if row as usize >= n_rows {
                 return Err(KvError::SlotOutOfRange { slot: row, rows: n_rows });
