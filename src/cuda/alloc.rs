@@ -230,7 +230,12 @@ impl DevicePagedAllocator {
             return Err(KvError::Shape { what: "batch (max_batch)", got: batch, expected: self.max_batch }.into());
         }
         if plan.new_pages > self.max_pages {
-            return Err(KvError::Shape { what: "new pages (max_pages)", got: plan.new_pages, expected: self.max_pages }.into());
+            return Err(KvError::Shape {
+                what: "new pages (max_pages)",
+                got: plan.new_pages,
+                expected: self.max_pages,
+            }
+            .into());
         }
         if plan.new_tokens > u32::MAX as usize {
             return Err(KvError::Shape { what: "new tokens", got: plan.new_tokens, expected: u32::MAX as usize }.into());
@@ -260,7 +265,9 @@ impl DevicePagedAllocator {
         match last_locs {
             LastLocs::Host(l) => {
                 if l.len() != batch {
-                    return Err(InvalidInput::LengthMismatch { what: "last_locs", got: l.len(), expected: batch }.into_kv());
+                    return Err(
+                        InvalidInput::LengthMismatch { what: "last_locs", got: l.len(), expected: batch }.into_kv()
+                    );
                 }
                 if ps > 1 {
                     for (request, &last_loc) in l.iter().enumerate() {

@@ -143,7 +143,9 @@ impl DeviceKvCache {
         match layers {
             Layers::All => Ok((0, self.cfg.layer_num)),
             Layers::One(l) if l < self.cfg.layer_num => Ok((l as usize * self.cfg.layer_bytes(), 1)),
-            Layers::One(l) => Err(KvError::Shape { what: "layer", got: l as usize, expected: self.cfg.layer_num as usize }),
+            Layers::One(l) => {
+                Err(KvError::Shape { what: "layer", got: l as usize, expected: self.cfg.layer_num as usize })
+            }
         }
     }
 
@@ -151,7 +153,9 @@ impl DeviceKvCache {
         match (src, self.cfg.dtype) {
             (None, _) => Ok(StoreKind::Copy),
             (Some(f), KvDtype::Fp8E4m3) => Ok(StoreKind::Fp8(f)),
-            (Some(_), _) => Err(KvError::Format { what: "a conversion source type needs an fp8 cache (pass None to copy)" }),
+            (Some(_), _) => {
+                Err(KvError::Format { what: "a conversion source type needs an fp8 cache (pass None to copy)" })
+            }
         }
     }
 
@@ -408,4 +412,3 @@ impl DeviceKvCache {
         Err(CudaKvError::DeviceSlotOutOfRange)
     }
 }
-

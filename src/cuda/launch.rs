@@ -16,8 +16,8 @@ use cust::stream::Stream;
 
 use super::CudaKvError;
 use crate::kv::ptx::{
-    module_for, ALLOC_DECODE_THREADS, ALLOC_EXTEND_THREADS, CONST_PAGE_SIZES, KERNELS, MODULE_NAMES,
-    ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    module_for, ALLOC_DECODE_THREADS, ALLOC_EXTEND_THREADS, CONST_PAGE_SIZES, KERNELS, MODULE_NAMES, ROWS_PER_BLOCK,
+    ROW_BLOCK_THREADS,
 };
 use crate::kv::SrcFloat;
 
@@ -55,11 +55,24 @@ impl StoreKind {
 pub(crate) enum KernelId {
     Noop,
     /// `page_size` 0: the run-time page size kernel (`_psn`).
-    Alloc { decode: bool, page_size: u32 },
-    Scatter { store: StoreKind, vec: u32 },
-    ScatterMla { store: StoreKind, vec: u32 },
-    Gather { vec: u32 },
-    Move { vec: u32 },
+    Alloc {
+        decode: bool,
+        page_size: u32,
+    },
+    Scatter {
+        store: StoreKind,
+        vec: u32,
+    },
+    ScatterMla {
+        store: StoreKind,
+        vec: u32,
+    },
+    Gather {
+        vec: u32,
+    },
+    Move {
+        vec: u32,
+    },
 }
 
 impl KernelId {
@@ -95,8 +108,12 @@ impl KernelId {
                 ids.push(KernelId::Alloc { decode, page_size: ps });
             }
         }
-        let stores =
-            [StoreKind::Copy, StoreKind::Fp8(SrcFloat::F16), StoreKind::Fp8(SrcFloat::Bf16), StoreKind::Fp8(SrcFloat::F32)];
+        let stores = [
+            StoreKind::Copy,
+            StoreKind::Fp8(SrcFloat::F16),
+            StoreKind::Fp8(SrcFloat::Bf16),
+            StoreKind::Fp8(SrcFloat::F32),
+        ];
         for store in stores {
             for &vec in store.widths() {
                 ids.push(KernelId::Scatter { store, vec });
@@ -140,7 +157,11 @@ pub(crate) fn check_signatures() -> Result<(), CudaKvError> {
             return Err(CudaKvError::MissingKernel(name));
         };
         if *tys != id.params() {
-            return Err(CudaKvError::KernelSignature { kernel: name, ptx: tys.join(","), wrapper: id.params().join(",") });
+            return Err(CudaKvError::KernelSignature {
+                kernel: name,
+                ptx: tys.join(","),
+                wrapper: id.params().join(","),
+            });
         }
     }
     if ids.len() != KERNELS.len() {
@@ -161,7 +182,10 @@ pub(crate) struct KvKernels {
 
 impl std::fmt::Debug for KvKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvKernels").field("modules", &self.modules.len()).field("kernels", &self.functions.len()).finish()
+        f.debug_struct("KvKernels")
+            .field("modules", &self.modules.len())
+            .field("kernels", &self.functions.len())
+            .finish()
     }
 }
 
@@ -226,8 +250,11 @@ impl KvKernels {
             return Ok(());
         }
         let f = self.func(KernelId::alloc(decode, a.page_size))?;
-        let (grid, block) =
-            if decode { (a.batch.div_ceil(ALLOC_DECODE_THREADS), ALLOC_DECODE_THREADS) } else { (a.batch, ALLOC_EXTEND_THREADS) };
+        let (grid, block) = if decode {
+            (a.batch.div_ceil(ALLOC_DECODE_THREADS), ALLOC_DECODE_THREADS)
+        } else {
+            (a.batch, ALLOC_EXTEND_THREADS)
+        };
         // SAFETY: the arguments are, in order and type, the kernel's `.param` list
         // (meta u64, batch u32, pages u64, out u64, table u64, table_stride u32,
         // page_size u32, flags u32; checked against the PTX at load). Extend runs one

@@ -23,7 +23,10 @@ pub struct DeviceReqToToken {
 
 impl core::fmt::Debug for DeviceReqToToken {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("DeviceReqToToken").field("rows", &self.rows).field("max_context_len", &self.max_context_len).finish()
+        f.debug_struct("DeviceReqToToken")
+            .field("rows", &self.rows)
+            .field("max_context_len", &self.max_context_len)
+            .finish()
     }
 }
 
