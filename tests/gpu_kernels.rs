@@ -81,7 +81,12 @@ fn launchers_match_the_generated_kernels() {
 #[test]
 fn loads_every_module() {
     let Some(dev) = device() else { return };
-    println!("device: {} (compute capability {})", dev.name().unwrap(), dev.compute_capability());
+    println!(
+        "device: {} (compute capability {}, {} PTX loaded)",
+        dev.name().unwrap(),
+        dev.compute_capability(),
+        dev.ptx_target()
+    );
     assert_eq!(dev.kernel_count(), kvpool::kv::ptx::KERNELS.len());
     dev.launch_noop(1, 32).unwrap();
     dev.launch_noop(1024, 256).unwrap();
@@ -392,6 +397,16 @@ fn scatter_case(dev: &KvDevice, rng: &mut Rng, dtype: KvDtype, src: Option<SrcFl
     }
 }
 
+/// Equal, or a failure naming the first differing byte and how many differ.
+fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap();
+        let count = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        panic!("{what}: {count} bytes differ; first at {first}: got {:#04x}, want {:#04x}", got[first], want[first]);
+    }
+}
+
 trait ReadLe {
     fn read_le(self, b: &[u8]) -> f32;
 }
@@ -427,6 +442,27 @@ fn scatter_fp8_matches_the_host_reference() {
     }
     // Raw fp8 bytes are copied as they are.
     scatter_case(&dev, &mut rng, KvDtype::Fp8E4m3, None);
+}
+
+#[test]
+fn sm80_code_agrees_on_this_device() {
+    // The sm_80 PTX (integer fp8 rounding, no hardware conversion) runs on any newer
+    // GPU too: check it here against the same references.
+    let Some(newest) = device() else { return };
+    drop(newest);
+    let dev = KvDevice::with_target(0, 80).unwrap();
+    assert_eq!(dev.ptx_target(), 80);
+    let mut rng = Rng::new(8);
+    for src in [SrcFloat::F16, SrcFloat::Bf16, SrcFloat::F32] {
+        for _ in 0..6 {
+            scatter_case(&dev, &mut rng, KvDtype::Fp8E4m3, Some(src));
+        }
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F32] {
+        for _ in 0..4 {
+            scatter_case(&dev, &mut rng, dtype, None);
+        }
+    }
 }
 
 #[test]
@@ -490,7 +526,7 @@ fn mla_scatter_matches_the_host_reference() {
         }
         let got = read_cache(&cache);
         for l in 0..cfg.layer_num as usize {
-            assert!(got[0][l] == want[0][l], "case {case} {cfg:?} layer {l}");
+            assert_bytes_eq(&got[0][l], &want[0][l], &format!("case {case} {cfg:?} layer {l}"));
         }
     }
 }

@@ -440,10 +440,37 @@ fn unpack_floats(k: &mut Kernel, src: SrcFloat, words: &[R32], vec_bytes: u32) -
 }
 
 /// Convert one loaded source vector into the registers to store.
-fn convert(k: &mut Kernel, store: Store, words: Vec<R32>, vec_bytes: u32, inv_scale: Option<F32>) -> Vec<R32> {
+fn convert(
+    k: &mut Kernel,
+    target: Target,
+    store: Store,
+    words: Vec<R32>,
+    vec_bytes: u32,
+    inv_scale: Option<F32>,
+) -> Vec<R32> {
     let Store::Fp8(src) = store else { return words };
     let inv_scale = inv_scale.expect("fp8 kernels load inv_scale");
     let floats = unpack_floats(k, src, &words, vec_bytes);
+    if target.has_fp8_cvt() {
+        // Hardware conversion, two elements per instruction; same rounding and
+        // saturation as `quantize_e4m3` (the GPU tests hold the two to the host reference).
+        let scaled: Vec<F32> = floats.into_iter().map(|f| k.mul_rn_f32(f, inv_scale)).collect();
+        let halves: Vec<_> = scaled
+            .chunks(2)
+            .map(|pair| {
+                let hi = if pair.len() == 2 { pair[1] } else { pair[0] };
+                k.cvt_e4m3x2(hi, pair[0])
+            })
+            .collect();
+        return match halves.len() {
+            1 if scaled.len() == 1 => {
+                let w = k.cvt_u32_u16(halves[0]);
+                vec![k.and_b32(w, 0xffu32)]
+            }
+            1 => vec![k.cvt_u32_u16(halves[0])],
+            _ => halves.chunks(2).map(|p| k.pack_b16x2(p[0], p[1])).collect(),
+        };
+    }
     let bytes: Vec<R32> = floats.into_iter().map(|f| quantize_e4m3(k, f, inv_scale)).collect();
     bytes
         .chunks(4)
@@ -463,6 +490,7 @@ fn convert(k: &mut Kernel, store: Store, words: Vec<R32>, vec_bytes: u32, inv_sc
 #[allow(clippy::too_many_arguments)]
 fn copy_loop(
     k: &mut Kernel,
+    target: Target,
     store: Store,
     vec_bytes: u32,
     nc: bool,
@@ -486,7 +514,7 @@ fn copy_loop(
     k.bra_if(short, true, tail);
     let loaded: Vec<Vec<R32>> = (0..unroll).map(|j| k.ld_global(sw, sp, j * 32 * vec_bytes, nc, None)).collect();
     for (j, words) in loaded.into_iter().enumerate() {
-        let out = convert(k, store, words, vec_bytes, inv_scale);
+        let out = convert(k, target, store, words, vec_bytes, inv_scale);
         k.st_global(dw, dp, j as u32 * 32 * dst_bytes, &out, None);
     }
     k.add_u32_to(v, 32 * unroll);
@@ -497,7 +525,7 @@ fn copy_loop(
     let end = k.setp_u32(Cmp::Ge, v, count);
     k.bra_if(end, true, done);
     let words = k.ld_global(sw, sp, 0, nc, None);
-    let out = convert(k, store, words, vec_bytes, inv_scale);
+    let out = convert(k, target, store, words, vec_bytes, inv_scale);
     k.st_global(dw, dp, 0, &out, None);
     k.add_u32_to(v, 32u32);
     k.add_u64_to(sp, (32 * vec_bytes) as u64);
@@ -518,6 +546,8 @@ fn checked_slot(k: &mut Kernel, slots: R64, token: R32, num_rows: R32, err: R64)
 }
 
 /// A row kernel: see [`RowOp`] for what each does, [`Store`] for the element handling.
+/// fp8 stores use the hardware conversion on targets that have it (sm_90) and the
+/// integer sequence of `quantize_e4m3` elsewhere (sm_80); both give the same bytes.
 ///
 /// Launch: grid `(ceil(n / ROWS_PER_BLOCK), layers, buffers)`, block
 /// `ROW_BLOCK_THREADS`. `ctaid.y` is the layer (its offset is `layer * *_layer_stride`
@@ -542,7 +572,7 @@ fn checked_slot(k: &mut Kernel, slots: R64, token: R32, num_rows: R32, err: R64)
 ///
 /// If `vec_bytes` is not 1, 2, 4, 8 or 16, if an fp8 store is asked of a gather or a
 /// move, or if `vec_bytes` is not a whole number of source elements.
-pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
+pub fn row_kernel(target: Target, op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
     assert!(Width::from_bytes(vec_bytes).is_some(), "vector width {vec_bytes}");
     if let Store::Fp8(f) = store {
         assert!(matches!(op, RowOp::Scatter | RowOp::ScatterMla), "fp8 conversion is a scatter feature");
@@ -601,7 +631,7 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
                 None
             };
             let lane = lane_pointers(&mut k, &[(src, vec_bytes), (dst, dst_vec)]);
-            copy_loop(&mut k, store, vec_bytes, true, lane.0, vecs, lane.1[0], lane.1[1], inv);
+            copy_loop(&mut k, target, store, vec_bytes, true, lane.0, vecs, lane.1[0], lane.1[1], inv);
         }
         RowOp::ScatterMla => {
             let ns = k.param_u64("nope_src");
@@ -656,9 +686,9 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
             let inv = if matches!(store, Store::Fp8(_)) { Some(k.ld_param_f32(isc)) } else { None };
             k.comment("the nope part, then the rope part of the row");
             let (lane, ptrs) = lane_pointers(&mut k, &[(nope, vec_bytes), (dst, dst_vec)]);
-            copy_loop(&mut k, store, vec_bytes, true, lane, nope_vecs, ptrs[0], ptrs[1], inv);
+            copy_loop(&mut k, target, store, vec_bytes, true, lane, nope_vecs, ptrs[0], ptrs[1], inv);
             let (lane, ptrs) = lane_pointers(&mut k, &[(rope, vec_bytes), (rope_dst, dst_vec)]);
-            copy_loop(&mut k, store, vec_bytes, true, lane, rope_vecs, ptrs[0], ptrs[1], inv);
+            copy_loop(&mut k, target, store, vec_bytes, true, lane, rope_vecs, ptrs[0], ptrs[1], inv);
         }
         RowOp::Gather => {
             let ks = k.param_u64("k_src");
@@ -701,7 +731,7 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
             let to = k.mul_lo_u64(t64, drs);
             let dst = k.add_u64(dst, to);
             let (lane, ptrs) = lane_pointers(&mut k, &[(src, vec_bytes), (dst, vec_bytes)]);
-            copy_loop(&mut k, store, vec_bytes, true, lane, vecs, ptrs[0], ptrs[1], None);
+            copy_loop(&mut k, target, store, vec_bytes, true, lane, vecs, ptrs[0], ptrs[1], None);
         }
         RowOp::Move => {
             let kb = k.param_u64("k");
@@ -734,7 +764,7 @@ pub fn row_kernel(op: RowOp, store: Store, vec_bytes: u32) -> Kernel {
             let dst = k.add_u64(base, dof);
             let (lane, ptrs) = lane_pointers(&mut k, &[(src, vec_bytes), (dst, vec_bytes)]);
             // Plain loads: the source rows live in the buffer this kernel writes.
-            copy_loop(&mut k, store, vec_bytes, false, lane, vecs, ptrs[0], ptrs[1], None);
+            copy_loop(&mut k, target, store, vec_bytes, false, lane, vecs, ptrs[0], ptrs[1], None);
         }
     }
     k.ret();
@@ -810,14 +840,14 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
     for op in [RowOp::Scatter, RowOp::ScatterMla] {
         for store in [Store::Copy].into_iter().chain(SrcFloat::ALL.map(Store::Fp8)) {
             for w in vector_widths(op, store) {
-                scatter.push(row_kernel(op, store, w));
+                scatter.push(row_kernel(target, op, store, w));
             }
         }
     }
     let mut copy = Module::new(target);
     for op in [RowOp::Gather, RowOp::Move] {
         for w in vector_widths(op, Store::Copy) {
-            copy.push(row_kernel(op, Store::Copy, w));
+            copy.push(row_kernel(target, op, Store::Copy, w));
         }
     }
     vec![("alloc", alloc), ("kv_scatter", scatter), ("kv_copy", copy)]

@@ -41,6 +41,11 @@ impl Target {
         }
     }
 
+    /// Whether the target has `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and newer).
+    pub fn has_fp8_cvt(self) -> bool {
+        self.compute_capability() >= 89
+    }
+
     /// The compute capability as `major * 10 + minor`.
     pub fn compute_capability(self) -> u32 {
         match self {
@@ -619,6 +624,25 @@ impl Kernel {
         let (lo, hi) = (self.h16(), self.h16());
         self.ins(format_args!("mov.b32 {{{lo}, {hi}}}, {a}"));
         (lo, hi)
+    }
+    /// `cvt.rn.satfinite.e4m3x2.f32 d, hi, lo` (sm_89+, PTX ISA 7.8): two floats to
+    /// two fp8 e4m3 bytes, `hi` in the upper byte; round to nearest even, saturating.
+    pub fn cvt_e4m3x2(&mut self, hi: F32, lo: F32) -> H16 {
+        let d = self.h16();
+        self.ins(format_args!("cvt.rn.satfinite.e4m3x2.f32 {d}, {hi}, {lo}"));
+        d
+    }
+    /// `mov.b32 d, {lo, hi}`: join two 16-bit halves into a word.
+    pub fn pack_b16x2(&mut self, lo: H16, hi: H16) -> R32 {
+        let d = self.r32();
+        self.ins(format_args!("mov.b32 {d}, {{{lo}, {hi}}}"));
+        d
+    }
+    /// `cvt.u32.u16`: zero-extend a 16-bit value.
+    pub fn cvt_u32_u16(&mut self, a: H16) -> R32 {
+        let d = self.r32();
+        self.ins(format_args!("cvt.u32.u16 {d}, {a}"));
+        d
     }
     /// `cvt.f32.f16`: an exact widening of a half.
     pub fn cvt_f32_f16(&mut self, a: H16) -> F32 {

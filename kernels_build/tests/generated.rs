@@ -191,12 +191,23 @@ fn row_kernels_use_the_requested_vector_width() {
     assert_eq!(copy16.matches("st.global.v4.u32").count(), kernels::ROW_UNROLL as usize + 1);
     let copy2 = kernel_text(t, "kv_scatter", "kv_scatter_copy_v2");
     assert!(copy2.contains("ld.global.nc.u16") && copy2.contains("st.global.u16"));
-    let fp8 = kernel_text(t, "kv_scatter", "kv_scatter_fp8_bf16_v16");
+    // fp8: the integer rounding sequence on sm_80, the hardware conversion on sm_90.
+    let fp8 = kernel_text(Target::Sm80, "kv_scatter", "kv_scatter_fp8_bf16_v16");
     assert!(fp8.contains("ld.global.nc.v4.u32") && fp8.contains("st.global.v2.u32"));
     assert!(fp8.contains("cvt.rni.u32.f32") && fp8.contains("mul.rn.f32") && fp8.contains("min.u32"));
-    let f16 = kernel_text(t, "kv_scatter", "kv_scatter_fp8_f16_v2");
+    assert!(!fp8.contains("e4m3x2"));
+    let hw = kernel_text(Target::Sm90, "kv_scatter", "kv_scatter_fp8_bf16_v16");
+    assert!(hw.contains("st.global.v2.u32") && hw.contains("mul.rn.f32"));
+    assert_eq!(
+        hw.matches("cvt.rn.satfinite.e4m3x2.f32").count(),
+        4 * (kernels::unroll(Store::Fp8(SrcFloat::Bf16)) as usize + 1)
+    );
+    assert!(!hw.contains("cvt.rni.u32.f32"));
+    let f16 = kernel_text(Target::Sm80, "kv_scatter", "kv_scatter_fp8_f16_v2");
     assert!(f16.contains("cvt.f32.f16") && f16.contains("st.global.u8"));
-    let f32v4 = kernel_text(t, "kv_scatter", "kv_scatter_fp8_f32_v4");
+    let f16 = kernel_text(Target::Sm90, "kv_scatter", "kv_scatter_fp8_f16_v2");
+    assert!(f16.contains("cvt.f32.f16") && f16.contains("e4m3x2") && f16.contains("st.global.u8"));
+    let f32v4 = kernel_text(Target::Sm80, "kv_scatter", "kv_scatter_fp8_f32_v4");
     assert!(f32v4.contains("ld.global.nc.u32") && f32v4.contains("st.global.u8"));
     // The move kernel reads the buffer it writes: no read-only path.
     let mv = kernel_text(t, "kv_copy", "kv_move_v16");
@@ -225,7 +236,7 @@ fn names_follow_parameters() {
 #[test]
 #[should_panic(expected = "fp8 conversion is a scatter feature")]
 fn fp8_gather_is_refused() {
-    kernels::row_kernel(RowOp::Gather, Store::Fp8(SrcFloat::F16), 16);
+    kernels::row_kernel(Target::Sm80, RowOp::Gather, Store::Fp8(SrcFloat::F16), 16);
 }
 
 #[test]

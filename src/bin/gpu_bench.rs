@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo build --release --features cuda --bin gpu_bench
-//! gpu_bench [--quick] [--out FILE]
+//! gpu_bench [--quick] [--out FILE] [--target 80]
 //! ```
 //!
 //! Prints markdown tables (and writes them to FILE):
@@ -326,8 +326,10 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let out_path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+    let target: u32 =
+        args.iter().position(|a| a == "--target").and_then(|i| args.get(i + 1)).map_or(Ok(u32::MAX), |t| t.parse())?;
     let dev = match KvDevice::count() {
-        Ok(n) if n > 0 => KvDevice::new(0)?,
+        Ok(n) if n > 0 => KvDevice::with_target(0, target)?,
         other => {
             println!("no CUDA device ({other:?}): nothing to measure");
             return Ok(());

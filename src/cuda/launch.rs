@@ -178,6 +178,7 @@ pub(crate) struct KvKernels {
     // unloaded. They never leave this struct with a lifetime longer than `&self`.
     functions: HashMap<KernelId, Function<'static>>,
     modules: Vec<Module>,
+    target: u32,
 }
 
 impl std::fmt::Debug for KvKernels {
@@ -196,8 +197,10 @@ impl KvKernels {
         check_signatures()?;
         let mut modules = Vec::with_capacity(MODULE_NAMES.len());
         let mut owner = HashMap::new();
+        let mut target = 0;
         for name in MODULE_NAMES {
             let m = module_for(name, cc).ok_or(CudaKvError::UnsupportedDevice { compute_capability: cc })?;
+            target = m.compute_capability;
             modules.push(Module::from_ptx(m.ptx, &[])?);
             owner.insert(name, modules.len() - 1);
         }
@@ -214,7 +217,12 @@ impl KvKernels {
             let f: Function<'static> = unsafe { std::mem::transmute::<Function<'_>, Function<'static>>(f) };
             functions.insert(id, f);
         }
-        Ok(KvKernels { functions, modules })
+        Ok(KvKernels { functions, modules, target })
+    }
+
+    /// The target (compute capability) of the loaded PTX.
+    pub(crate) fn target(&self) -> u32 {
+        self.target
     }
 
     /// How many kernels were loaded.

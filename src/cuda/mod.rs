@@ -205,13 +205,24 @@ impl KvDevice {
     /// [`CudaKvError::Cuda`] from the driver (no device, PTX rejected, ...),
     /// [`CudaKvError::UnsupportedDevice`] below compute capability 8.0.
     pub fn new(ordinal: u32) -> Result<KvDevice, CudaKvError> {
+        Self::with_target(ordinal, u32::MAX)
+    }
+
+    /// As [`new`](Self::new), but load the modules of the newest target not above
+    /// `max_target` (e.g. 80: the `sm_80` PTX, which the driver compiles for any newer
+    /// GPU). Lets one device run and check the code generated for older GPUs.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new).
+    pub fn with_target(ordinal: u32, max_target: u32) -> Result<KvDevice, CudaKvError> {
         cust::init(CudaFlags::empty())?;
         let device = Device::get_device(ordinal)?;
         let major = device.get_attribute(DeviceAttribute::ComputeCapabilityMajor)? as u32;
         let minor = device.get_attribute(DeviceAttribute::ComputeCapabilityMinor)? as u32;
         let compute_capability = major * 10 + minor;
         let context = Context::new(device)?;
-        let kernels = launch::KvKernels::load(compute_capability)?;
+        let kernels = launch::KvKernels::load(compute_capability.min(max_target))?;
         let stream = Stream::new(StreamFlags::DEFAULT, None)?;
         Ok(KvDevice { kernels, stream, device, compute_capability, _context: context })
     }
@@ -228,6 +239,11 @@ impl KvDevice {
     /// Compute capability as `major * 10 + minor` (90 for Hopper).
     pub fn compute_capability(&self) -> u32 {
         self.compute_capability
+    }
+
+    /// The target whose PTX was loaded (80 or 90).
+    pub fn ptx_target(&self) -> u32 {
+        self.kernels.target()
     }
 
     /// The number of kernels loaded (every entry of every module).
