@@ -74,12 +74,12 @@ fn last_locs_from_rows(table: &RowTable<'_>, prefix_lens: impl Iterator<Item = u
 /// ```
 /// use kvpool::kv::reference::{extend_with_rows, RowTable};
 /// let mut cells = vec![0u32; 2 * 8];
-/// cells[3] = 10;                  // row 0 holds a prefix of 3 tokens, the last at slot 10
+/// cells[..3].copy_from_slice(&[8, 9, 10]); // row 0 holds a prefix of 3 tokens
 /// let mut out = [0u32; 4];
 /// let table = RowTable { cells: &mut cells, stride: 8, rows: &[0] };
 /// extend_with_rows(4, &[3], &[7], None, &[5], &mut out, Some(table))?;
 /// assert_eq!(out, [11, 20, 21, 22]);
-/// assert_eq!(&cells[3..8], &[10, 11, 20, 21, 22]);
+/// assert_eq!(&cells[..7], &[8, 9, 10, 11, 20, 21, 22]);
 /// # Ok::<(), kvpool::kv::KvError>(())
 /// ```
 pub fn extend_with_rows(
