@@ -193,7 +193,7 @@ impl DevicePagedAllocator {
         rows: Option<(&DeviceReqToToken, &[u32])>,
     ) -> Result<StagedBatch, CudaKvError> {
         let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
-        self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows)
+        self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, None)
     }
 
     /// Plan, check and reserve a decode batch and queue its metadata (see
@@ -210,7 +210,7 @@ impl DevicePagedAllocator {
         rows: Option<(&DeviceReqToToken, &[u32])>,
     ) -> Result<StagedBatch, CudaKvError> {
         let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
-        self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows)
+        self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, None)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -223,9 +223,15 @@ impl DevicePagedAllocator {
         prefix: impl Fn(usize) -> u32,
         last_locs: LastLocs<'_>,
         rows: Option<(&DeviceReqToToken, &[u32])>,
+        out_len: Option<usize>,
     ) -> Result<StagedBatch, CudaKvError> {
         let batch = seq_lens.len();
         let ps = self.host.page_size();
+        if let Some(len) = out_len {
+            if len != plan.new_tokens {
+                return Err(KvError::Shape { what: "out", got: len, expected: plan.new_tokens }.into());
+            }
+        }
         if batch > self.max_batch {
             return Err(KvError::Shape { what: "batch (max_batch)", got: batch, expected: self.max_batch }.into());
         }
@@ -396,10 +402,7 @@ impl DevicePagedAllocator {
         out: &DeviceSlice<u32>,
     ) -> Result<StagedBatch, CudaKvError> {
         let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
-        if out.len() != plan.new_tokens {
-            return Err(KvError::Shape { what: "out", got: out.len(), expected: plan.new_tokens }.into());
-        }
-        let staged = self.stage_extend(dev, prefix_lens, seq_lens, last_locs, rows)?;
+        let staged = self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, Some(out.len()))?;
         self.finish(dev, staged, out, rows.map(|(t, _)| t))
     }
 
@@ -418,10 +421,8 @@ impl DevicePagedAllocator {
         rows: Option<(&DeviceReqToToken, &[u32])>,
         out: &DeviceSlice<u32>,
     ) -> Result<StagedBatch, CudaKvError> {
-        if out.len() != seq_lens.len() {
-            return Err(KvError::Shape { what: "out", got: out.len(), expected: seq_lens.len() }.into());
-        }
-        let staged = self.stage_decode(dev, seq_lens, last_locs, rows)?;
+        let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
+        let staged = self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, Some(out.len()))?;
         self.finish(dev, staged, out, rows.map(|(t, _)| t))
     }
 
