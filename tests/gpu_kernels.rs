@@ -301,12 +301,16 @@ fn read_cache(cache: &DeviceKvCache) -> Vec<Vec<Vec<u8>>> {
 fn float_bytes(src: SrcFloat, n: usize, rng: &mut Rng) -> Vec<u8> {
     let mut out = Vec::with_capacity(n * src.bytes());
     for _ in 0..n {
-        let x: f32 = match rng.below(20) {
+        let x: f32 = match rng.below(24) {
             0 => 0.0,
             1 => 1e6,
             2 => -3e-6,
             3 => f32::INFINITY,
             4 => f32::NAN,
+            5 => -f32::NAN,
+            6 => f32::NEG_INFINITY,
+            7 => -0.0,
+            8 => -1e5,
             _ => (rng.below(2_000_001) as f32 - 1_000_000.0) / 1000.0 * 2f32.powi(rng.below(12) as i32 - 6),
         };
         match src {

@@ -343,9 +343,10 @@ fn main() -> Result<()> {
     let mut out = Out { text: String::new() };
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     out.line(format!(
-        "device: {} (compute capability {}), {} kernels loaded",
+        "device: {} (compute capability {}), sm_{} PTX, {} kernels loaded",
         dev.name()?,
         dev.compute_capability(),
+        dev.ptx_target(),
         dev.kernel_count()
     ));
     out.line("");
