@@ -373,10 +373,8 @@ fn scatter_case(dev: &KvDevice, rng: &mut Rng, dtype: KvDtype, src: Option<SrcFl
     let got = read_cache(&cache);
     for b in 0..2 {
         for l in 0..cfg.layer_num as usize {
-            assert!(
-                got[b][l] == want[b][l],
-                "{cfg:?} src {src:?} buffer {b} layer {l} n {n} stride {stride} {layers:?}"
-            );
+            let what = format!("{cfg:?} src {src:?} buffer {b} layer {l} n {n} stride {stride} {layers:?}");
+            assert_bytes_eq(&got[b][l], &want[b][l], &what);
         }
     }
     // fp8: the stored codes decode to within half an e4m3 step of the scaled input.

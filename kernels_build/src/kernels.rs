@@ -40,7 +40,7 @@ pub const FLAG_LAST_LOC_FROM_ROWS: u32 = 2;
 pub const CONST_PAGE_SIZES: [u32; 4] = [1, 16, 32, 64];
 /// The e4m3 code of the largest finite magnitude, 448.
 pub const E4M3_MAX_CODE: u32 = 0x7e;
-/// The e4m3 NaN code (sign bit kept from the input).
+/// The e4m3 NaN code every NaN input becomes (positive, whatever the input's sign).
 pub const E4M3_NAN_CODE: u32 = 0x7f;
 
 /// How an allocation kernel knows the page size.
@@ -100,7 +100,7 @@ pub enum Store {
     /// The bytes as they are (16- or 32-bit elements, or anything else).
     Copy,
     /// fp8 e4m3: each element is multiplied by `inv_scale`, rounded to nearest-even
-    /// and saturated to ±448 (NaN stays NaN), and stored as one byte.
+    /// and saturated to ±448 (any NaN becomes 0x7f), and stored as one byte.
     Fp8(SrcFloat),
 }
 
@@ -384,7 +384,7 @@ pub fn alloc_decode(page: PageSize) -> Kernel {
 }
 
 /// Quantize one f32 (already in `x`) to an e4m3 byte in the low bits of the result:
-/// `x * inv_scale`, round to nearest even, saturate finite values to ±448, NaN -> NaN.
+/// `x * inv_scale`, round to nearest even, saturate finite values to ±448, NaN -> 0x7f.
 ///
 /// Integer form, shared with the host reference `kvpool::kv::fp8::quantize_e4m3`:
 /// with `a = |bits|`, normal results (`a >= 2^-6`) round the f32 mantissa to 3 bits by
@@ -408,9 +408,11 @@ fn quantize_e4m3(k: &mut Kernel, x: F32, inv_scale: F32) -> R32 {
     let sub = k.cvt_rni_u32_f32(fs);
     let is_sub = k.setp_u32(Cmp::Lt, a, 0x3c80_0000u32);
     let m = k.selp_b32(sub, normal, is_sub);
+    let signed = k.or_b32(m, sign);
+    // NaN of either sign becomes the positive NaN code, as the hardware conversion does
+    // (and `cvt.f32.f16` does not keep a half NaN's sign anyway).
     let is_nan = k.setp_u32(Cmp::Gt, a, 0x7f80_0000u32);
-    let m = k.selp_b32(E4M3_NAN_CODE, m, is_nan);
-    k.or_b32(m, sign)
+    k.selp_b32(E4M3_NAN_CODE, signed, is_nan)
 }
 
 /// The elements of a loaded vector as f32 values, in memory order.

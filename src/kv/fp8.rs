@@ -15,10 +15,10 @@
 
 /// The e4m3 code of +448, the largest finite value.
 pub const E4M3_MAX: u8 = 0x7e;
-/// The e4m3 NaN code (with the sign bit of the input NaN).
+/// The e4m3 code every NaN input is stored as (positive, whatever the input's sign).
 pub const E4M3_NAN: u8 = 0x7f;
 
-/// Quantize `x * inv_scale` to e4m3 (round to nearest even, saturating, NaN kept).
+/// Quantize `x * inv_scale` to e4m3 (round to nearest even, saturating, NaN -> `0x7f`).
 ///
 /// # Examples
 ///
@@ -29,15 +29,17 @@ pub const E4M3_NAN: u8 = 0x7f;
 /// assert_eq!(quantize_e4m3(1e9, 1.0), 0x7e);                  // saturates
 /// assert_eq!(dequantize_e4m3(quantize_e4m3(3.3, 0.5)), 1.625); // 1.65 -> 1.625
 /// assert!(dequantize_e4m3(quantize_e4m3(f32::NAN, 1.0)).is_nan());
+/// assert_eq!(quantize_e4m3(-f32::NAN, 1.0), 0x7f);               // NaN loses its sign
 /// ```
 #[inline]
 pub fn quantize_e4m3(x: f32, inv_scale: f32) -> u8 {
     let bits = (x * inv_scale).to_bits();
     let sign = ((bits & 0x8000_0000) >> 24) as u8;
     let a = bits & 0x7fff_ffff;
-    let code = if a > 0x7f80_0000 {
-        E4M3_NAN as u32
-    } else if a < 0x3c80_0000 {
+    if a > 0x7f80_0000 {
+        return E4M3_NAN;
+    }
+    let code = if a < 0x3c80_0000 {
         // Below 2^-6: a subnormal (or zero) of step 2^-9. |y| * 512 is exact in f32.
         let scaled = f32::from_bits(a) * 512.0;
         scaled.round_ties_even() as u32
