@@ -11,7 +11,7 @@
 //! Elements are f16, bf16, f32, or fp8 e4m3 (stored as bytes, quantized on store with
 //! a scale: see [`fp8`]).
 //!
-//! [`reference`] holds the host versions of the kernels — paged allocation with the
+//! [`reference`](mod@reference) holds the host versions of the kernels — paged allocation with the
 //! fused row write, scatter (plain and fp8, MHA and MLA), gather and move — written as
 //! plainly as possible; the GPU tests compare each kernel with them bit for bit.
 //! [`ptx`] holds the generated PTX, embedded at build time.

@@ -3,7 +3,7 @@
 //!
 //! | kernel | reference |
 //! |---|---|
-//! | `alloc_extend_*` | [`extend_with_rows`] (= [`expand_extend`](crate::alloc::expand_extend) + row write) |
+//! | `alloc_extend_*` | [`extend_with_rows`] (= [`expand_extend`] + row write) |
 //! | `alloc_decode_*` | [`decode_with_rows`] |
 //! | `kv_scatter_*` | [`scatter_rows`] (per K or V buffer and layer) |
 //! | `kv_scatter_mla_*` | [`scatter_mla_rows`] |
