@@ -38,6 +38,9 @@ bash scripts/ptxas_check.sh
 step "cargo build --features cuda"
 cargo build --features cuda --lib --bins
 
+step "device layer host checks (cuda unit tests)"
+LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --features cuda --lib cuda::
+
 step "GPU tests (must skip without a device)"
 log="$(mktemp)"
 LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \

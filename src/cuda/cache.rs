@@ -412,3 +412,40 @@ impl DeviceKvCache {
         Err(CudaKvError::DeviceSlotOutOfRange)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vector_width_is_the_widest_that_divides_everything() {
+        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2048, 0]), Ok(16));
+        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2056, 0]), Ok(8));
+        assert_eq!(pick_vec(StoreKind::Copy, &[6], &[256]), Ok(2));
+        assert_eq!(pick_vec(StoreKind::Copy, &[7], &[256]), Ok(1));
+        assert_eq!(pick_vec(StoreKind::Copy, &[1024, 128], &[258]), Ok(2));
+        // fp8 from bf16: 16 bytes, else one element; a misaligned source is refused.
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[1024], &[256]), Ok(16));
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[256]), Ok(2));
+        assert!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[257]).is_err());
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::F32), &[12], &[256]), Ok(4));
+    }
+
+    #[test]
+    fn extents_cover_every_row_of_every_layer() {
+        // `Rows` needs a device slice; a dangling one is fine, it is never dereferenced.
+        // SAFETY: the slice is only measured (`len`), never read or written.
+        let data = unsafe { DeviceSlice::<u8>::from_raw_parts(DevicePointer::null(), 1000) };
+        let rows = |row_stride, layer_stride| Rows { data: &data, row_stride, layer_stride };
+        assert_eq!(extent("k", &rows(100, 0), 10, 1, 100), Ok(()));
+        assert_eq!(
+            extent("k", &rows(100, 0), 11, 1, 100),
+            Err(KvError::Shape { what: "k", got: 1000, expected: 1100 })
+        );
+        assert_eq!(extent("k", &rows(100, 500), 5, 2, 100), Ok(()));
+        assert!(extent("k", &rows(100, 501), 5, 2, 100).is_err());
+        assert!(matches!(extent("k", &rows(50, 0), 2, 1, 100), Err(KvError::BadRow { .. })));
+        assert_eq!(extent("k", &rows(0, 0), 0, 4, 100), Ok(()));
+        assert!(extent("k", &rows(usize::MAX, 0), 3, 1, 100).is_err());
+    }
+}

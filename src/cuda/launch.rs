@@ -497,3 +497,21 @@ pub(crate) struct MoveArgs {
     pub num_rows: u32,
     pub err: DevicePointer<u32>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_has_a_matching_launcher() {
+        check_signatures().unwrap();
+        assert_eq!(KernelId::all().len(), KERNELS.len());
+        assert_eq!(KernelId::alloc(false, 16), KernelId::Alloc { decode: false, page_size: 16 });
+        assert_eq!(KernelId::alloc(true, 12), KernelId::Alloc { decode: true, page_size: 0 });
+        assert_eq!(KernelId::alloc(true, 12).name(), "alloc_decode_psn");
+        assert_eq!(
+            KernelId::ScatterMla { store: StoreKind::Fp8(SrcFloat::F16), vec: 2 }.name(),
+            "kv_scatter_mla_fp8_f16_v2"
+        );
+    }
+}
