@@ -637,3 +637,52 @@ fn out_of_range_slots_are_skipped_and_reported() {
     let fp8 = quantize_e4m3(1.0, 1.0);
     assert_eq!(fp8, 0x38);
 }
+
+#[test]
+fn large_pools_use_64_bit_offsets() {
+    // Three layers of 2^20 + 16 rows of 2 KiB: each buffer is 6 GiB, so row, layer and
+    // slot offsets all pass 2^32 bytes. Rows are written at the top slots of every
+    // layer in one launch, gathered back in one launch, and moved.
+    let Some(dev) = device() else { return };
+    let cfg = KvConfig {
+        layout: KvLayout::Mha { head_num: 8, head_dim: 128 },
+        dtype: KvDtype::Bf16,
+        layer_num: 3,
+        size: 1 << 20,
+        page_size: 16,
+    };
+    assert!(cfg.layer_bytes() * 3 > 4 << 30);
+    let cache = DeviceKvCache::new(cfg).unwrap();
+    let mut rng = Rng::new(9);
+    let row = cfg.row_bytes();
+    let n = 64;
+    let top = cfg.rows() as u32;
+    let slots: Vec<u32> = (0..n as u32).map(|i| top - 1 - 3 * i).collect();
+    let k_host = rng.bytes(3 * n * row);
+    let v_host = rng.bytes(3 * n * row);
+    let (k, v) = (DeviceBuffer::from_slice(&k_host).unwrap(), DeviceBuffer::from_slice(&v_host).unwrap());
+    let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
+    let rows = |d| Rows { data: d, row_stride: row, layer_stride: n * row };
+    cache.set_kv(&dev, Layers::All, &d_slots, rows(&k), rows(&v), None, (1.0, 1.0)).unwrap();
+    cache.take_error(&dev).unwrap();
+    let mut k_out = DeviceBuffer::<u8>::zeroed(3 * n * row).unwrap();
+    let mut v_out = DeviceBuffer::<u8>::zeroed(3 * n * row).unwrap();
+    k_out.set_8(POISON8).unwrap();
+    v_out.set_8(POISON8).unwrap();
+    let out = |d| RowsMut { data: d, row_stride: row, layer_stride: n * row };
+    cache.get_kv(&dev, Layers::All, &d_slots, out(&mut k_out), Some(out(&mut v_out))).unwrap();
+    cache.take_error(&dev).unwrap();
+    assert_bytes_eq(&to_host(&k_out), &k_host, "K gathered from the top of a 6 GiB buffer");
+    assert_bytes_eq(&to_host(&v_out), &v_host, "V gathered from the top of a 6 GiB buffer");
+    // The last layer's last row, read directly: layer 2 starts past 4 GiB.
+    let last = cache.k_layer(2).unwrap();
+    let direct = to_host(&last.index((top as usize - 1) * row..top as usize * row));
+    assert_bytes_eq(&direct, &k_host[2 * n * row..2 * n * row + row], "direct read of layer 2, last row");
+    // Move the top rows down to low slots in every layer, and check one of them.
+    let low: Vec<u32> = (16..16 + n as u32).collect();
+    let d_low = DeviceBuffer::from_slice(&low).unwrap();
+    cache.move_kv(&dev, &d_slots, &d_low).unwrap();
+    cache.take_error(&dev).unwrap();
+    let moved = to_host(&cache.v_layer(1).unwrap().unwrap().index(16 * row..17 * row));
+    assert_bytes_eq(&moved, &v_host[n * row..n * row + row], "moved row, layer 1");
+}
