@@ -52,10 +52,14 @@ pub mod error;
 pub mod radix;
 #[cfg(all(feature = "replay", not(loom)))]
 pub mod replay;
+pub mod kv;
 pub mod req_to_token;
 pub mod slots;
 #[cfg(feature = "testing")]
 pub mod testing;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{

@@ -210,6 +210,39 @@ impl PagedAllocator {
         Ok(())
     }
 
+    /// Reserve and claim `pages.len()` fresh pages into `pages`, all or nothing, for a
+    /// caller that expands them elsewhere (the GPU allocation kernels, see
+    /// `kvpool::cuda::DevicePagedAllocator`). Steps 1 and 2 of a batch allocation
+    /// without step 3; free them as slots (`page * page_size`) or through a free group.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::OutOfMemory`] (in tokens) if too few pages are free; nothing
+    /// changes then.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::{KvAllocator, PagedAllocator};
+    /// let alloc = PagedAllocator::new(64, 16)?;
+    /// let mut pages = [0u32; 2];
+    /// alloc.reserve_pages(&mut pages)?;
+    /// assert_eq!(pages, [1, 2]);
+    /// alloc.free(&[pages[0] * 16, pages[1] * 16])?;
+    /// assert_eq!(alloc.available_size(), 64);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn reserve_pages(&self, pages: &mut [u32]) -> Result<(), AllocError> {
+        let n = pages.len();
+        if n == 0 {
+            return Ok(());
+        }
+        self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
+        self.pages.claim(pages);
+        crate::debug_check(self);
+        Ok(())
+    }
+
     /// Allocate the new slots of an extend (prefill) batch, all or nothing.
     ///
     /// Request `i` already holds `prefix_lens[i]` tokens, the last at slot

@@ -1,0 +1,392 @@
+//! GPU benchmark of kvpool's generated kernels (feature `cuda`).
+//!
+//! ```text
+//! cargo build --release --features cuda --bin gpu_bench
+//! gpu_bench [--quick] [--out FILE] [--target 80]
+//! ```
+//!
+//! Prints markdown tables (and writes them to FILE):
+//!
+//! 1. `kv_scatter` bandwidth — bytes read + written per second — against a
+//!    device-to-device `memcpy` of the same bytes in the same run, over batches of
+//!    1024..65536 tokens and rows of 1..4 KiB, random and sequential slots, one layer
+//!    and all layers in one launch; fp8 quantizing scatter too.
+//! 2. `alloc_extend` / `alloc_decode` kernel time for 1..1024 requests against an empty
+//!    kernel launch (the launch floor), and the whole call (host plan + reserve + copy +
+//!    launch).
+//! 3. The decode step end to end: `alloc_decode` with the fused row write, then one
+//!    layer of `kv_scatter` at the new slots.
+//!
+//! Timing: CUDA events around `reps` back-to-back operations, after a warm-up, median
+//! of `samples` such measurements; inputs rotate among buffer sets larger than L2.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cust::event::{Event, EventFlags};
+use cust::memory::{AsyncCopyDestination, CopyDestination, DeviceBuffer, DeviceSlice};
+use kvpool::cuda::{DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, KvDevice, LastLocs, Layers, Rows};
+use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
+use kvpool::PagedAllocator;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+struct Timer {
+    start: Event,
+    stop: Event,
+    samples: usize,
+}
+
+impl Timer {
+    /// Median microseconds per call of `op` (called `reps` times between two events).
+    fn per_op(&self, dev: &KvDevice, reps: usize, mut op: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+        for i in 0..reps.min(20) {
+            op(i)?;
+        }
+        dev.synchronize()?;
+        let mut times = Vec::with_capacity(self.samples);
+        let mut k = 0;
+        for _ in 0..self.samples {
+            self.start.record(dev.stream())?;
+            for _ in 0..reps {
+                op(k)?;
+                k += 1;
+            }
+            self.stop.record(dev.stream())?;
+            self.stop.synchronize()?;
+            times.push(self.stop.elapsed_time_f32(&self.start)? as f64 * 1000.0 / reps as f64);
+        }
+        Ok(median(&mut times))
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn shuffled(n: usize, m: usize, rng: &mut Rng) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..m as u32).collect();
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    v.truncate(n);
+    v
+}
+
+fn random_bytes(n: usize, rng: &mut Rng) -> Vec<u8> {
+    // bf16 values of moderate size (no NaNs), so fp8 paths see real data.
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let x = (rng.below(2_000_001) as f32 - 1_000_000.0) / 250_000.0;
+        let b = (x.to_bits() >> 16) as u16;
+        v.extend(b.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+struct Out {
+    text: String,
+}
+impl Out {
+    fn line(&mut self, s: impl AsRef<str>) {
+        println!("{}", s.as_ref());
+        self.text.push_str(s.as_ref());
+        self.text.push('\n');
+    }
+}
+
+const L2_ROTATE_BYTES: usize = 256 << 20;
+
+#[allow(clippy::too_many_arguments)]
+fn scatter_row(
+    dev: &KvDevice,
+    t: &Timer,
+    out: &mut Out,
+    rng: &mut Rng,
+    tokens: usize,
+    row_bytes: usize,
+    layers: u32,
+    sequential: bool,
+    fp8: bool,
+    quick: bool,
+) -> Result<()> {
+    let elems = row_bytes / 2; // bf16 source rows
+    let (head_dim, head_num) = (64u32, (elems / 64) as u32);
+    let dtype = if fp8 { KvDtype::Fp8E4m3 } else { KvDtype::Bf16 };
+    let rows_wanted = (tokens * 4).max(1 << 17);
+    let cfg = KvConfig {
+        layout: KvLayout::Mha { head_num, head_dim },
+        dtype,
+        layer_num: layers,
+        size: rows_wanted,
+        page_size: 16,
+    };
+    let cache = DeviceKvCache::new(cfg)?;
+    let src_bytes_per_set = layers as usize * tokens * row_bytes; // per K or V
+    let sets = (L2_ROTATE_BYTES / (2 * src_bytes_per_set)).clamp(1, if quick { 4 } else { 16 });
+    let host = random_bytes(src_bytes_per_set, rng);
+    let mut srcs = Vec::new();
+    for _ in 0..sets {
+        srcs.push((DeviceBuffer::from_slice(&host)?, DeviceBuffer::from_slice(&host)?));
+    }
+    let mut slot_sets = Vec::new();
+    for s in 0..sets {
+        let slots: Vec<u32> = if sequential {
+            let base = 16 + (s * tokens) % (cfg.rows() - tokens - 16);
+            (base as u32..(base + tokens) as u32).collect()
+        } else {
+            shuffled(tokens, cfg.rows(), rng)
+        };
+        slot_sets.push(DeviceBuffer::from_slice(&slots)?);
+    }
+    let layer_sel = if layers == 1 { Layers::One(0) } else { Layers::All };
+    let reps = if quick { 5 } else { 20 };
+    let scatter_us = t.per_op(dev, reps, |i| {
+        let (k, v) = &srcs[i % sets];
+        let rows = |d| Rows { data: d, row_stride: row_bytes, layer_stride: tokens * row_bytes };
+        let src = fp8.then_some(SrcFloat::Bf16);
+        cache.set_kv(dev, layer_sel, &slot_sets[i % sets], rows(k), rows(v), src, (1.0, 1.0))?;
+        Ok(())
+    })?;
+    cache.take_error(dev)?;
+    // The same bytes through one memcpy: it reads and writes `moved / 2` bytes each,
+    // what the scatter reads (K and V sources) and writes (K and V rows) in total.
+    let stored = if fp8 { src_bytes_per_set / 2 } else { src_bytes_per_set };
+    let moved = 2 * (src_bytes_per_set + stored); // read + written, K and V
+    let copy_len = moved / 2;
+    let mut pairs = Vec::new();
+    for _ in 0..sets {
+        // Real data in the source (never time on zeros).
+        let src = DeviceBuffer::<u8>::zeroed(copy_len)?;
+        let mut at = 0;
+        while at < copy_len {
+            let n = (copy_len - at).min(host.len());
+            src.index(at..at + n).copy_from(&host[..n])?;
+            at += n;
+        }
+        pairs.push((src, DeviceBuffer::<u8>::zeroed(copy_len)?));
+    }
+    let memcpy_us = t.per_op(dev, reps, |i| {
+        let (src, dst) = &pairs[i % sets];
+        let mut d: DeviceSlice<u8> = dst.index(..);
+        // SAFETY: a device-to-device copy between two buffers owned here, same length;
+        // both outlive the copy (they are dropped after the timer synchronized).
+        unsafe { d.async_copy_from(&src.index(..), dev.stream())? };
+        Ok(())
+    })?;
+    let gbps = |us: f64| moved as f64 / us / 1e3;
+    out.line(format!(
+        "| {}{} | {tokens} | {row_bytes} | {layers} | {} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0}% |",
+        if fp8 { "fp8 " } else { "" },
+        if sequential { "seq" } else { "random" },
+        moved >> 20,
+        scatter_us,
+        gbps(scatter_us),
+        memcpy_us,
+        gbps(memcpy_us),
+        100.0 * memcpy_us / scatter_us
+    ));
+    Ok(())
+}
+
+fn alloc_rows(dev: &KvDevice, t: &Timer, out: &mut Out, rng: &mut Rng, batch: usize, quick: bool) -> Result<()> {
+    let ps = 16;
+    let host = Arc::new(PagedAllocator::new(1 << 22, ps)?);
+    let table = DeviceReqToToken::new(1024, 8192)?;
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let rows: Vec<u32> = shuffled(batch, 1024, rng);
+    // Extend: a 64-token chunk per request on a random prefix, last_loc from the rows.
+    let prefix: Vec<u32> = (0..batch).map(|_| rng.below(4000) as u32).collect();
+    let seq: Vec<u32> = prefix.iter().map(|p| p + 64).collect();
+    for (&r, &p) in rows.iter().zip(&prefix) {
+        let cells: Vec<u32> = (0..p).map(|k| 16 * 1000 + k).collect();
+        table.write(dev, r, 0, &cells)?;
+    }
+    let n_tok: usize = 64 * batch;
+    let ext_out = DeviceBuffer::<u32>::zeroed(n_tok)?;
+    let reps = if quick { 50 } else { 200 };
+    let staged = dalloc.stage_extend(dev, &prefix, &seq, LastLocs::FromRows, Some((&table, &rows)))?;
+    let ext_us = t.per_op(dev, reps, |_| Ok(dalloc.expand(dev, &staged, &ext_out, Some(&table))?))?;
+    let pages = dalloc.pages(&staged)?.to_vec();
+    dalloc.free_pages(&pages)?;
+    // Decode: one token per request.
+    let dseq: Vec<u32> = prefix.iter().map(|p| p + 1).collect();
+    let dec_out = DeviceBuffer::<u32>::zeroed(batch)?;
+    let staged = dalloc.stage_decode(dev, &dseq, LastLocs::FromRows, Some((&table, &rows)))?;
+    let dec_us = t.per_op(dev, reps, |_| Ok(dalloc.expand(dev, &staged, &dec_out, Some(&table))?))?;
+    let pages = dalloc.pages(&staged)?.to_vec();
+    dalloc.free_pages(&pages)?;
+    let noop_blocks = batch as u32; // the extend grid: one block per request
+    let noop_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(1, 128)?))?;
+    let noop_grid_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(noop_blocks, 128)?))?;
+    // The whole call: plan + reserve + pinned copy + launch (+ free, off the clock).
+    let mut call = |decode: bool| -> Result<f64> {
+        let mut times = Vec::new();
+        for i in 0..reps {
+            let t0 = Instant::now();
+            let staged = if decode {
+                dalloc.alloc_decode(dev, &dseq, LastLocs::FromRows, Some((&table, &rows)), &dec_out)?
+            } else {
+                dalloc.alloc_extend(dev, &prefix, &seq, LastLocs::FromRows, Some((&table, &rows)), &ext_out)?
+            };
+            dev.synchronize()?;
+            if i >= 10 {
+                times.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            let pages = dalloc.pages(&staged)?.to_vec();
+            dalloc.free_pages(&pages)?;
+        }
+        Ok(median(&mut times))
+    };
+    let ext_call = call(false)?;
+    let dec_call = call(true)?;
+    out.line(format!(
+        "| {batch} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x / {:.2}x | {:.1} | {:.1} |",
+        noop_us,
+        noop_grid_us,
+        ext_us,
+        dec_us,
+        ext_us / noop_us,
+        dec_us / noop_us,
+        ext_call,
+        dec_call
+    ));
+    Ok(())
+}
+
+fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick: bool) -> Result<()> {
+    let ps = 16;
+    let cfg = KvConfig {
+        layout: KvLayout::Mha { head_num: 8, head_dim: 128 },
+        dtype: KvDtype::Bf16,
+        layer_num: 1,
+        size: 1 << 20,
+        page_size: ps,
+    };
+    let cache = DeviceKvCache::new(cfg)?;
+    let host = Arc::new(PagedAllocator::new(cfg.size, ps)?);
+    let table = DeviceReqToToken::new(1024, 8192)?;
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let rows: Vec<u32> = shuffled(batch, 1024, rng);
+    // Start every request with a real prefix (allocated through the device path).
+    let mut seq: Vec<u32> = (0..batch).map(|_| 1 + rng.below(1000) as u32).collect();
+    let prefix_out = DeviceBuffer::<u32>::zeroed(seq.iter().map(|&s| s as usize).sum())?;
+    let zeros = vec![0u32; batch];
+    dalloc.alloc_extend(dev, &zeros, &seq, LastLocs::Host(&zeros), Some((&table, &rows)), &prefix_out)?;
+    let row_bytes = cfg.row_bytes();
+    let k = DeviceBuffer::from_slice(&random_bytes(batch * row_bytes, rng))?;
+    let v = DeviceBuffer::from_slice(&random_bytes(batch * row_bytes, rng))?;
+    let slots = DeviceBuffer::<u32>::zeroed(batch)?;
+    let steps = if quick { 50 } else { 300 };
+    let (start, stop) = (Event::new(EventFlags::DEFAULT)?, Event::new(EventFlags::DEFAULT)?);
+    let mut wall = Vec::new();
+    let mut device = Vec::new();
+    for step in 0..steps {
+        for s in seq.iter_mut() {
+            *s += 1;
+        }
+        let t0 = Instant::now();
+        start.record(dev.stream())?;
+        dalloc.alloc_decode(dev, &seq, LastLocs::FromRows, Some((&table, &rows)), &slots)?;
+        let r = |d| Rows { data: d, row_stride: row_bytes, layer_stride: 0 };
+        cache.set_kv(dev, Layers::One(0), &slots, r(&k), r(&v), None, (1.0, 1.0))?;
+        stop.record(dev.stream())?;
+        stop.synchronize()?;
+        if step >= 10 {
+            wall.push(t0.elapsed().as_secs_f64() * 1e6);
+            device.push(stop.elapsed_time_f32(&start)? as f64 * 1000.0);
+        }
+    }
+    cache.take_error(dev)?;
+    out.line(format!(
+        "| {batch} | {:.1} | {:.1} | {} |",
+        median(&mut device),
+        median(&mut wall),
+        host.available_pages()
+    ));
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let out_path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+    let target: u32 =
+        args.iter().position(|a| a == "--target").and_then(|i| args.get(i + 1)).map_or(Ok(u32::MAX), |t| t.parse())?;
+    let dev = match KvDevice::count() {
+        Ok(n) if n > 0 => KvDevice::with_target(0, target)?,
+        other => {
+            println!("no CUDA device ({other:?}): nothing to measure");
+            return Ok(());
+        }
+    };
+    let t = Timer {
+        start: Event::new(EventFlags::DEFAULT)?,
+        stop: Event::new(EventFlags::DEFAULT)?,
+        samples: if quick { 5 } else { 21 },
+    };
+    let mut out = Out { text: String::new() };
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    out.line(format!(
+        "device: {} (compute capability {}), sm_{} PTX, {} kernels loaded",
+        dev.name()?,
+        dev.compute_capability(),
+        dev.ptx_target(),
+        dev.kernel_count()
+    ));
+    out.line("");
+    out.line("### kv_scatter vs device-to-device memcpy of the same bytes (bf16 rows; fp8 rows: bf16 in, e4m3 out)");
+    out.line("");
+    out.line("| slots | tokens | row bytes | layers | MiB moved | scatter us | scatter GB/s | memcpy us | memcpy GB/s | scatter/memcpy |");
+    out.line("|---|---|---|---|---|---|---|---|---|---|");
+    let token_counts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 4096, 16384, 65536] };
+    for &row in &[1024usize, 2048, 4096] {
+        for &tokens in token_counts {
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, row, 1, false, false, quick)?;
+        }
+    }
+    for &tokens in token_counts {
+        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, true, false, quick)?;
+    }
+    for &tokens in &[1024usize, 8192] {
+        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 8, false, false, quick)?;
+    }
+    for &tokens in token_counts {
+        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, false, true, quick)?;
+    }
+    out.line("");
+    out.line("### alloc kernels vs an empty launch (page size 16, fused row write, last_loc from rows; extend: 64 new tokens per request)");
+    out.line("");
+    out.line("| requests | empty 1 block us | empty, extend's grid us | alloc_extend us | alloc_decode us | vs empty (ext / dec) | extend call us | decode call us |");
+    out.line("|---|---|---|---|---|---|---|---|");
+    for &batch in &[1usize, 8, 64, 256, 1024] {
+        alloc_rows(&dev, &t, &mut out, &mut rng, batch, quick)?;
+    }
+    out.line("");
+    out.line("### decode step: alloc_decode (fused row write) + one layer kv_scatter (8x128 bf16 K and V), synchronized per step");
+    out.line("");
+    out.line("| requests | device us | wall us (host + device) | pages left |");
+    out.line("|---|---|---|---|");
+    for &batch in &[1usize, 64, 256, 1024] {
+        decode_step(&dev, &mut out, &mut rng, batch, quick)?;
+    }
+    if let Some(p) = out_path {
+        std::fs::write(&p, &out.text)?;
+    }
+    Ok(())
+}

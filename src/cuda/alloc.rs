@@ -1,0 +1,457 @@
+//! [`DevicePagedAllocator`]: pages reserved on the host, expanded on the GPU.
+
+use std::sync::Arc;
+
+use cust::event::{Event, EventFlags};
+use cust::memory::{AsyncCopyDestination, DeviceBuffer, DevicePointer, DeviceSlice, LockedBuffer};
+
+use super::launch::AllocArgs;
+use super::{CudaKvError, DeviceReqToToken, KvDevice};
+use crate::alloc::{plan_decode, plan_extend, BatchPlan};
+use crate::error::{ConfigError, FreeError, InvalidInput};
+use crate::kv::ptx::{FLAG_LAST_LOC_FROM_ROWS, FLAG_WRITE_ROWS};
+use crate::kv::KvError;
+use crate::{KvAllocator, PagedAllocator};
+
+/// Where the allocation kernels get each request's `last_loc` (the slot of its last
+/// prefix token, read only when the prefix ends inside a page).
+#[derive(Clone, Copy, Debug)]
+pub enum LastLocs<'a> {
+    /// From the host, one per request; checked like
+    /// [`PagedAllocator::alloc_extend`] checks them.
+    Host(&'a [u32]),
+    /// From each request's row of the device table (column `prefix_len - 1`), inside
+    /// the kernel: nothing crosses from the device to the host. The row must hold the
+    /// request's prefix (the caller's contract: it is not checked).
+    FromRows,
+}
+
+/// A batch whose pages are reserved and whose metadata is on its way to the device;
+/// [`DevicePagedAllocator::expand`] turns it into slots (as often as wanted, until
+/// the next batch is staged).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedBatch {
+    generation: u64,
+    decode: bool,
+    batch: u32,
+    plan: BatchPlan,
+    page_size: u32,
+    flags: u32,
+    table: Option<(u64, u32)>,
+}
+
+impl StagedBatch {
+    /// Fresh pages reserved for the batch.
+    pub fn new_pages(&self) -> usize {
+        self.plan.new_pages
+    }
+
+    /// Slots the expansion writes.
+    pub fn new_tokens(&self) -> usize {
+        self.plan.new_tokens
+    }
+
+    /// Requests in the batch.
+    pub fn batch(&self) -> usize {
+        self.batch as usize
+    }
+
+    /// Whether the expansion also writes the request rows.
+    pub fn writes_rows(&self) -> bool {
+        self.flags & FLAG_WRITE_ROWS != 0
+    }
+}
+
+/// A paged allocator whose batch expansion runs on the GPU.
+///
+/// The pages come from a shared, lock-free [`PagedAllocator`] (so other threads can
+/// free finished requests' pages meanwhile); the host plans the batch, reserves its
+/// pages all-or-nothing, writes a per-request table (prefix and sequence lengths,
+/// `last_loc`, the page and output offsets, the row) into pinned memory and queues
+/// one copy and one kernel launch: the kernel writes every token's slot into `out`
+/// and, with a row table, into the request rows. Nothing on this path allocates.
+///
+/// # Examples
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use kvpool::cuda::{DevicePagedAllocator, DeviceReqToToken, KvDevice, LastLocs};
+/// use kvpool::PagedAllocator;
+/// use cust::memory::DeviceBuffer;
+///
+/// let dev = KvDevice::new(0)?;
+/// let host = Arc::new(PagedAllocator::new(1 << 16, 16)?);
+/// let mut alloc = DevicePagedAllocator::new(Arc::clone(&host), 256, 4096)?;
+/// let table = DeviceReqToToken::new(256, 8192)?;
+/// let out = DeviceBuffer::<u32>::zeroed(100)?;
+/// // Request in row 3: no prefix, 100 new tokens.
+/// let staged = alloc.alloc_extend(&dev, &[0], &[100], LastLocs::FromRows, Some((&table, &[3])), &out)?;
+/// assert_eq!(staged.new_pages(), 7);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct DevicePagedAllocator {
+    host: Arc<PagedAllocator>,
+    staging: LockedBuffer<u32>,
+    meta: DeviceBuffer<u32>,
+    /// Recorded after each host-to-device copy of `staging`: the next batch waits for
+    /// it before overwriting the pinned buffer.
+    copied: Event,
+    max_batch: usize,
+    max_pages: usize,
+    generation: u64,
+    /// `(start, len)` of the latest batch's pages in `staging`.
+    pages_at: (usize, usize),
+}
+
+impl core::fmt::Debug for DevicePagedAllocator {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DevicePagedAllocator")
+            .field("host", &self.host)
+            .field("max_batch", &self.max_batch)
+            .field("max_pages", &self.max_pages)
+            .finish()
+    }
+}
+
+const META: usize = 6;
+
+impl DevicePagedAllocator {
+    /// A device-side expander over `host`, for batches of up to `max_batch` requests
+    /// needing up to `max_pages` fresh pages (pinned and device staging are sized
+    /// once, here).
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::Config`] for a zero capacity, [`CudaKvError::Cuda`] when pinned
+    /// or device memory cannot be had.
+    pub fn new(host: Arc<PagedAllocator>, max_batch: usize, max_pages: usize) -> Result<Self, CudaKvError> {
+        if max_batch == 0 {
+            return Err(ConfigError::Zero("max_batch").into());
+        }
+        let words = max_batch
+            .checked_mul(META)
+            .and_then(|m| m.checked_add(max_pages))
+            .filter(|&w| w <= u32::MAX as usize)
+            .ok_or(ConfigError::TooLarge { size: max_pages as u64, page_size: host.page_size() })?;
+        Ok(DevicePagedAllocator {
+            staging: LockedBuffer::new(&0u32, words)?,
+            meta: DeviceBuffer::zeroed(words)?,
+            copied: Event::new(EventFlags::DISABLE_TIMING)?,
+            host,
+            max_batch,
+            max_pages,
+            generation: 0,
+            pages_at: (0, 0),
+        })
+    }
+
+    /// The shared host allocator (for frees, counts, a prefix cache).
+    pub fn allocator(&self) -> &Arc<PagedAllocator> {
+        &self.host
+    }
+
+    /// The pages reserved for `batch` (to free them when its requests finish).
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::StaleBatch`] once a newer batch was staged.
+    pub fn pages(&self, batch: &StagedBatch) -> Result<&[u32], CudaKvError> {
+        if batch.generation != self.generation {
+            return Err(CudaKvError::StaleBatch);
+        }
+        Ok(&self.staging[self.pages_at.0..self.pages_at.0 + self.pages_at.1])
+    }
+
+    /// Free whole pages (as the host allocator's free of their first slots would).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] for a page that is not allocated; see [`PagedAllocator::free`].
+    pub fn free_pages(&self, pages: &[u32]) -> Result<(), CudaKvError> {
+        let ps = self.host.page_size();
+        let mut group = self.host.free_group();
+        for &p in pages {
+            let slot = p.checked_mul(ps).unwrap_or(0);
+            group.free(&[slot]).map_err(|e: FreeError| CudaKvError::Free(e))?;
+        }
+        group.end();
+        Ok(())
+    }
+
+    /// Plan, check and reserve an extend batch and queue its metadata (see
+    /// [`alloc_extend`](Self::alloc_extend)).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend).
+    pub fn stage_extend(
+        &mut self,
+        dev: &KvDevice,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: LastLocs<'_>,
+        rows: Option<(&DeviceReqToToken, &[u32])>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
+        self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, None)
+    }
+
+    /// Plan, check and reserve a decode batch and queue its metadata (see
+    /// [`alloc_decode`](Self::alloc_decode)).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_decode`](Self::alloc_decode).
+    pub fn stage_decode(
+        &mut self,
+        dev: &KvDevice,
+        seq_lens: &[u32],
+        last_locs: LastLocs<'_>,
+        rows: Option<(&DeviceReqToToken, &[u32])>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
+        self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        dev: &KvDevice,
+        decode: bool,
+        plan: BatchPlan,
+        seq_lens: &[u32],
+        prefix: impl Fn(usize) -> u32,
+        last_locs: LastLocs<'_>,
+        rows: Option<(&DeviceReqToToken, &[u32])>,
+        out_len: Option<usize>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        let batch = seq_lens.len();
+        let ps = self.host.page_size();
+        if let Some(len) = out_len {
+            if len != plan.new_tokens {
+                return Err(KvError::Shape { what: "out", got: len, expected: plan.new_tokens }.into());
+            }
+        }
+        if batch > self.max_batch {
+            return Err(KvError::Shape { what: "batch (max_batch)", got: batch, expected: self.max_batch }.into());
+        }
+        if plan.new_pages > self.max_pages {
+            return Err(KvError::Shape {
+                what: "new pages (max_pages)",
+                got: plan.new_pages,
+                expected: self.max_pages,
+            }
+            .into());
+        }
+        if plan.new_tokens > u32::MAX as usize {
+            return Err(KvError::Shape { what: "new tokens", got: plan.new_tokens, expected: u32::MAX as usize }.into());
+        }
+        let mut flags = 0;
+        let mut table = None;
+        if let Some((t, r)) = rows {
+            if r.len() != batch {
+                return Err(InvalidInput::LengthMismatch { what: "rows", got: r.len(), expected: batch }.into_kv());
+            }
+            for (&row, &seq) in r.iter().zip(seq_lens) {
+                if row >= t.rows() {
+                    return Err(KvError::SlotOutOfRange { slot: row, rows: t.rows() as usize }.into());
+                }
+                if seq > t.max_context_len() {
+                    return Err(KvError::Shape {
+                        what: "seq_len (max_context_len)",
+                        got: seq as usize,
+                        expected: t.max_context_len() as usize,
+                    }
+                    .into());
+                }
+            }
+            flags |= FLAG_WRITE_ROWS;
+            table = Some((t.device_ptr().as_raw(), t.max_context_len()));
+        }
+        match last_locs {
+            LastLocs::Host(l) => {
+                if l.len() != batch {
+                    return Err(
+                        InvalidInput::LengthMismatch { what: "last_locs", got: l.len(), expected: batch }.into_kv()
+                    );
+                }
+                if ps > 1 {
+                    for (request, &last_loc) in l.iter().enumerate() {
+                        let (p, s) = (prefix(request), seq_lens[request]);
+                        if p % ps != 0 && s > p {
+                            let ok = last_loc % ps == (p - 1) % ps && self.host.is_allocated(last_loc);
+                            if !ok {
+                                return Err(InvalidInput::BadLastLoc { request, last_loc }.into_kv());
+                            }
+                        }
+                    }
+                }
+            }
+            LastLocs::FromRows => {
+                if rows.is_none() {
+                    return Err(KvError::Format { what: "LastLocs::FromRows needs a row table" }.into());
+                }
+                flags |= FLAG_LAST_LOC_FROM_ROWS;
+            }
+        }
+        // The previous batch's copy must have read the pinned buffer before we refill it.
+        self.copied.synchronize()?;
+        let words = META * batch + plan.new_pages;
+        let (meta, pages) = self.staging[..words].split_at_mut(META * batch);
+        self.host.reserve_pages(pages)?;
+        let (mut page_start, mut out_start) = (0u32, 0u32);
+        for i in 0..batch {
+            let (p, s) = (prefix(i), seq_lens[i]);
+            meta[i] = p;
+            meta[batch + i] = s;
+            meta[2 * batch + i] = match last_locs {
+                LastLocs::Host(l) => l[i],
+                LastLocs::FromRows => 0,
+            };
+            meta[3 * batch + i] = page_start;
+            meta[4 * batch + i] = out_start;
+            meta[5 * batch + i] = rows.map_or(0, |(_, r)| r[i]);
+            page_start += crate::alloc::new_pages(ps, p, s);
+            out_start += s - p;
+        }
+        let mut dst = self.meta.index(..words);
+        // SAFETY: `staging` is pinned memory owned by `self`; it is not written again
+        // before `copied` (recorded right after this copy on the same stream) has
+        // completed — every `stage` waits for it first — and it outlives the copy
+        // (dropping `self` drops the event first... and `LockedBuffer`'s free waits for
+        // the device).
+        let queued = unsafe { dst.async_copy_from(&self.staging[..words], dev.stream()) }
+            .and_then(|()| self.copied.record(dev.stream()));
+        if let Err(e) = queued {
+            let pages = self.staging[META * batch..words].to_vec();
+            let _ = self.free_pages(&pages);
+            return Err(e.into());
+        }
+        self.generation += 1;
+        self.pages_at = (META * batch, plan.new_pages);
+        Ok(StagedBatch { generation: self.generation, decode, batch: batch as u32, plan, page_size: ps, flags, table })
+    }
+
+    /// Launch the expansion of a staged batch: `out` receives the batch's
+    /// `new_tokens()` slots (request after request, as [`PagedAllocator::alloc_extend`]
+    /// writes them) and, if the batch was staged with rows, `table` gets them too.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::StaleBatch`] after a newer `stage_*`; [`CudaKvError::Kv`] when
+    /// `out` has the wrong length or `table` is not the one the batch was staged with;
+    /// [`CudaKvError::Cuda`] if the launch fails.
+    pub fn expand(
+        &self,
+        dev: &KvDevice,
+        batch: &StagedBatch,
+        out: &DeviceSlice<u32>,
+        table: Option<&DeviceReqToToken>,
+    ) -> Result<(), CudaKvError> {
+        if batch.generation != self.generation {
+            return Err(CudaKvError::StaleBatch);
+        }
+        if out.len() != batch.plan.new_tokens {
+            return Err(KvError::Shape { what: "out", got: out.len(), expected: batch.plan.new_tokens }.into());
+        }
+        let given = table.map(|t| (t.device_ptr().as_raw(), t.max_context_len()));
+        if given != batch.table {
+            return Err(KvError::Format { what: "expand needs the row table the batch was staged with" }.into());
+        }
+        let b = batch.batch as usize;
+        let meta = self.meta.as_device_ptr();
+        let a = AllocArgs {
+            meta,
+            batch: batch.batch,
+            pages: meta.wrapping_add(META * b),
+            out: out.as_device_ptr(),
+            table: table.map_or(DevicePointer::null(), |t| t.device_ptr()),
+            table_stride: batch.table.map_or(0, |(_, s)| s),
+            page_size: batch.page_size,
+            flags: batch.flags,
+        };
+        // SAFETY: `meta` holds this generation's table, written by `stage` from a
+        // validated plan (prefix sums of this very plan, pages reserved for it) and
+        // queued on the same stream before this launch; `out` has `new_tokens` slots;
+        // with flags set, `table` is the table whose bounds `stage` checked every row
+        // and `seq_len` against. The staging buffers belong to `self`, which the
+        // borrow keeps alive for the call, and are freed only through `Drop`.
+        unsafe { dev.kernels().alloc(dev.stream(), batch.decode, &a) }
+    }
+
+    /// Allocate the new slots of an extend batch on the device: stage + expand.
+    ///
+    /// Request `i` grows from `prefix_lens[i]` to `seq_lens[i]` tokens; with `rows`
+    /// `Some((table, rows))`, its slots are also written to columns
+    /// `prefix_len..seq_len` of row `rows[i]`. The result equals
+    /// [`PagedAllocator::alloc_extend`] on the same state, bit for bit.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::Kv`] for a malformed batch (lengths, rows, bad `last_loc`, a
+    /// batch larger than the staging), [`CudaKvError::Alloc`] when pages run out;
+    /// nothing is reserved then. [`CudaKvError::Cuda`] from the driver (the pages are
+    /// given back).
+    pub fn alloc_extend(
+        &mut self,
+        dev: &KvDevice,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: LastLocs<'_>,
+        rows: Option<(&DeviceReqToToken, &[u32])>,
+        out: &DeviceSlice<u32>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
+        let staged = self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, Some(out.len()))?;
+        self.finish(dev, staged, out, rows.map(|(t, _)| t))
+    }
+
+    /// Allocate one slot per request of a decode batch on the device (the new token is
+    /// counted in `seq_lens`), writing it to column `seq_len - 1` of each row too when
+    /// `rows` is given.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend).
+    pub fn alloc_decode(
+        &mut self,
+        dev: &KvDevice,
+        seq_lens: &[u32],
+        last_locs: LastLocs<'_>,
+        rows: Option<(&DeviceReqToToken, &[u32])>,
+        out: &DeviceSlice<u32>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
+        let staged = self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, Some(out.len()))?;
+        self.finish(dev, staged, out, rows.map(|(t, _)| t))
+    }
+
+    fn finish(
+        &mut self,
+        dev: &KvDevice,
+        staged: StagedBatch,
+        out: &DeviceSlice<u32>,
+        table: Option<&DeviceReqToToken>,
+    ) -> Result<StagedBatch, CudaKvError> {
+        if let Err(e) = self.expand(dev, &staged, out, table) {
+            let (at, n) = self.pages_at;
+            for k in 0..n {
+                let page = self.staging[at + k];
+                let _ = self.free_pages(&[page]);
+            }
+            self.generation += 1;
+            return Err(e);
+        }
+        Ok(staged)
+    }
+}
+
+trait IntoKv {
+    fn into_kv(self) -> CudaKvError;
+}
+
+impl IntoKv for InvalidInput {
+    fn into_kv(self) -> CudaKvError {
+        CudaKvError::Kv(KvError::from(self))
+    }
+}
