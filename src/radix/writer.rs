@@ -224,10 +224,10 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.touch(ROOT);
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
             self.s.meta[id as usize].hit_count += 1;
             self.touch(id);
-            let (m, last, n) = self.c.match_in_node(id, &key[pos..], &mut out[pos..]);
+            let (m, last, n) = self.c.match_in_node::<true>(id, &key[pos..], &mut out[pos..]);
             pos += m * ps;
             cur = last;
             if m < n {
@@ -276,7 +276,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         let ps = self.c.ps;
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
             let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
             pos += m * ps;
             if m < n {
@@ -300,7 +300,9 @@ impl<A: KvAllocator> Writer<'_, A> {
         for chunk in slots.chunks_exact(ps) {
             let s0 = chunk[0];
             let page = s0 / ps as u32;
-            let whole = s0 % ps as u32 == 0 && chunk.iter().enumerate().all(|(k, &s)| s == s0.wrapping_add(k as u32));
+            // One branch-free pass (it vectorizes): any slot off its place sets a bit.
+            let off = chunk.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ s0.wrapping_add(k)));
+            let whole = s0 % ps as u32 == 0 && off == 0;
             if !whole || page == 0 || page > self.c.num_pages {
                 return Err(InvalidInput::NotAPage { slot: s0 }.into());
             }
@@ -331,7 +333,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.touch(ROOT);
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
             self.touch(id);
             let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
             pos += m * ps;
@@ -361,10 +363,10 @@ impl<A: KvAllocator> Writer<'_, A> {
         for i in 0..pages {
             let page = slots[i * ps] / ps as u32;
             let base = page as usize * ps;
-            for k in 0..ps {
+            for (cell, &t) in self.c.slot_token[base..base + ps].iter().zip(&key[i * ps..(i + 1) * ps]) {
                 // Release: a reader that sees this token (and then validates) is ordered
                 // after whatever freed and recycled the slot before.
-                self.c.slot_token[base + k].store(key[i * ps + k], Ordering::Release);
+                cell.store(t, Ordering::Release);
             }
             let next = if i + 1 < pages { slots[(i + 1) * ps] / ps as u32 } else { 0 };
             self.c.next_page[page as usize].store(next, Ordering::Release);
