@@ -49,10 +49,10 @@ pub(crate) mod sync;
 pub mod alloc;
 pub mod baseline;
 pub mod error;
+pub mod kv;
 pub mod radix;
 #[cfg(all(feature = "replay", not(loom)))]
 pub mod replay;
-pub mod kv;
 pub mod req_to_token;
 pub mod slots;
 #[cfg(feature = "testing")]

@@ -224,7 +224,9 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.touch(ROOT);
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+                break;
+            };
             self.s.meta[id as usize].hit_count += 1;
             self.touch(id);
             let (m, last, n) = self.c.match_in_node::<true>(id, &key[pos..], &mut out[pos..]);
@@ -276,7 +278,9 @@ impl<A: KvAllocator> Writer<'_, A> {
         let ps = self.c.ps;
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+                break;
+            };
             let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
             pos += m * ps;
             if m < n {
@@ -333,7 +337,9 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.touch(ROOT);
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
-            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else { break };
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+                break;
+            };
             self.touch(id);
             let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
             pos += m * ps;
