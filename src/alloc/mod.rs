@@ -168,11 +168,13 @@ impl PagedAllocator {
         }
     }
 
-    fn oom(&self, pages: usize) -> AllocError {
+    /// The pool's refusal in tokens. Its `available` is the count the reservation saw,
+    /// not a fresh read, which a concurrent free could already have raised.
+    fn oom(&self, e: OutOfMemory) -> AllocError {
         let ps = self.page_size as usize;
         AllocError::OutOfMemory(OutOfMemory {
-            requested: pages * ps,
-            available: self.pages.available() * ps,
+            requested: e.requested * ps,
+            available: e.available * ps,
             evictable: None,
             unit: Unit::Tokens,
         })
@@ -193,7 +195,7 @@ impl PagedAllocator {
         if n == 0 {
             return Ok(());
         }
-        self.pages.reserve(n, Unit::Pages).map_err(|_| self.oom(n))?;
+        self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
         self.pages.claim(&mut out[..n]);
         if ps > 1 {
             // Backwards, so page k (at out[k]) is read before slot k*ps.. overwrites it.
@@ -293,7 +295,7 @@ impl PagedAllocator {
         R: Fn(usize) -> (u32, u32, u32),
     {
         if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|_| self.oom(plan.new_pages))?;
+            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
             self.pages.claim(&mut out[..plan.new_pages]);
         }
         expand::expand_in_place(self.page_size, batch, req, plan.new_pages, out);
@@ -428,7 +430,7 @@ impl KvFreeGroup<'_> {
     pub fn free(&mut self, slots: &[u32]) -> Result<(), FreeError> {
         let a = self.alloc;
         let r = if a.page_size == 1 {
-            self.group.free_iter(slots.iter().copied())
+            self.group.free(slots)
         } else {
             self.group.free_iter(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }))
         };
