@@ -639,10 +639,11 @@ impl SlotPool {
         I: Iterator<Item = u32> + Clone,
     {
         // 1. Validate: nothing changes unless every index is in range and allocated.
-        // An index equal to the one before it was checked already.
-        let mut prev = None;
+        // An index equal to the one before it was checked already. (`u64::MAX` is no
+        // index: a sentinel compares faster than an `Option`.)
+        let mut prev = u64::MAX;
         for index in indices.clone() {
-            if prev == Some(index) {
+            if index as u64 == prev {
                 continue;
             }
             if index == 0 || index > self.capacity {
@@ -654,13 +655,19 @@ impl SlotPool {
                 let kind = FreeErrorKind::NotAllocated;
                 return Err((0, FreeError { index, kind, rest_freed: false }));
             }
-            prev = Some(index);
+            prev = index as u64;
         }
-        // 2. Apply, one fetch_or per run of indices in the same word.
+        // 2. Apply, one fetch_or per run of indices in the same word. Merging, an index
+        // equal to the one before it adds nothing (strict, it is a double free).
         let mut acc = Applied { freed: 0, first_dup: None, min_word: usize::MAX };
         let mut run_word = usize::MAX;
         let mut run_mask = 0u64;
+        let mut prev = u64::MAX;
         for index in indices {
+            if dup == Dup::Merge && index as u64 == prev {
+                continue;
+            }
+            prev = index as u64;
             let (w, bit) = Self::locate(index);
             if w != run_word {
                 if run_mask != 0 {
