@@ -135,6 +135,7 @@
 use crate::error::{FreeError, FreeErrorKind, InvariantViolation, OutOfMemory, Unit};
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{spin_loop, thread_slot, untracked, Backoff};
+use core::mem::MaybeUninit;
 use crossbeam_utils::CachePadded;
 
 const BITS: usize = 64;
@@ -167,6 +168,10 @@ pub struct SlotPool {
     /// The per-thread parts of the reservation counter, each on its own cache line.
     shards: Box<[CachePadded<Shard>]>,
     hint: CachePadded<AtomicUsize>,
+    /// Which thread claims from the hint, a heuristic only (see "Where claims start"):
+    /// its thread slot in the high 32 bits and a count of its claims in the low 32, or
+    /// [`NO_OWNER`].
+    hint_owner: CachePadded<untracked::AtomicU64>,
     /// Bits set by open free groups but not yet added to `available`.
     unpublished: AtomicUsize,
     capacity: u32,
@@ -184,7 +189,13 @@ struct Shard {
     /// that did not. While it is non-zero their claims start at their home word
     /// instead of the shared hint.
     spread: untracked::AtomicU32,
+    /// The `hint_owner` value this shard's threads saw when they last found the hint
+    /// taken: if it has not moved on since, its owner has stopped claiming.
+    seen_owner: untracked::AtomicU64,
 }
+
+/// `hint_owner` when no thread owns the hint.
+const NO_OWNER: u64 = u64::MAX;
 
 /// Shards of the reservation counter. Threads get consecutive slots, so up to this
 /// many threads each have a shard of their own.
@@ -195,9 +206,9 @@ const SHARDS: usize = 16;
 #[cfg(loom)]
 const SHARDS: usize = 2;
 
-/// How many uncontended reservations it takes to fall back from spreading to
-/// lowest-first order after the last lost compare-and-swap.
-const SPREAD_ROUNDS: u32 = 64;
+/// How many uncontended reservations a shard's threads spread for after a sign of
+/// contention, before they look at the hint again.
+const SPREAD_ROUNDS: u32 = 256;
 
 /// Bitmap words per 64-byte cache line; home words are aligned to it.
 const WORDS_PER_LINE: usize = 8;
@@ -228,10 +239,15 @@ impl SlotPool {
             central: CachePadded::new(AtomicUsize::new(0)),
             shards: (0..SHARDS)
                 .map(|_| {
-                    CachePadded::new(Shard { available: AtomicUsize::new(0), spread: untracked::AtomicU32::new(0) })
+                    CachePadded::new(Shard {
+                        available: AtomicUsize::new(0),
+                        spread: untracked::AtomicU32::new(0),
+                        seen_owner: untracked::AtomicU64::new(NO_OWNER),
+                    })
                 })
                 .collect(),
             hint: CachePadded::new(AtomicUsize::new(0)),
+            hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
             unpublished: AtomicUsize::new(0),
             capacity,
         };
@@ -251,7 +267,9 @@ impl SlotPool {
         for shard in self.shards.iter() {
             shard.available.store(0, Ordering::Relaxed);
             shard.spread.store(0, untracked::Ordering::Relaxed);
+            shard.seen_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
         }
+        self.hint_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
         self.central.store(cap, Ordering::Release);
         self.hint.store(0, Ordering::Relaxed);
         self.unpublished.store(0, Ordering::Relaxed);
@@ -394,8 +412,9 @@ impl SlotPool {
             return;
         }
         let slot = thread_slot();
-        let gauge = &self.shards[slot % SHARDS].spread;
-        let mut spread = gauge.load(untracked::Ordering::Relaxed) != 0;
+        let shard = &self.shards[slot % SHARDS];
+        let gauge = &shard.spread;
+        let mut spread = gauge.load(untracked::Ordering::Relaxed) != 0 || !self.own_hint(slot, shard);
         let start = if spread { home_word(slot, nwords) } else { self.hint.load(Ordering::Relaxed).min(nwords - 1) };
         let mut filled = 0;
         let mut w = start;
@@ -454,6 +473,36 @@ impl SlotPool {
         if !spread && last_word != start {
             let _ = self.hint.compare_exchange(start, last_word, Ordering::Relaxed, Ordering::Relaxed);
         }
+    }
+
+    /// Whether the calling thread may claim from the hint: it owns the hint (and counts
+    /// the claim, so that others see it is active), or takes it over because nobody
+    /// owns it or its owner has not claimed since this shard last looked. Otherwise
+    /// the shard spreads for [`SPREAD_ROUNDS`] reservations. All plain loads and
+    /// stores: the owner's line is written by its owner and read by the others only
+    /// once per [`SPREAD_ROUNDS`] of their reservations.
+    #[inline]
+    fn own_hint(&self, slot: usize, shard: &Shard) -> bool {
+        let me = (slot as u64) << 32;
+        let owner = self.hint_owner.load(untracked::Ordering::Relaxed);
+        if owner != NO_OWNER && owner & !u64::from(u32::MAX) == me {
+            let claims = owner.wrapping_add(1) & u64::from(u32::MAX);
+            self.hint_owner.store(me | claims, untracked::Ordering::Relaxed);
+            return true;
+        }
+        if owner == NO_OWNER || owner == shard.seen_owner.load(untracked::Ordering::Relaxed) {
+            // Take over. The old owner sees it at its next claim and spreads. Threads
+            // that spread did not lower the hint: start again from word 0.
+            if owner != NO_OWNER {
+                self.hint.store(0, Ordering::Relaxed);
+            }
+            self.hint_owner.store(me, untracked::Ordering::Relaxed);
+            return true;
+        }
+        // Another thread is claiming from the hint: work elsewhere for a while.
+        shard.seen_owner.store(owner, untracked::Ordering::Relaxed);
+        shard.spread.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
+        false
     }
 
     /// Free a batch of indices.
@@ -515,7 +564,9 @@ impl SlotPool {
     /// applying, one read-modify-write per run.
     pub(crate) fn release_slice(&self, indices: &[u32]) -> Result<usize, (usize, FreeError)> {
         // 1. Validate: nothing changes unless every index is in range and allocated.
-        let mut runs = [(0usize, 0u64); RUN_BUF];
+        // The buffer is left uninitialised: zeroing 1 KiB would cost more than freeing
+        // a small batch.
+        let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
         let mut buffered = 0;
         let mut unbuffered_from = None;
         let mut first_dup = None;
@@ -534,7 +585,7 @@ impl SlotPool {
             }
             first_dup = first_dup.or(run.dup);
             if buffered < RUN_BUF {
-                runs[buffered] = (run.word, run.mask);
+                runs[buffered].write((run.word, run.mask));
                 buffered += 1;
             } else if unbuffered_from.is_none() {
                 unbuffered_from = Some(pos);
@@ -543,7 +594,10 @@ impl SlotPool {
         }
         // 2. Apply: one fetch_or per run.
         let mut acc = Applied { freed: 0, first_dup, min_word: usize::MAX };
-        for &(word, mask) in &runs[..buffered] {
+        for run in &runs[..buffered] {
+            // SAFETY: the validation loop wrote entries `..buffered` (it counts up
+            // `buffered` only right after writing `runs[buffered]`).
+            let (word, mask) = unsafe { run.assume_init() };
             self.set_bits(word, mask, Dup::Strict, &mut acc);
         }
         if let Some(mut pos) = unbuffered_from {
@@ -622,10 +676,14 @@ impl SlotPool {
         acc.min_word = acc.min_word.min(w);
     }
 
-    /// Lower the hint to `w` if it is above. Reads first: under contention the hint is
-    /// usually low already, and a read leaves its cache line shared.
+    /// Lower the hint to `w` if it is above. Reads first: a read leaves the cache line
+    /// shared. A thread that is spreading leaves the hint to its owner, whose claims
+    /// move it every round (a takeover restarts the hint at word 0 instead).
     #[inline]
     fn lower_hint(&self, w: usize) {
+        if w == usize::MAX || self.my_shard().spread.load(untracked::Ordering::Relaxed) != 0 {
+            return;
+        }
         if w < self.hint.load(Ordering::Relaxed) {
             self.hint.fetch_min(w, Ordering::Relaxed);
         }
