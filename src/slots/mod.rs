@@ -120,17 +120,32 @@
 //! the words they emptied. So a single thread always gets the lowest free indices,
 //! ascending, like SGLang's sorted free list.
 //!
-//! Threads that all start at the hint fight over the same words. So each shard keeps
-//! a *contention gauge* (a heuristic, kept out of loom's model): a compare-and-swap
-//! that loses to another thread — on a bitmap word or on a counter — sets it to
-//! `SPREAD_ROUNDS` (64), and every reservation that loses nothing lowers it by one. While
-//! it is up, the shard's threads start their claims at a *home word* derived from
-//! their thread slot (Fibonacci hashing spreads consecutive slots over the bitmap,
-//! aligned to cache lines of words) and leave the hint alone; a claim that loses on
-//! a word moves to its home at once. Single-threaded no compare-and-swap ever loses
-//! (all of them are strong), so the order stays lowest-first; after contention ends
-//! it returns within `SPREAD_ROUNDS` reservations. Under concurrency the hint may
-//! be stale; the wrap-around scan keeps it only a hint.
+//! Threads that all start at the hint fight over the same words and cache lines —
+//! often without ever losing a compare-and-swap (the line moves between cores, the
+//! compare-and-swap still succeeds). So the hint has one *owner* at a time, and the
+//! other threads *spread* (all of it heuristics, kept out of loom's model):
+//!
+//! * `hint_owner` holds the owner's thread slot and a count of its claims; the owner
+//!   bumps the count with a plain store on every claim. A thread that is not
+//!   spreading and finds the hint unowned takes it. If it finds another owner, it
+//!   remembers the owner word and spreads; when it looks again (after spreading) and
+//!   the word has not moved — the owner has stopped claiming — it takes over, and
+//!   restarts the hint at word 0 (spreading threads do not lower it).
+//! * Each shard keeps a *contention gauge*: set to `SPREAD_ROUNDS` (256) when its
+//!   threads find the hint owned by an active thread or lose a compare-and-swap (on a
+//!   word or a counter), lowered by one per reservation that loses nothing. While it
+//!   is up, the shard's threads start their claims at a *home word* derived from their
+//!   thread slot (Fibonacci hashing spreads consecutive slots over the bitmap, aligned
+//!   to cache lines of words), do not move the hint and do not lower it when freeing;
+//!   a claim that loses on a word moves to its home at once.
+//!
+//! So with several threads that each allocate and free, one claims lowest-first from
+//! the hint and the others each from their own region: no cache line of words or
+//! counters is written by two of them. A single thread owns the hint and never loses a
+//! compare-and-swap (all of them are strong, so none fails spuriously): its order is
+//! lowest-first; a pool handed from one thread to another is lowest-first again
+//! within `SPREAD_ROUNDS` reservations. Under concurrency the hint may be stale; the
+//! wrap-around scan keeps it only a hint.
 
 use crate::error::{FreeError, FreeErrorKind, InvariantViolation, OutOfMemory, Unit};
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -185,9 +200,9 @@ struct Shard {
     available: AtomicUsize,
     /// Contention gauge of this shard's threads, a heuristic only (see "Where claims
     /// start" in the module docs): set to [`SPREAD_ROUNDS`] when one of their
-    /// compare-and-swaps loses to another thread, lowered by one per reservation
-    /// that did not. While it is non-zero their claims start at their home word
-    /// instead of the shared hint.
+    /// compare-and-swaps loses to another thread or they find the hint owned by an
+    /// active thread, lowered by one per reservation that lost nothing. While it is
+    /// non-zero their claims start at their home word instead of the shared hint.
     spread: untracked::AtomicU32,
     /// The `hint_owner` value this shard's threads saw when they last found the hint
     /// taken: if it has not moved on since, its owner has stopped claiming.
