@@ -96,7 +96,7 @@ pub(crate) fn thread_slot() -> usize {
 /// are still a deterministic function of the schedule it explores.
 pub(crate) mod untracked {
     #[allow(unused_imports)]
-    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 }
 
 /// Exponential backoff for contended compare-and-swap loops (crossbeam's shape):

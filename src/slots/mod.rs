@@ -134,10 +134,14 @@
 //! * Each shard keeps a *contention gauge*: set to `SPREAD_ROUNDS` (256) when its
 //!   threads find the hint owned by an active thread or lose a compare-and-swap (on a
 //!   word or a counter), lowered by one per reservation that loses nothing. While it
-//!   is up, the shard's threads start their claims at a *home word* derived from their
-//!   thread slot (Fibonacci hashing spreads consecutive slots over the bitmap, aligned
-//!   to cache lines of words), do not move the hint and do not lower it when freeing;
-//!   a claim that loses on a word moves to its home at once.
+//!   is up, the shard's threads claim around a *home word* derived from their thread
+//!   slot (Fibonacci hashing spreads consecutive slots over the bitmap, aligned to
+//!   cache lines of words), do not move the hint and do not lower it when freeing; a
+//!   claim that loses on a word moves there at once. Each shard keeps a private
+//!   *cursor* for this, the shard's own hint: a spreading claim starts at the cursor
+//!   (the home word at first) and leaves it where it stopped, and the shard's frees
+//!   lower it to the lowest word they freed between the home word and the cursor. So
+//!   in a nearly full pool a spreading thread does not rescan allocated words.
 //!
 //! So with several threads that each allocate and free, one claims lowest-first from
 //! the hint and the others each from their own region: no cache line of words or
@@ -207,7 +211,15 @@ struct Shard {
     /// The `hint_owner` value this shard's threads saw when they last found the hint
     /// taken: if it has not moved on since, its owner has stopped claiming.
     seen_owner: untracked::AtomicU64,
+    /// Where this shard's spreading claims start: the word the last one stopped at,
+    /// lowered by their own frees in their region; [`NO_CURSOR`] until the first. The
+    /// shard's private hint, so that a spreading thread in a nearly full pool does not
+    /// rescan the allocated words after its home on every claim.
+    cursor: untracked::AtomicUsize,
 }
+
+/// `Shard::cursor` before the shard's first spreading claim.
+const NO_CURSOR: usize = usize::MAX;
 
 /// `hint_owner` when no thread owns the hint.
 const NO_OWNER: u64 = u64::MAX;
@@ -258,6 +270,7 @@ impl SlotPool {
                         available: AtomicUsize::new(0),
                         spread: untracked::AtomicU32::new(0),
                         seen_owner: untracked::AtomicU64::new(NO_OWNER),
+                        cursor: untracked::AtomicUsize::new(NO_CURSOR),
                     })
                 })
                 .collect(),
@@ -283,6 +296,7 @@ impl SlotPool {
             shard.available.store(0, Ordering::Relaxed);
             shard.spread.store(0, untracked::Ordering::Relaxed);
             shard.seen_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
+            shard.cursor.store(NO_CURSOR, untracked::Ordering::Relaxed);
         }
         self.hint_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
         self.central.store(cap, Ordering::Release);
@@ -430,7 +444,8 @@ impl SlotPool {
         let shard = &self.shards[slot % SHARDS];
         let gauge = &shard.spread;
         let mut spread = gauge.load(untracked::Ordering::Relaxed) != 0 || !self.own_hint(slot, shard);
-        let start = if spread { home_word(slot, nwords) } else { self.hint.load(Ordering::Relaxed).min(nwords - 1) };
+        let start =
+            if spread { shard_cursor(shard, slot, nwords) } else { self.hint.load(Ordering::Relaxed).min(nwords - 1) };
         let mut filled = 0;
         let mut w = start;
         let mut scanned = 0usize;
@@ -468,7 +483,7 @@ impl SlotPool {
                 // have every claim do so until the contention dies down.
                 spread = true;
                 gauge.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
-                w = home_word(slot, nwords);
+                w = shard_cursor(shard, slot, nwords);
             } else {
                 w += 1;
                 if w == nwords {
@@ -484,8 +499,12 @@ impl SlotPool {
         }
         // Single-threaded, words start..last_word were emptied: move the hint there,
         // unless a free lowered it meanwhile. A spread claim scanned elsewhere and says
-        // nothing about the words above the hint.
-        if !spread && last_word != start {
+        // nothing about the words above the hint; it moves its shard's cursor instead.
+        if spread {
+            if last_word != start {
+                shard.cursor.store(last_word, untracked::Ordering::Relaxed);
+            }
+        } else if last_word != start {
             let _ = self.hint.compare_exchange(start, last_word, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
@@ -691,12 +710,23 @@ impl SlotPool {
         acc.min_word = acc.min_word.min(w);
     }
 
-    /// Lower the hint to `w` if it is above. Reads first: a read leaves the cache line
-    /// shared. A thread that is spreading leaves the hint to its owner, whose claims
-    /// move it every round (a takeover restarts the hint at word 0 instead).
+    /// After a free whose lowest word is `w`: lower the hint to `w` if it is above.
+    /// Reads first: a read leaves the cache line shared. A thread that is spreading
+    /// leaves the hint to its owner, whose claims move it every round (a takeover
+    /// restarts the hint at word 0 instead), and lowers its shard's cursor if `w` lies
+    /// between its home and the cursor.
     #[inline]
     fn lower_hint(&self, w: usize) {
-        if w == usize::MAX || self.my_shard().spread.load(untracked::Ordering::Relaxed) != 0 {
+        if w == usize::MAX {
+            return;
+        }
+        let slot = thread_slot();
+        let shard = &self.shards[slot % SHARDS];
+        if shard.spread.load(untracked::Ordering::Relaxed) != 0 {
+            let cursor = shard.cursor.load(untracked::Ordering::Relaxed);
+            if cursor != NO_CURSOR && w < cursor && w >= home_word(slot, self.words.len()) {
+                shard.cursor.store(w, untracked::Ordering::Relaxed);
+            }
             return;
         }
         if w < self.hint.load(Ordering::Relaxed) {
@@ -881,6 +911,16 @@ fn gauge_contention(shard: &Shard, lost: bool) {
         }
     } else if s != 0 {
         shard.spread.store(s - 1, untracked::Ordering::Relaxed);
+    }
+}
+
+/// Where a spreading claim starts: the shard's cursor, or the thread's home word before
+/// the shard's first spreading claim.
+#[inline]
+fn shard_cursor(shard: &Shard, slot: usize, nwords: usize) -> usize {
+    match shard.cursor.load(untracked::Ordering::Relaxed) {
+        c if c < nwords => c,
+        _ => home_word(slot, nwords),
     }
 }
 
