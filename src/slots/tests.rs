@@ -244,6 +244,10 @@ fn free_paths_match_a_sequential_model() {
 /// the counts are exact, and a batch freed by one thread can be allocated by another
 /// (the shards' counts are swept to where they are needed).
 #[test]
+#[cfg_attr(
+    feature = "debug-invariants",
+    ignore = "debug-invariants checks after every operation, which is exact only single-threaded"
+)]
 fn threads_never_share_an_index_and_counts_come_back() {
     use std::sync::atomic::{AtomicU32 as StdU32, Ordering as O};
     const CAP: u32 = 4096 + 33;
