@@ -69,6 +69,61 @@ impl<T> UnsafeCell<T> {
 #[cfg(loom)]
 pub(crate) use loom::cell::UnsafeCell;
 
+/// A small number that tells the calling thread apart from the others (threads that
+/// ask first get 0, 1, 2, ...), for spreading threads over shards of a counter and
+/// over regions of a bitmap. Costs one thread-local read; never allocates.
+#[cfg(not(loom))]
+#[inline]
+pub(crate) fn thread_slot() -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    /// The next slot to hand out.
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    std::thread_local! {
+        // Const-initialised and without a destructor: no allocation, no registration.
+        static SLOT: Cell<u32> = const { Cell::new(u32::MAX) };
+    }
+    SLOT.try_with(|slot| {
+        let mut v = slot.get();
+        if v == u32::MAX {
+            v = NEXT.fetch_add(1, Ordering::Relaxed) & (u32::MAX >> 1);
+            slot.set(v);
+        }
+        v as usize
+    })
+    .unwrap_or(0)
+}
+
+/// Under loom: the number of the loom thread (0 for the model's main thread, then in
+/// spawn order), the same in every execution of a model, so the model stays
+/// deterministic. Loom shows that number only through `Debug` (`ThreadId(3)`); the
+/// digits are read straight out of the formatter.
+#[cfg(loom)]
+pub(crate) fn thread_slot() -> usize {
+    use std::fmt::Write;
+    struct Digits(usize);
+    impl Write for Digits {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            for b in s.bytes().filter(u8::is_ascii_digit) {
+                self.0 = self.0.wrapping_mul(10).wrapping_add((b - b'0') as usize);
+            }
+            Ok(())
+        }
+    }
+    let mut digits = Digits(0);
+    let _ = write!(digits, "{:?}", loom::thread::current().id());
+    digits.0
+}
+
+/// Atomics for heuristics only — state that decides where a scan starts, never whether
+/// an operation is correct. They stay std's under loom too: the model checker then
+/// spends no search on them, and since loom runs its threads one at a time their values
+/// are still a deterministic function of the schedule it explores.
+pub(crate) mod untracked {
+    #[allow(unused_imports)]
+    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+}
+
 /// Exponential backoff for contended compare-and-swap loops (crossbeam's shape):
 /// spin `2^step` hints for a few steps, then stop growing. Under loom every step is a
 /// yield so the checker can schedule the other threads.

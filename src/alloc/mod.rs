@@ -463,7 +463,7 @@ impl KvFreeGroup<'_> {
     pub fn free(&mut self, slots: &[u32]) -> Result<(), FreeError> {
         let a = self.alloc;
         let r = if a.page_size == 1 {
-            self.group.free_iter(slots.iter().copied())
+            self.group.free(slots)
         } else {
             self.group.free_iter(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }))
         };

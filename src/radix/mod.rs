@@ -511,10 +511,6 @@ impl<A: KvAllocator> RadixCache<A> {
         (x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9)
     }
 
-    fn page_eq(&self, page: u32, key_page: &[u32]) -> bool {
-        self.page_eq_in::<false>(page, key_page)
-    }
-
     /// Compare a cached page's tokens with `key_page`. `LOCKED`: the caller holds the
     /// latch, so no token can be written meanwhile and the tokens may be read as plain
     /// memory (one vectorized compare instead of an atomic load per token).

@@ -11,53 +11,84 @@
 //!   `64*w + b + 1`, and is **1 when the index is free**. Bits past `capacity` in the
 //!   last word are always 0.
 //! * a **reservation counter** `available`: how many free indices may still be
-//!   claimed.
+//!   claimed. It is *sharded*: a central counter plus `SHARDS` (16) per-thread counters,
+//!   each on its own cache line; `available` is their sum. A thread uses the shard of
+//!   its thread slot (threads get consecutive slots, `sync::thread_slot`).
 //!
-//! **Alloc(n)** first *reserves*: a compare-and-swap loop takes `n` off `available`,
-//! or fails with [`OutOfMemory`] if fewer than `n` are there — nothing has changed
-//! yet, so allocation is all-or-nothing. It then *claims* `n` bits: starting at the
-//! `hint` word, for each word with free bits it picks the lowest ones it still needs
-//! and clears them with one compare-and-swap; the indices of the cleared bits go to
-//! the caller's buffer in ascending order.
+//! **Alloc(n)** first *reserves*: a compare-and-swap loop takes `n` off the thread's
+//! shard if it holds `n`, else off the central counter; if neither does, it *sweeps*
+//! every shard into the central counter (a `swap(0)` per non-empty shard, a
+//! `fetch_add` of what it moved) and tries the central counter once more. If that
+//! fails too, [`OutOfMemory`] — nothing has changed, so allocation is all-or-nothing.
+//! It then *claims* `n` bits: starting at a word (see "Where claims start"), for each
+//! word with free bits it picks the lowest ones it still needs and clears them with
+//! one compare-and-swap; the indices of the cleared bits go to the caller's buffer in
+//! ascending order (a stretch of consecutive bits as one vectorised fill).
 //!
 //! **Free** first *validates*: every index must be in range and its bit must be 0
-//! (allocated); otherwise the batch is refused before anything changes. It then
-//! *sets* the bits, one `fetch_or` per run of indices that share a word, and finally
-//! *publishes*: one `fetch_add` on `available` for the whole batch. A [`FreeGroup`]
-//! does the same but delays the publication until the group ends, so its frees
-//! become available all at once.
+//! (allocated); otherwise the batch is refused before anything changes. The batch is
+//! cut into *runs* (indices that share a word, folded into a mask; a run of
+//! consecutive indices is recognised by one branch-free comparison), so validation
+//! is one load per run. It then *sets* the bits, one `fetch_or` per run, and finally
+//! *publishes*: one `fetch_add` on the thread's shard for the whole batch. A
+//! [`FreeGroup`] does the same but delays the publication until the group ends, so
+//! its frees become available all at once.
+//!
+//! Single-threaded, a round of alloc and free costs one read-modify-write on the
+//! thread's shard each way and one per bitmap word each way. With several threads
+//! that each allocate and free, every thread works on its own shard and (see below)
+//! its own words: no cache line is written by two threads in the steady state. When
+//! one thread frees what another allocates, the allocating thread sweeps the freeing
+//! thread's shard: one line moves, as with a single counter.
 //!
 //! # Why it is correct
 //!
 //! The invariant that carries everything:
 //!
 //! > (number of 1 bits) >= `available` + (indices reserved but not yet claimed)
+//! > + (counts a sweep has swapped out of a shard and not yet added centrally)
 //!
-//! * a free sets its bits *before* it adds to `available`: the left side grows first;
-//! * a reservation moves `n` from `available` to "reserved": the right side is unchanged;
+//! * a free sets its bits *before* it adds to a shard: the left side grows first;
+//! * a reservation moves `n` from a shard or the central counter to "reserved": the
+//!   right side is unchanged;
+//! * a sweep moves a count from a shard to "in transit" and then to the central
+//!   counter: the right side is unchanged;
 //! * a claim clears one bit and retires one reserved index: both sides drop by one.
 //!
-//! So a thread that holds a reservation always has, at every instant, enough 1 bits
-//! in the bitmap that no other reservation is entitled to; its claim loop keeps
-//! scanning (wrapping around) until it has them. No index is handed out twice, because
-//! a bit goes 1 -> 0 only through a successful compare-and-swap by exactly one thread,
-//! and goes back to 1 only through the free of its owner. At quiescence (no operation
-//! in flight, no open free group) the two sides are equal, so `available()` is exact.
+//! Nothing on the right is tied to particular bits, so which counter a reservation
+//! came from does not matter: a thread that holds a reservation always has, at every
+//! instant, enough 1 bits in the bitmap that no other reservation is entitled to; its
+//! claim loop keeps scanning (wrapping around, from wherever it started) until it has
+//! them. No index is handed out twice, because a bit goes 1 -> 0 only through a
+//! successful compare-and-swap by exactly one thread, and goes back to 1 only through
+//! the free of its owner. At quiescence (no operation in flight, no open free group)
+//! the two sides are equal, so `available()` is exact.
+//!
+//! A count in transit is invisible to reservations for the two instructions between
+//! the swap and the add, like a free that has set its bits but not yet published
+//! them: an allocation racing with either may be refused although, an instant later,
+//! enough would be available. It reports the count it saw. `available()` reads the
+//! central counter before the shards, so it never counts a moving count twice.
 //!
 //! Memory ordering: freeing sets the bit with `Release` and publishes with `Release`;
-//! reserving and claiming use `Acquire`. Whatever the previous owner of an index wrote
-//! before freeing it (for example a request row's contents) happens-before everything
-//! the next owner does after claiming it.
+//! a sweep's swap is `AcqRel` and its add `Release`; reserving and claiming use
+//! `Acquire`. Whatever the previous owner of an index wrote before freeing it (for
+//! example a request row's contents) happens-before everything the next owner does
+//! after claiming it — through the word itself, and through the counters, so the
+//! reserver also sees the bits its count stands for.
 //!
 //! # Why it is lock-free
 //!
 //! Every loop is a compare-and-swap retry loop whose failure means another thread's
-//! compare-and-swap on the same word succeeded — that thread made progress. A claim
-//! scan that finds no bit in a full pass can only have missed them because other
-//! threads claimed and freed bits meanwhile (each of which completes an operation). A
-//! thread stalled anywhere holds nothing the others wait for: a stalled reserver only
-//! keeps its `n` indices out of `available`; a stalled freer only keeps its bits
-//! uncounted (set but not yet published), which lowers `available` but blocks nobody.
+//! compare-and-swap on the same word succeeded — that thread made progress. A
+//! reservation tries at most three counters and one sweep of `SHARDS` shards: it
+//! ends in a bounded number of steps plus its retries. A claim scan that finds no bit
+//! in a full pass can only have missed them because other threads claimed and freed
+//! bits meanwhile (each of which completes an operation). A thread stalled anywhere
+//! holds nothing the others wait for: a stalled reserver only keeps its `n` indices
+//! out of `available`; a stalled freer only keeps its bits uncounted (set but not yet
+//! published); a stalled sweeper only keeps the count in its hands out of
+//! `available`. All three lower `available` but block nobody.
 //!
 //! # ABA
 //!
@@ -80,17 +111,50 @@
 //! no generation; callers that need that detection keep generations beside the index
 //! (the radix cache does for its nodes).
 //!
-//! # Order
+//! # Where claims start
+//!
+//! None of this affects correctness, which holds wherever a scan starts.
 //!
 //! `hint` is a word index below which, in single-threaded use, all words are 0.
-//! Frees lower it (`fetch_min`), claims raise it past the words they emptied. So a
-//! single thread always gets the lowest free indices, ascending, like SGLang's sorted
-//! free list. Under concurrency the hint may be stale; the wrap-around scan keeps it
-//! only a hint.
+//! Frees lower it (read first, then `fetch_min` only if lower), claims raise it past
+//! the words they emptied. So a single thread always gets the lowest free indices,
+//! ascending, like SGLang's sorted free list.
+//!
+//! Threads that all start at the hint fight over the same words and cache lines —
+//! often without ever losing a compare-and-swap (the line moves between cores, the
+//! compare-and-swap still succeeds). So the hint has one *owner* at a time, and the
+//! other threads *spread* (all of it heuristics, kept out of loom's model):
+//!
+//! * `hint_owner` holds the owner's thread slot and a count of its claims; the owner
+//!   bumps the count with a plain store on every claim. A thread that is not
+//!   spreading and finds the hint unowned takes it. If it finds another owner, it
+//!   remembers the owner word and spreads; when it looks again (after spreading) and
+//!   the word has not moved — the owner has stopped claiming — it takes over, and
+//!   restarts the hint at word 0 (spreading threads do not lower it).
+//! * Each shard keeps a *contention gauge*: set to `SPREAD_ROUNDS` (256) when its
+//!   threads find the hint owned by an active thread or lose a compare-and-swap (on a
+//!   word or a counter), lowered by one per reservation that loses nothing. While it
+//!   is up, the shard's threads claim around a *home word* derived from their thread
+//!   slot (Fibonacci hashing spreads consecutive slots over the bitmap, aligned to
+//!   cache lines of words), do not move the hint and do not lower it when freeing; a
+//!   claim that loses on a word moves there at once. Each shard keeps a private
+//!   *cursor* for this, the shard's own hint: a spreading claim starts at the cursor
+//!   (the home word at first) and leaves it where it stopped, and the shard's frees
+//!   lower it to the lowest word they freed between the home word and the cursor. So
+//!   in a nearly full pool a spreading thread does not rescan allocated words.
+//!
+//! So with several threads that each allocate and free, one claims lowest-first from
+//! the hint and the others each from their own region: no cache line of words or
+//! counters is written by two of them. A single thread owns the hint and never loses a
+//! compare-and-swap (all of them are strong, so none fails spuriously): its order is
+//! lowest-first; a pool handed from one thread to another is lowest-first again
+//! within `SPREAD_ROUNDS` reservations. Under concurrency the hint may be stale; the
+//! wrap-around scan keeps it only a hint.
 
 use crate::error::{FreeError, FreeErrorKind, InvariantViolation, OutOfMemory, Unit};
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use crate::sync::{spin_loop, Backoff};
+use crate::sync::{spin_loop, thread_slot, untracked, Backoff};
+use core::mem::MaybeUninit;
 use crossbeam_utils::CachePadded;
 
 const BITS: usize = 64;
@@ -118,12 +182,67 @@ const BITS: usize = 64;
 /// ```
 pub struct SlotPool {
     words: Box<[AtomicU64]>,
-    available: CachePadded<AtomicUsize>,
+    /// The central part of the reservation counter.
+    central: CachePadded<AtomicUsize>,
+    /// The per-thread parts of the reservation counter, each on its own cache line.
+    shards: Box<[CachePadded<Shard>]>,
     hint: CachePadded<AtomicUsize>,
+    /// Which thread claims from the hint, a heuristic only (see "Where claims start"):
+    /// its thread slot in the high 32 bits and a count of its claims in the low 32, or
+    /// [`NO_OWNER`].
+    hint_owner: CachePadded<untracked::AtomicU64>,
     /// Bits set by open free groups but not yet added to `available`.
     unpublished: AtomicUsize,
     capacity: u32,
 }
+
+/// One shard of the reservation counter, used by the threads whose
+/// [`thread_slot`](crate::sync::thread_slot) maps to it.
+struct Shard {
+    /// Free indices published here (by frees of this shard's threads) and not yet
+    /// reserved or swept into the central counter.
+    available: AtomicUsize,
+    /// Contention gauge of this shard's threads, a heuristic only (see "Where claims
+    /// start" in the module docs): set to [`SPREAD_ROUNDS`] when one of their
+    /// compare-and-swaps loses to another thread or they find the hint owned by an
+    /// active thread, lowered by one per reservation that lost nothing. While it is
+    /// non-zero their claims start at their home word instead of the shared hint.
+    spread: untracked::AtomicU32,
+    /// The `hint_owner` value this shard's threads saw when they last found the hint
+    /// taken: if it has not moved on since, its owner has stopped claiming.
+    seen_owner: untracked::AtomicU64,
+    /// Where this shard's spreading claims start: the word the last one stopped at,
+    /// lowered by their own frees in their region; [`NO_CURSOR`] until the first. The
+    /// shard's private hint, so that a spreading thread in a nearly full pool does not
+    /// rescan the allocated words after its home on every claim.
+    cursor: untracked::AtomicUsize,
+}
+
+/// `Shard::cursor` before the shard's first spreading claim.
+const NO_CURSOR: usize = usize::MAX;
+
+/// `hint_owner` when no thread owns the hint.
+const NO_OWNER: u64 = u64::MAX;
+
+/// Shards of the reservation counter. Threads get consecutive slots, so up to this
+/// many threads each have a shard of their own.
+#[cfg(not(loom))]
+const SHARDS: usize = 16;
+/// Two shards are enough for loom to see counts move between shards and the central
+/// counter; more only multiply the interleavings.
+#[cfg(loom)]
+const SHARDS: usize = 2;
+
+/// How many uncontended reservations a shard's threads spread for after a sign of
+/// contention, before they look at the hint again.
+const SPREAD_ROUNDS: u32 = 256;
+
+/// Bitmap words per 64-byte cache line; home words are aligned to it.
+const WORDS_PER_LINE: usize = 8;
+
+/// Runs (word, mask) of a free batch kept on the stack between validating and
+/// applying; a batch with more runs rebuilds the rest (1 KiB of stack).
+const RUN_BUF: usize = 64;
 
 /// How `release` treats an index whose bit it finds already set while applying.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -144,8 +263,19 @@ impl SlotPool {
         let words: Box<[AtomicU64]> = (0..nwords).map(|_| AtomicU64::new(0)).collect();
         let pool = SlotPool {
             words,
-            available: CachePadded::new(AtomicUsize::new(0)),
+            central: CachePadded::new(AtomicUsize::new(0)),
+            shards: (0..SHARDS)
+                .map(|_| {
+                    CachePadded::new(Shard {
+                        available: AtomicUsize::new(0),
+                        spread: untracked::AtomicU32::new(0),
+                        seen_owner: untracked::AtomicU64::new(NO_OWNER),
+                        cursor: untracked::AtomicUsize::new(NO_CURSOR),
+                    })
+                })
+                .collect(),
             hint: CachePadded::new(AtomicUsize::new(0)),
+            hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
             unpublished: AtomicUsize::new(0),
             capacity,
         };
@@ -153,7 +283,7 @@ impl SlotPool {
         pool
     }
 
-    /// Set every bit of `1..=capacity` and make them all available.
+    /// Set every bit of `1..=capacity` and make them all available (centrally).
     fn fill(&self) {
         let cap = self.capacity as usize;
         for (w, word) in self.words.iter().enumerate() {
@@ -162,9 +292,22 @@ impl SlotPool {
             let bits = if n == BITS { u64::MAX } else { (1u64 << n) - 1 };
             word.store(bits, Ordering::Relaxed);
         }
-        self.available.store(cap, Ordering::Release);
+        for shard in self.shards.iter() {
+            shard.available.store(0, Ordering::Relaxed);
+            shard.spread.store(0, untracked::Ordering::Relaxed);
+            shard.seen_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
+            shard.cursor.store(NO_CURSOR, untracked::Ordering::Relaxed);
+        }
+        self.hint_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
+        self.central.store(cap, Ordering::Release);
         self.hint.store(0, Ordering::Relaxed);
         self.unpublished.store(0, Ordering::Relaxed);
+    }
+
+    /// The shard of the calling thread.
+    #[inline]
+    fn my_shard(&self) -> &Shard {
+        &self.shards[thread_slot() % SHARDS]
     }
 
     /// The number of indices, `capacity`; valid indices are `1..=capacity`.
@@ -174,10 +317,14 @@ impl SlotPool {
     }
 
     /// How many indices can be allocated now. Exact when no operation is in flight and
-    /// no free group is open; under concurrency a snapshot.
-    #[inline]
+    /// no free group is open; under concurrency a snapshot. Sums the counter's shards:
+    /// a few loads, no writes.
     pub fn available(&self) -> usize {
-        self.available.load(Ordering::Acquire)
+        // Central first: a count that a sweep moves from a shard to the central counter
+        // is then seen at most once (if this load sees the add, the shard loads after it
+        // see the swap that preceded it).
+        let central = self.central.load(Ordering::Acquire);
+        central + self.shards.iter().map(|s| s.available.load(Ordering::Acquire)).sum::<usize>()
     }
 
     /// Whether `index` is currently handed out (`false` for out-of-range indices and
@@ -240,21 +387,42 @@ impl SlotPool {
         Ok(one[0])
     }
 
-    /// Take `n` off `available`, or fail without changing anything.
+    /// Take `n` off the reservation counter, or fail without changing anything.
+    ///
+    /// From the calling thread's shard if it holds `n` (the common case: what this
+    /// thread freed, on a cache line no other thread writes), else from the central
+    /// counter, else after sweeping every shard into the central counter.
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<(), OutOfMemory> {
-        let mut backoff = Backoff::new();
-        let mut cur = self.available.load(Ordering::Relaxed);
-        loop {
-            if cur < n {
-                return Err(OutOfMemory { requested: n, available: cur, evictable: None, unit });
+        let shard = self.my_shard();
+        let taken = take(&shard.available, n).or_else(|_| take(&self.central, n)).or_else(|_| {
+            self.sweep();
+            take(&self.central, n)
+        });
+        match taken {
+            Ok(lost) => {
+                gauge_contention(shard, lost);
+                Ok(())
             }
-            // Acquire: the frees that published these indices set their bits before
-            // their Release increment; after this we see those bits.
-            match self.available.compare_exchange_weak(cur, cur - n, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Ok(()),
-                Err(actual) => {
-                    cur = actual;
-                    backoff.spin();
+            // What the central counter held after the sweep: the count the decision was
+            // made on (at quiescence, everything).
+            Err(seen) => Err(OutOfMemory { requested: n, available: seen, evictable: None, unit }),
+        }
+    }
+
+    /// Move every shard's count into the central counter. A count is in transit between
+    /// the swap and the add, invisible to reservations like a free that has set its
+    /// bits but not yet published them.
+    #[cold]
+    fn sweep(&self) {
+        for shard in self.shards.iter() {
+            // Read first: an empty shard's line stays shared.
+            if shard.available.load(Ordering::Relaxed) != 0 {
+                // AcqRel: Acquire takes over the publications that went into the shard
+                // (their bits are visible to us), Release passes them on through the
+                // central counter to whoever reserves them there.
+                let moved = shard.available.swap(0, Ordering::AcqRel);
+                if moved != 0 {
+                    self.central.fetch_add(moved, Ordering::Release);
                 }
             }
         }
@@ -262,37 +430,65 @@ impl SlotPool {
 
     /// Claim `out.len()` bits that a reservation entitles us to; writes them ascending
     /// within each word, words in scan order (ascending when single-threaded).
+    ///
+    /// The scan starts at `hint` (lowest-first order), or at this thread's home word
+    /// while the contention gauge is up; a compare-and-swap lost on a word moves the
+    /// rest of the scan to the home word too. Where the scan starts never matters for
+    /// correctness: it visits every word, wrapping around, until it has them all.
     pub(crate) fn claim(&self, out: &mut [u32]) {
         let nwords = self.words.len();
-        let start = self.hint.load(Ordering::Relaxed).min(nwords.saturating_sub(1));
+        if out.is_empty() || nwords == 0 {
+            return;
+        }
+        let slot = thread_slot();
+        let shard = &self.shards[slot % SHARDS];
+        let gauge = &shard.spread;
+        let mut spread = gauge.load(untracked::Ordering::Relaxed) != 0 || !self.own_hint(slot, shard);
+        let start =
+            if spread { shard_cursor(shard, slot, nwords) } else { self.hint.load(Ordering::Relaxed).min(nwords - 1) };
         let mut filled = 0;
         let mut w = start;
         let mut scanned = 0usize;
         let mut last_word = start;
-        while filled < out.len() {
+        loop {
             let word = &self.words[w];
             let mut cur = word.load(Ordering::Relaxed);
+            let mut lost = false;
             while cur != 0 {
                 let need = out.len() - filled;
                 let take = if (cur.count_ones() as usize) <= need { cur } else { lowest_bits(cur, need) };
                 // AcqRel: Acquire pairs with the Release of the free that set these
                 // bits (the previous owner's writes happen-before ours); Release keeps
                 // our earlier claims ordered before anything that observes this word.
-                match word.compare_exchange_weak(cur, cur & !take, Ordering::AcqRel, Ordering::Relaxed) {
+                // Strong: a spurious failure would read as contention.
+                match word.compare_exchange(cur, cur & !take, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
                         filled += write_indices(take, w, &mut out[filled..]);
                         last_word = w;
                         break;
                     }
-                    Err(actual) => cur = actual,
+                    // Another thread claimed or freed bits of this word meanwhile:
+                    // retry with what is there now.
+                    Err(actual) => {
+                        cur = actual;
+                        lost = true;
+                    }
                 }
             }
             if filled == out.len() {
                 break;
             }
-            w += 1;
-            if w == nwords {
-                w = 0;
+            if lost && !spread {
+                // Another thread works here: take the rest from our home word on, and
+                // have every claim do so until the contention dies down.
+                spread = true;
+                gauge.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
+                w = shard_cursor(shard, slot, nwords);
+            } else {
+                w += 1;
+                if w == nwords {
+                    w = 0;
+                }
             }
             scanned += 1;
             if scanned % nwords == 0 {
@@ -301,11 +497,46 @@ impl SlotPool {
                 spin_loop();
             }
         }
-        // Words start..last_word were emptied (single-threaded); move the hint there,
-        // unless a free lowered it meanwhile.
-        if last_word != start {
+        // Single-threaded, words start..last_word were emptied: move the hint there,
+        // unless a free lowered it meanwhile. A spread claim scanned elsewhere and says
+        // nothing about the words above the hint; it moves its shard's cursor instead.
+        if spread {
+            if last_word != start {
+                shard.cursor.store(last_word, untracked::Ordering::Relaxed);
+            }
+        } else if last_word != start {
             let _ = self.hint.compare_exchange(start, last_word, Ordering::Relaxed, Ordering::Relaxed);
         }
+    }
+
+    /// Whether the calling thread may claim from the hint: it owns the hint (and counts
+    /// the claim, so that others see it is active), or takes it over because nobody
+    /// owns it or its owner has not claimed since this shard last looked. Otherwise
+    /// the shard spreads for [`SPREAD_ROUNDS`] reservations. All plain loads and
+    /// stores: the owner's line is written by its owner and read by the others only
+    /// once per [`SPREAD_ROUNDS`] of their reservations.
+    #[inline]
+    fn own_hint(&self, slot: usize, shard: &Shard) -> bool {
+        let me = (slot as u64) << 32;
+        let owner = self.hint_owner.load(untracked::Ordering::Relaxed);
+        if owner != NO_OWNER && owner & !u64::from(u32::MAX) == me {
+            let claims = owner.wrapping_add(1) & u64::from(u32::MAX);
+            self.hint_owner.store(me | claims, untracked::Ordering::Relaxed);
+            return true;
+        }
+        if owner == NO_OWNER || owner == shard.seen_owner.load(untracked::Ordering::Relaxed) {
+            // Take over. The old owner sees it at its next claim and spreads. Threads
+            // that spread did not lower the hint: start again from word 0.
+            if owner != NO_OWNER {
+                self.hint.store(0, Ordering::Relaxed);
+            }
+            self.hint_owner.store(me, untracked::Ordering::Relaxed);
+            return true;
+        }
+        // Another thread is claiming from the hint: work elsewhere for a while.
+        shard.seen_owner.store(owner, untracked::Ordering::Relaxed);
+        shard.spread.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
+        false
     }
 
     /// Free a batch of indices.
@@ -326,7 +557,7 @@ impl SlotPool {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn free(&self, indices: &[u32]) -> Result<(), FreeError> {
-        let r = self.release(indices.iter().copied(), Dup::Strict);
+        let r = self.release_slice(indices);
         let (n, err) = match r {
             Ok(n) => (n, None),
             Err((n, e)) => (n, Some(e)),
@@ -357,14 +588,167 @@ impl SlotPool {
         FreeGroup { pool: self, pending: 0, unit: Dup::Strict }
     }
 
-    /// Validate then set the bits of `indices` (without publishing). Returns how many
-    /// bits went 0 -> 1, and on error also that count.
+    /// Validate then set the bits of `indices` (without publishing), strict about
+    /// duplicates. Returns how many bits went 0 -> 1, and on error also that count.
+    ///
+    /// The batch is cut into *runs*: maximal stretches of indices in one word, each
+    /// folded into a bit mask. A run of consecutive indices (what lowest-first
+    /// allocation hands out) is recognised with a branch-free comparison against an
+    /// ascending sequence instead of index by index. Validation costs one load per run;
+    /// applying, one read-modify-write per run.
+    pub(crate) fn release_slice(&self, indices: &[u32]) -> Result<usize, (usize, FreeError)> {
+        // 1. Validate: nothing changes unless every index is in range and allocated.
+        // The buffer is left uninitialised: zeroing 1 KiB would cost more than freeing
+        // a small batch.
+        let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
+        let mut buffered = 0;
+        let mut unbuffered_from = None;
+        let mut first_dup = None;
+        let mut pos = 0;
+        while pos < indices.len() {
+            let run = self.next_run(indices, pos).map_err(|e| (0, e))?;
+            let set = self.words[run.word].load(Ordering::Relaxed) & run.mask;
+            if set != 0 {
+                // The first index of the run whose bit is set: already free.
+                let index = indices[pos..run.end]
+                    .iter()
+                    .copied()
+                    .find(|&i| Self::locate(i).1 & set != 0)
+                    .unwrap_or(indices[pos]);
+                return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
+            }
+            first_dup = first_dup.or(run.dup);
+            if buffered < RUN_BUF {
+                runs[buffered].write((run.word, run.mask));
+                buffered += 1;
+            } else if unbuffered_from.is_none() {
+                unbuffered_from = Some(pos);
+            }
+            pos = run.end;
+        }
+        // 2. Apply: one fetch_or per run.
+        let mut acc = Applied { freed: 0, first_dup, min_word: usize::MAX };
+        for run in &runs[..buffered] {
+            // SAFETY: the validation loop wrote entries `..buffered` (it counts up
+            // `buffered` only right after writing `runs[buffered]`).
+            let (word, mask) = unsafe { run.assume_init() };
+            self.set_bits(word, mask, Dup::Strict, &mut acc);
+        }
+        if let Some(mut pos) = unbuffered_from {
+            // Validated above, and a run depends only on the indices and the capacity.
+            while let Ok(run) = self.next_run(indices, pos) {
+                self.set_bits(run.word, run.mask, Dup::Strict, &mut acc);
+                pos = run.end;
+                if pos == indices.len() {
+                    break;
+                }
+            }
+        }
+        self.lower_hint(acc.min_word);
+        match acc.first_dup {
+            None => Ok(acc.freed),
+            Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
+        }
+    }
+
+    /// The run of `indices` that starts at `pos`: the stretch of indices in the same
+    /// word as `indices[pos]`, stopping before an out-of-range index.
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] (out of range) when `indices[pos]` itself is.
+    #[inline]
+    fn next_run(&self, indices: &[u32], pos: usize) -> Result<Run, FreeError> {
+        let cap = self.capacity;
+        let first = indices[pos];
+        // 0 wraps to u32::MAX, so one comparison covers both ends.
+        let i = first.wrapping_sub(1);
+        if i >= cap {
+            let kind = FreeErrorKind::OutOfRange { first: 1, last: cap };
+            return Err(FreeError { index: first, kind, rest_freed: false });
+        }
+        let word = i as usize / BITS;
+        let bit = i as usize % BITS;
+        // Fast path: the rest of the word, as far as the batch and the capacity go,
+        // is a stretch of consecutive indices.
+        let room = (BITS - bit).min(indices.len() - pos).min((cap - i) as usize);
+        let stretch = &indices[pos..pos + room];
+        if room > 1 && stretch[room - 1] == first.wrapping_add(room as u32 - 1) && ascending_from(stretch, first) {
+            let mask = if room == BITS { u64::MAX } else { ((1u64 << room) - 1) << bit };
+            return Ok(Run { word, mask, end: pos + room, dup: None });
+        }
+        // Index by index, while the indices stay in this word.
+        let mut mask = 1u64 << bit;
+        let mut dup = None;
+        let mut end = pos + 1;
+        while let Some(&index) = indices.get(end) {
+            let j = index.wrapping_sub(1);
+            if j >= cap || j as usize / BITS != word {
+                break;
+            }
+            let b = 1u64 << (j as usize % BITS);
+            if mask & b != 0 && dup.is_none() {
+                dup = Some(index);
+            }
+            mask |= b;
+            end += 1;
+        }
+        Ok(Run { word, mask, end, dup })
+    }
+
+    /// Set the bits of `mask` in word `w`; count them and note double frees in `acc`.
+    #[inline]
+    fn set_bits(&self, w: usize, mask: u64, dup: Dup, acc: &mut Applied) {
+        // Release: our writes to whatever the index guards happen-before the next
+        // owner's claim (which loads this word with Acquire).
+        let old = self.words[w].fetch_or(mask, Ordering::Release);
+        acc.freed += (mask & !old).count_ones() as usize;
+        let again = mask & old;
+        if again != 0 && dup == Dup::Strict && acc.first_dup.is_none() {
+            acc.first_dup = Some((w * BITS + again.trailing_zeros() as usize + 1) as u32);
+        }
+        acc.min_word = acc.min_word.min(w);
+    }
+
+    /// After a free whose lowest word is `w`: lower the hint to `w` if it is above.
+    /// Reads first: a read leaves the cache line shared. A thread that is spreading
+    /// leaves the hint to its owner, whose claims move it every round (a takeover
+    /// restarts the hint at word 0 instead), and lowers its shard's cursor if `w` lies
+    /// between its home and the cursor.
+    #[inline]
+    fn lower_hint(&self, w: usize) {
+        if w == usize::MAX {
+            return;
+        }
+        let slot = thread_slot();
+        let shard = &self.shards[slot % SHARDS];
+        if shard.spread.load(untracked::Ordering::Relaxed) != 0 {
+            let cursor = shard.cursor.load(untracked::Ordering::Relaxed);
+            if cursor != NO_CURSOR && w < cursor && w >= home_word(slot, self.words.len()) {
+                shard.cursor.store(w, untracked::Ordering::Relaxed);
+            }
+            return;
+        }
+        if w < self.hint.load(Ordering::Relaxed) {
+            self.hint.fetch_min(w, Ordering::Relaxed);
+        }
+    }
+
+    /// Validate then set the bits of `indices` (without publishing), for any iterator
+    /// of indices (pages of token slots: repeats are the norm there, see [`Dup`]).
+    /// Returns how many bits went 0 -> 1, and on error also that count.
     pub(crate) fn release<I>(&self, indices: I, dup: Dup) -> Result<usize, (usize, FreeError)>
     where
         I: Iterator<Item = u32> + Clone,
     {
         // 1. Validate: nothing changes unless every index is in range and allocated.
+        // An index equal to the one before it was checked already. (`u64::MAX` is no
+        // index: a sentinel compares faster than an `Option`.)
+        let mut prev = u64::MAX;
         for index in indices.clone() {
+            if index as u64 == prev {
+                continue;
+            }
             if index == 0 || index > self.capacity {
                 let kind = FreeErrorKind::OutOfRange { first: 1, last: self.capacity };
                 return Err((0, FreeError { index, kind, rest_freed: false }));
@@ -374,46 +758,39 @@ impl SlotPool {
                 let kind = FreeErrorKind::NotAllocated;
                 return Err((0, FreeError { index, kind, rest_freed: false }));
             }
+            prev = index as u64;
         }
-        // 2. Apply, one fetch_or per run of indices in the same word.
-        let mut freed = 0usize;
-        let mut first_dup: Option<u32> = None;
-        let mut min_word = usize::MAX;
+        // 2. Apply, one fetch_or per run of indices in the same word. Merging, an index
+        // equal to the one before it adds nothing (strict, it is a double free).
+        let mut acc = Applied { freed: 0, first_dup: None, min_word: usize::MAX };
         let mut run_word = usize::MAX;
         let mut run_mask = 0u64;
-        let flush = |w: usize, mask: u64, freed: &mut usize, first_dup: &mut Option<u32>| {
-            if mask == 0 {
-                return;
-            }
-            // Release: our writes to whatever the index guards happen-before the
-            // next owner's claim (which loads this word with Acquire).
-            let old = self.words[w].fetch_or(mask, Ordering::Release);
-            *freed += (mask & !old).count_ones() as usize;
-            let again = mask & old;
-            if again != 0 && dup == Dup::Strict && first_dup.is_none() {
-                *first_dup = Some((w * BITS + again.trailing_zeros() as usize + 1) as u32);
-            }
-        };
+        let mut prev = u64::MAX;
         for index in indices {
+            if dup == Dup::Merge && index as u64 == prev {
+                continue;
+            }
+            prev = index as u64;
             let (w, bit) = Self::locate(index);
             if w != run_word {
-                flush(run_word, run_mask, &mut freed, &mut first_dup);
+                if run_mask != 0 {
+                    self.set_bits(run_word, run_mask, dup, &mut acc);
+                }
                 run_word = w;
                 run_mask = 0;
-                min_word = min_word.min(w);
             }
-            if run_mask & bit != 0 && dup == Dup::Strict && first_dup.is_none() {
-                first_dup = Some(index);
+            if run_mask & bit != 0 && dup == Dup::Strict && acc.first_dup.is_none() {
+                acc.first_dup = Some(index);
             }
             run_mask |= bit;
         }
-        flush(run_word, run_mask, &mut freed, &mut first_dup);
-        if min_word != usize::MAX {
-            self.hint.fetch_min(min_word, Ordering::Relaxed);
+        if run_mask != 0 {
+            self.set_bits(run_word, run_mask, dup, &mut acc);
         }
-        match first_dup {
-            None => Ok(freed),
-            Some(index) => Err((freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
+        self.lower_hint(acc.min_word);
+        match acc.first_dup {
+            None => Ok(acc.freed),
+            Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
         }
     }
 
@@ -423,7 +800,7 @@ impl SlotPool {
         if n > 0 {
             // Release: the bits were set before; a reserver that sees this count
             // (Acquire) sees them.
-            self.available.fetch_add(n, Ordering::Release);
+            self.my_shard().available.fetch_add(n, Ordering::Release);
         }
     }
 
@@ -451,7 +828,7 @@ impl SlotPool {
             }
             ones += v.count_ones() as usize;
         }
-        let avail = self.available.load(Ordering::Acquire);
+        let avail = self.available();
         let unpub = self.unpublished.load(Ordering::Acquire);
         if ones != avail + unpub {
             return Err(InvariantViolation(format!("{ones} free bits but available {avail} + unpublished {unpub}")));
@@ -469,9 +846,107 @@ impl core::fmt::Debug for SlotPool {
     }
 }
 
-/// The lowest `n` set bits of `v` (`n < v.count_ones()`).
+/// One run of a free batch: indices `..end` of the batch lie in `word`, at `mask`.
+struct Run {
+    word: usize,
+    mask: u64,
+    /// Batch position after the run.
+    end: usize,
+    /// The first index repeated inside the run.
+    dup: Option<u32>,
+}
+
+/// What applying a free batch did so far.
+struct Applied {
+    freed: usize,
+    first_dup: Option<u32>,
+    min_word: usize,
+}
+
+/// Whether `s` is `first, first + 1, ...`. No early exit, so the compiler vectorises it.
 #[inline]
-fn lowest_bits(mut v: u64, n: usize) -> u64 {
+fn ascending_from(s: &[u32], first: u32) -> bool {
+    let mut diff = 0u32;
+    for (k, &x) in s.iter().enumerate() {
+        diff |= x ^ first.wrapping_add(k as u32);
+    }
+    diff == 0
+}
+
+/// Take `n` off `counter` if it holds that many: `Ok(whether a compare-and-swap lost
+/// to another thread on the way)`, or `Err(what it held)` with nothing changed.
+#[inline]
+fn take(counter: &AtomicUsize, n: usize) -> Result<bool, usize> {
+    let mut backoff = Backoff::new();
+    let mut cur = counter.load(Ordering::Relaxed);
+    let mut lost = false;
+    loop {
+        if cur < n {
+            return Err(cur);
+        }
+        // Acquire: the frees that published these indices set their bits before their
+        // Release increment; after this we see those bits. Strong, not weak: a
+        // spurious failure would read as contention.
+        match counter.compare_exchange(cur, cur - n, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => return Ok(lost),
+            Err(actual) => {
+                // Another thread reserved, published or swept in between.
+                cur = actual;
+                lost = true;
+                backoff.spin();
+            }
+        }
+    }
+}
+
+/// Update a shard's contention gauge after a reservation: a plain load and, while the
+/// gauge is up, a store, on a cache line that the shard's thread normally has to
+/// itself. Racing updates only make the heuristic a little less precise.
+#[inline]
+fn gauge_contention(shard: &Shard, lost: bool) {
+    let s = shard.spread.load(untracked::Ordering::Relaxed);
+    if lost {
+        if s != SPREAD_ROUNDS {
+            shard.spread.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
+        }
+    } else if s != 0 {
+        shard.spread.store(s - 1, untracked::Ordering::Relaxed);
+    }
+}
+
+/// Where a spreading claim starts: the shard's cursor, or the thread's home word before
+/// the shard's first spreading claim.
+#[inline]
+fn shard_cursor(shard: &Shard, slot: usize, nwords: usize) -> usize {
+    match shard.cursor.load(untracked::Ordering::Relaxed) {
+        c if c < nwords => c,
+        _ => home_word(slot, nwords),
+    }
+}
+
+/// Where a thread starts its claims while threads contend: its slot (`slot + 1`, so
+/// that no thread's home is word 0, where lowest-first claims work) spread over the
+/// bitmap by Fibonacci hashing, aligned down to a cache line of words so that two
+/// threads seldom share a line.
+#[inline]
+fn home_word(slot: usize, nwords: usize) -> usize {
+    let h = ((slot as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 32;
+    let w = ((h * nwords as u64) >> 32) as usize;
+    w & !(WORDS_PER_LINE - 1)
+}
+
+/// The lowest `n` set bits of `v` (all of them when `n >= v.count_ones()`).
+#[inline]
+fn lowest_bits(v: u64, n: usize) -> u64 {
+    if n == 0 || v == 0 {
+        return 0;
+    }
+    // Usually the lowest free bits are one stretch (lowest-first allocation).
+    let tz = v.trailing_zeros();
+    if (v >> tz).trailing_ones() as usize >= n {
+        return (u64::MAX >> (BITS - n.min(BITS))) << tz;
+    }
+    let mut v = v;
     let mut m = 0u64;
     for _ in 0..n {
         let low = v & v.wrapping_neg();
@@ -486,11 +961,16 @@ fn lowest_bits(mut v: u64, n: usize) -> u64 {
 #[inline]
 fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
     let base = (w * BITS + 1) as u32;
-    if mask == u64::MAX {
-        for (k, o) in out[..BITS].iter_mut().enumerate() {
-            *o = base + k as u32;
+    let tz = mask.trailing_zeros();
+    let stretch = mask >> tz;
+    if stretch & stretch.wrapping_add(1) == 0 {
+        // One stretch of consecutive bits (a full word included): a vectorised fill.
+        let n = stretch.count_ones() as usize;
+        let first = base + tz;
+        for (k, o) in out[..n].iter_mut().enumerate() {
+            *o = first + k as u32;
         }
-        return BITS;
+        return n;
     }
     let mut m = mask;
     let mut i = 0;
@@ -523,7 +1003,11 @@ impl<'a> FreeGroup<'a> {
     ///
     /// As [`SlotPool::free`].
     pub fn free(&mut self, indices: &[u32]) -> Result<(), FreeError> {
-        self.free_iter(indices.iter().copied())
+        let r = match self.unit {
+            Dup::Strict => self.pool.release_slice(indices),
+            Dup::Merge => self.pool.release(indices.iter().copied(), Dup::Merge),
+        };
+        self.account(r)
     }
 
     pub(crate) fn merging(pool: &'a SlotPool) -> Self {
@@ -534,7 +1018,13 @@ impl<'a> FreeGroup<'a> {
     where
         I: Iterator<Item = u32> + Clone,
     {
-        let (n, err) = match self.pool.release(indices, self.unit) {
+        let r = self.pool.release(indices, self.unit);
+        self.account(r)
+    }
+
+    /// Hold back what a release set; pass its error on.
+    fn account(&mut self, r: Result<usize, (usize, FreeError)>) -> Result<(), FreeError> {
+        let (n, err) = match r {
             Ok(n) => (n, None),
             Err((n, e)) => (n, Some(e)),
         };

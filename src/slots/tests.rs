@@ -117,3 +117,178 @@ fn lowest_bits_picks_lowest() {
     assert_eq!(lowest_bits(0b1011_0110, 3), 0b0001_0110);
     assert_eq!(lowest_bits(u64::MAX, 64), u64::MAX);
 }
+
+/// A small deterministic generator (xorshift64*), so the randomized tests below need no
+/// dependency and fail the same way every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Random allocs and frees — runs of consecutive indices, scattered ones, duplicates,
+/// freed and out-of-range ones, batches with more runs than the stack buffer holds —
+/// against a sorted-set model: lowest-first order, the error and its index, and that a
+/// refused free changes nothing.
+#[test]
+fn free_paths_match_a_sequential_model() {
+    use std::collections::BTreeSet;
+    for (seed, cap) in [(1u64, 200u32), (2, 64 * 80 + 7), (3, 1000), (4, 63)] {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let pool = SlotPool::new(cap);
+        let mut free: BTreeSet<u32> = (1..=cap).collect();
+        let mut held: Vec<u32> = Vec::new();
+        for step in 0..3000 {
+            if rng.below(2) == 0 {
+                let n = match rng.below(4) {
+                    0 => rng.below(3) as usize,
+                    1 => rng.below(70) as usize,
+                    _ => rng.below(cap as u64 / 3 + 1) as usize,
+                };
+                let mut out = vec![0u32; n];
+                match pool.alloc(&mut out) {
+                    Ok(()) => {
+                        let want: Vec<u32> = free.iter().copied().take(n).collect();
+                        assert_eq!(out, want, "seed {seed} step {step}: not the lowest free, ascending");
+                        for i in &out {
+                            free.remove(i);
+                        }
+                        held.extend_from_slice(&out);
+                    }
+                    Err(e) => {
+                        assert!(n > free.len(), "seed {seed} step {step}: refused with {} free", free.len());
+                        assert_eq!((e.requested, e.available), (n, free.len()));
+                    }
+                }
+            } else {
+                // A batch: a sorted run of held indices (what lowest-first hands out), or a
+                // shuffled pick, sometimes with a bad index or a duplicate mixed in.
+                let mut batch: Vec<u32> = Vec::new();
+                if !held.is_empty() {
+                    let k = rng.below(held.len() as u64 + 1) as usize;
+                    if rng.below(2) == 0 {
+                        held.sort_unstable();
+                        let at = rng.below((held.len() - k) as u64 + 1) as usize;
+                        batch.extend_from_slice(&held[at..at + k]);
+                    } else {
+                        for _ in 0..k.min(300) {
+                            batch.push(held[rng.below(held.len() as u64) as usize]);
+                        }
+                        batch.sort_unstable();
+                        batch.dedup();
+                    }
+                }
+                let bad = match rng.below(8) {
+                    0 => Some(0),
+                    1 => Some(cap + 1 + rng.below(3) as u32),
+                    2 => free.iter().next().copied(),
+                    3 if !batch.is_empty() => Some(batch[rng.below(batch.len() as u64) as usize]),
+                    _ => None,
+                };
+                if let Some(b) = bad {
+                    let at = rng.below(batch.len() as u64 + 1) as usize;
+                    batch.insert(at, b);
+                }
+                let first_bad = batch.iter().copied().find(|i| *i == 0 || *i > cap || free.contains(i));
+                let before = pool.available();
+                match (pool.free(&batch), first_bad) {
+                    (Ok(()), None) => {
+                        for i in &batch {
+                            assert!(free.insert(*i));
+                        }
+                        held.retain(|i| !free.contains(i));
+                    }
+                    (Err(e), Some(i)) => {
+                        assert_eq!(e.index, i, "seed {seed} step {step}: {batch:?}");
+                        let kind = if i == 0 || i > cap {
+                            FreeErrorKind::OutOfRange { first: 1, last: cap }
+                        } else {
+                            FreeErrorKind::NotAllocated
+                        };
+                        assert_eq!((e.kind, e.rest_freed), (kind, false));
+                        assert_eq!(pool.available(), before, "a refused free changed the count");
+                    }
+                    (Err(e), None) => {
+                        // Every index valid, one repeated: freed once each, reported.
+                        assert!(e.rest_freed && e.kind == FreeErrorKind::NotAllocated);
+                        assert!(batch.iter().filter(|&&i| i == e.index).count() > 1, "{e:?} {batch:?}");
+                        for i in &batch {
+                            free.insert(*i);
+                        }
+                        held.retain(|i| !free.contains(i));
+                    }
+                    (Ok(()), Some(i)) => panic!("seed {seed} step {step}: freed {batch:?} despite {i}"),
+                }
+            }
+            assert_eq!(pool.available(), free.len());
+            for i in [1, cap / 2, cap] {
+                if i >= 1 {
+                    assert_eq!(pool.is_allocated(i), !free.contains(&i));
+                }
+            }
+        }
+        pool.check_invariants().unwrap();
+    }
+}
+
+/// Threads allocate and free random batches for a while; an owner table with one atomic
+/// per index catches an index handed to two threads at once. Then every index is back,
+/// the counts are exact, and a batch freed by one thread can be allocated by another
+/// (the shards' counts are swept to where they are needed).
+#[test]
+#[cfg_attr(
+    feature = "debug-invariants",
+    ignore = "debug-invariants checks after every operation, which is exact only single-threaded"
+)]
+fn threads_never_share_an_index_and_counts_come_back() {
+    use std::sync::atomic::{AtomicU32 as StdU32, Ordering as O};
+    const CAP: u32 = 4096 + 33;
+    const THREADS: u32 = 4;
+    let rounds = if cfg!(miri) { 20 } else { 3000 };
+    let pool = SlotPool::new(CAP);
+    let owner: Vec<StdU32> = (0..=CAP).map(|_| StdU32::new(0)).collect();
+    std::thread::scope(|s| {
+        for t in 1..=THREADS {
+            let (pool, owner) = (&pool, &owner);
+            s.spawn(move || {
+                let mut rng = Rng(0xA5A5_0000 + t as u64);
+                let mut buf = vec![0u32; 700];
+                for _ in 0..rounds {
+                    let n = [1, 7, 64, 300, 700][rng.below(5) as usize];
+                    let got = &mut buf[..n];
+                    if pool.alloc(got).is_err() {
+                        continue;
+                    }
+                    for &i in got.iter() {
+                        assert_eq!(owner[i as usize].swap(t, O::Relaxed), 0, "index {i} had an owner");
+                    }
+                    for &i in got.iter() {
+                        assert_eq!(owner[i as usize].swap(0, O::Relaxed), t, "index {i} was taken over");
+                    }
+                    pool.free(got).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(pool.available(), CAP as usize);
+    pool.check_invariants().unwrap();
+    // This thread holds everything, another thread frees it all (into its own shard),
+    // and this thread can allocate it all again.
+    let mut all = vec![0u32; CAP as usize];
+    pool.alloc(&mut all).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| pool.free(&all).unwrap());
+    });
+    pool.alloc(&mut all).unwrap();
+    assert_eq!(pool.available(), 0);
+    pool.free(&all).unwrap();
+    pool.check_invariants().unwrap();
+}

@@ -1,0 +1,151 @@
+//! `PagedAllocator` batch allocation: `alloc_extend` (prefill) and `alloc_decode`, each
+//! followed by the free of what it took, for 1 to 1024 requests at page size 16.
+//!
+//! The batches are fixed, pseudo-random and realistic: half the requests continue a
+//! prefix that ends inside a page (chunked prefill), whose page is allocated up front and
+//! stays allocated, so part 1 of the expansion fills it; the other half start on a page
+//! boundary (a prefix-cache hit is page-aligned, or no prefix). Extend lengths are
+//! 1..=512 tokens. In a decode batch one request in 16 starts a new page.
+//!
+//! Each iteration allocates the batch, gathers the slots that landed in fresh pages and
+//! frees them with one call (the slots in the held prefix pages are not freed), so the
+//! pool returns to the same state. Throughput counts new tokens.
+//!
+//! Run: `cargo bench --bench alloc`.
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvpool::alloc::plan_extend;
+use kvpool::PagedAllocator;
+
+const PAGE: u32 = 16;
+/// Tokens in the pool: 64Ki pages of 16.
+const POOL_TOKENS: usize = 1 << 20;
+const BATCHES: [usize; 6] = [1, 4, 16, 64, 256, 1024];
+
+/// xorshift64*: the same batches every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+    }
+}
+
+/// A request's `last_loc` for a prefix that ends inside a page: a slot at the right
+/// position of a freshly allocated page, which the benchmark keeps.
+fn held_last_loc(alloc: &PagedAllocator, prefix_len: u32) -> u32 {
+    let mut page = [0u32; PAGE as usize];
+    alloc.alloc(&mut page).expect("pool sized for the held pages");
+    page[0] + (prefix_len - 1) % PAGE
+}
+
+/// A batch plus where in `out` its fresh-page slots lie.
+struct Batch {
+    prefix_lens: Vec<u32>,
+    seq_lens: Vec<u32>,
+    last_locs: Vec<u32>,
+    /// `(start, len)` ranges of `out` in fresh pages.
+    fresh: Vec<(usize, usize)>,
+    new_tokens: usize,
+}
+
+impl Batch {
+    fn new(alloc: &PagedAllocator, prefix_lens: Vec<u32>, seq_lens: Vec<u32>) -> Self {
+        let mut last_locs = Vec::with_capacity(seq_lens.len());
+        let mut fresh = Vec::new();
+        let mut at = 0usize;
+        for (&prefix, &seq) in prefix_lens.iter().zip(&seq_lens) {
+            let aligned = prefix % PAGE == 0;
+            last_locs.push(if aligned { 0 } else { held_last_loc(alloc, prefix) });
+            // Part 1 fills the held partial page; everything after it is fresh.
+            let p1 = (seq.min(prefix.div_ceil(PAGE) * PAGE) - prefix) as usize;
+            let n = (seq - prefix) as usize;
+            if n > p1 {
+                fresh.push((at + p1, n - p1));
+            }
+            at += n;
+        }
+        Batch { prefix_lens, seq_lens, last_locs, fresh, new_tokens: at }
+    }
+
+    /// The slots of `out` in fresh pages, into `scratch`; returns how many.
+    fn gather(&self, out: &[u32], scratch: &mut [u32]) -> usize {
+        let mut k = 0;
+        for &(start, len) in &self.fresh {
+            scratch[k..k + len].copy_from_slice(&out[start..start + len]);
+            k += len;
+        }
+        k
+    }
+}
+
+fn extend_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch {
+    let mut prefix_lens = Vec::with_capacity(requests);
+    let mut seq_lens = Vec::with_capacity(requests);
+    for _ in 0..requests {
+        let prefix = if rng.below(2) == 0 {
+            PAGE * rng.below(65) as u32 // aligned: a cache hit of 0..=64 pages
+        } else {
+            PAGE * rng.below(64) as u32 + 1 + rng.below(PAGE as u64 - 1) as u32 // inside a page
+        };
+        prefix_lens.push(prefix);
+        seq_lens.push(prefix + 1 + rng.below(512) as u32);
+    }
+    Batch::new(alloc, prefix_lens, seq_lens)
+}
+
+fn decode_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch {
+    // seq % 16 == 1 (a new page) exactly for every 16th request, request 0 included.
+    let seq_lens: Vec<u32> =
+        (0..requests as u32).map(|i| PAGE * (1 + rng.below(200) as u32) + 1 + (i * 7) % PAGE).collect();
+    let prefix_lens = seq_lens.iter().map(|s| s - 1).collect();
+    Batch::new(alloc, prefix_lens, seq_lens)
+}
+
+fn bench_batches(c: &mut Criterion, name: &str, decode: bool) {
+    let mut g = c.benchmark_group(name);
+    for requests in BATCHES {
+        let alloc = PagedAllocator::new(POOL_TOKENS, PAGE).unwrap();
+        let mut rng = Rng(0x5EED_0000 + requests as u64);
+        let batch =
+            if decode { decode_batch(&alloc, requests, &mut rng) } else { extend_batch(&alloc, requests, &mut rng) };
+        let plan = plan_extend(PAGE, &batch.prefix_lens, &batch.seq_lens).unwrap();
+        eprintln!(
+            "{name}/{requests}: {} new tokens, {} fresh pages, {} free slots per iteration",
+            plan.new_tokens,
+            plan.new_pages,
+            batch.fresh.iter().map(|r| r.1).sum::<usize>()
+        );
+        let mut out = vec![0u32; batch.new_tokens];
+        let mut scratch = vec![0u32; batch.new_tokens];
+        g.throughput(Throughput::Elements(batch.new_tokens as u64));
+        g.bench_function(BenchmarkId::from_parameter(requests), |b| {
+            b.iter(|| {
+                if decode {
+                    alloc.alloc_decode(black_box(&batch.seq_lens), &batch.last_locs, &mut out).unwrap();
+                } else {
+                    alloc
+                        .alloc_extend(black_box(&batch.prefix_lens), &batch.seq_lens, &batch.last_locs, &mut out)
+                        .unwrap();
+                }
+                let n = batch.gather(black_box(&out), &mut scratch);
+                alloc.free(&scratch[..n]).unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
+fn extend(c: &mut Criterion) {
+    bench_batches(c, "alloc_extend", false);
+}
+
+fn decode(c: &mut Criterion) {
+    bench_batches(c, "alloc_decode", true);
+}
+
+criterion_group!(benches, extend, decode);
+criterion_main!(benches);
