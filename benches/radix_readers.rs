@@ -1,8 +1,9 @@
 //! Lookup throughput with 1, 2, 4, 8 reader threads while one writer thread inserts and
 //! evicts, for kvpool's `RadixCache::peek_prefix` (lock-free) and for the reference tree
 //! behind a `Mutex` (how engines share SGLang's/TGI's tree between scheduler and router
-//! threads). Each criterion iteration is one lookup per reader thread; the reported
-//! throughput counts lookups of all readers together.
+//! threads). The writer inserts one 2048-token prompt (evicting as needed) every 200 µs.
+//! Each criterion iteration is one lookup per reader thread; the reported throughput
+//! counts lookups of all readers together.
 //!
 //! `cargo bench --bench radix_readers`
 
@@ -21,6 +22,8 @@ const PS: u32 = 16;
 const CAPACITY: usize = 1 << 20;
 const PROMPT: usize = 2048;
 const SYSTEM: usize = 512;
+/// The writer's pace: 5,000 inserts per second.
+const WRITE_EVERY: Duration = Duration::from_micros(200);
 
 /// Prompts: 64 "system prompts" of 512 tokens, each followed by a distinct body.
 fn prompt(i: u64) -> Vec<u32> {
@@ -90,9 +93,19 @@ fn run<S: Shared>(c: &mut Criterion, name: &str, shared: Arc<S>) {
                     let (shared, prompts, stop) = (shared.clone(), prompts.clone(), stop.clone());
                     thread::spawn(move || {
                         let mut i = 400usize;
+                        let mut next = Instant::now();
                         while !stop.load(Ordering::Relaxed) {
-                            shared.write_one(&prompts[i % prompts.len()]);
-                            i += 7;
+                            // A steady write load (one 2048-token insert, with eviction,
+                            // every WRITE_EVERY): a scheduler finishing requests. An
+                            // unpaced writer would hold the baseline's mutex almost
+                            // always and starve its readers outright.
+                            if Instant::now() >= next {
+                                shared.write_one(&prompts[i % prompts.len()]);
+                                i += 7;
+                                next += WRITE_EVERY;
+                            } else {
+                                std::hint::spin_loop();
+                            }
                         }
                     })
                 };
