@@ -95,3 +95,8 @@ pub(crate) fn debug_check<T: CheckInvariants>(t: &T) {
         panic!("kvpool debug-invariants: {e}");
     }
 }
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
