@@ -1,7 +1,7 @@
 //! Lookup throughput with 1, 2, 4, 8 reader threads while one writer thread inserts and
 //! evicts, for kvpool's `RadixCache::peek_prefix` (lock-free) and for the reference tree
 //! behind a `Mutex` (how engines share SGLang's/TGI's tree between scheduler and router
-//! threads). The writer inserts one 2048-token prompt (evicting as needed) every 200 µs.
+//! threads). The writer inserts one 2048-token prompt (evicting as needed), then pauses 200 µs.
 //! Each criterion iteration is one lookup per reader thread; the reported throughput
 //! counts lookups of all readers together.
 //!
@@ -96,13 +96,14 @@ fn run<S: Shared>(c: &mut Criterion, name: &str, shared: Arc<S>) {
                         let mut next = Instant::now();
                         while !stop.load(Ordering::Relaxed) {
                             // A steady write load (one 2048-token insert, with eviction,
-                            // every WRITE_EVERY): a scheduler finishing requests. An
-                            // unpaced writer would hold the baseline's mutex almost
+                            // then a WRITE_EVERY pause): a scheduler finishing requests.
+                            // An unpaced writer would hold the baseline's mutex almost
                             // always and starve its readers outright.
                             if Instant::now() >= next {
                                 shared.write_one(&prompts[i % prompts.len()]);
                                 i += 7;
-                                next += WRITE_EVERY;
+                                // Never catch up in a burst: a slow write delays the next.
+                                next = Instant::now() + WRITE_EVERY;
                             } else {
                                 std::hint::spin_loop();
                             }

@@ -357,6 +357,7 @@ impl PagedAllocator {
     }
 
     /// Whether `slot`'s page is allocated.
+    #[inline]
     pub fn is_allocated(&self, slot: u32) -> bool {
         slot >= self.page_size && self.pages.is_allocated(self.page_of(slot))
     }
@@ -409,6 +410,7 @@ impl KvAllocator for PagedAllocator {
     fn free_group(&self) -> KvFreeGroup<'_> {
         PagedAllocator::free_group(self)
     }
+    #[inline]
     fn is_allocated(&self, slot: u32) -> bool {
         PagedAllocator::is_allocated(self, slot)
     }
@@ -556,6 +558,7 @@ impl KvAllocator for TokenAllocator {
     fn free_group(&self) -> KvFreeGroup<'_> {
         self.0.free_group()
     }
+    #[inline]
     fn is_allocated(&self, slot: u32) -> bool {
         self.0.is_allocated(slot)
     }

@@ -329,6 +329,7 @@ impl SlotPool {
 
     /// Whether `index` is currently handed out (`false` for out-of-range indices and
     /// for indices freed inside a still-open free group). A snapshot under concurrency.
+    #[inline]
     pub fn is_allocated(&self, index: u32) -> bool {
         if index == 0 || index > self.capacity {
             return false;
