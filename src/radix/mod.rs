@@ -877,6 +877,21 @@ impl<A: KvAllocator> RadixCache<A> {
         }
     }
 
+    /// The page-aligned length of a request's tokens and the length its lease protects,
+    /// after checking the lease is this cache's and covers no more than those tokens.
+    fn request_lengths(&self, token_ids: &[u32], lease: &Lease<'_, A>) -> Result<(usize, usize), CacheError> {
+        if lease.raw.cache_id != self.id {
+            return Err(CacheError::StaleMatch);
+        }
+        let aligned = token_ids.len() / self.ps * self.ps;
+        let protected = lease.len();
+        if protected > aligned {
+            let (prefix_len, seq_len) = (protected as u32, aligned as u32);
+            return Err(InvalidInput::PrefixLongerThanSeq { request: 0, prefix_len, seq_len }.into());
+        }
+        Ok((aligned, protected))
+    }
+
     fn finish(
         &self,
         namespace: u64,
@@ -885,20 +900,8 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &Lease<'_, A>,
         priority: i64,
     ) -> Result<usize, CacheError> {
-        if lease.raw.cache_id != self.id {
-            return Err(CacheError::StaleMatch);
-        }
+        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
         let kv = self.req_pool.read(row, 0..token_ids.len())?;
-        let aligned = token_ids.len() / self.ps * self.ps;
-        let protected = lease.len();
-        if protected > aligned {
-            return Err(InvalidInput::PrefixLongerThanSeq {
-                request: 0,
-                prefix_len: protected as u32,
-                seq_len: aligned as u32,
-            }
-            .into());
-        }
         self.check_owned(&kv[protected..])?;
         let r = self.write(|w| {
             let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
@@ -931,20 +934,8 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &mut Lease<'_, A>,
         priority: i64,
     ) -> Result<(), CacheError> {
-        if lease.raw.cache_id != self.id {
-            return Err(CacheError::StaleMatch);
-        }
+        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
         let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
-        let aligned = token_ids.len() / self.ps * self.ps;
-        let protected = lease.len();
-        if protected > aligned {
-            return Err(InvalidInput::PrefixLongerThanSeq {
-                request: 0,
-                prefix_len: protected as u32,
-                seq_len: aligned as u32,
-            }
-            .into());
-        }
         self.check_owned(&kv[protected..aligned])?;
         let m = self.write(|w| {
             let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
