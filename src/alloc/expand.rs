@@ -42,9 +42,30 @@ pub struct BatchPlan {
     pub new_tokens: usize,
 }
 
+/// `ceil(x / ps)`, with shifts when `ps` is a power of two (the common case: a 64-bit
+/// division per request dominated decode planning).
+#[inline]
+pub(crate) fn div_ceil_ps(x: u64, ps: u64) -> u64 {
+    if ps.is_power_of_two() {
+        (x + ps - 1) >> ps.trailing_zeros()
+    } else {
+        x.div_ceil(ps)
+    }
+}
+
+/// `floor(x / ps)`, with a shift when `ps` is a power of two.
+#[inline]
+pub(crate) fn div_floor_ps(x: u64, ps: u64) -> u64 {
+    if ps.is_power_of_two() {
+        x >> ps.trailing_zeros()
+    } else {
+        x / ps
+    }
+}
+
 #[inline]
 fn ceil_pages(len: u32, ps: u32) -> u64 {
-    (len as u64).div_ceil(ps as u64)
+    div_ceil_ps(len as u64, ps as u64)
 }
 
 /// New pages one request needs (`ceil(seq/ps) - ceil(prefix/ps)`); `prefix <= seq`.
@@ -218,11 +239,12 @@ where
     for i in (0..batch).rev() {
         let (prefix, seq, last_loc) = request(i);
         let (prefix, seq) = (prefix as u64, seq as u64);
-        let np = (seq.div_ceil(ps64) - prefix.div_ceil(ps64)) as usize;
+        let prefix_pages = div_ceil_ps(prefix, ps64);
+        let np = (div_ceil_ps(seq, ps64) - prefix_pages) as usize;
         let page_start = page_end - np;
         let out_start = out_end - (seq - prefix) as usize;
-        let aligned_prefix = prefix.div_ceil(ps64) * ps64;
-        let full_end = seq / ps64 * ps64;
+        let aligned_prefix = prefix_pages * ps64;
+        let full_end = div_floor_ps(seq, ps64) * ps64;
         let p1 = (seq.min(aligned_prefix) - prefix) as usize;
         let p2 = full_end.saturating_sub(aligned_prefix) as usize;
         let p3 = if np > 0 { (seq - full_end) as usize } else { 0 };

@@ -307,8 +307,10 @@ impl PagedAllocator {
         for (request, &last_loc) in last_locs.iter().enumerate() {
             let (prefix, seq) = req(request);
             // Part 1 reads last_loc when the prefix ends inside a page and grows.
-            if prefix % ps != 0 && seq > prefix {
-                let ok = last_loc % ps == (prefix - 1) % ps && self.is_allocated(last_loc);
+            // `x & mask` is `x % ps` here only for powers of two; otherwise use `%`.
+            let rem = |x: u32| if let Some(s) = self.shift { x & ((1 << s) - 1) } else { x % ps };
+            if rem(prefix) != 0 && seq > prefix {
+                let ok = rem(last_loc) == rem(prefix - 1) && self.is_allocated(last_loc);
                 if !ok {
                     return Err(InvalidInput::BadLastLoc { request, last_loc });
                 }
