@@ -338,10 +338,12 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
-        RadixCache::alloc_extend(self, prefix_lens, seq_lens, last_locs, out)
+        // The drivers evict explicitly (and count it) before allocating: use the plain
+        // allocator, as the reference does, so no eviction happens uncounted.
+        self.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
     }
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        RadixCache::alloc_decode(self, seq_lens, last_locs, out)
+        self.allocator().alloc_decode(seq_lens, last_locs, out)
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         self.allocator().free(slots)
