@@ -283,6 +283,14 @@ pub enum ConfigError {
     },
     /// A dimension that must be positive is zero.
     Zero(&'static str),
+    /// An arena could not be reserved: the configuration needs more memory than the
+    /// machine grants (or than fits in the address space).
+    OutOfMemory {
+        /// Which arena.
+        what: &'static str,
+        /// The bytes it needs (`u64::MAX` when the size overflows).
+        bytes: u64,
+    },
 }
 
 impl fmt::Display for ConfigError {
@@ -293,6 +301,12 @@ impl fmt::Display for ConfigError {
                 write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
+            ConfigError::OutOfMemory { what, bytes } if *bytes == u64::MAX => {
+                write!(f, "{what} would need more bytes than fit in the address space")
+            }
+            ConfigError::OutOfMemory { what, bytes } => {
+                write!(f, "{what} needs {bytes} bytes, which could not be reserved")
+            }
         }
     }
 }

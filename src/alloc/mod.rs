@@ -71,6 +71,15 @@ pub trait KvAllocator: Send + Sync {
     fn free_group(&self) -> KvFreeGroup<'_>;
     /// Whether `slot`'s page is allocated now.
     fn is_allocated(&self, slot: u32) -> bool;
+    /// Whether every page of `first_page..first_page + pages` is allocated now (`true`
+    /// for no pages). The default asks [`is_allocated`](Self::is_allocated) page by
+    /// page; kvpool's allocators answer a bitmap word (64 pages) at a time.
+    fn pages_allocated(&self, first_page: u32, pages: u32) -> bool {
+        let ps = self.page_size();
+        (0..pages).all(|k| {
+            first_page.checked_add(k).and_then(|p| p.checked_mul(ps)).is_some_and(|slot| self.is_allocated(slot))
+        })
+    }
     /// Tokens needed to allocate this extend batch (new pages times page size).
     ///
     /// # Errors
@@ -95,6 +104,53 @@ pub trait KvAllocator: Send + Sync {
     ///
     /// [`InvariantViolation`] on a kvpool bug.
     fn check_invariants(&self) -> Result<(), InvariantViolation>;
+}
+
+/// Check an extend or decode batch against `alloc` without changing anything: the
+/// `last_locs` and output lengths, and every `last_loc` that part 1 of the expansion will
+/// read (one that continues a page must sit at the matching position of an allocated
+/// page). `req(i)` gives request `i`'s `(prefix_len, seq_len)`; `new_tokens` is the
+/// output length the batch needs. Callers that evict before allocating (the prefix
+/// cache) run this first, so a malformed batch evicts nothing.
+///
+/// # Errors
+///
+/// [`InvalidInput`] naming the first problem.
+pub(crate) fn check_batch_shape<A, F>(
+    alloc: &A,
+    batch: usize,
+    last_locs: &[u32],
+    out_len: usize,
+    new_tokens: usize,
+    req: F,
+) -> Result<(), InvalidInput>
+where
+    A: KvAllocator + ?Sized,
+    F: Fn(usize) -> (u32, u32),
+{
+    if last_locs.len() != batch {
+        return Err(InvalidInput::LengthMismatch { what: "last_locs", got: last_locs.len(), expected: batch });
+    }
+    if out_len != new_tokens {
+        return Err(InvalidInput::OutputLength { got: out_len, expected: new_tokens });
+    }
+    let ps = alloc.page_size();
+    if ps <= 1 {
+        return Ok(());
+    }
+    // `x & mask` is `x % ps` only for powers of two (the common case, no division).
+    let rem = |x: u32| if ps.is_power_of_two() { x & (ps - 1) } else { x % ps };
+    for (request, &last_loc) in last_locs.iter().enumerate() {
+        let (prefix, seq) = req(request);
+        // Part 1 reads last_loc when the prefix ends inside a page and grows.
+        if rem(prefix) != 0 && seq > prefix {
+            let ok = rem(last_loc) == rem(prefix - 1) && alloc.is_allocated(last_loc);
+            if !ok {
+                return Err(InvalidInput::BadLastLoc { request, last_loc });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A paged KV slot allocator: SGLang's `PagedTokenToKVPoolAllocator`, lock-free.
@@ -294,29 +350,7 @@ impl PagedAllocator {
     where
         F: Fn(usize) -> (u32, u32),
     {
-        if last_locs.len() != batch {
-            return Err(InvalidInput::LengthMismatch { what: "last_locs", got: last_locs.len(), expected: batch });
-        }
-        if out.len() != plan.new_tokens {
-            return Err(InvalidInput::OutputLength { got: out.len(), expected: plan.new_tokens });
-        }
-        if self.page_size == 1 {
-            return Ok(());
-        }
-        let ps = self.page_size;
-        for (request, &last_loc) in last_locs.iter().enumerate() {
-            let (prefix, seq) = req(request);
-            // Part 1 reads last_loc when the prefix ends inside a page and grows.
-            // `x & mask` is `x % ps` here only for powers of two; otherwise use `%`.
-            let rem = |x: u32| if let Some(s) = self.shift { x & ((1 << s) - 1) } else { x % ps };
-            if rem(prefix) != 0 && seq > prefix {
-                let ok = rem(last_loc) == rem(prefix - 1) && self.is_allocated(last_loc);
-                if !ok {
-                    return Err(InvalidInput::BadLastLoc { request, last_loc });
-                }
-            }
-        }
-        Ok(())
+        check_batch_shape(self, batch, last_locs, out.len(), plan.new_tokens, req)
     }
 
     fn reserve_and_expand<R>(
@@ -416,6 +450,9 @@ impl KvAllocator for PagedAllocator {
     fn is_allocated(&self, slot: u32) -> bool {
         PagedAllocator::is_allocated(self, slot)
     }
+    fn pages_allocated(&self, first_page: u32, pages: u32) -> bool {
+        self.pages.all_allocated(first_page, pages)
+    }
     fn clear(&mut self) {
         self.pages.clear();
     }
@@ -472,6 +509,21 @@ impl KvFreeGroup<'_> {
             self.group.free_iter(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }))
         };
         r.map_err(|e| a.slot_error(slots, e))
+    }
+
+    /// Free the whole pages `first_page..first_page + pages` into the group (one check
+    /// and one read-modify-write per 64 pages).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] naming the first slot of a page that is out of range or not
+    /// allocated; nothing is freed then.
+    pub fn free_pages(&mut self, first_page: u32, pages: u32) -> Result<(), FreeError> {
+        let a = self.alloc;
+        self.group.free_range(first_page, pages).map_err(|mut e| {
+            e.index = e.index.saturating_mul(a.page_size);
+            e
+        })
     }
 
     /// Tokens freed into the group so far (not yet available).
@@ -563,6 +615,9 @@ impl KvAllocator for TokenAllocator {
     #[inline]
     fn is_allocated(&self, slot: u32) -> bool {
         self.0.is_allocated(slot)
+    }
+    fn pages_allocated(&self, first_page: u32, pages: u32) -> bool {
+        self.0.pages_allocated(first_page, pages)
     }
     fn clear(&mut self) {
         self.0.pages.clear();

@@ -97,17 +97,32 @@ unsafe impl Send for EventQueue {}
 impl EventQueue {
     /// A queue holding up to `capacity` events (rounded up to a power of two, at least 2).
     pub fn new(capacity: usize) -> Self {
-        let cap = capacity.max(2).next_power_of_two();
-        let cells = (0..cap)
-            .map(|i| Cell { seq: AtomicUsize::new(i), event: UnsafeCell::new(KvEvent::AllBlocksCleared) })
-            .collect();
-        EventQueue {
+        match Self::try_new(capacity) {
+            Ok(q) => q,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`new`](Self::new), with a [`ConfigError`](crate::ConfigError) instead of an abort
+    /// when the capacity cannot be reserved.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::OutOfMemory`](crate::ConfigError::OutOfMemory) naming the bytes.
+    pub fn try_new(capacity: usize) -> Result<Self, crate::ConfigError> {
+        let too_large = crate::ConfigError::OutOfMemory { what: "the KV event queue", bytes: u64::MAX };
+        let cap = capacity.max(2).checked_next_power_of_two().ok_or(too_large)?;
+        let cells = super::arena::boxed("the KV event queue", cap, |i| Cell {
+            seq: AtomicUsize::new(i),
+            event: UnsafeCell::new(KvEvent::AllBlocksCleared),
+        })?;
+        Ok(EventQueue {
             cells,
             mask: cap - 1,
             head: CachePadded::new(AtomicUsize::new(0)),
             tail: CachePadded::new(AtomicUsize::new(0)),
             dropped: AtomicU64::new(0),
-        }
+        })
     }
 
     /// Capacity in events.

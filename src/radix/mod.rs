@@ -93,9 +93,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod arena;
 mod events;
 mod heap;
 mod policy;
+mod tokens;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use policy::{EvictionPolicy, UnknownPolicy};
@@ -107,7 +109,7 @@ use crossbeam_utils::CachePadded;
 use rustc_hash::FxHasher;
 
 use crate::alloc::KvAllocator;
-use crate::error::{AllocError, FreeError, InvalidInput, InvariantViolation, RowError};
+use crate::error::{AllocError, ConfigError, FreeError, InvalidInput, InvariantViolation, RowError};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{Backoff, UnsafeCell};
@@ -140,6 +142,15 @@ pub enum CacheError {
     Free(FreeError),
     /// The lease or match belongs to another cache, or its node no longer exists.
     StaleMatch,
+    /// A request row disagrees with the cache: a slot the lease protects is not the
+    /// tree's slot for that token, or a slot the request would free (a duplicate or the
+    /// unaligned tail) is held by the tree or lies in a page being cached.
+    RowMismatch {
+        /// Index of the offending token in the request.
+        index: usize,
+        /// The row's slot there.
+        slot: u32,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -154,6 +165,11 @@ impl fmt::Display for CacheError {
             CacheError::StaleMatch => {
                 f.write_str("the matched node was evicted, or the lease belongs to another cache")
             }
+            CacheError::RowMismatch { index, slot } => write!(
+                f,
+                "request row slot {slot} at token {index} does not belong to the request: it is the cache's, \
+                 or not the cached slot the lease protects"
+            ),
         }
     }
 }
@@ -179,6 +195,7 @@ pub struct MatchResult {
     len: usize,
     last_page: u32,
     epoch: u32,
+    cache_id: u64,
 }
 
 impl MatchResult {
@@ -192,63 +209,81 @@ impl MatchResult {
     }
 }
 
-/// A lock on a matched path: the nodes from the match's last node up to the root are
-/// protected from eviction while the lease lives. Dropping it unlocks.
-#[must_use = "dropping a lease unlocks its path at once"]
-pub struct Lease<'c, A: KvAllocator> {
-    cache: &'c RadixCache<A>,
-    raw: RawLease,
-}
-
-/// A lease without its borrow of the cache (see [`Lease::detach`]); give it back with
-/// [`RadixCache::release`].
+/// What names a locked path: its last node (by the node's last page, which splits never
+/// change, and that page's epoch, which rules out a reused page) and the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[must_use = "a detached lease keeps its path locked until released"]
-pub struct RawLease {
+struct LeaseKey {
     last_page: u32,
     epoch: u32,
     len: usize,
     cache_id: u64,
 }
 
+/// A lock on a matched path: the nodes from the match's last node up to the root are
+/// protected from eviction while the lease lives. Dropping it unlocks.
+#[must_use = "dropping a lease unlocks its path at once"]
+pub struct Lease<'c, A: KvAllocator> {
+    cache: &'c RadixCache<A>,
+    key: LeaseKey,
+}
+
+/// A lease without its borrow of the cache (see [`Lease::detach`]); give it back with
+/// [`RadixCache::release`] or turn it into a [`Lease`] again with
+/// [`RadixCache::attach`].
+///
+/// It is neither `Copy` nor `Clone`: every lock is released exactly once, so no caller
+/// can release a lock another lease still relies on.
+///
+/// ```compile_fail
+/// # use kvpool::radix::{RadixCache, RadixConfig};
+/// # use kvpool::{ReqToTokenPool, TokenAllocator};
+/// # let cache = RadixCache::new(TokenAllocator::new(8).unwrap(), ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default()).unwrap();
+/// let raw = cache.match_and_lock(0, &[1], &mut [0]).detach();
+/// cache.release(raw).unwrap();
+/// cache.release(raw).unwrap(); // error[E0382]: use of moved value
+/// ```
+#[derive(Debug)]
+#[must_use = "a detached lease keeps its path locked until released"]
+pub struct RawLease(LeaseKey);
+
 impl RawLease {
     /// Tokens covered by the lease (the matched prefix length).
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len
     }
     /// Whether the lease covers nothing (an empty match; unlocking it is a no-op).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.len == 0
     }
 }
 
 impl<'c, A: KvAllocator> Lease<'c, A> {
     /// Tokens covered by the lease (SGLang's `cache_protected_len`).
     pub fn len(&self) -> usize {
-        self.raw.len
+        self.key.len
     }
     /// Whether the lease covers nothing.
     pub fn is_empty(&self) -> bool {
-        self.raw.len == 0
+        self.key.len == 0
     }
     /// Keep the lock but drop the borrow (for storing it in a `'static` structure).
     pub fn detach(self) -> RawLease {
-        let raw = self.raw;
+        let key = self.key;
         core::mem::forget(self);
-        raw
+        RawLease(key)
     }
 }
 
 impl<A: KvAllocator> Drop for Lease<'_, A> {
     fn drop(&mut self) {
         // A lease made by this cache for a live node cannot fail to unlock.
-        let _ = self.cache.release_raw(self.raw);
+        let _ = self.cache.release_key(self.key);
     }
 }
 
 impl<A: KvAllocator> fmt::Debug for Lease<'_, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease").field("len", &self.raw.len).field("last_page", &self.raw.last_page).finish()
+        f.debug_struct("Lease").field("len", &self.key.len).field("last_page", &self.key.last_page).finish()
     }
 }
 
@@ -280,6 +315,9 @@ struct Record {
     gen: AtomicU64,
     /// `first_page << 32 | page_count`.
     span: AtomicU64,
+    /// Pages of the run that starts at `first_page`, from there (see "runs" in the
+    /// module docs); may exceed `page_count` (a split's upper half).
+    first_run: AtomicU32,
     parent_page: AtomicU32,
     namespace: AtomicU64,
     key_hash: AtomicU64,
@@ -322,10 +360,15 @@ pub struct RadixCache<A: KvAllocator> {
     req_pool: ReqToTokenPool,
     policy: EvictionPolicy,
     ps: usize,
+    /// `log2(ps)` when the page size is a power of two.
+    shift: Option<u32>,
     num_pages: u32,
     records: Box<[Record]>,
-    slot_token: Box<[AtomicU32]>,
+    slot_token: tokens::Tokens,
+    /// For the last page of a run: the first page of the node chain's next run.
     next_page: Box<[AtomicU32]>,
+    /// For the first page of a run: the run's length in pages.
+    run_len: Box<[AtomicU32]>,
     /// `removal_version << 32 | head record`.
     buckets: Box<[AtomicU64]>,
     bucket_mask: usize,
@@ -378,34 +421,46 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// # Errors
     ///
-    /// Never at present; the `Result` leaves room for configuration checks.
+    /// [`ConfigError::ZeroPageSize`] for an allocator whose page size is 0,
+    /// [`ConfigError::TooLarge`] when slot numbers would not fit in a `u32`, and
+    /// [`ConfigError::OutOfMemory`] (naming the arena and its bytes) when an arena
+    /// cannot be reserved. Nothing is left allocated then.
     pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError> {
         let ps = alloc.page_size() as usize;
-        let num_pages = (alloc.size() / ps) as u32;
+        if ps == 0 {
+            return Err(ConfigError::ZeroPageSize);
+        }
+        let num_pages = alloc.size() / ps;
+        // Slot numbers are u32: the last page's slots must fit.
+        let too_large = ConfigError::TooLarge { size: alloc.size() as u64, page_size: ps as u32 };
+        let nslots = num_pages.checked_add(1).and_then(|p| p.checked_mul(ps)).ok_or(too_large.clone())?;
+        if nslots > u32::MAX as usize + 1 || num_pages >= NIL as usize - 3 {
+            return Err(too_large);
+        }
+        let num_pages = num_pages as u32;
         let nrec = num_pages as usize + 3;
-        let records: Box<[Record]> = (0..nrec)
-            .map(|i| Record {
-                gen: AtomicU64::new(if i == ROOT as usize { 0 } else { 1 }),
-                span: AtomicU64::new(0),
-                parent_page: AtomicU32::new(0),
-                namespace: AtomicU64::new(0),
-                key_hash: AtomicU64::new(0),
-                hash_next: AtomicU32::new(NIL),
-            })
-            .collect();
-        let nslots = (num_pages as usize + 1) * ps;
+        let records = arena::boxed("radix node records", nrec, |i| Record {
+            gen: AtomicU64::new(if i == ROOT as usize { 0 } else { 1 }),
+            span: AtomicU64::new(0),
+            first_run: AtomicU32::new(0),
+            parent_page: AtomicU32::new(0),
+            namespace: AtomicU64::new(0),
+            key_hash: AtomicU64::new(0),
+            hash_next: AtomicU32::new(NIL),
+        })?;
         let nbuckets = (nrec * 2).next_power_of_two();
-        let meta = vec![Meta::default(); nrec].into_boxed_slice();
-        let events = config.event_capacity.map(EventQueue::new);
+        let meta = arena::boxed("radix node metadata", nrec, |_| Meta::default())?;
+        let events = config.event_capacity.map(EventQueue::try_new).transpose()?;
+        let pages = num_pages as usize + 1;
         let inner = Inner {
             meta,
-            free_ids: Vec::with_capacity(nrec),
-            heap: Vec::with_capacity(nrec),
-            in_tree: vec![0u64; (num_pages as usize + 1).div_ceil(64)].into_boxed_slice(),
-            page_owner: vec![NIL; num_pages as usize + 1].into_boxed_slice(),
-            page_epoch: vec![0u32; num_pages as usize + 1].into_boxed_slice(),
+            free_ids: arena::with_capacity("radix free node list", nrec)?,
+            heap: arena::with_capacity("radix eviction heap", nrec)?,
+            in_tree: arena::boxed("radix page bitmap", pages.div_ceil(64), |_| 0u64)?,
+            page_owner: arena::boxed("radix page owners", pages, |_| NIL)?,
+            page_epoch: arena::boxed("radix page epochs", pages, |_| 0u32)?,
             digests: if events.is_some() {
-                vec![[0u8; 32]; num_pages as usize + 1].into_boxed_slice()
+                arena::boxed("radix page digests", pages, |_| [0u8; 32])?
             } else {
                 Box::new([])
             },
@@ -416,11 +471,13 @@ impl<A: KvAllocator> RadixCache<A> {
             req_pool,
             policy: config.policy,
             ps,
+            shift: ps.is_power_of_two().then(|| ps.trailing_zeros()),
             num_pages,
             records,
-            slot_token: (0..nslots).map(|_| AtomicU32::new(0)).collect(),
-            next_page: (0..num_pages as usize + 1).map(|_| AtomicU32::new(0)).collect(),
-            buckets: (0..nbuckets).map(|_| AtomicU64::new(NIL as u64)).collect(),
+            slot_token: tokens::Tokens::new(nslots)?,
+            next_page: arena::boxed("radix page links", pages, |_| AtomicU32::new(0))?,
+            run_len: arena::boxed("radix run lengths", pages, |_| AtomicU32::new(0))?,
+            buckets: arena::boxed("radix hash buckets", nbuckets, |_| AtomicU64::new(NIL as u64))?,
             bucket_mask: nbuckets - 1,
             latch: CachePadded::new(AtomicBool::new(false)),
             inner: UnsafeCell::new(inner),
@@ -488,6 +545,24 @@ impl<A: KvAllocator> RadixCache<A> {
         })
     }
 
+    /// The page a slot lies in (a shift when the page size is a power of two).
+    #[inline]
+    fn page_of(&self, slot: u32) -> u32 {
+        match self.shift {
+            Some(s) => slot >> s,
+            None => slot / self.ps as u32,
+        }
+    }
+
+    /// A slot's position in its page.
+    #[inline]
+    fn page_offset(&self, slot: u32) -> u32 {
+        match self.shift {
+            Some(s) => slot & ((1 << s) - 1),
+            None => slot % self.ps as u32,
+        }
+    }
+
     fn aligned<'k>(&self, key: &'k [u32], out_len: usize) -> &'k [u32] {
         let n = key.len().min(out_len);
         &key[..n / self.ps * self.ps]
@@ -519,16 +594,12 @@ impl<A: KvAllocator> RadixCache<A> {
             return false;
         }
         let base = page as usize * self.ps;
-        let cells = &self.slot_token[base..base + self.ps];
         #[cfg(not(loom))]
         if LOCKED {
-            // SAFETY: slot tokens are written only by the latch holder (`new_leaf`), and
-            // the caller holds the latch: no write can race this read, and concurrent
-            // atomic loads by lookups are reads too. `AtomicU32` has `u32`'s layout.
-            let tokens = unsafe { core::slice::from_raw_parts(cells.as_ptr().cast::<u32>(), cells.len()) };
-            return tokens == key_page;
+            // SAFETY: the caller holds the latch, and only its holder writes tokens.
+            return unsafe { self.slot_token.plain(base, self.ps) } == key_page;
         }
-        cells.iter().zip(key_page).all(|(t, &k)| t.load(Ordering::Relaxed) == k)
+        self.slot_token.first_diff_atomic(base, key_page) == key_page.len()
     }
 
     fn find_child(&self, parent_page: u32, namespace: u64, key_page: &[u32]) -> Lookup {
@@ -565,35 +636,80 @@ impl<A: KvAllocator> RadixCache<A> {
     /// Match `key` (whole pages) against record `id`'s pages, writing slots to `out`.
     /// Returns (pages matched, last matched page, pages in the node).
     fn match_in_node<const LOCKED: bool>(&self, id: u32, key: &[u32], out: &mut [u32]) -> (usize, u32, usize) {
-        self.walk_node::<LOCKED>(id, key, Some(out))
+        let ps = self.ps;
+        self.walk_node::<LOCKED>(id, key, |at, page, pages| {
+            let base = page * ps as u32;
+            // An ascending fill (it vectorizes): a run's slots are consecutive.
+            for (k, o) in out[at * ps..(at + pages) * ps].iter_mut().enumerate() {
+                *o = base + k as u32;
+            }
+        })
     }
 
     /// [`match_in_node`](Self::match_in_node) without writing slots (latch held).
     fn count_in_node(&self, id: u32, key: &[u32]) -> (usize, u32, usize) {
-        self.walk_node::<true>(id, key, None)
+        self.walk_node::<true>(id, key, |_, _, _| {})
     }
 
-    fn walk_node<const LOCKED: bool>(&self, id: u32, key: &[u32], mut out: Option<&mut [u32]>) -> (usize, u32, usize) {
-        let (first, n) = span_of(self.records[id as usize].span.load(Ordering::Relaxed));
+    /// How many leading whole pages of `key` equal the tokens cached in the `pages`
+    /// consecutive pages from `page`. `LOCKED`: the caller holds the latch, so no token
+    /// can be written meanwhile and the tokens may be read as plain memory (one `memcmp`
+    /// instead of an atomic load per token).
+    fn run_matches<const LOCKED: bool>(&self, page: u32, pages: usize, key: &[u32]) -> usize {
+        let ps = self.ps;
+        let base = page as usize * ps;
+        let key = &key[..pages * ps];
+        #[cfg(not(loom))]
+        if LOCKED {
+            // SAFETY: the caller holds the latch, and only its holder writes tokens.
+            let tokens = unsafe { self.slot_token.plain(base, pages * ps) };
+            if tokens == key {
+                return pages;
+            }
+            let first_diff = tokens.iter().zip(key).position(|(a, b)| a != b).unwrap_or(key.len());
+            return first_diff / ps;
+        }
+        self.slot_token.first_diff_atomic(base, key) / ps
+    }
+
+    /// Walk record `id`'s runs against `key` (whole pages), calling `f(at, page, pages)`
+    /// for each stretch of `pages` matched pages starting at `page`, `at` pages into the
+    /// key. Returns (pages matched, last matched page, pages in the node).
+    ///
+    /// Readers (`LOCKED == false`) may be reading a record that is being split or
+    /// evicted: every length is clamped and every page bounds-checked, so garbage ends
+    /// the walk early; the caller's `gen` validation then discards the result.
+    fn walk_node<const LOCKED: bool>(
+        &self,
+        id: u32,
+        key: &[u32],
+        mut f: impl FnMut(usize, u32, usize),
+    ) -> (usize, u32, usize) {
+        let r = &self.records[id as usize];
+        let (first, n) = span_of(r.span.load(Ordering::Relaxed));
         let (ps, n) = (self.ps, n as usize);
-        let mut page = first;
-        let mut last = 0;
-        let mut m = 0;
-        while m < n && (m + 1) * ps <= key.len() {
-            if !self.page_eq_in::<LOCKED>(page, &key[m * ps..(m + 1) * ps]) {
+        let key_pages = key.len() / ps;
+        let (mut page, mut in_run) = (first, r.first_run.load(Ordering::Relaxed) as usize);
+        let (mut m, mut last) = (0usize, 0u32);
+        while m < n && m < key_pages {
+            let len = in_run.min(n - m).min(key_pages - m);
+            if len == 0 || page == 0 || page as usize + len - 1 > self.num_pages as usize {
                 break;
             }
-            if let Some(out) = out.as_deref_mut() {
-                let base = page * ps as u32;
-                for (k, o) in out[m * ps..(m + 1) * ps].iter_mut().enumerate() {
-                    *o = base + k as u32;
-                }
+            let k = self.run_matches::<LOCKED>(page, len, &key[m * ps..]);
+            if k > 0 {
+                f(m, page, k);
+                last = page + k as u32 - 1;
             }
-            last = page;
-            m += 1;
-            if m < n {
-                page = self.next_page[page as usize].load(Ordering::Acquire);
+            m += k;
+            if k < len || m == n || m == key_pages {
+                break;
             }
+            page = self.next_page[(page as usize) + len - 1].load(Ordering::Acquire);
+            in_run = match self.run_len.get(page as usize) {
+                Some(l) => l.load(Ordering::Acquire) as usize,
+                None => 0,
+            };
         }
         (m, last, n)
     }
@@ -691,7 +807,7 @@ impl<A: KvAllocator> RadixCache<A> {
         crate::debug_check(self);
         Lease {
             cache: self,
-            raw: RawLease { last_page: raw.last_page, epoch: raw.epoch, len: raw.len, cache_id: self.id },
+            key: LeaseKey { last_page: raw.last_page, epoch: raw.epoch, len: raw.len, cache_id: self.id },
         }
     }
 
@@ -699,8 +815,12 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// # Errors
     ///
-    /// [`CacheError::StaleMatch`] if the matched node was evicted since.
+    /// [`CacheError::StaleMatch`] if the matched node was evicted since, or the match
+    /// came from another cache. Nothing changes then.
     pub fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A>, CacheError> {
+        if m.cache_id != self.id {
+            return Err(CacheError::StaleMatch);
+        }
         self.write(|w| {
             if m.last_page != 0 && !w.is_node_end(m.last_page, m.epoch) {
                 return Err(CacheError::StaleMatch);
@@ -710,21 +830,34 @@ impl<A: KvAllocator> RadixCache<A> {
         })?;
         Ok(Lease {
             cache: self,
-            raw: RawLease { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
+            key: LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
         })
     }
 
-    /// Unlock a detached lease.
+    /// Unlock a detached lease. It is consumed, so it can be released only once.
     ///
     /// # Errors
     ///
-    /// [`CacheError::StaleMatch`] if it belongs to another cache or was already released
-    /// (nothing changes then).
+    /// [`CacheError::StaleMatch`] if it belongs to another cache, or its node is gone
+    /// (the cache was [`reset`](Self::reset) since); nothing changes then.
     pub fn release(&self, lease: RawLease) -> Result<(), CacheError> {
-        self.release_raw(lease)
+        self.release_key(lease.0)
     }
 
-    fn release_raw(&self, lease: RawLease) -> Result<(), CacheError> {
+    /// Turn a detached lease of this cache back into a [`Lease`] (for
+    /// [`cache_finished_req`](Self::cache_finished_req), or to unlock on drop).
+    ///
+    /// # Errors
+    ///
+    /// Hands the lease back if it belongs to another cache.
+    pub fn attach(&self, lease: RawLease) -> Result<Lease<'_, A>, RawLease> {
+        if lease.0.cache_id != self.id {
+            return Err(lease);
+        }
+        Ok(Lease { cache: self, key: lease.0 })
+    }
+
+    fn release_key(&self, lease: LeaseKey) -> Result<(), CacheError> {
         if lease.cache_id != self.id {
             return Err(CacheError::StaleMatch);
         }
@@ -793,6 +926,11 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// As [`KvAllocator::alloc`]; an out-of-memory error also states the evictable tokens.
     pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        // Validate before evicting: a call that cannot succeed changes nothing.
+        let ps = self.ps;
+        if out.len() % ps != 0 {
+            return Err(InvalidInput::NotPageAligned { count: out.len(), page_size: ps as u32 }.into());
+        }
         self.make_room(out.len());
         self.alloc.alloc(out).map_err(|e| self.with_evictable(e))
     }
@@ -810,7 +948,12 @@ impl<A: KvAllocator> RadixCache<A> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
-        self.make_room(self.alloc.extend_need(prefix_lens, seq_lens)?);
+        let need = self.alloc.extend_need(prefix_lens, seq_lens)?;
+        let new_tokens = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?.new_tokens;
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), new_tokens, |i| {
+            (prefix_lens[i], seq_lens[i])
+        })?;
+        self.make_room(need);
         self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }
 
@@ -820,41 +963,12 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.make_room(self.alloc.decode_need(seq_lens)?);
+        let need = self.alloc.decode_need(seq_lens)?;
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), |i| {
+            (seq_lens[i] - 1, seq_lens[i])
+        })?;
+        self.make_room(need);
         self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
-    }
-
-    /// Check that `slots` may be freed (every one allocated). One bitmap probe per page.
-    fn check_owned(&self, slots: &[u32]) -> Result<(), CacheError> {
-        let not_allocated = |slot: u32| {
-            CacheError::Free(FreeError { index: slot, kind: crate::FreeErrorKind::NotAllocated, rest_freed: false })
-        };
-        let ps = self.ps as u32;
-        // Fast path: whole pages in order from a page boundary, as the allocator hands
-        // them out. One branch-free pass (it vectorizes) proves the shape; then only the
-        // first slot of each page needs a probe.
-        let paged = slots.chunks(self.ps).all(|c| {
-            let off = c.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ c[0].wrapping_add(k)));
-            c[0] % ps == 0 && off == 0
-        });
-        if paged {
-            return match slots.iter().step_by(self.ps).find(|&&s| !self.alloc.is_allocated(s)) {
-                Some(&slot) => Err(not_allocated(slot)),
-                None => Ok(()),
-            };
-        }
-        let mut last_page = u32::MAX;
-        for &slot in slots {
-            let page = slot / ps;
-            if page == last_page {
-                continue;
-            }
-            if !self.alloc.is_allocated(slot) {
-                return Err(not_allocated(slot));
-            }
-            last_page = page;
-        }
-        Ok(())
     }
 
     /// SGLang's `cache_finished_req`. `token_ids` are the request's tokens that have KV
@@ -889,7 +1003,7 @@ impl<A: KvAllocator> RadixCache<A> {
     /// The page-aligned length of a request's tokens and the length its lease protects,
     /// after checking the lease is this cache's and covers no more than those tokens.
     fn request_lengths(&self, token_ids: &[u32], lease: &Lease<'_, A>) -> Result<(usize, usize), CacheError> {
-        if lease.raw.cache_id != self.id {
+        if lease.key.cache_id != self.id || !core::ptr::eq(lease.cache, self) {
             return Err(CacheError::StaleMatch);
         }
         let aligned = token_ids.len() / self.ps * self.ps;
@@ -909,19 +1023,19 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &Lease<'_, A>,
         priority: i64,
     ) -> Result<usize, CacheError> {
-        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
+        let (aligned, _) = self.request_lengths(token_ids, lease)?;
         let kv = self.req_pool.read(row, 0..token_ids.len())?;
-        self.check_owned(&kv[protected..])?;
         let r = self.write(|w| {
-            let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
+            // Everything is checked (the leased prefix against the tree, the pages to
+            // insert, the duplicates and the tail to free) before anything changes.
+            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, true)?;
+            w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
             let mut group = self.alloc.free_group();
-            if new_prefix > protected {
-                group.free(&kv[protected..new_prefix]).map_err(CacheError::Free)?;
-            }
-            group.free(&kv[aligned..]).map_err(CacheError::Free)?;
+            let freed = group.free(&kv[p.protected..p.cached]).and_then(|()| group.free(&kv[aligned..]));
+            debug_assert!(freed.is_ok(), "checked request slots failed to free: {freed:?}");
             drop(group);
-            w.dec_lock(lease.raw.last_page);
-            Ok(new_prefix)
+            w.dec_lock(lease.key.last_page);
+            Ok(p.cached)
         });
         crate::debug_check(self);
         r
@@ -943,23 +1057,22 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &mut Lease<'_, A>,
         priority: i64,
     ) -> Result<(), CacheError> {
-        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
+        let (aligned, _) = self.request_lengths(token_ids, lease)?;
         let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
-        self.check_owned(&kv[protected..aligned])?;
         let m = self.write(|w| {
-            let new_prefix = w.insert(namespace, &token_ids[..aligned], &kv[..aligned], priority)?;
-            if new_prefix > protected {
-                self.alloc.free(&kv[protected..new_prefix]).map_err(CacheError::Free)?;
-            }
+            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, false)?;
+            w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
+            let freed = self.alloc.free(&kv[p.protected..p.cached]);
+            debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
             let m = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
             debug_assert_eq!(m.len, aligned);
             w.inc_lock(m.last_page);
-            w.dec_lock(lease.raw.last_page);
+            w.dec_lock(lease.key.last_page);
             Ok::<_, CacheError>(m)
         })?;
-        lease.raw.last_page = m.last_page;
-        lease.raw.epoch = m.epoch;
-        lease.raw.len = m.len;
+        lease.key.last_page = m.last_page;
+        lease.key.epoch = m.epoch;
+        lease.key.len = m.len;
         crate::debug_check(self);
         Ok(())
     }

@@ -69,14 +69,15 @@ fn detached_leases_and_stale_matches() {
     let mut out = [0u32; 4];
     let raw = c.match_and_lock(0, &[1, 2, 3, 4], &mut out).detach();
     assert_eq!(c.protected_size(), 4);
-    c.release(raw).unwrap();
-    assert_eq!(c.release(raw), Err(CacheError::StaleMatch)); // double release refused
+    // A lease of another cache is refused and handed back, nothing changes.
+    let other = token_cache(8, EvictionPolicy::Lru);
+    let raw = other.attach(raw).unwrap_err();
+    assert_eq!(c.protected_size(), 4);
+    c.release(raw).unwrap(); // consumed: a second release does not compile
     assert_eq!(c.protected_size(), 0);
     let m = c.match_prefix(0, &[1, 2, 3, 4], &mut out);
     c.evict(4);
     assert!(matches!(c.lock(&m), Err(CacheError::StaleMatch)));
-    let other = token_cache(8, EvictionPolicy::Lru);
-    assert_eq!(other.release(raw), Err(CacheError::StaleMatch));
     c.check_invariants().unwrap();
 }
 
@@ -321,4 +322,199 @@ fn agrees_with_reference_on_a_scripted_run() {
         assert_eq!(c.total_size(), r.total_size());
         c.check_invariants().unwrap();
     }
+}
+
+// ---- issue 14: misuse can never corrupt the cache (each test failed before its fix) ----
+
+fn paged_cache(size: usize, ps: u32) -> RadixCache<PagedAllocator> {
+    RadixCache::new(PagedAllocator::new(size, ps).unwrap(), ReqToTokenPool::new(4, 64).unwrap(), RadixConfig::default())
+        .unwrap()
+}
+
+/// Everything a misuse test compares before and after a refused call.
+fn snapshot<A: KvAllocator>(c: &RadixCache<A>) -> (usize, usize, usize, usize, Vec<(u64, Vec<u32>, Vec<u32>)>) {
+    c.check_invariants().unwrap();
+    (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size(), c.leaf_paths())
+}
+
+#[test]
+fn a_second_lease_keeps_its_protection_when_another_is_released() {
+    let c = token_cache(16, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &s, 0).unwrap();
+    let mut out = [0u32; 4];
+    let held = c.match_and_lock(0, &[1, 2, 3, 4], &mut out);
+    let raw = c.match_and_lock(0, &[1, 2], &mut out).detach(); // an ancestor, after a split
+    c.release(raw).unwrap();
+    assert_eq!(c.protected_size(), 4);
+    assert_eq!(c.evict(16), 0, "the held lease's path must stay cached");
+    let attached = c.attach(c.match_and_lock(0, &[1, 2, 3], &mut out).detach()).unwrap();
+    assert_eq!(attached.len(), 3);
+    drop(attached);
+    drop(held);
+    assert_eq!((c.protected_size(), c.evictable_size()), (0, 4));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn finishing_refuses_tree_slots_the_lease_does_not_cover() {
+    let c = token_cache(16, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &s, 0).unwrap();
+    // The request copied the tree's slots without locking them, then grew by two.
+    let mut kv = [0u32; 6];
+    let _ = c.match_prefix(0, &[1, 2, 3, 4], &mut kv[..4]);
+    c.allocator().alloc(&mut kv[4..]).unwrap();
+    let mut row = c.req_pool().alloc().unwrap();
+    c.req_pool().write(&mut row, 0, &kv).unwrap();
+    let lease = c.match_and_lock(0, &[], &mut []);
+    let before = snapshot(&c);
+    let e = c.cache_finished_req(0, &[1, 2, 3, 4, 5, 6], row, lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::RowMismatch { index: 0, slot: s[0] });
+    assert_eq!(snapshot(&c), before, "a refused finish must change nothing");
+}
+
+#[test]
+fn finishing_refuses_a_tail_inside_a_page_being_cached() {
+    let c = paged_cache(32, 4);
+    let mut kv = [0u32; 5];
+    c.allocator().alloc(&mut kv[..4]).unwrap();
+    kv[4] = kv[1]; // the tail slot lies in the page the finish caches
+    let mut row = c.req_pool().alloc().unwrap();
+    c.req_pool().write(&mut row, 0, &kv).unwrap();
+    let lease = c.match_and_lock(0, &[], &mut []);
+    let before = snapshot(&c);
+    let mut e = c.cache_finished_req(0, &[1, 2, 3, 4, 5], row, lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::RowMismatch { index: 4, slot: kv[1] });
+    assert_eq!(snapshot(&c), before);
+    // The same request with its own tail page finishes.
+    let mut tail = [0u32; 4];
+    c.allocator().alloc(&mut tail).unwrap();
+    c.req_pool().write(&mut e.row, 4, &tail[..1]).unwrap();
+    assert_eq!(c.cache_finished_req(0, &[1, 2, 3, 4, 5], e.row, e.lease, 0).unwrap(), 0);
+    assert_eq!((c.total_size(), c.allocator().available_size()), (4, 28));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn finishing_refuses_a_row_that_differs_from_its_lease() {
+    let c = token_cache(16, EvictionPolicy::Lru);
+    let s = alloc_slots(&c, 2);
+    c.insert(0, &[1, 2], &s, 0).unwrap();
+    let mut kv = [0u32; 4];
+    let lease = c.match_and_lock(0, &[1, 2], &mut kv[..2]);
+    c.allocator().alloc(&mut kv).unwrap(); // overwrites the leased prefix with own slots
+    let mut row = c.req_pool().alloc().unwrap();
+    c.req_pool().write(&mut row, 0, &kv).unwrap();
+    let before = snapshot(&c);
+    let e = c.cache_finished_req(0, &[1, 2, 3, 4], row, lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::RowMismatch { index: 0, slot: kv[0] });
+    assert_eq!(snapshot(&c), before);
+    // A request that lists one of its pages twice is refused as well.
+    let c = token_cache(16, EvictionPolicy::Lru);
+    let mut kv = [0u32; 3];
+    c.allocator().alloc(&mut kv[..2]).unwrap();
+    kv[2] = kv[0];
+    let mut row = c.req_pool().alloc().unwrap();
+    c.req_pool().write(&mut row, 0, &kv).unwrap();
+    let lease = c.match_and_lock(0, &[], &mut []);
+    let before = snapshot(&c);
+    let e = c.cache_unfinished_req(0, &[7, 8, 9], &mut row, &mut { lease }, 0);
+    assert!(matches!(e, Err(CacheError::SlotNotOwned { .. })), "{e:?}");
+    assert_eq!(snapshot(&c), before);
+}
+
+#[test]
+fn a_match_of_one_cache_cannot_lock_another() {
+    let a = token_cache(16, EvictionPolicy::Lru);
+    let b = token_cache(16, EvictionPolicy::Lru);
+    for c in [&a, &b] {
+        let s = alloc_slots(c, 2);
+        c.insert(0, &[1, 2], &s, 0).unwrap();
+    }
+    let m = a.match_prefix(0, &[1, 2], &mut [0u32; 2]);
+    assert_eq!(b.lock(&m).unwrap_err(), CacheError::StaleMatch);
+    assert_eq!(b.protected_size(), 0);
+    drop(a.lock(&m).unwrap());
+}
+
+#[test]
+fn allocation_validates_before_evicting() {
+    let c = paged_cache(16, 4);
+    let s = alloc_slots(&c, 16);
+    c.insert(0, &(0..16).collect::<Vec<_>>(), &s, 0).unwrap();
+    let before = snapshot(&c);
+    assert!(matches!(c.alloc(&mut [0u32; 3]), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_extend(&[0], &[8], &[], &mut [0u32; 8]), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_extend(&[0], &[8], &[0], &mut [0u32; 7]), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_extend(&[2], &[8], &[6], &mut [0u32; 6]), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_decode(&[5], &[3, 4], &mut [0u32; 1]), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_decode(&[5], &[3], &mut [0u32; 2]), Err(AllocError::Invalid(_))));
+    assert_eq!(snapshot(&c), before, "a malformed allocation must not evict");
+    // A well-formed call evicts what it needs (the whole leaf, as SGLang does).
+    let mut out = [0u32; 8];
+    c.alloc(&mut out).unwrap();
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, 8));
+}
+
+/// An allocator that reports whatever geometry a test wants (for constructor checks).
+struct Geometry(TokenAllocator, u32, usize);
+
+impl KvAllocator for Geometry {
+    fn page_size(&self) -> u32 {
+        self.1
+    }
+    fn size(&self) -> usize {
+        self.2
+    }
+    fn available_size(&self) -> usize {
+        self.0.available_size()
+    }
+    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc(out)
+    }
+    fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc_extend(p, s, l, out)
+    }
+    fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc_decode(s, l, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.0.free(slots)
+    }
+    fn free_group(&self) -> crate::alloc::KvFreeGroup<'_> {
+        self.0.free_group()
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        self.0.is_allocated(slot)
+    }
+    fn clear(&mut self) {
+        self.0.clear()
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.0.check_invariants()
+    }
+}
+
+#[test]
+fn construction_checks_the_geometry() {
+    let rows = || ReqToTokenPool::new(1, 4).unwrap();
+    let geometry = |ps, size| Geometry(TokenAllocator::new(4).unwrap(), ps, size);
+    let e = RadixCache::new(geometry(0, 64), rows(), RadixConfig::default()).unwrap_err();
+    assert_eq!(e, ConfigError::ZeroPageSize);
+    let e = RadixCache::new(geometry(1, 1 << 33), rows(), RadixConfig::default()).unwrap_err();
+    assert!(matches!(e, ConfigError::TooLarge { .. }), "{e:?}");
+    let e = RadixCache::new(geometry(1 << 31, 1 << 32), rows(), RadixConfig::default()).unwrap_err();
+    assert!(matches!(e, ConfigError::TooLarge { .. }), "{e:?}");
+    let e = RadixCache::new(
+        geometry(1, 64),
+        rows(),
+        RadixConfig { event_capacity: Some(usize::MAX), ..Default::default() },
+    )
+    .unwrap_err();
+    assert!(matches!(e, ConfigError::OutOfMemory { bytes: u64::MAX, .. }), "{e:?}");
+    // An arena the machine cannot grant is an error that names its bytes.
+    let e = super::arena::boxed("test arena", usize::MAX / 8, |_| 0u64).unwrap_err();
+    assert_eq!(e, ConfigError::OutOfMemory { what: "test arena", bytes: u64::MAX - 7 });
+    assert!(e.to_string().contains("18446744073709551608 bytes"), "{e}");
 }

@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use super::heap::Heap;
-use super::{page_hash, span_of, CacheError, KvEvent, Lookup, MatchResult, Meta, Writer, NIL, ROOT};
+use super::{page_hash, span_of, CacheError, KvEvent, Lookup, MatchResult, Meta, RadixCache, Writer, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
-use crate::sync::atomic::{fence, Ordering};
+use crate::sync::atomic::{fence, AtomicU32, Ordering};
 
 const EMPTY: Meta = Meta {
     lock_ref: 0,
@@ -21,8 +21,60 @@ const EMPTY: Meta = Meta {
     alive: false,
 };
 
-/// Slots freed per allocator call during eviction (a stack buffer: no allocation).
-const FREE_CHUNK: usize = 64;
+/// What [`Writer::prepare_request`] found: the lease's length and the cached length.
+pub(super) struct Prepared {
+    pub protected: usize,
+    pub cached: usize,
+}
+
+fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
+    move |i, slot| CacheError::RowMismatch { index: offset + i, slot }
+}
+
+/// Pages in the run of consecutive pages that starts at page `i` of `slots` (whole
+/// pages of a checked shape). At page size 1, blocks of 64 slots are compared with one
+/// branch-free pass each (it vectorizes) before the page-by-page tail.
+pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
+    let pages = slots.len() / ps;
+    let s0 = slots[i * ps];
+    let mut len = 1usize;
+    if ps == 1 {
+        while i + len + 64 <= pages {
+            let first = s0.wrapping_add(len as u32);
+            let block = &slots[i + len..i + len + 64];
+            let diff = block.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ first.wrapping_add(k)));
+            if diff != 0 {
+                break;
+            }
+            len += 64;
+        }
+    }
+    while i + len < pages && slots[(i + len) * ps] == s0.wrapping_add((len * ps) as u32) {
+        len += 1;
+    }
+    len
+}
+
+impl<'a, A: KvAllocator> Writer<'a, A> {
+    /// The runs of node `id`, as (first page, pages), in order.
+    pub(super) fn runs(&self, id: u32) -> Runs<'a> {
+        let c: &'a RadixCache<A> = self.c;
+        let r = &c.records[id as usize];
+        let (first, count) = span_of(r.span.load(Ordering::Relaxed));
+        Runs {
+            next: &c.next_page,
+            lens: &c.run_len,
+            page: first,
+            in_run: r.first_run.load(Ordering::Relaxed),
+            left: count,
+        }
+    }
+
+    /// The pages of node `id`, in order (introspection and checks).
+    fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
+        self.runs(id).flat_map(|(start, len)| start..start + len)
+    }
+}
 
 impl<A: KvAllocator> Writer<'_, A> {
     pub(super) fn init(&mut self) {
@@ -68,33 +120,18 @@ impl<A: KvAllocator> Writer<'_, A> {
         span_of(self.c.records[id as usize].span.load(Ordering::Relaxed))
     }
 
-    fn next(&self, page: u32) -> u32 {
-        self.c.next_page[page as usize].load(Ordering::Relaxed)
-    }
-
-    fn advance(&self, mut page: u32, steps: usize) -> u32 {
-        for _ in 0..steps {
-            page = self.next(page);
-        }
-        page
-    }
-
     fn page_hash_of(&self, parent_page: u32, namespace: u64, page: u32) -> u64 {
         let ps = self.c.ps;
         let base = page as usize * ps;
         let mut tokens = [0u32; 64];
         if ps <= tokens.len() {
             for (k, t) in tokens[..ps].iter_mut().enumerate() {
-                *t = self.c.slot_token[base + k].load(Ordering::Relaxed);
+                *t = self.c.slot_token.get(base + k);
             }
             self.c.key_hash(parent_page, namespace, &tokens[..ps])
         } else {
             // Pages larger than the stack buffer hash through an iterator.
-            self.c.key_hash_iter(
-                parent_page,
-                namespace,
-                (0..ps).map(|k| self.c.slot_token[base + k].load(Ordering::Relaxed)),
-            )
+            self.c.key_hash_iter(parent_page, namespace, (0..ps).map(|k| self.c.slot_token.get(base + k)))
         }
     }
 
@@ -106,12 +143,34 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
-    fn set_in_tree(&mut self, page: u32, on: bool) {
-        let (w, b) = (page as usize / 64, 1u64 << (page % 64));
-        if on {
-            self.s.in_tree[w] |= b;
-        } else {
-            self.s.in_tree[w] &= !b;
+    /// Whether no page of `start..start + len` is in the tree, a word at a time.
+    fn in_tree_clear(&self, start: u32, len: u32) -> bool {
+        let (mut p, end) = (start as usize, start as usize + len as usize);
+        while p < end {
+            let (w, bit) = (p / 64, p % 64);
+            let n = (64 - bit).min(end - p);
+            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+            if self.s.in_tree[w] & mask != 0 {
+                return false;
+            }
+            p += n;
+        }
+        true
+    }
+
+    /// Set or clear the in-tree bits of pages `start..start + len`, a word at a time.
+    fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
+        let (mut p, end) = (start as usize, start as usize + len as usize);
+        while p < end {
+            let (w, bit) = (p / 64, p % 64);
+            let n = (64 - bit).min(end - p);
+            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+            if on {
+                self.s.in_tree[w] |= mask;
+            } else {
+                self.s.in_tree[w] &= !mask;
+            }
+            p += n;
         }
     }
 
@@ -126,7 +185,15 @@ impl<A: KvAllocator> Writer<'_, A> {
     // ---- records and buckets ----
 
     /// Take a free record and fill it (unpublished, its `gen` still odd).
-    fn new_record(&mut self, first: u32, pages: u32, parent_page: u32, namespace: u64, key_hash: u64) -> u32 {
+    fn new_record(
+        &mut self,
+        first: u32,
+        first_run: u32,
+        pages: u32,
+        parent_page: u32,
+        namespace: u64,
+        key_hash: u64,
+    ) -> u32 {
         let id = self.s.free_ids.pop().expect("a tree over N pages never needs more than N + 1 nodes");
         let r = &self.c.records[id as usize];
         debug_assert!(r.gen.load(Ordering::Relaxed) & 1 == 1);
@@ -134,6 +201,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         // this record was retired with (it then discards what it read).
         fence(Ordering::Release);
         r.span.store((first as u64) << 32 | pages as u64, Ordering::Relaxed);
+        r.first_run.store(first_run, Ordering::Relaxed);
         r.parent_page.store(parent_page, Ordering::Relaxed);
         r.namespace.store(namespace, Ordering::Relaxed);
         r.key_hash.store(key_hash, Ordering::Relaxed);
@@ -218,7 +286,7 @@ impl<A: KvAllocator> Writer<'_, A> {
     /// Walk `key`, touching as SGLang does, splitting a partially matched node.
     pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
         if key.is_empty() {
-            return MatchResult { len: 0, last_page: 0, epoch: 0 };
+            return MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id };
         }
         let ps = self.c.ps;
         self.touch(ROOT);
@@ -237,7 +305,7 @@ impl<A: KvAllocator> Writer<'_, A> {
                 break;
             }
         }
-        MatchResult { len: pos, last_page: cur, epoch: self.s.page_epoch[cur as usize] }
+        MatchResult { len: pos, last_page: cur, epoch: self.s.page_epoch[cur as usize], cache_id: self.c.id }
     }
 
     /// Cut node `id` after `m` pages; returns the new upper node.
@@ -249,11 +317,29 @@ impl<A: KvAllocator> Writer<'_, A> {
             r.namespace.load(Ordering::Relaxed),
             r.key_hash.load(Ordering::Relaxed),
         );
-        let cut = self.advance(first, m - 1);
-        let lower_first = self.next(cut);
-        let upper = self.new_record(first, m as u32, parent_page, namespace, key_hash);
+        // Find the cut (page `m - 1`) and where the lower part starts, a run at a time.
+        let (mut at, mut cut, mut lower) = (0usize, 0u32, (0u32, 0u32));
+        for (start, len) in self.runs(id) {
+            if at + len as usize >= m {
+                let off = (m - 1 - at) as u32;
+                cut = start + off;
+                let in_run = self.c.records[id as usize].first_run.load(Ordering::Relaxed);
+                let run = if at == 0 { in_run } else { self.c.run_len[start as usize].load(Ordering::Relaxed) };
+                lower = if off + 1 < run {
+                    (cut + 1, run - off - 1)
+                } else {
+                    let next = self.c.next_page[(start + len - 1) as usize].load(Ordering::Relaxed);
+                    (next, self.c.run_len[next as usize].load(Ordering::Relaxed))
+                };
+                break;
+            }
+            at += len as usize;
+        }
+        let (lower_first, lower_run) = lower;
+        let first_run = self.c.records[id as usize].first_run.load(Ordering::Relaxed);
+        let upper = self.new_record(first, first_run, m as u32, parent_page, namespace, key_hash);
         let lower_hash = self.page_hash_of(cut, namespace, lower_first);
-        let lower = self.new_record(lower_first, n - m as u32, cut, namespace, lower_hash);
+        let lower = self.new_record(lower_first, lower_run, n - m as u32, cut, namespace, lower_hash);
         // The lower part is reachable only through the upper one, which is not yet
         // published: linking it first is invisible.
         self.publish(lower);
@@ -291,9 +377,9 @@ impl<A: KvAllocator> Writer<'_, A> {
         pos
     }
 
-    /// Validate an insert's arguments and the pages it would take; marks those pages as
-    /// in the tree on success, changes nothing on error.
-    fn claim_new_pages(&mut self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
+    /// The shape an insert needs: as many slots as tokens, whole pages, each page's slots
+    /// that page's slots in order, in range.
+    fn check_insert_shape(&self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
         let ps = self.c.ps;
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
@@ -301,27 +387,66 @@ impl<A: KvAllocator> Writer<'_, A> {
         if key.len() % ps != 0 {
             return Err(InvalidInput::NotPageAligned { count: key.len(), page_size: ps as u32 }.into());
         }
+        let (lo, hi) = (ps as u32, (self.c.num_pages + 1).saturating_mul(ps as u32).wrapping_sub(1));
+        if ps == 1 {
+            // Every slot is a page: only the range matters (min and max vectorize).
+            let (min, max) = slots.iter().fold((u32::MAX, 0), |(a, b), &s| (a.min(s), b.max(s)));
+            if !slots.is_empty() && (min < lo || max > hi) {
+                let slot = slots.iter().copied().find(|&s| s < lo || s > hi).unwrap_or(min);
+                return Err(InvalidInput::NotAPage { slot }.into());
+            }
+            return Ok(());
+        }
         for chunk in slots.chunks_exact(ps) {
             let s0 = chunk[0];
-            let page = s0 / ps as u32;
             // One branch-free pass (it vectorizes): any slot off its place sets a bit.
             let off = chunk.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ s0.wrapping_add(k)));
-            let whole = s0 % ps as u32 == 0 && off == 0;
-            if !whole || page == 0 || page > self.c.num_pages {
+            let whole = self.c.page_offset(s0) == 0 && off == 0;
+            if !whole || s0 < lo || s0 > hi {
                 return Err(InvalidInput::NotAPage { slot: s0 }.into());
             }
         }
-        for (i, chunk) in slots[from..].chunks_exact(ps).enumerate() {
-            let page = chunk[0] / ps as u32;
-            if self.in_tree(page) || !self.c.alloc.is_allocated(chunk[0]) {
-                for undo in slots[from..from + i * ps].chunks_exact(ps) {
-                    self.set_in_tree(undo[0] / ps as u32, false);
-                }
-                return Err(CacheError::SlotNotOwned { slot: chunk[0] });
+        Ok(())
+    }
+
+    /// Mark the whole pages of `slots` (checked shape) as held by the tree, after checking
+    /// that each is allocated and not held already; on error nothing stays marked and the
+    /// error names the first slot of the offending page.
+    fn claim_pages(&mut self, slots: &[u32], err: impl Fn(usize, u32) -> CacheError) -> Result<(), CacheError> {
+        let ps = self.c.ps;
+        let pages = slots.len() / ps;
+        let mut i = 0;
+        // A run of consecutive pages at a time: one word of the in-tree bitmap and one
+        // of the allocator's per 64 pages.
+        while i < pages {
+            let len = run_at(slots, ps, i);
+            let start = self.c.page_of(slots[i * ps]);
+            if !self.in_tree_clear(start, len as u32) || !self.c.alloc.pages_allocated(start, len as u32) {
+                // Name the first offending page of the run.
+                let bad = (0..len)
+                    .find(|&k| {
+                        let page = start + k as u32;
+                        self.in_tree(page) || !self.c.alloc.pages_allocated(page, 1)
+                    })
+                    .unwrap_or(0);
+                self.unclaim_pages(&slots[..i * ps]);
+                return Err(err((i + bad) * ps, slots[(i + bad) * ps]));
             }
-            self.set_in_tree(page, true);
+            self.set_in_tree_range(start, len as u32, true);
+            i += len;
         }
         Ok(())
+    }
+
+    fn unclaim_pages(&mut self, slots: &[u32]) {
+        let ps = self.c.ps;
+        let pages = slots.len() / ps;
+        let mut i = 0;
+        while i < pages {
+            let len = run_at(slots, ps, i);
+            self.set_in_tree_range(self.c.page_of(slots[i * ps]), len as u32, false);
+            i += len;
+        }
     }
 
     pub(super) fn insert(
@@ -331,9 +456,105 @@ impl<A: KvAllocator> Writer<'_, A> {
         slots: &[u32],
         priority: i64,
     ) -> Result<usize, CacheError> {
+        self.check_insert_shape(key, slots)?;
+        let cached = self.cached_len(namespace, key);
+        self.claim_pages(&slots[cached..], |_, slot| CacheError::SlotNotOwned { slot })?;
+        self.apply_insert(namespace, key, slots, priority, cached);
+        Ok(cached)
+    }
+
+    /// Check a request about to be cached, before anything changes (the request helpers'
+    /// half of an insert). `key` is the page-aligned part of its tokens, `kv` its row
+    /// (all its tokens, the tail included). Checks, in O(pages):
+    ///
+    /// * the lease's prefix: the row holds the tree's own slots there, and the lease's
+    ///   node ends exactly there on `key`'s path;
+    /// * the duplicates (tokens the tree holds beyond the lease): the row's pages there
+    ///   are the request's — allocated, not the tree's, each listed once;
+    /// * the new pages: allocated, not the tree's (they are marked as the tree's);
+    /// * with `tail`, the unaligned tail: allocated, not the tree's, not a page being
+    ///   cached or freed as a duplicate.
+    ///
+    /// On success the new pages are marked as in the tree (as [`insert`](Self::insert)'s
+    /// claim does) and [`apply_insert`](Self::apply_insert) must follow.
+    pub(super) fn prepare_request(
+        &mut self,
+        namespace: u64,
+        key: &[u32],
+        kv: &[u32],
+        lease: super::LeaseKey,
+        tail: bool,
+    ) -> Result<Prepared, CacheError> {
         let ps = self.c.ps;
-        let cached = if key.len() == slots.len() && key.len() % ps == 0 { self.cached_len(namespace, key) } else { 0 };
-        self.claim_new_pages(key, slots, cached)?;
+        let aligned = key.len();
+        let protected = lease.len;
+        self.check_insert_shape(key, &kv[..aligned])?;
+        let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
+        // Walk the cached part of the key; compare the leased prefix with the row.
+        let (mut pos, mut cur) = (0usize, 0u32);
+        let mut bad = None;
+        while pos < aligned {
+            let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+                break;
+            };
+            let (m, last, n) = self.c.walk_node::<true>(id, &key[pos..], |at, page, pages| {
+                // The row must hold the tree's slots (consecutive in a run) where leased.
+                let from = pos + at * ps;
+                let to = (from + pages * ps).min(protected);
+                let base = page * ps as u32;
+                if bad.is_none() && from < to {
+                    let off = kv[from..to].iter().zip(base..).position(|(&s, t)| s != t);
+                    bad = off.map(|k| from + k);
+                }
+            });
+            if let Some(index) = bad {
+                return Err(mismatch(index, kv[index]));
+            }
+            pos += m * ps;
+            if m < n {
+                break;
+            }
+            cur = last;
+        }
+        let cached = pos;
+        let lease_end = if protected == 0 { 0 } else { kv[protected - 1] / ps as u32 };
+        if cached < protected || lease_end != lease.last_page {
+            let at = protected.saturating_sub(1);
+            return Err(mismatch(at, kv.get(at).copied().unwrap_or(0)));
+        }
+        // Mark the duplicates and the new pages; a page listed twice, or one the tree
+        // holds, fails the mark. Duplicates are unmarked again below.
+        self.claim_pages(&kv[protected..cached], mismatch_from(protected))?;
+        if let Err(e) = self.claim_pages(&kv[cached..aligned], |_, slot| CacheError::SlotNotOwned { slot }) {
+            self.unclaim_pages(&kv[protected..cached]);
+            return Err(e);
+        }
+        let tail_ok = if tail {
+            kv[aligned..].iter().enumerate().try_for_each(|(i, &slot)| {
+                let page = slot / ps as u32;
+                let owned =
+                    page != 0 && page <= self.c.num_pages && !self.in_tree(page) && self.c.alloc.is_allocated(slot);
+                if owned {
+                    Ok(())
+                } else {
+                    Err(mismatch(aligned + i, slot))
+                }
+            })
+        } else {
+            Ok(())
+        };
+        self.unclaim_pages(&kv[protected..cached]);
+        if let Err(e) = tail_ok {
+            self.unclaim_pages(&kv[cached..aligned]);
+            return Err(e);
+        }
+        Ok(Prepared { protected, cached })
+    }
+
+    /// Insert `key -> slots` whose first `cached` tokens the tree holds and whose other
+    /// pages are claimed (checked and marked); returns `cached`.
+    pub(super) fn apply_insert(&mut self, namespace: u64, key: &[u32], slots: &[u32], priority: i64, cached: usize) {
+        let ps = self.c.ps;
         self.touch(ROOT);
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
@@ -358,35 +579,47 @@ impl<A: KvAllocator> Writer<'_, A> {
         if pos < key.len() {
             self.new_leaf(cur, namespace, &key[pos..], &slots[pos..], priority);
         }
-        Ok(pos)
     }
 
     fn new_leaf(&mut self, parent_page: u32, namespace: u64, key: &[u32], slots: &[u32], priority: i64) {
         let ps = self.c.ps;
         let pages = key.len() / ps;
-        let mut prev_hash = (parent_page != 0 && self.c.events.is_some()).then(|| self.s.digests[parent_page as usize]);
-        let mut last = 0;
-        for i in 0..pages {
-            let page = slots[i * ps] / ps as u32;
-            let base = page as usize * ps;
-            for (cell, &t) in self.c.slot_token[base..base + ps].iter().zip(&key[i * ps..(i + 1) * ps]) {
-                // Release: a reader that sees this token (and then validates) is ordered
-                // after whatever freed and recycled the slot before.
-                cell.store(t, Ordering::Release);
-            }
-            let next = if i + 1 < pages { slots[(i + 1) * ps] / ps as u32 } else { 0 };
-            self.c.next_page[page as usize].store(next, Ordering::Release);
-            if self.c.events.is_some() {
-                let h = page_hash(prev_hash.as_ref(), &key[i * ps..(i + 1) * ps]);
+        if self.c.events.is_some() {
+            let mut prev_hash = (parent_page != 0).then(|| self.s.digests[parent_page as usize]);
+            for (i, (chunk, slot)) in key.chunks_exact(ps).zip(slots.iter().step_by(ps)).enumerate() {
+                let page = slot / ps as u32;
+                let h = page_hash(prev_hash.as_ref(), chunk);
                 self.s.digests[page as usize] = h;
                 self.event(KvEvent::BlockStored { hash: h, parent: prev_hash, page, namespace });
                 prev_hash = Some(h);
+                debug_assert!(i < pages);
             }
-            last = page;
         }
+        // Release: a reader that sees any token or link stored below (and then validates
+        // with an Acquire fence) is ordered after whatever freed and recycled the pages.
+        fence(Ordering::Release);
+        // Cut the pages into runs of consecutive pages: tokens are copied a run at a
+        // time, and only run starts (length) and run ends (link) get bookkeeping.
+        let (mut i, mut prev_end, mut first_run, mut last) = (0usize, 0u32, 0u32, 0u32);
+        while i < pages {
+            let start = self.c.page_of(slots[i * ps]);
+            let len = run_at(slots, ps, i);
+            let base = start as usize * ps;
+            self.c.slot_token.write(base, &key[i * ps..(i + len) * ps]);
+            self.c.run_len[start as usize].store(len as u32, Ordering::Relaxed);
+            if i == 0 {
+                first_run = len as u32;
+            } else {
+                self.c.next_page[prev_end as usize].store(start, Ordering::Relaxed);
+            }
+            prev_end = start + len as u32 - 1;
+            last = prev_end;
+            i += len;
+        }
+        self.c.next_page[last as usize].store(0, Ordering::Relaxed);
         let first = slots[0] / ps as u32;
         let h = self.c.key_hash(parent_page, namespace, &key[..ps]);
-        let id = self.new_record(first, pages as u32, parent_page, namespace, h);
+        let id = self.new_record(first, first_run, pages as u32, parent_page, namespace, h);
         self.publish(id);
         let t = self.tick();
         self.s.meta[id as usize] = Meta { alive: true, last_page: last, last_access: t, created: t, priority, ..EMPTY };
@@ -452,32 +685,23 @@ impl<A: KvAllocator> Writer<'_, A> {
         let ps = self.c.ps;
         let mut freed = 0usize;
         let mut group = self.c.alloc.free_group();
-        let mut buf = [0u32; FREE_CHUNK];
-        let mut fill = 0usize;
         while freed < num_tokens {
             let Some(x) = self.heap().pop() else { break };
-            let (first, count) = self.span(x);
+            let count = self.span(x).1;
             let parent = self.parent_of(x);
             let last_page = self.s.meta[x as usize].last_page;
             // Unpublish and retire before any page is freed (see the module docs).
             self.unlink(x);
             self.retire(x);
-            let mut page = first;
-            for i in 0..count {
+            for (start, len) in self.runs(x) {
+                self.set_in_tree_range(start, len, false);
                 if self.c.events.is_some() {
-                    self.event(KvEvent::BlockRemoved { hash: self.s.digests[page as usize], page });
+                    for page in start..start + len {
+                        self.event(KvEvent::BlockRemoved { hash: self.s.digests[page as usize], page });
+                    }
                 }
-                self.set_in_tree(page, false);
-                buf[fill] = page * ps as u32;
-                fill += 1;
-                if fill == FREE_CHUNK {
-                    let r = group.free(&buf);
-                    debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
-                    fill = 0;
-                }
-                if i + 1 < count {
-                    page = self.next(page);
-                }
+                let r = group.free_pages(start, len);
+                debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
             }
             self.s.page_owner[last_page as usize] = NIL;
             let len = count as usize * ps;
@@ -490,8 +714,6 @@ impl<A: KvAllocator> Writer<'_, A> {
                 self.heap().push(parent);
             }
         }
-        let r = group.free(&buf[..fill]);
-        debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
         group.end();
         freed
     }
@@ -503,14 +725,9 @@ impl<A: KvAllocator> Writer<'_, A> {
             if !self.s.meta[id as usize].alive {
                 continue;
             }
-            let (first, count) = self.span(id);
-            let mut page = first;
-            for i in 0..count {
+            for page in self.pages(id) {
                 let r = group.free(&[page * ps as u32]);
                 debug_assert!(r.is_ok());
-                if i + 1 < count {
-                    page = self.next(page);
-                }
             }
             self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
         }
@@ -525,21 +742,8 @@ impl<A: KvAllocator> Writer<'_, A> {
     // ---- introspection ----
 
     fn first_tokens(&self, id: u32, max: usize) -> Vec<u32> {
-        let (first, count) = self.span(id);
-        let ps = self.c.ps;
-        let mut out = Vec::new();
-        let mut page = first;
-        'pages: for i in 0..count {
-            for k in 0..ps {
-                if out.len() == max {
-                    break 'pages;
-                }
-                out.push(self.c.slot_token[page as usize * ps + k].load(Ordering::Relaxed));
-            }
-            if i + 1 < count {
-                page = self.next(page);
-            }
-        }
+        let mut out = self.node_tokens(id).0;
+        out.truncate(max);
         out
     }
 
@@ -557,18 +761,12 @@ impl<A: KvAllocator> Writer<'_, A> {
     }
 
     fn node_tokens(&self, id: u32) -> (Vec<u32>, Vec<u32>) {
-        let (first, count) = self.span(id);
         let ps = self.c.ps;
         let (mut k, mut v) = (Vec::new(), Vec::new());
-        let mut page = first;
-        for i in 0..count {
-            for j in 0..ps {
-                let slot = page as usize * ps + j;
-                k.push(self.c.slot_token[slot].load(Ordering::Relaxed));
+        for page in self.pages(id) {
+            for slot in page as usize * ps..(page as usize + 1) * ps {
+                k.push(self.c.slot_token.get(slot));
                 v.push(slot as u32);
-            }
-            if i + 1 < count {
-                page = self.next(page);
             }
         }
         (k, v)
@@ -662,23 +860,35 @@ impl<A: KvAllocator> Writer<'_, A> {
             if count == 0 {
                 return Err(format!("node {id} is empty"));
             }
-            let mut page = first;
-            for i in 0..count {
-                if page == 0 || page > self.c.num_pages {
-                    return Err(format!("node {id} links to page {page}"));
+            // Walk the runs by hand, bounds-checked: a corrupt link is reported, not a panic.
+            let np = self.c.num_pages;
+            let (mut start, mut in_run) = (first, self.c.records[id as usize].first_run.load(Ordering::Relaxed));
+            let (mut seen, mut page) = (0u32, 0u32);
+            while seen < count {
+                let len = in_run.min(count - seen);
+                if len == 0 || start == 0 || start as u64 + len as u64 - 1 > np as u64 {
+                    return Err(format!("node {id} has a bad run ({start}, {len}) after {seen} pages"));
                 }
-                if owner_of_page[page as usize] != NIL {
-                    return Err(format!("page {page} is in nodes {} and {id}", owner_of_page[page as usize]));
+                for p in start..start + len {
+                    page = p;
+                    if owner_of_page[page as usize] != NIL {
+                        return Err(format!("page {page} is in nodes {} and {id}", owner_of_page[page as usize]));
+                    }
+                    owner_of_page[page as usize] = id;
+                    if !self.in_tree(page) {
+                        return Err(format!("page {page} of node {id} is not marked in the tree"));
+                    }
+                    if !self.c.alloc.is_allocated(page * ps as u32) {
+                        return Err(format!("page {page} of node {id} is free in the allocator"));
+                    }
                 }
-                owner_of_page[page as usize] = id;
-                if !self.in_tree(page) {
-                    return Err(format!("page {page} of node {id} is not marked in the tree"));
-                }
-                if !self.c.alloc.is_allocated(page * ps as u32) {
-                    return Err(format!("page {page} of node {id} is free in the allocator"));
-                }
-                if i + 1 < count {
-                    page = self.next(page);
+                seen += len;
+                if seen < count {
+                    start = self.c.next_page[page as usize].load(Ordering::Relaxed);
+                    if start == 0 || start > np {
+                        return Err(format!("node {id} links to page {start}"));
+                    }
+                    in_run = self.c.run_len[start as usize].load(Ordering::Relaxed);
                 }
             }
             if page != m.last_page || self.s.page_owner[page as usize] != id {
@@ -778,5 +988,32 @@ impl<A: KvAllocator> Writer<'_, A> {
             ));
         }
         Ok(())
+    }
+}
+
+/// The runs of a node, for the latch holder (see [`Writer::runs`]).
+pub(super) struct Runs<'a> {
+    next: &'a [AtomicU32],
+    lens: &'a [AtomicU32],
+    page: u32,
+    in_run: u32,
+    left: u32,
+}
+
+impl Iterator for Runs<'_> {
+    type Item = (u32, u32);
+
+    fn next(&mut self) -> Option<(u32, u32)> {
+        if self.left == 0 {
+            return None;
+        }
+        let (start, len) = (self.page, self.in_run.min(self.left));
+        debug_assert!(len > 0, "a node's run is empty");
+        self.left -= len;
+        if self.left > 0 {
+            self.page = self.next[(start + len - 1) as usize].load(Ordering::Relaxed);
+            self.in_run = self.lens[self.page as usize].load(Ordering::Relaxed);
+        }
+        Some((start, len))
     }
 }

@@ -1069,5 +1069,7 @@ impl core::fmt::Debug for FreeGroup<'_> {
     }
 }
 
+mod range;
+
 #[cfg(all(test, not(loom)))]
 mod tests;

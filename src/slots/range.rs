@@ -1,0 +1,155 @@
+//! Whole ranges of consecutive indices: a membership test and a free that cost one load
+//! (and one read-modify-write) per bitmap word instead of work per index. The radix
+//! cache holds its pages in runs of consecutive pages and uses these for a run at a time.
+
+use super::{Applied, Dup, FreeGroup, SlotPool, BITS};
+use crate::error::{FreeError, FreeErrorKind};
+use crate::sync::atomic::Ordering;
+
+/// The bitmap words covering `first..first + count` (indices from 1), each with the mask
+/// of the range's bits in it.
+fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
+    let (mut i, end) = (first as usize - 1, first as usize - 1 + count as usize);
+    core::iter::from_fn(move || {
+        if i >= end {
+            return None;
+        }
+        let (w, bit) = (i / BITS, i % BITS);
+        let n = (BITS - bit).min(end - i);
+        let mask = if n == BITS { u64::MAX } else { ((1u64 << n) - 1) << bit };
+        i += n;
+        Some((w, mask))
+    })
+}
+
+impl SlotPool {
+    /// Whether every index of `first..first + count` is handed out (`false` if any is
+    /// out of range or free). One load per 64 indices; a snapshot under concurrency.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let pool = kvpool::SlotPool::new(100);
+    /// let mut a = [0u32; 70];
+    /// pool.alloc(&mut a)?; // 1..=70
+    /// assert!(pool.all_allocated(1, 70));
+    /// assert!(!pool.all_allocated(65, 10)); // 71..=74 are free
+    /// assert!(pool.all_allocated(5, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn all_allocated(&self, first: u32, count: u32) -> bool {
+        if count == 0 {
+            return true;
+        }
+        if first == 0 || first as u64 + count as u64 - 1 > self.capacity as u64 {
+            return false;
+        }
+        // A set bit means free.
+        words_of(first, count).all(|(w, mask)| self.words[w].load(Ordering::Acquire) & mask == 0)
+    }
+
+    /// Validate then set the bits of `first..first + count` (without publishing), as
+    /// [`release_slice`](Self::release_slice) does for a slice: nothing changes unless
+    /// every index is in range and allocated. Returns how many bits went 0 -> 1, and on
+    /// error also that count.
+    pub(crate) fn release_range(&self, first: u32, count: u32) -> Result<usize, (usize, FreeError)> {
+        if count == 0 {
+            return Ok(0);
+        }
+        let last = first as u64 + count as u64 - 1;
+        if first == 0 || last > self.capacity as u64 {
+            let index = if first == 0 { 0 } else { (self.capacity as u64 + 1).min(last) as u32 };
+            let kind = FreeErrorKind::OutOfRange { first: 1, last: self.capacity };
+            return Err((0, FreeError { index, kind, rest_freed: false }));
+        }
+        for (w, mask) in words_of(first, count) {
+            let set = self.words[w].load(Ordering::Relaxed) & mask;
+            if set != 0 {
+                let index = (w * BITS + set.trailing_zeros() as usize + 1) as u32;
+                return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
+            }
+        }
+        let mut acc = Applied { freed: 0, first_dup: None, min_word: usize::MAX };
+        for (w, mask) in words_of(first, count) {
+            self.set_bits(w, mask, Dup::Strict, &mut acc);
+        }
+        self.lower_hint(acc.min_word);
+        match acc.first_dup {
+            None => Ok(acc.freed),
+            Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
+        }
+    }
+}
+
+impl FreeGroup<'_> {
+    /// Free the indices `first..first + count` into the group: one check and one
+    /// read-modify-write per 64 indices.
+    ///
+    /// # Errors
+    ///
+    /// As [`SlotPool::free`]: an index out of range or not allocated; nothing is freed
+    /// then.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let pool = kvpool::SlotPool::new(100);
+    /// let mut a = [0u32; 100];
+    /// pool.alloc(&mut a)?;
+    /// let mut group = pool.free_group();
+    /// group.free_range(10, 80)?;
+    /// assert!(group.free_range(50, 1).is_err()); // already freed
+    /// assert_eq!(group.end(), 80);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn free_range(&mut self, first: u32, count: u32) -> Result<(), FreeError> {
+        let r = self.pool.release_range(first, count);
+        self.account(r)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Ranges agree with index-by-index answers, across word boundaries.
+    #[test]
+    fn ranges_agree_with_indices() {
+        let pool = SlotPool::new(300);
+        let mut all = [0u32; 300];
+        pool.alloc(&mut all).unwrap();
+        // Free a scattered pattern: every index divisible by 7 or in 100..=140.
+        let scattered: Vec<u32> = (1..=300).filter(|i| i % 7 == 0 || (100..=140).contains(i)).collect();
+        pool.free(&scattered).unwrap();
+        for first in [1u32, 2, 63, 64, 65, 99, 127, 128, 141, 250] {
+            for count in [0u32, 1, 5, 63, 64, 65, 130] {
+                let by_index = (first..first + count).all(|i| pool.is_allocated(i));
+                assert_eq!(pool.all_allocated(first, count), by_index, "range {first} + {count}");
+            }
+        }
+        assert!(!pool.all_allocated(0, 1) && !pool.all_allocated(300, 2));
+        // A range free refuses a range with a free index, naming it, and frees nothing.
+        let before = pool.available();
+        let mut group = pool.free_group();
+        let e = group.free_range(95, 10).unwrap_err();
+        assert_eq!((e.index, e.kind.clone()), (98, FreeErrorKind::NotAllocated));
+        assert!(group.free_range(299, 3).is_err());
+        assert!(group.free_range(0, 1).is_err());
+        assert_eq!(group.end(), 0);
+        assert_eq!(pool.available(), before);
+        // A valid range frees exactly its indices.
+        let mut group = pool.free_group();
+        group.free_range(142, 5).unwrap(); // 142..=146 (147 = 7 * 21 is free already)
+        assert_eq!(group.end(), 5);
+        assert!((142..=146).all(|i| !pool.is_allocated(i)));
+        assert!(pool.free_range_for_test(143, 1).is_err());
+        pool.check_invariants().unwrap();
+    }
+
+    impl SlotPool {
+        fn free_range_for_test(&self, first: u32, count: u32) -> Result<(), FreeError> {
+            let mut group = self.free_group();
+            group.free_range(first, count)
+        }
+    }
+}
