@@ -332,7 +332,9 @@ fn paged_cache(size: usize, ps: u32) -> RadixCache<PagedAllocator> {
 }
 
 /// Everything a misuse test compares before and after a refused call.
-fn snapshot<A: KvAllocator>(c: &RadixCache<A>) -> (usize, usize, usize, usize, Vec<(u64, Vec<u32>, Vec<u32>)>) {
+type Snapshot = (usize, usize, usize, usize, Vec<(u64, Vec<u32>, Vec<u32>)>);
+
+fn snapshot<A: KvAllocator>(c: &RadixCache<A>) -> Snapshot {
     c.check_invariants().unwrap();
     (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size(), c.leaf_paths())
 }

@@ -132,7 +132,7 @@ mod tests {
         let before = pool.available();
         let mut group = pool.free_group();
         let e = group.free_range(95, 10).unwrap_err();
-        assert_eq!((e.index, e.kind.clone()), (98, FreeErrorKind::NotAllocated));
+        assert_eq!((e.index, e.kind), (98, FreeErrorKind::NotAllocated));
         assert!(group.free_range(299, 3).is_err());
         assert!(group.free_range(0, 1).is_err());
         assert_eq!(group.end(), 0);
