@@ -283,6 +283,14 @@ pub enum ConfigError {
     },
     /// A dimension that must be positive is zero.
     Zero(&'static str),
+    /// The arenas would take more memory than this machine can allocate (or more
+    /// than can be addressed). Nothing was allocated.
+    TooLargeForMemory {
+        /// What needed the memory (an arena, or the whole configuration).
+        what: &'static str,
+        /// Bytes it needs (`u64::MAX` when the size overflows 64 bits).
+        bytes: u64,
+    },
 }
 
 impl fmt::Display for ConfigError {
@@ -293,6 +301,14 @@ impl fmt::Display for ConfigError {
                 write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
+            ConfigError::TooLargeForMemory { what, bytes: u64::MAX } => {
+                write!(f, "{what} needs more than {} bytes, more than can be addressed", u64::MAX)
+            }
+            ConfigError::TooLargeForMemory { what, bytes } => write!(
+                f,
+                "{what} needs {bytes} bytes ({:.1} GiB), more than this machine can allocate",
+                *bytes as f64 / (1u64 << 30) as f64
+            ),
         }
     }
 }

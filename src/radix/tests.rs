@@ -300,7 +300,7 @@ fn reset_returns_everything() {
 #[test]
 fn agrees_with_reference_on_a_scripted_run() {
     let c = token_cache(64, EvictionPolicy::Lru);
-    let mut r = ReferenceRadixCache::new(TokenAllocator::new(64).unwrap(), EvictionPolicy::Lru);
+    let mut r = ReferenceRadixCache::new(TokenAllocator::new(64).unwrap(), EvictionPolicy::Lru).unwrap();
     let keys: [&[u32]; 5] = [&[1, 2, 3, 4], &[1, 2, 5], &[1, 2, 3, 9, 9], &[7, 7], &[1, 2, 5, 6, 6]];
     for k in keys {
         let mut out = vec![0u32; k.len()];
