@@ -7,7 +7,7 @@ use crate::error::ConfigError;
 
 /// The bytes of `len` values of `T`, or `u64::MAX` when that overflows.
 pub(crate) fn bytes_of<T>(len: usize) -> u64 {
-    (len as u64).checked_mul(core::mem::size_of::<T>() as u64).unwrap_or(u64::MAX)
+    (len as u64).saturating_mul(core::mem::size_of::<T>() as u64)
 }
 
 /// A vector of `len` values made by `fill`, its memory reserved fallibly first.
