@@ -9,8 +9,8 @@
 //! * [`run_sequential`] — one thread, one request at a time, deterministic: match and
 //!   lock the prompt, take a row, `alloc_extend` the rest of the prompt, one
 //!   `alloc_decode` per output token after the first, evicting the shortfall when
-//!   short, then `cache_finished_req`. A request that does not fit even after
-//!   evicting everything evictable is rejected (what it held is released).
+//!   short, then `cache_finished_req`. A request whose KV exceeds the whole pool is
+//!   rejected up front, nothing expanded or evicted.
 //! * [`run_overlap`] — an overlap scheduler: a scheduler thread admits requests in
 //!   order (up to `max_running`) and allocates one decode slot per running request per
 //!   step, an output thread finishes completed requests concurrently, and router

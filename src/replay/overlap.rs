@@ -558,10 +558,13 @@ fn output_loop<'c, C: ReplayCache>(
 ) -> Result<OutputResult, ReplayError> {
     let ps = cache.page_size() as usize;
     let capacity = cache.capacity_tokens();
-    let mut out = OutputResult {
-        timeline: Vec::with_capacity(if config.timeline { trace.len() } else { 0 }),
-        ..OutputResult::default()
-    };
+    let mut out = OutputResult::default();
+    if config.timeline {
+        out.timeline.try_reserve_exact(trace.len()).map_err(|_| crate::ConfigError::TooLargeForMemory {
+            what: "the replay's timeline",
+            bytes: crate::arena::bytes_of::<TimelinePoint>(trace.len()),
+        })?;
+    }
     for f in rx.iter() {
         let q = trace.request(f.r);
         let kv_len = q.kv_len();
