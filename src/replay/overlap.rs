@@ -190,11 +190,9 @@ pub(crate) fn run_overlap_counted<C: ReplayCache>(
             .map(|(k, bufs)| s.spawn(move || router_thread(cache, trace, config, k, shared, bufs)))
             .collect();
         let router_threads: Vec<Thread> = routers.iter().map(|h| h.thread().clone()).collect();
-        let sched = scheduler(cache, trace, config, tx, shared, router_threads.clone(), (prompt, slots));
-        shared.done.store(true, Ordering::Release);
-        for router in &router_threads {
-            router.unpark();
-        }
+        let done = RoutersDone { shared, routers: router_threads.clone() };
+        let sched = scheduler(cache, trace, config, tx, shared, router_threads, (prompt, slots));
+        drop(done);
         let output = output.join();
         let routers: Vec<_> = routers.into_iter().map(|h| h.join()).collect();
         (sched, output, routers)
@@ -220,6 +218,23 @@ pub(crate) fn run_overlap_counted<C: ReplayCache>(
     }
     progress(totals.served + totals.rejected);
     Ok((finish_report(cache, config, totals, &hist, wall, output.timeline)?, router_waits))
+}
+
+/// Tells the routers that the scheduler is done and wakes them all when dropped: after
+/// the scheduler returns, and also if it panics, so that joining never waits on a
+/// parked router.
+struct RoutersDone<'a> {
+    shared: &'a Shared,
+    routers: Vec<Thread>,
+}
+
+impl Drop for RoutersDone<'_> {
+    fn drop(&mut self) {
+        self.shared.done.store(true, Ordering::Release);
+        for router in &self.routers {
+            router.unpark();
+        }
+    }
 }
 
 /// Every thread's buffers, reserved before the threads start.
