@@ -142,7 +142,7 @@ fn readers(c: &mut Criterion) {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
     let kv = Arc::new(RadixCache::new(make(), ReqToTokenPool::new(16, PROMPT).unwrap(), config).unwrap());
     run(c, "kvpool_peek", kv);
-    let reference = Arc::new(Mutex::new(ReferenceRadixCache::new(make(), EvictionPolicy::Lru)));
+    let reference = Arc::new(Mutex::new(ReferenceRadixCache::new(make(), EvictionPolicy::Lru).unwrap()));
     run(c, "mutex_reference", reference);
 }
 

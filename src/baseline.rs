@@ -23,6 +23,7 @@
 use std::collections::{BinaryHeap, HashMap};
 
 use crate::alloc::KvAllocator;
+use crate::error::ConfigError;
 use crate::radix::EvictionPolicy;
 
 /// A node of a [`ReferenceRadixCache`].
@@ -60,12 +61,30 @@ const ROOT: usize = 0;
 
 impl<A: KvAllocator> ReferenceRadixCache<A> {
     /// An empty cache that frees evicted slots into `alloc`.
-    pub fn new(alloc: A, policy: EvictionPolicy) -> Self {
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::baseline::ReferenceRadixCache;
+    /// use kvpool::{radix::EvictionPolicy, PagedAllocator};
+    /// let cache = ReferenceRadixCache::new(PagedAllocator::new(64, 4)?, EvictionPolicy::Lru)?;
+    /// assert_eq!(cache.total_size(), 0);
+    /// # Ok::<(), kvpool::ConfigError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroPageSize`] if `alloc.page_size()` is 0 (possible with a
+    /// custom [`KvAllocator`]): queries are cut to whole pages.
+    pub fn new(alloc: A, policy: EvictionPolicy) -> Result<Self, ConfigError> {
         let page_size = alloc.page_size() as usize;
+        if page_size == 0 {
+            return Err(ConfigError::ZeroPageSize);
+        }
         let mut c =
             ReferenceRadixCache { alloc, page_size, policy, nodes: Vec::new(), clock: 0, evictable: 0, protected: 0 };
         c.reset_tree();
-        c
+        Ok(c)
     }
 
     fn reset_tree(&mut self) {
@@ -412,7 +431,7 @@ mod tests {
     use crate::TokenAllocator;
 
     fn cache(size: usize) -> ReferenceRadixCache<TokenAllocator> {
-        ReferenceRadixCache::new(TokenAllocator::new(size).unwrap(), EvictionPolicy::Lru)
+        ReferenceRadixCache::new(TokenAllocator::new(size).unwrap(), EvictionPolicy::Lru).unwrap()
     }
 
     #[test]
@@ -457,7 +476,7 @@ mod tests {
     #[test]
     fn paged_match_is_page_aligned() {
         let alloc = crate::PagedAllocator::new(64, 4).unwrap();
-        let mut c = ReferenceRadixCache::new(alloc, EvictionPolicy::Lru);
+        let mut c = ReferenceRadixCache::new(alloc, EvictionPolicy::Lru).unwrap();
         let k: Vec<u32> = (1..=8).collect();
         c.insert(0, &k, &(4..12).collect::<Vec<_>>(), 0);
         // 7 tokens -> one page only; a mismatch inside the second page -> one page

@@ -283,12 +283,12 @@ pub enum ConfigError {
     },
     /// A dimension that must be positive is zero.
     Zero(&'static str),
-    /// An arena could not be reserved: the configuration needs more memory than the
-    /// machine grants (or than fits in the address space).
-    OutOfMemory {
-        /// Which arena.
+    /// The arenas would take more memory than this machine can allocate (or more
+    /// than can be addressed). Nothing was allocated.
+    TooLargeForMemory {
+        /// What needed the memory (an arena, or the whole configuration).
         what: &'static str,
-        /// The bytes it needs (`u64::MAX` when the size overflows).
+        /// Bytes it needs (`u64::MAX` when the size overflows 64 bits).
         bytes: u64,
     },
 }
@@ -301,12 +301,14 @@ impl fmt::Display for ConfigError {
                 write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
-            ConfigError::OutOfMemory { what, bytes } if *bytes == u64::MAX => {
-                write!(f, "{what} would need more bytes than fit in the address space")
+            ConfigError::TooLargeForMemory { what, bytes: u64::MAX } => {
+                write!(f, "{what} needs more than {} bytes, more than can be addressed", u64::MAX)
             }
-            ConfigError::OutOfMemory { what, bytes } => {
-                write!(f, "{what} needs {bytes} bytes, which could not be reserved")
-            }
+            ConfigError::TooLargeForMemory { what, bytes } => write!(
+                f,
+                "{what} needs {bytes} bytes ({:.1} GiB), more than this machine can allocate",
+                *bytes as f64 / (1u64 << 30) as f64
+            ),
         }
     }
 }

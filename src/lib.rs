@@ -47,6 +47,7 @@
 pub(crate) mod sync;
 
 pub mod alloc;
+mod arena;
 pub mod baseline;
 pub mod error;
 pub mod kv;

@@ -7,8 +7,9 @@
 
 #[cfg(not(loom))]
 mod cli {
-    use std::io::IsTerminal;
-    use std::path::PathBuf;
+    use std::fmt::Write as _;
+    use std::io::{IsTerminal, Write as _};
+    use std::path::{Path, PathBuf};
     use std::process::ExitCode;
 
     use clap::{Args, Parser, Subcommand};
@@ -36,7 +37,8 @@ mod cli {
         /// bundled Mooncake conversation trace.
         #[arg(long, value_name = "PATH")]
         trace: Option<PathBuf>,
-        /// Token capacity of the KV pool.
+        /// Token capacity of the KV pool: a whole number of pages (a multiple of
+        /// --page-size; anything else is an error, not silently rounded down).
         #[arg(long, value_name = "N", default_value_t = replay::DEFAULT_CAPACITY_TOKENS)]
         capacity_tokens: usize,
         /// Tokens per page.
@@ -66,9 +68,28 @@ mod cli {
         #[arg(long, value_name = "N")]
         limit: Option<usize>,
         /// Draw cache occupancy and cumulative hit rate against request index into an
-        /// SVG file.
+        /// SVG file. It is written beside FILE and renamed over it when the replay is
+        /// done: an existing FILE is left as it was if the replay fails.
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<PathBuf>,
+    }
+
+    /// The exit status of a process whose output pipe closed: what a shell reports for
+    /// one killed by SIGPIPE (128 + 13), as `yes | head -1` gives.
+    const BROKEN_PIPE_STATUS: u8 = 141;
+
+    /// Why the command failed.
+    enum Failure {
+        Replay(ReplayError),
+        /// stdout's reader went away (`kvpool replay | head -1`): stop quietly.
+        BrokenPipe,
+        Stdout(std::io::Error),
+    }
+
+    impl From<ReplayError> for Failure {
+        fn from(e: ReplayError) -> Self {
+            Failure::Replay(e)
+        }
     }
 
     pub fn main() -> ExitCode {
@@ -76,18 +97,67 @@ mod cli {
         let result = match cli.command {
             Command::Replay(args) => run_replay(args),
         };
-        match result {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::FAILURE
+        let message = match result {
+            Ok(()) => return ExitCode::SUCCESS,
+            Err(Failure::BrokenPipe) => return ExitCode::from(BROKEN_PIPE_STATUS),
+            Err(Failure::Replay(e)) => format!("error: {e}"),
+            Err(Failure::Stdout(e)) => format!("error: cannot write to stdout: {e}"),
+        };
+        // Not `eprintln!`, which panics if stderr is closed too.
+        let _ = writeln!(std::io::stderr(), "{message}");
+        ExitCode::FAILURE
+    }
+
+    /// Write `text` to stdout; a closed pipe is [`Failure::BrokenPipe`], not a panic.
+    fn print(text: &str) -> Result<(), Failure> {
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes()).and_then(|()| out.flush()).map_err(|e| match e.kind() {
+            std::io::ErrorKind::BrokenPipe => Failure::BrokenPipe,
+            _ => Failure::Stdout(e),
+        })
+    }
+
+    /// The plot's temporary file, beside the target: created before the replay (so an
+    /// unwritable place fails early), renamed over the target at the end, removed if
+    /// anything fails first. The target is never truncated.
+    struct PlotFile {
+        target: PathBuf,
+        temp: PathBuf,
+        done: bool,
+    }
+
+    impl PlotFile {
+        fn create(target: &Path) -> Result<PlotFile, ReplayError> {
+            let fail = |e: std::io::Error| ReplayError::Plot(format!("{}: {e}", target.display()));
+            let name = target.file_name().ok_or_else(|| fail(std::io::ErrorKind::InvalidInput.into()))?;
+            let mut temp_name = std::ffi::OsString::from(".");
+            temp_name.push(name);
+            temp_name.push(format!(".{}.tmp", std::process::id()));
+            let temp = target.with_file_name(temp_name);
+            std::fs::OpenOptions::new().write(true).create_new(true).open(&temp).map_err(fail)?;
+            Ok(PlotFile { target: target.to_path_buf(), temp, done: false })
+        }
+
+        fn finish(mut self, report: &replay::Report) -> Result<(), ReplayError> {
+            replay::write_plot(report, &self.temp)?;
+            std::fs::rename(&self.temp, &self.target)
+                .map_err(|e| ReplayError::Plot(format!("{}: {e}", self.target.display())))?;
+            self.done = true;
+            Ok(())
+        }
+    }
+
+    impl Drop for PlotFile {
+        fn drop(&mut self) {
+            if !self.done {
+                let _ = std::fs::remove_file(&self.temp);
             }
         }
     }
 
-    fn run_replay(args: ReplayArgs) -> Result<(), ReplayError> {
+    fn run_replay(args: ReplayArgs) -> Result<(), Failure> {
         if args.limit == Some(0) {
-            return Err(ReplayError::Config("--limit must be at least 1".into()));
+            return Err(ReplayError::Config("--limit must be at least 1".into()).into());
         }
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
@@ -100,17 +170,15 @@ mod cli {
             timeline: args.plot.is_some(),
         };
         let mut trace = match &args.trace {
-            Some(path) => Trace::from_path(path)?,
-            None => Trace::bundled()?,
+            Some(path) => Trace::from_path(path).map_err(ReplayError::from)?,
+            None => Trace::bundled().map_err(ReplayError::from)?,
         };
         if let Some(limit) = args.limit {
             trace.truncate(limit);
         }
         config.validate(&trace)?;
-        if let Some(path) = &args.plot {
-            // Fail now rather than after the replay: the file is written at the end.
-            std::fs::File::create(path).map_err(|e| ReplayError::Plot(format!("{}: {e}", path.display())))?;
-        }
+        // Fail now rather than after the replay if the plot cannot be written there.
+        let plot = args.plot.as_deref().map(PlotFile::create).transpose()?;
 
         let bar = if args.json || !std::io::stderr().is_terminal() {
             ProgressBar::hidden()
@@ -127,16 +195,19 @@ mod cli {
         bar.finish_and_clear();
         let report = report?;
 
+        let mut text = String::new();
         if args.json {
-            println!("{}", report.to_json());
+            let _ = writeln!(text, "{}", report.to_json());
         } else {
-            println!("trace: {} ({} requests)", trace.source(), trace.len());
-            println!("{report}");
+            let _ = writeln!(text, "trace: {} ({} requests)", trace.source(), trace.len());
+            let _ = writeln!(text, "{report}");
         }
-        if let Some(path) = &args.plot {
-            replay::write_plot(&report, path)?;
+        print(&text)?;
+        if let Some(plot) = plot {
+            let path = plot.target.clone();
+            plot.finish(&report)?;
             if !args.json {
-                println!("plot written to {}", path.display());
+                print(&format!("plot written to {}\n", path.display()))?;
             }
         }
         Ok(())

@@ -80,7 +80,8 @@ impl ReqToTokenPool {
     /// # Errors
     ///
     /// [`ConfigError::Zero`] if `max_context_len` is 0; [`ConfigError::TooLarge`] if
-    /// the table would not fit in memory addressing.
+    /// the table would not fit in memory addressing; [`ConfigError::TooLargeForMemory`]
+    /// (with the bytes it needs) if it cannot be allocated.
     pub fn new(size: u32, max_context_len: usize) -> Result<Self, ConfigError> {
         if max_context_len == 0 {
             return Err(ConfigError::Zero("max_context_len"));
@@ -88,7 +89,8 @@ impl ReqToTokenPool {
         let cells = (size as usize).checked_mul(max_context_len).filter(|&c| c <= isize::MAX as usize / 4).ok_or(
             ConfigError::TooLarge { size: (size as u64).saturating_mul(max_context_len as u64), page_size: 1 },
         )?;
-        let table = (0..cells).map(|_| UnsafeCell::new(0)).collect();
+        let table =
+            crate::arena::try_vec_with(cells, "the request-row table", || UnsafeCell::new(0))?.into_boxed_slice();
         Ok(ReqToTokenPool { rows: SlotPool::new(size), table, max_context_len, generation: next_generation() })
     }
 

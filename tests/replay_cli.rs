@@ -4,6 +4,8 @@
 
 mod replay_common;
 
+use std::process::{Command, Output, Stdio};
+
 use replay_common::{int, kvpool, replay_json, write_text, write_trace};
 
 /// Scenario A, page size 4, capacity 1024 (no eviction). Per request:
@@ -30,11 +32,12 @@ const SCENARIO_A: &[(u64, u64, &[u64])] = &[(10, 3, &[1]), (9, 1, &[1]), (5, 2, 
 ///   FIFO: B is cached: hit 4.
 /// * r5 `L=8 O=1 [1]`: A is gone in both; needs 2 pages. LRU: 1 free, evict C (8).
 ///   FIFO: 1 free, evict B (4).
-/// * r6 `L=20 O=1 [4,..]`: 5 pages > 4: after evicting everything (LRU: 12, FIFO: 16) it
-///   still does not fit: rejected.
-/// * r7 `L=6 O=3 [5]`: extend 2 pages, decodes at seq 7, 8 stay in page; caches 8.
+/// * r6 `L=20 O=1 [4,..]`: 5 pages > 4: it can never fit, and is rejected up front,
+///   nothing evicted. LRU holds B and A (12), FIFO C and A (16).
+/// * r7 `L=6 O=3 [5]`: needs 2 pages. LRU: 1 free, evict B (4). FIFO: none free, evict
+///   C (8). Extend 2 pages, decodes at seq 7, 8 stay in page; caches 8: A and r7 (16).
 ///
-/// LRU: hits 8, evicted 4+8+8+12 = 32. FIFO: hits 8+4, evicted 8+4+16 = 28.
+/// LRU: hits 8, evicted 4+8+8+4 = 24. FIFO: hits 8+4, evicted 8+4+8 = 20.
 const SCENARIO_B: &[(u64, u64, &[u64])] =
     &[(8, 1, &[1]), (4, 1, &[2]), (8, 1, &[1]), (8, 1, &[3]), (4, 1, &[2]), (8, 1, &[1]), (20, 1, &[4]), (6, 3, &[5])];
 
@@ -118,14 +121,14 @@ fn scenario_b_eviction_order_and_rejection() {
             ("prompt_tokens", 46),
             ("output_tokens", 9),
             ("peak_used_tokens", 16),
-            ("final_cached_tokens", 8),
+            ("final_cached_tokens", 16),
         ];
         let lru = run(cache, "lru");
         check(&lru, &common);
-        check(&lru, &[("hit_tokens", 8), ("evicted_tokens", 32)]);
+        check(&lru, &[("hit_tokens", 8), ("evicted_tokens", 24)]);
         let fifo = run(cache, "fifo");
         check(&fifo, &common);
-        check(&fifo, &[("hit_tokens", 12), ("evicted_tokens", 28)]);
+        check(&fifo, &[("hit_tokens", 12), ("evicted_tokens", 20)]);
         assert_eq!(fifo["policy"], "fifo");
     }
 }
@@ -329,4 +332,213 @@ fn bad_input_is_a_clear_error() {
     assert!(e.contains("too large") || e.contains("overflow") || e.contains("u32"), "{e}");
     let e = fails(&["replay", "--trace", good, "--plot", "/nonexistent/dir/plot.svg", "--mode", "sequential"]);
     assert!(e.contains("cannot write the plot"), "{e}");
+}
+
+/// Run `kvpool` with its address space limited to `kib` KiB (`ulimit -v`), so that a
+/// configuration too large for the machine fails the same way on every machine (and
+/// cannot take a shared machine's memory).
+fn kvpool_limited(kib: u64, args: &[&str]) -> Output {
+    Command::new("sh")
+        .args(["-c", "ulimit -v \"$1\" && shift && exec \"$@\"", "sh", &kib.to_string(), env!("CARGO_BIN_EXE_kvpool")])
+        .args(args)
+        .output()
+        .expect("sh runs")
+}
+
+/// 2 GiB: ample for the small replays below, far too little for the huge ones.
+const LIMIT_KIB: u64 = 2 << 20;
+
+/// Stderr of a run that must fail cleanly: exit status 1 (not an abort), no panic, no
+/// stdout.
+fn clean_failure(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("memory allocation"), "{stderr}");
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    stderr
+}
+
+// Issue 14, finding 5: sizes too large for the machine are configuration errors.
+#[test]
+fn arenas_too_large_for_memory_are_a_config_error() {
+    let path = write_trace("huge-capacity.jsonl", SCENARIO_A);
+    let trace = path.to_str().unwrap();
+    for extra in [
+        &["--capacity-tokens", "4294967280", "--mode", "sequential"][..],
+        &["--capacity-tokens", "4294967280", "--mode", "overlap"][..],
+        &["--page-size", "2147483648", "--capacity-tokens", "2147483648", "--mode", "sequential"][..],
+    ] {
+        let mut args = vec!["replay", "--trace", trace];
+        args.extend_from_slice(extra);
+        let e = clean_failure(&kvpool_limited(LIMIT_KIB, &args));
+        assert!(e.contains("bytes") && e.contains("more than this machine can allocate"), "{extra:?}: {e}");
+    }
+    // The same limit is ample for an ordinary replay.
+    let out = kvpool_limited(LIMIT_KIB, &["replay", "--trace", trace, "--mode", "sequential"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+// Issue 14, finding 6: an input_length past 32 bits is an error naming its line, not
+// a prompt wrapped to a small one.
+#[test]
+fn input_length_beyond_32_bits_is_rejected() {
+    // 2^32 tokens need 2^23 blocks: a 16 MiB line.
+    let blocks = 1usize << 23;
+    let mut text = String::from("{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n");
+    text.push_str("{\"input_length\": 4294967296, \"output_length\": 1, \"hash_ids\": [");
+    text.push_str(&"0,".repeat(blocks - 1));
+    text.push_str("0]}\n");
+    let path = write_text("input-2-32.jsonl", &text);
+    let out = kvpool_limited(LIMIT_KIB, &["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential"]);
+    let e = clean_failure(&out);
+    assert!(e.contains("line 2") && e.contains("input_length 4294967296"), "{e}");
+}
+
+// Issue 14, finding 6: a request larger than the whole pool is rejected before its
+// tokens are expanded or anything is allocated for it, and nothing is evicted for it.
+#[test]
+fn request_larger_than_the_pool_is_rejected_up_front() {
+    // r1 needs 2^30 tokens (a 4 MiB line): expanding it takes 4 GiB per buffer.
+    let blocks = 1usize << 21;
+    let mut text = String::from("{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n");
+    text.push_str(&format!("{{\"input_length\": {}, \"output_length\": 1, \"hash_ids\": [", blocks * 512));
+    text.push_str(&"0,".repeat(blocks - 1));
+    text.push_str("0]}\n{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n");
+    let path = write_text("huge-request.jsonl", &text);
+    for mode in ["sequential", "overlap"] {
+        for cache in ["kvpool", "reference"] {
+            let args = ["replay", "--json", "--trace", path.to_str().unwrap(), "--mode", mode, "--cache", cache];
+            let out = kvpool_limited(LIMIT_KIB, &args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{mode} {cache}: {stderr}");
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!((int(&v, "requests"), int(&v, "rejected")), (3, 1), "{v}");
+        }
+    }
+
+    // Nothing is evicted for a request that can never fit: r2 still hits r0's page.
+    let path = write_trace("larger-than-pool.jsonl", &[(8, 1, &[1]), (100, 1, &[2]), (8, 1, &[1])]);
+    for cache in ["kvpool", "reference"] {
+        let v = replay_json(&[
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            "sequential",
+            "--page-size",
+            "4",
+            "--capacity-tokens",
+            "64",
+            "--cache",
+            cache,
+        ]);
+        check(&v, &[("rejected", 1), ("hit_tokens", 8), ("evicted_tokens", 0), ("final_cached_tokens", 8)]);
+    }
+}
+
+// Issue 14, finding 7: a closed stdout ends the command quietly with the status a
+// shell reports for SIGPIPE, not a panic.
+#[test]
+fn broken_pipe_exits_quietly() {
+    let path = write_trace("pipe.jsonl", SCENARIO_A);
+    for json in [false, true] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
+        cmd.args(["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // Close the reading end before the replay prints anything.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "json {json}: {stderr}");
+        assert!(stderr.is_empty(), "json {json}: {stderr}");
+    }
+}
+
+// Issue 14, finding 7: a UTF-8 byte order mark at the start of a trace is accepted.
+#[test]
+fn byte_order_mark_is_accepted() {
+    let plain = std::fs::read_to_string(write_trace("no-bom.jsonl", SCENARIO_A)).unwrap();
+    let path = write_text("bom.jsonl", &format!("\u{feff}{plain}"));
+    let v = replay_json(&["--trace", path.to_str().unwrap(), "--mode", "sequential", "--page-size", "4"]);
+    check(&v, &[("requests", 4), ("prompt_tokens", 31), ("hit_tokens", 8)]);
+}
+
+// Issue 14, finding 7: a line that is JSON but not an object is described in the
+// trace's terms, not in the loader's Rust types.
+#[test]
+fn non_object_line_says_what_was_expected() {
+    for (name, line, found) in [
+        ("array.jsonl", "[10, 1, [1]]", "a JSON array"),
+        ("number.jsonl", "42", "a JSON number"),
+        ("null.jsonl", "null", "JSON null"),
+    ] {
+        let path =
+            write_text(name, &format!("{{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}}\n{line}\n"));
+        let e = fails(&["replay", "--trace", path.to_str().unwrap()]);
+        assert!(e.contains("line 2") && e.contains("expected a JSON object") && e.contains(found), "{e}");
+        assert!(!e.contains("RawRequest") && !e.contains("struct"), "{e}");
+    }
+}
+
+// Issue 14, finding 7: a corrupt or truncated gzip file is reported as a gzip error.
+#[test]
+fn corrupt_gzip_is_a_gzip_error() {
+    let bundled =
+        std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/data/mooncake_conversation_trace.jsonl.gz")).unwrap();
+    let truncated = write_bytes("truncated.jsonl.gz", &bundled[..bundled.len() / 2]);
+    let mut garbage = bundled[..10].to_vec();
+    garbage.extend(std::iter::repeat(0xa5u8).take(4096));
+    let garbage = write_bytes("garbage.jsonl.gz", &garbage);
+    for path in [truncated, garbage] {
+        let e = fails(&["replay", "--trace", path.to_str().unwrap()]);
+        assert!(e.contains("gzip"), "{e}");
+    }
+}
+
+fn write_bytes(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let path = write_text(name, "");
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+// Issue 14, finding 7: a capacity that is not whole pages is refused rather than
+// rounded down, and a replay that could serve no request fails.
+#[test]
+fn capacity_must_be_whole_pages_and_hold_a_request() {
+    let path = write_trace("pages.jsonl", SCENARIO_A);
+    let trace = path.to_str().unwrap();
+    let e = fails(&["replay", "--trace", trace, "--capacity-tokens", "17"]);
+    assert!(e.contains("--capacity-tokens 17 is not a multiple of --page-size 16") && e.contains("16 or 32"), "{e}");
+    // Scenario A's requests need 12, 12, 8 and 12 KV tokens in pages of 4.
+    let e = fails(&["replay", "--trace", trace, "--capacity-tokens", "4", "--page-size", "4", "--mode", "sequential"]);
+    assert!(e.contains("no request of the trace fits in --capacity-tokens 4: the smallest needs 8"), "{e}");
+    // One request fitting is enough: the others are rejected and counted.
+    let v = replay_json(&["--trace", trace, "--capacity-tokens", "8", "--page-size", "4", "--mode", "sequential"]);
+    check(&v, &[("requests", 4), ("rejected", 3), ("prompt_tokens", 5)]);
+}
+
+// Issue 14, finding 7: --plot does not touch an existing file until the replay is
+// done, and leaves nothing behind when it fails.
+#[test]
+fn plot_replaces_the_file_only_at_the_end() {
+    let path = write_trace("plot-keep.jsonl", SCENARIO_A);
+    let dir = std::env::temp_dir().join(format!("kvpool-plot-keep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("keep.svg");
+    std::fs::write(&svg, "ORIGINAL").unwrap();
+    let args = ["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential", "--plot", svg.to_str().unwrap()];
+    let mut failing = args.to_vec();
+    failing.extend_from_slice(&["--capacity-tokens", "4294967280"]);
+    clean_failure(&kvpool_limited(LIMIT_KIB, &failing));
+    assert_eq!(std::fs::read_to_string(&svg).unwrap(), "ORIGINAL");
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["keep.svg"], "a temporary file was left behind");
+
+    let out = kvpool(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["keep.svg"]);
 }

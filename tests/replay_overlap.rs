@@ -20,7 +20,8 @@ fn stress(cache: &str, seeds: u64) {
         let page_size = [1u64, 4, 16][seed as usize % 3];
         // Between about 1 and 2.5 of the largest requests: some do not fit at all,
         // and the rest evict and retract constantly.
-        let capacity = 3000 + 1000 * (seed % 4);
+        // (Whole pages: `--capacity-tokens` must be a multiple of the page size.)
+        let capacity = (3000 + 1000 * (seed % 4)) / page_size * page_size;
         let max_running = 2 + seed % 7;
         let policy = EvictionPolicy::ALL[seed as usize % EvictionPolicy::ALL.len()];
         let v = replay_json(&[

@@ -188,16 +188,21 @@ impl PagedAllocator {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] if `page_size` is 0 or the slot numbers would overflow `u32`.
+    /// [`ConfigError`] if `page_size` is 0 or the slot numbers would overflow `u32`;
+    /// [`ConfigError::TooLargeForMemory`] if the page bitmap cannot be allocated.
     pub fn new(size: usize, page_size: u32) -> Result<Self, ConfigError> {
         if page_size == 0 {
             return Err(ConfigError::ZeroPageSize);
         }
         let num_pages = size as u64 / page_size as u64;
-        // The highest slot is (num_pages + 1) * page_size - 1.
-        if (num_pages + 1) * page_size as u64 > u32::MAX as u64 + 1 {
+        // The highest slot is (num_pages + 1) * page_size - 1 (checked: `size` may be
+        // near `u64::MAX`).
+        let end = (num_pages + 1).checked_mul(page_size as u64);
+        if end.map_or(true, |end| end > u32::MAX as u64 + 1) {
             return Err(ConfigError::TooLarge { size: size as u64, page_size });
         }
+        // The page bitmap: one bit a page.
+        crate::arena::probe(crate::arena::bytes_of::<u64>((num_pages as usize).div_ceil(64)), "the page bitmap")?;
         Ok(PagedAllocator {
             pages: SlotPool::new(num_pages as u32),
             page_size,

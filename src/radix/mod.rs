@@ -423,7 +423,7 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// [`ConfigError::ZeroPageSize`] for an allocator whose page size is 0,
     /// [`ConfigError::TooLarge`] when slot numbers would not fit in a `u32`, and
-    /// [`ConfigError::OutOfMemory`] (naming the arena and its bytes) when an arena
+    /// [`ConfigError::TooLargeForMemory`] (naming the arena and its bytes) when an arena
     /// cannot be reserved. Nothing is left allocated then.
     pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError> {
         let ps = alloc.page_size() as usize;

@@ -301,7 +301,7 @@ fn reset_returns_everything() {
 #[test]
 fn agrees_with_reference_on_a_scripted_run() {
     let c = token_cache(64, EvictionPolicy::Lru);
-    let mut r = ReferenceRadixCache::new(TokenAllocator::new(64).unwrap(), EvictionPolicy::Lru);
+    let mut r = ReferenceRadixCache::new(TokenAllocator::new(64).unwrap(), EvictionPolicy::Lru).unwrap();
     let keys: [&[u32]; 5] = [&[1, 2, 3, 4], &[1, 2, 5], &[1, 2, 3, 9, 9], &[7, 7], &[1, 2, 5, 6, 6]];
     for k in keys {
         let mut out = vec![0u32; k.len()];
@@ -514,9 +514,9 @@ fn construction_checks_the_geometry() {
         RadixConfig { event_capacity: Some(usize::MAX), ..Default::default() },
     )
     .unwrap_err();
-    assert!(matches!(e, ConfigError::OutOfMemory { bytes: u64::MAX, .. }), "{e:?}");
+    assert!(matches!(e, ConfigError::TooLargeForMemory { bytes: u64::MAX, .. }), "{e:?}");
     // An arena the machine cannot grant is an error that names its bytes.
     let e = super::arena::boxed("test arena", usize::MAX / 8, |_| 0u64).unwrap_err();
-    assert_eq!(e, ConfigError::OutOfMemory { what: "test arena", bytes: u64::MAX - 7 });
+    assert_eq!(e, ConfigError::TooLargeForMemory { what: "test arena", bytes: u64::MAX - 7 });
     assert!(e.to_string().contains("18446744073709551608 bytes"), "{e}");
 }

@@ -157,7 +157,8 @@ impl ReferenceCache<crate::PagedAllocator> {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`](crate::ConfigError) from the allocator or the row pool.
+    /// [`ConfigError`](crate::ConfigError) from the allocator or the row pool
+    /// (including [`TooLargeForMemory`](crate::ConfigError::TooLargeForMemory)).
     pub fn new(
         capacity_tokens: usize,
         page_size: u32,
@@ -167,7 +168,7 @@ impl ReferenceCache<crate::PagedAllocator> {
     ) -> Result<Self, crate::ConfigError> {
         let alloc = crate::PagedAllocator::new(capacity_tokens, page_size)?;
         let req_pool = ReqToTokenPool::new(rows, max_context_len)?;
-        Ok(ReferenceCache::with_allocator(alloc, req_pool, policy))
+        ReferenceCache::with_allocator(alloc, req_pool, policy)
     }
 }
 
@@ -183,14 +184,24 @@ impl<A: KvAllocator> ReferenceCache<A> {
     ///     TokenAllocator::new(100)?,
     ///     ReqToTokenPool::new(1, 10)?,
     ///     kvpool::radix::EvictionPolicy::Fifo,
-    /// );
+    /// )?;
     /// assert_eq!(cache.available_tokens(), 100);
     /// # Ok::<(), kvpool::ConfigError>(())
     /// ```
-    pub fn with_allocator(alloc: A, req_pool: ReqToTokenPool, policy: EvictionPolicy) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroPageSize`](crate::ConfigError::ZeroPageSize) if the
+    /// allocator's page size is 0 (see [`ReferenceRadixCache::new`]).
+    pub fn with_allocator(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        policy: EvictionPolicy,
+    ) -> Result<Self, crate::ConfigError> {
         let page_size = alloc.page_size();
         let capacity = alloc.size();
-        ReferenceCache { tree: Mutex::new(ReferenceRadixCache::new(alloc, policy)), req_pool, page_size, capacity }
+        let tree = Mutex::new(ReferenceRadixCache::new(alloc, policy)?);
+        Ok(ReferenceCache { tree, req_pool, page_size, capacity })
     }
 
     fn tree(&self) -> MutexGuard<'_, ReferenceRadixCache<A>> {
@@ -363,5 +374,60 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         RadixCache::check_invariants(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ConfigError;
+    use crate::{KvFreeGroup, TokenAllocator};
+
+    /// A custom allocator that reports page size 0.
+    #[derive(Debug)]
+    struct ZeroPages(TokenAllocator);
+
+    impl KvAllocator for ZeroPages {
+        fn page_size(&self) -> u32 {
+            0
+        }
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn available_size(&self) -> usize {
+            self.0.available_size()
+        }
+        fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+            KvAllocator::alloc(&self.0, out)
+        }
+        fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+            KvAllocator::alloc_extend(&self.0, p, s, l, out)
+        }
+        fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+            KvAllocator::alloc_decode(&self.0, s, l, out)
+        }
+        fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+            KvAllocator::free(&self.0, slots)
+        }
+        fn free_group(&self) -> KvFreeGroup<'_> {
+            KvAllocator::free_group(&self.0)
+        }
+        fn is_allocated(&self, slot: u32) -> bool {
+            KvAllocator::is_allocated(&self.0, slot)
+        }
+        fn clear(&mut self) {
+            KvAllocator::clear(&mut self.0)
+        }
+        fn check_invariants(&self) -> Result<(), InvariantViolation> {
+            KvAllocator::check_invariants(&self.0)
+        }
+    }
+
+    #[test]
+    fn zero_page_size_allocator_is_a_config_error() {
+        let alloc = ZeroPages(TokenAllocator::new(64).unwrap());
+        let rows = ReqToTokenPool::new(1, 8).unwrap();
+        let e = ReferenceCache::with_allocator(alloc, rows, EvictionPolicy::Lru).unwrap_err();
+        assert_eq!(e, ConfigError::ZeroPageSize);
     }
 }

@@ -9,8 +9,8 @@
 //! * [`run_sequential`] — one thread, one request at a time, deterministic: match and
 //!   lock the prompt, take a row, `alloc_extend` the rest of the prompt, one
 //!   `alloc_decode` per output token after the first, evicting the shortfall when
-//!   short, then `cache_finished_req`. A request that does not fit even after
-//!   evicting everything evictable is rejected (what it held is released).
+//!   short, then `cache_finished_req`. A request whose KV exceeds the whole pool is
+//!   rejected up front, nothing expanded or evicted.
 //! * [`run_overlap`] — an overlap scheduler: a scheduler thread admits requests in
 //!   order (up to `max_running`) and allocates one decode slot per running request per
 //!   step, an output thread finishes completed requests concurrently, and router
@@ -52,7 +52,7 @@ pub use sequential::run_sequential;
 pub use stats::{Latencies, LatencyHistogram, Percentiles, Report, TimelinePoint};
 pub use trace::{
     output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
-    MAX_HASH_ID, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
+    MAX_HASH_ID, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
 };
 
 use crate::error::InvariantViolation;
@@ -76,6 +76,9 @@ pub const MAX_ROUTERS: usize = 64;
 /// The largest request-row table the replay builds (`rows * max_context_len` slots,
 /// 4 bytes each): 4 GiB.
 pub const MAX_ROW_TABLE_SLOTS: usize = 1 << 30;
+/// What kvpool's [`RadixCache`] allocates per page, besides 4 bytes per slot (its
+/// constructor's estimate; it allocates infallibly, so the replay checks first).
+const RADIX_BYTES_PER_PAGE: u128 = 150;
 
 /// How requests are scheduled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -187,6 +190,11 @@ impl ReplayConfig {
 
     /// Check the configuration against a trace.
     ///
+    /// `capacity_tokens` must be a whole number of pages (a remainder would be silently
+    /// unusable), and at least one request of the trace must fit in the pool: requests
+    /// whose KV (rounded up to pages) exceeds it are rejected without being replayed,
+    /// and a replay that could serve nothing is an error, not an empty report.
+    ///
     /// # Examples
     ///
     /// ```
@@ -208,10 +216,26 @@ impl ReplayConfig {
         if self.page_size == 0 {
             return bad("--page-size must be at least 1".into());
         }
-        if self.capacity_tokens < self.page_size as usize {
+        let (capacity, ps) = (self.capacity_tokens, self.page_size as usize);
+        if capacity < ps {
+            return bad(format!("--capacity-tokens {capacity} is less than one page of {ps} tokens"));
+        }
+        // Slot numbers are u32 and page 0 is reserved: (pages + 1) * page_size <= 2^32.
+        let max_capacity = ((1u64 << 32) - ps as u64) / ps as u64 * ps as u64;
+        if capacity as u64 > max_capacity {
             return bad(format!(
-                "--capacity-tokens {} is less than one page of {} tokens",
-                self.capacity_tokens, self.page_size
+                "--capacity-tokens {capacity} is too large: with pages of {ps} tokens, KV slot numbers must fit \
+                 in u32 (at most {max_capacity} tokens)"
+            ));
+        }
+        if capacity % ps != 0 {
+            let below = capacity / ps * ps;
+            let above = below + ps;
+            let suggestion =
+                if above as u64 <= max_capacity { format!("use {below} or {above}") } else { format!("use {below}") };
+            return bad(format!(
+                "--capacity-tokens {capacity} is not a multiple of --page-size {ps} (the pool holds whole pages); \
+                 {suggestion}"
             ));
         }
         if self.max_running == 0 || self.max_running > MAX_RUNNING_LIMIT {
@@ -220,16 +244,62 @@ impl ReplayConfig {
         if self.routers > MAX_ROUTERS {
             return bad(format!("--routers must be at most {MAX_ROUTERS}, not {}", self.routers));
         }
-        if (self.rows() as u64) * (trace.max_kv_len().max(1) as u64) > MAX_ROW_TABLE_SLOTS as u64 {
+        let max_kv = trace.max_kv_len_fitting(capacity);
+        if max_kv == 0 && !trace.is_empty() {
+            let shortest = trace.requests().iter().map(|q| q.kv_len().div_ceil(ps).saturating_mul(ps)).min();
             return bad(format!(
-                "{} request rows of {} tokens (the longest request) exceed the {} slot row table limit; \
+                "no request of the trace fits in --capacity-tokens {capacity}: the smallest needs {} KV tokens \
+                 (in whole pages of {ps}); nothing could be replayed",
+                shortest.unwrap_or(0)
+            ));
+        }
+        if (self.rows() as u64) * (max_kv.max(1) as u64) > MAX_ROW_TABLE_SLOTS as u64 {
+            return bad(format!(
+                "{} request rows of {} tokens (the longest request that fits) exceed the {} slot row table limit; \
                  lower --max-running",
                 self.rows(),
-                trace.max_kv_len(),
+                max_kv,
                 MAX_ROW_TABLE_SLOTS
             ));
         }
         Ok(())
+    }
+
+    /// The bytes a replay of `trace` allocates up front (the allocator's page bitmap,
+    /// the request rows, the prefix cache's arenas, the drivers' buffers), computed
+    /// without overflow (`u64::MAX` if it would overflow). The reference cache grows
+    /// as it caches and is not counted.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::replay::{ReplayConfig, Trace};
+    /// let trace = Trace::from_jsonl_str("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}", "t")?;
+    /// let small = ReplayConfig::default().memory_bytes(&trace);
+    /// let huge = ReplayConfig { capacity_tokens: 1 << 32, ..ReplayConfig::default() }.memory_bytes(&trace);
+    /// assert!(small < 1 << 30 && huge > 1 << 35);
+    /// # Ok::<(), kvpool::replay::TraceError>(())
+    /// ```
+    pub fn memory_bytes(&self, trace: &Trace) -> u64 {
+        let ps = self.page_size.max(1) as u128;
+        let pages = self.capacity_tokens as u128 / ps;
+        let max_kv = trace.max_kv_len_fitting(self.capacity_tokens).max(1) as u128;
+        let max_input = trace.max_input_length_fitting(self.capacity_tokens).max(1) as u128;
+        let slot = 4u128;
+        let bitmap = pages.div_ceil(64) * 8;
+        let rows = self.rows() as u128 * max_kv * slot;
+        let cache = match self.cache {
+            CacheKind::Kvpool => RADIX_BYTES_PER_PAGE * (pages + 3) + slot * (pages + 1) * ps,
+            CacheKind::Reference => 0,
+        };
+        let buffers = match self.mode {
+            Mode::Sequential => 2 * max_kv * slot,
+            // Scheduler and routers: a prompt and its slots each; the output thread: KV tokens.
+            Mode::Overlap => (2 + 2 * self.routers as u128) * max_input * slot + max_kv * slot,
+        };
+        let timeline =
+            if self.timeline { trace.len() as u128 * core::mem::size_of::<TimelinePoint>() as u128 } else { 0 };
+        u64::try_from(bitmap + rows + cache + buffers + timeline).unwrap_or(u64::MAX)
     }
 }
 
@@ -309,19 +379,28 @@ impl From<crate::ConfigError> for ReplayError {
 /// final accounting fails, [`ReplayError::Internal`] on a refused call.
 pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sync)) -> Result<Report, ReplayError> {
     config.validate(trace)?;
+    let too_large = |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower --capacity-tokens"));
+    // kvpool's cache sizes its arenas infallibly (an abort when the machine cannot
+    // hold them): check that the whole replay can be reserved before building it.
+    crate::arena::probe(
+        config.memory_bytes(trace),
+        "the replay (KV allocator, request rows, prefix cache and buffers)",
+    )
+    .map_err(too_large)?;
     let rows = config.rows() as u32;
-    let max_context_len = trace.max_kv_len().max(1);
+    let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
     match config.cache {
         CacheKind::Kvpool => {
-            let alloc = crate::PagedAllocator::new(config.capacity_tokens, config.page_size)?;
-            let req_pool = crate::ReqToTokenPool::new(rows, max_context_len)?;
+            let alloc = crate::PagedAllocator::new(config.capacity_tokens, config.page_size).map_err(too_large)?;
+            let req_pool = crate::ReqToTokenPool::new(rows, max_context_len).map_err(too_large)?;
             let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
             let cache = RadixCache::new(alloc, req_pool, radix)?;
             run(&cache, trace, config, progress)
         }
         CacheKind::Reference => {
             let cache =
-                ReferenceCache::new(config.capacity_tokens, config.page_size, config.policy, rows, max_context_len)?;
+                ReferenceCache::new(config.capacity_tokens, config.page_size, config.policy, rows, max_context_len)
+                    .map_err(too_large)?;
             run(&cache, trace, config, progress)
         }
     }
@@ -455,12 +534,27 @@ pub(crate) fn decode_need(page_size: u32, seq_len: u32) -> usize {
     }
 }
 
+/// Whether a request of `kv_len` KV tokens can ever be served by `cache`: its KV,
+/// rounded up to whole pages, fits in the pool. The drivers reject the others before
+/// expanding their tokens or evicting anything.
+#[inline]
+pub(crate) fn fits_in_pool<C: ReplayCache>(cache: &C, kv_len: usize) -> bool {
+    let ps = cache.page_size().max(1) as usize;
+    kv_len.div_ceil(ps).saturating_mul(ps) <= cache.capacity_tokens()
+}
+
+/// A driver buffer of `len` slots or tokens, reserved fallibly.
+pub(crate) fn buffer(len: usize, what: &'static str) -> Result<Vec<u32>, ReplayError> {
+    crate::arena::try_vec_with(len, what, || 0).map_err(ReplayError::from)
+}
+
 /// Evict the shortfall when `need` tokens are more than are free; returns the tokens
-/// evicted.
+/// evicted. Evicts nothing when not even that much is evictable (the allocation will
+/// fail anyway, and the cache would be emptied for nothing).
 #[inline]
 pub(crate) fn make_room<C: ReplayCache>(cache: &C, need: usize) -> u64 {
     let available = cache.available_tokens();
-    if need > available {
+    if need > available && need - available <= cache.evictable_tokens() {
         cache.evict(need - available) as u64
     } else {
         0

@@ -2,6 +2,7 @@
 //! [`run_overlap`]).
 
 use std::collections::VecDeque;
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -13,8 +14,8 @@ use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
 use super::{
-    decode_need, finish_report, Histograms, LatencyHistogram, ReplayCache, ReplayConfig, ReplayError, Report,
-    TimelinePoint, Totals, Trace, NAMESPACE,
+    buffer, decode_need, finish_report, fits_in_pool, Histograms, LatencyHistogram, ReplayCache, ReplayConfig,
+    ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE,
 };
 
 /// State the threads share. Counters only: requests move through the channel.
@@ -65,6 +66,9 @@ struct RouterResult {
     matches: u64,
     hit_tokens: u64,
     route: LatencyHistogram,
+    /// Times the router waited for the window to reach its next request (each time
+    /// it went back to sleep, or polled).
+    waits: u64,
 }
 
 /// Replay `trace` through `cache` with an overlap scheduler (issue 5, step 4).
@@ -78,7 +82,10 @@ struct RouterResult {
 /// * **Routers** (`routers` threads) match upcoming prompts read-only, as a KV-aware
 ///   router does when a request arrives: router `k` takes requests `k, k + K, ...`, and
 ///   matches each once it is among the next `max_running` requests to be admitted
-///   (one that was admitted before its router got to it is skipped).
+///   (one that was admitted before its router got to it is skipped, and so is one
+///   too large for the pool). A router waiting for its next request sleeps (parks)
+///   until the scheduler's admissions bring that request into the window, and the
+///   scheduler wakes exactly that router: idle routers take no CPU time.
 ///
 /// Memory pressure is handled as an engine does: before an allocation that needs more
 /// than is free, the scheduler evicts the shortfall (when that much is evictable). If
@@ -126,13 +133,26 @@ pub fn run_overlap<C: ReplayCache>(
     config: &ReplayConfig,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Report, ReplayError> {
+    run_overlap_counted(cache, trace, config, progress).map(|(report, _)| report)
+}
+
+/// [`run_overlap`], also returning how many times the routers waited in all.
+pub(crate) fn run_overlap_counted<C: ReplayCache>(
+    cache: &C,
+    trace: &Trace,
+    config: &ReplayConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(Report, u64), ReplayError> {
     let pool = cache.req_pool();
-    if pool.size() < config.rows() || pool.max_context_len() < trace.max_kv_len() {
+    // Requests that do not fit in the pool are rejected before expansion: size for the others.
+    let max_kv = trace.max_kv_len_fitting(cache.capacity_tokens());
+    let max_input = trace.max_input_length_fitting(cache.capacity_tokens()).max(1);
+    if pool.size() < config.rows() || pool.max_context_len() < max_kv {
         return Err(ReplayError::Config(format!(
             "overlap mode with --max-running {} needs {} request rows of {} tokens; the cache has {} of {}",
             config.max_running,
             config.rows(),
-            trace.max_kv_len(),
+            max_kv,
             pool.size(),
             pool.max_context_len()
         )));
@@ -147,15 +167,32 @@ pub fn run_overlap<C: ReplayCache>(
         done: AtomicBool::new(false),
         failed: AtomicBool::new(false),
     };
+    // Every buffer is reserved (fallibly) before any thread starts.
+    let mut buffers = Buffers {
+        prompt: buffer(max_input, "the scheduler's prompt buffer")?,
+        slots: buffer(max_input, "the scheduler's slot buffer")?,
+        output_tokens: buffer(max_kv.max(1), "the output thread's token buffer")?,
+        routers: Vec::with_capacity(config.routers),
+    };
+    for _ in 0..config.routers {
+        let prompt = buffer(max_input, "a router's prompt buffer")?;
+        buffers.routers.push((prompt, buffer(max_input, "a router's slot buffer")?));
+    }
+    let Buffers { prompt, slots, output_tokens, routers } = buffers;
     let start = Instant::now();
     let (tx, rx) = crossbeam_channel::bounded(config.max_running);
     let (sched, output, routers) = std::thread::scope(|s| {
         let shared = &shared;
-        let output = s.spawn(move || output_thread(cache, trace, config, rx, shared, progress));
-        let routers: Vec<_> =
-            (0..config.routers).map(|k| s.spawn(move || router_thread(cache, trace, config, k, shared))).collect();
-        let sched = scheduler(cache, trace, config, tx, shared);
-        shared.done.store(true, Ordering::Release);
+        let output = s.spawn(move || output_thread(cache, trace, config, rx, shared, progress, output_tokens));
+        let routers: Vec<_> = routers
+            .into_iter()
+            .enumerate()
+            .map(|(k, bufs)| s.spawn(move || router_thread(cache, trace, config, k, shared, bufs)))
+            .collect();
+        let router_threads: Vec<Thread> = routers.iter().map(|h| h.thread().clone()).collect();
+        let done = RoutersDone { shared, routers: router_threads.clone() };
+        let sched = scheduler(cache, trace, config, tx, shared, router_threads, (prompt, slots));
+        drop(done);
         let output = output.join();
         let routers: Vec<_> = routers.into_iter().map(|h| h.join()).collect();
         (sched, output, routers)
@@ -171,14 +208,42 @@ pub fn run_overlap<C: ReplayCache>(
     totals.output_tokens = output.totals.output_tokens;
     totals.added_tokens = output.totals.added_tokens;
     hist.finish = output.finish;
+    let mut router_waits = 0;
     for router in routers {
         let router = router.map_err(|_| panicked("router"))?;
+        router_waits += router.waits;
         totals.router_matches += router.matches;
         totals.router_hit_tokens += router.hit_tokens;
         hist.route.merge(&router.route);
     }
     progress(totals.served + totals.rejected);
-    finish_report(cache, config, totals, &hist, wall, output.timeline)
+    Ok((finish_report(cache, config, totals, &hist, wall, output.timeline)?, router_waits))
+}
+
+/// Tells the routers that the scheduler is done and wakes them all when dropped: after
+/// the scheduler returns, and also if it panics, so that joining never waits on a
+/// parked router.
+struct RoutersDone<'a> {
+    shared: &'a Shared,
+    routers: Vec<Thread>,
+}
+
+impl Drop for RoutersDone<'_> {
+    fn drop(&mut self) {
+        self.shared.done.store(true, Ordering::Release);
+        for router in &self.routers {
+            router.unpark();
+        }
+    }
+}
+
+/// Every thread's buffers, reserved before the threads start.
+struct Buffers {
+    prompt: Vec<u32>,
+    slots: Vec<u32>,
+    output_tokens: Vec<u32>,
+    /// Each router's prompt and slot buffers.
+    routers: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
 /// The scheduler's buffers, sized once.
@@ -201,6 +266,10 @@ struct Scheduler<'c, C: ReplayCache> {
     trace: &'c Trace,
     shared: &'c Shared,
     tx: Sender<Finished<C::Lease<'c>>>,
+    /// The router threads, to wake the one whose request enters the window.
+    routers: Vec<Thread>,
+    /// Requests a router may match ahead: `max_running`.
+    window: usize,
     ps: u32,
     capacity: usize,
     prompt: Vec<u32>,
@@ -217,19 +286,22 @@ fn scheduler<'c, C: ReplayCache>(
     config: &ReplayConfig,
     tx: Sender<Finished<C::Lease<'c>>>,
     shared: &'c Shared,
+    routers: Vec<Thread>,
+    (prompt, slots): (Vec<u32>, Vec<u32>),
 ) -> Result<(Totals, Histograms), ReplayError> {
     let max_running = config.max_running;
-    let max_input = trace.max_input_length().max(1);
     let mut s = Scheduler {
         cache,
         trace,
         shared,
         tx,
+        routers,
+        window: max_running,
         ps: cache.page_size(),
         capacity: cache.capacity_tokens(),
-        prompt: vec![0; max_input],
+        prompt,
         prompt_of: usize::MAX,
-        slots: vec![0; max_input],
+        slots,
         totals: Totals::default(),
         hist: Histograms::default(),
     };
@@ -257,6 +329,7 @@ fn scheduler<'c, C: ReplayCache>(
             } else {
                 next += 1;
                 shared.next_admit.store(next, Ordering::Release);
+                s.wake_router(next);
             }
             match run {
                 Some(run) if run.seq == run.kv_len => s.send(run)?,
@@ -280,6 +353,15 @@ fn scheduler<'c, C: ReplayCache>(
 }
 
 impl<'c, C: ReplayCache> Scheduler<'c, C> {
+    /// `next_admit` just became `next`: request `next + window - 1` entered the routers'
+    /// window; wake its router (router `k` takes requests `k, k + K, ...`). If that
+    /// router is not asleep yet, the unpark token makes its next park return at once.
+    fn wake_router(&self, next: usize) {
+        if !self.routers.is_empty() {
+            self.routers[(next + self.window - 1) % self.routers.len()].unpark();
+        }
+    }
+
     fn note_peak(&mut self) {
         let used = (self.capacity - self.cache.available_tokens()) as u64;
         self.totals.peak_used_tokens = self.totals.peak_used_tokens.max(used);
@@ -306,7 +388,8 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         let (cache, ps) = (self.cache, self.ps as usize);
         let q = self.trace.request(r);
         let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
-        if kv_len.div_ceil(ps) * ps > self.capacity {
+        if !fits_in_pool(cache, kv_len) {
+            // Larger than the whole pool: rejected before its tokens are expanded.
             return Ok(Admission::Rejected);
         }
         // Read before the attempt: if no request was with the output thread then, none
@@ -470,8 +553,9 @@ fn output_thread<'c, C: ReplayCache>(
     rx: Receiver<Finished<C::Lease<'c>>>,
     shared: &Shared,
     progress: &(dyn Fn(u64) + Sync),
+    tokens: Vec<u32>,
 ) -> Result<OutputResult, ReplayError> {
-    let result = output_loop(cache, trace, config, &rx, shared, progress);
+    let result = output_loop(cache, trace, config, &rx, shared, progress, tokens);
     if result.is_err() {
         shared.failed.store(true, Ordering::Release);
     }
@@ -485,14 +569,17 @@ fn output_loop<'c, C: ReplayCache>(
     rx: &Receiver<Finished<C::Lease<'c>>>,
     shared: &Shared,
     progress: &(dyn Fn(u64) + Sync),
+    mut tokens: Vec<u32>,
 ) -> Result<OutputResult, ReplayError> {
     let ps = cache.page_size() as usize;
     let capacity = cache.capacity_tokens();
-    let mut tokens = vec![0u32; trace.max_kv_len().max(1)];
-    let mut out = OutputResult {
-        timeline: Vec::with_capacity(if config.timeline { trace.len() } else { 0 }),
-        ..OutputResult::default()
-    };
+    let mut out = OutputResult::default();
+    if config.timeline {
+        out.timeline.try_reserve_exact(trace.len()).map_err(|_| crate::ConfigError::TooLargeForMemory {
+            what: "the replay's timeline",
+            bytes: crate::arena::bytes_of::<TimelinePoint>(trace.len()),
+        })?;
+    }
     for f in rx.iter() {
         let q = trace.request(f.r);
         let kv_len = q.kv_len();
@@ -531,17 +618,16 @@ fn router_thread<C: ReplayCache>(
     config: &ReplayConfig,
     k: usize,
     shared: &Shared,
+    (mut prompt, mut slots): (Vec<u32>, Vec<u32>),
 ) -> RouterResult {
     let mut res = RouterResult::default();
-    let max_input = trace.max_input_length().max(1);
-    let (mut prompt, mut slots) = (vec![0u32; max_input], vec![0u32; max_input]);
     let window = config.max_running;
-    let backoff = Backoff::new();
     let mut r = k;
     while r < trace.len() {
         let next = shared.next_admit.load(Ordering::Acquire);
-        if r < next {
-            // Admitted before this router got to it.
+        // Admitted before this router got to it, or never admitted (too large for the
+        // pool; its prompt would not fit the buffers either).
+        if r < next || !fits_in_pool(cache, trace.request(r).kv_len()) {
             r += config.routers;
             continue;
         }
@@ -549,14 +635,15 @@ fn router_thread<C: ReplayCache>(
             if shared.done.load(Ordering::Acquire) {
                 break;
             }
-            if backoff.is_completed() {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                backoff.snooze();
-            }
+            // Sleep until the scheduler's admissions bring `r` into the window (it
+            // unparks this router then) or the scheduler is done (it unparks every
+            // router). An unpark that comes between the check above and this park
+            // leaves a token, so the park returns at once: no wake-up is lost, and a
+            // spurious return only re-checks.
+            res.waits += 1;
+            std::thread::park();
             continue;
         }
-        backoff.reset();
         let len = trace.request(r).input_length as usize;
         trace.write_prompt(r, &mut prompt);
         let t = Instant::now();
@@ -567,4 +654,30 @@ fn router_thread<C: ReplayCache>(
         r += config.routers;
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::radix::EvictionPolicy;
+    use crate::replay::ReferenceCache;
+
+    /// Routers that wait for the scheduler must sleep until it admits the request
+    /// they are waiting for, not poll: each admission wakes at most one router, so
+    /// the waits stay within (twice, for spurious wake-ups) the admissions plus one
+    /// final wake-up per router, however long the replay runs.
+    #[test]
+    fn idle_routers_do_not_poll() {
+        let text: String = (0..300)
+            .map(|i| format!("{{\"input_length\": 64, \"output_length\": 300, \"hash_ids\": [{}]}}\n", i % 7))
+            .collect();
+        let trace = Trace::from_jsonl_str(&text, "t").unwrap();
+        let config = ReplayConfig { max_running: 1, routers: 8, ..ReplayConfig::default() };
+        let cache =
+            ReferenceCache::new(1 << 14, 16, EvictionPolicy::Lru, config.rows() as u32, trace.max_kv_len()).unwrap();
+        let (report, waits) = run_overlap_counted(&cache, &trace, &config, &|_| {}).unwrap();
+        assert_eq!(report.requests, 300);
+        let bound = 2 * (trace.len() as u64 + config.routers as u64);
+        assert!(waits <= bound, "routers waited {waits} times for {} admissions (bound {bound})", trace.len());
+    }
 }

@@ -7,8 +7,8 @@ use crate::error::AllocError;
 use crate::req_to_token::ReqRow;
 
 use super::{
-    decode_need, finish_report, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError, Report, TimelinePoint,
-    Totals, Trace, NAMESPACE,
+    buffer, decode_need, finish_report, fits_in_pool, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError,
+    Report, TimelinePoint, Totals, Trace, NAMESPACE,
 };
 
 /// How often (in requests) the progress callback is called.
@@ -16,8 +16,9 @@ pub(crate) const PROGRESS_EVERY: u64 = 64;
 
 /// Replay `trace` through `cache` one request at a time (issue 5, step 3).
 ///
-/// For each request in file order: match the prompt (page-aligned) and lock the
-/// match; take a row; `alloc_extend` the rest of the prompt; one `alloc_decode` per
+/// For each request in file order: a request whose KV (rounded up to whole pages)
+/// exceeds the pool is rejected at once, nothing expanded or evicted; otherwise match
+/// the prompt (page-aligned) and lock the match; take a row; `alloc_extend` the rest of the prompt; one `alloc_decode` per
 /// output token after the first (the last generated token's KV is never written);
 /// before each allocation that needs more than is free, evict the shortfall. A
 /// request whose allocation still fails (everything evictable is gone) is rejected:
@@ -25,7 +26,7 @@ pub(crate) const PROGRESS_EVERY: u64 = 64;
 /// `cache_finished_req` caches its page-aligned tokens and frees the rest.
 ///
 /// `config.mode`, `max_running` and `routers` are ignored; the cache's request pool
-/// must have a row of at least [`Trace::max_kv_len`] slots.
+/// must have a row of at least [`Trace::max_kv_len_fitting`] the pool's capacity.
 ///
 /// # Examples
 ///
@@ -55,24 +56,48 @@ pub fn run_sequential<C: ReplayCache>(
     config: &ReplayConfig,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Report, ReplayError> {
-    let max_kv = trace.max_kv_len();
+    let ps = cache.page_size() as usize;
+    let capacity = cache.capacity_tokens();
+    // Requests that do not fit are rejected before expansion: size for the others.
+    let max_kv = trace.max_kv_len_fitting(capacity);
     if cache.req_pool().max_context_len() < max_kv || cache.req_pool().size() == 0 {
         return Err(ReplayError::Config(format!(
             "the cache's request rows hold {} tokens but the trace needs {max_kv}",
             cache.req_pool().max_context_len()
         )));
     }
-    let ps = cache.page_size() as usize;
-    let capacity = cache.capacity_tokens();
-    let mut tokens = vec![0u32; max_kv.max(1)];
-    let mut slots = vec![0u32; max_kv.max(1)];
+    let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
+    let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
     let mut totals = Totals::default();
     let mut hist = Histograms::default();
-    let mut timeline = Vec::with_capacity(if config.timeline { trace.len() } else { 0 });
+    let mut timeline = Vec::new();
+    if config.timeline {
+        timeline.try_reserve_exact(trace.len()).map_err(|_| crate::ConfigError::TooLargeForMemory {
+            what: "the replay's timeline",
+            bytes: crate::arena::bytes_of::<TimelinePoint>(trace.len()),
+        })?;
+    }
     let start = Instant::now();
     for r in 0..trace.len() {
         let q = trace.request(r);
         let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
+        if !fits_in_pool(cache, kv_len) {
+            // Larger than the whole pool: it can never be served. Nothing is evicted.
+            totals.rejected += 1;
+            if config.timeline {
+                timeline.push(TimelinePoint {
+                    requests_done: r as u32 + 1,
+                    used_tokens: (capacity - cache.available_tokens()) as u64,
+                    cached_tokens: cache.cached_tokens() as u64,
+                    prompt_tokens: totals.prompt_tokens,
+                    hit_tokens: totals.hit_tokens,
+                });
+            }
+            if (r as u64 + 1) % PROGRESS_EVERY == 0 {
+                progress(r as u64 + 1);
+            }
+            continue;
+        }
         trace.write_kv_tokens(r, &mut tokens);
 
         let t = Instant::now();

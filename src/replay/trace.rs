@@ -28,6 +28,9 @@ pub const BLOCK_TOKENS: u32 = 512;
 pub const OUTPUT_TOKEN_BASE: u32 = 1 << 31;
 /// Output token ids reserved per request (`output_length` may not exceed it).
 pub const MAX_OUTPUT_LEN: u32 = 2048;
+/// The longest prompt a trace may hold: a request's KV tokens (prompt and outputs) are
+/// counted in `u32`, as KV slots are.
+pub const MAX_INPUT_LEN: u32 = u32::MAX - MAX_OUTPUT_LEN;
 /// The largest hash id whose tokens stay below [`OUTPUT_TOKEN_BASE`].
 pub const MAX_HASH_ID: u64 = (OUTPUT_TOKEN_BASE / BLOCK_TOKENS) as u64 - 1;
 /// The most requests a trace may hold (their output ids must fit in a `u32`).
@@ -138,6 +141,23 @@ pub enum TraceErrorKind {
     Io(std::io::Error),
     /// A line is not a JSON object with the expected fields.
     Json(serde_json::Error),
+    /// A line holds JSON that is not an object (an array, a number, ...).
+    NotAnObject {
+        /// What it holds instead ("a JSON array", ...).
+        found: &'static str,
+    },
+    /// The gzip stream is corrupt or truncated.
+    Gzip {
+        /// Lines of decompressed text read before the error.
+        lines_read: usize,
+        /// The decoder's error.
+        error: std::io::Error,
+    },
+    /// `input_length` above [`MAX_INPUT_LEN`].
+    InputTooLong {
+        /// The line's `input_length`.
+        input_length: u64,
+    },
     /// A blank line before the last request (the line number is the request's id).
     BlankLine,
     /// `input_length > 512 * len(hash_ids)`.
@@ -172,6 +192,17 @@ impl fmt::Display for TraceError {
         match &self.kind {
             TraceErrorKind::Io(e) => write!(f, "{e}"),
             TraceErrorKind::Json(e) => write!(f, "not a trace record: {e}"),
+            TraceErrorKind::NotAnObject { found } => write!(
+                f,
+                "not a trace record: expected a JSON object such as \
+                 {{\"input_length\": 600, \"output_length\": 10, \"hash_ids\": [1, 2]}}, found {found}"
+            ),
+            TraceErrorKind::Gzip { lines_read, error } => {
+                write!(f, "corrupt or truncated gzip data (after {lines_read} lines of decompressed text): {error}")
+            }
+            TraceErrorKind::InputTooLong { input_length } => {
+                write!(f, "input_length {input_length} is above {MAX_INPUT_LEN} (KV token counts must fit in 32 bits)")
+            }
             TraceErrorKind::BlankLine => {
                 f.write_str("blank line (every line is one request; its 0-based line number is the request id)")
             }
@@ -197,6 +228,7 @@ impl std::error::Error for TraceError {
         match &self.kind {
             TraceErrorKind::Io(e) => Some(e),
             TraceErrorKind::Json(e) => Some(e),
+            TraceErrorKind::Gzip { error, .. } => Some(error),
             _ => None,
         }
     }
@@ -204,6 +236,7 @@ impl std::error::Error for TraceError {
 
 /// One line of the file, as serde reads it.
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object with input_length, output_length and hash_ids")]
 struct RawRequest {
     #[serde(default)]
     timestamp: f64,
@@ -259,7 +292,7 @@ impl Trace {
         let mut reader = BufReader::with_capacity(1 << 16, reader);
         let head = reader.fill_buf().map_err(|e| err(None, TraceErrorKind::Io(e)))?;
         if head.starts_with(&[0x1f, 0x8b]) {
-            let decoder = flate2::bufread::MultiGzDecoder::new(reader);
+            let decoder = GzipErrors(flate2::bufread::MultiGzDecoder::new(reader));
             Trace::parse_lines(BufReader::with_capacity(1 << 16, decoder), source)
         } else {
             Trace::parse_lines(reader, source)
@@ -274,12 +307,17 @@ impl Trace {
         let mut first_blank = None;
         loop {
             line.clear();
-            let n = reader.read_line(&mut line).map_err(|e| err(Some(line_no + 1), TraceErrorKind::Io(e)))?;
+            let n = reader.read_line(&mut line).map_err(|e| match GzipError::take(e) {
+                Ok(error) => err(None, TraceErrorKind::Gzip { lines_read: line_no, error }),
+                Err(e) => err(Some(line_no + 1), TraceErrorKind::Io(e)),
+            })?;
             if n == 0 {
                 break;
             }
             line_no += 1;
-            if line.trim().is_empty() {
+            // A UTF-8 byte order mark (as some editors write) is not part of the JSON.
+            let text = if line_no == 1 { line.strip_prefix('\u{feff}').unwrap_or(&line) } else { &line };
+            if text.trim().is_empty() {
                 first_blank.get_or_insert(line_no);
                 continue;
             }
@@ -289,8 +327,11 @@ impl Trace {
             if trace.requests.len() == MAX_REQUESTS {
                 return Err(err(Some(line_no), TraceErrorKind::TooManyRequests));
             }
+            if let Some(found) = not_an_object(text) {
+                return Err(err(Some(line_no), TraceErrorKind::NotAnObject { found }));
+            }
             let raw: RawRequest =
-                serde_json::from_str(&line).map_err(|e| err(Some(line_no), TraceErrorKind::Json(e)))?;
+                serde_json::from_str(text).map_err(|e| err(Some(line_no), TraceErrorKind::Json(e)))?;
             trace.push(raw).map_err(|kind| err(Some(line_no), kind))?;
         }
         if trace.requests.is_empty() {
@@ -300,6 +341,9 @@ impl Trace {
     }
 
     fn push(&mut self, raw: RawRequest) -> Result<(), TraceErrorKind> {
+        if raw.input_length > MAX_INPUT_LEN as u64 {
+            return Err(TraceErrorKind::InputTooLong { input_length: raw.input_length });
+        }
         let blocks = raw.hash_ids.len();
         if raw.input_length > BLOCK_TOKENS as u64 * blocks as u64 {
             return Err(TraceErrorKind::PromptLongerThanBlocks { input_length: raw.input_length, blocks });
@@ -312,7 +356,7 @@ impl Trace {
         }
         // Only the blocks the prompt reaches are kept (ids past it are never read).
         let used = (raw.input_length as usize).div_ceil(BLOCK_TOKENS as usize);
-        // input_length <= 512 * blocks and hash ids < 2^22, so these fit in u32.
+        // input_length <= MAX_INPUT_LEN, and hash ids < 2^22: these fit in u32.
         let hash_start = self.hash_ids.len() as u32;
         self.hash_ids.extend(raw.hash_ids[..used].iter().map(|&h| h as u32));
         let timestamp_ms = if raw.timestamp.is_finite() && raw.timestamp > 0.0 { raw.timestamp as u64 } else { 0 };
@@ -415,6 +459,30 @@ impl Trace {
         self.requests.iter().map(TraceRequest::kv_len).max().unwrap_or(0)
     }
 
+    /// The longest [`TraceRequest::kv_len`] among the requests whose KV fits in
+    /// `capacity` tokens: the longest request a pool of that size can serve (the
+    /// replay rejects the others before expanding their tokens). 0 if none fits.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::replay::Trace;
+    /// let text = "{\"input_length\": 100, \"output_length\": 1, \"hash_ids\": [1]}\n\
+    ///             {\"input_length\": 30, \"output_length\": 3, \"hash_ids\": [2]}\n";
+    /// let trace = Trace::from_jsonl_str(text, "t")?;
+    /// assert_eq!((trace.max_kv_len(), trace.max_kv_len_fitting(64), trace.max_kv_len_fitting(16)), (100, 32, 0));
+    /// # Ok::<(), kvpool::replay::TraceError>(())
+    /// ```
+    pub fn max_kv_len_fitting(&self, capacity: usize) -> usize {
+        self.requests.iter().map(TraceRequest::kv_len).filter(|&kv| kv <= capacity).max().unwrap_or(0)
+    }
+
+    /// The longest prompt among the requests whose KV fits in `capacity` tokens (see
+    /// [`max_kv_len_fitting`](Self::max_kv_len_fitting)).
+    pub fn max_input_length_fitting(&self, capacity: usize) -> usize {
+        self.requests.iter().filter(|q| q.kv_len() <= capacity).map(|q| q.input_length as usize).max().unwrap_or(0)
+    }
+
     /// Sum of `input_length`.
     pub fn total_input_tokens(&self) -> u64 {
         self.requests.iter().map(|q| q.input_length as u64).sum()
@@ -425,6 +493,57 @@ impl Trace {
         self.requests.iter().map(|q| q.output_length as u64).sum()
     }
 }
+
+/// What a line holds when it is JSON but not an object, judged by its first
+/// character; `None` for an object (or for text that is not JSON at all, which serde
+/// describes better).
+fn not_an_object(line: &str) -> Option<&'static str> {
+    match line.trim_start().chars().next()? {
+        '[' => Some("a JSON array"),
+        '"' => Some("a JSON string"),
+        '-' | '0'..='9' => Some("a JSON number"),
+        't' | 'f' if ["true", "false"].contains(&line.trim()) => Some("a JSON boolean"),
+        'n' if line.trim() == "null" => Some("JSON null"),
+        _ => None,
+    }
+}
+
+/// A gzip decoder whose errors are marked as the decoder's ([`GzipError`]), so that
+/// the loader can tell a corrupt stream from an unreadable file or a bad line.
+struct GzipErrors<R>(R);
+
+impl<R: Read> Read for GzipErrors<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf).map_err(|e| std::io::Error::new(e.kind(), GzipError(e)))
+    }
+}
+
+#[derive(Debug)]
+struct GzipError(std::io::Error);
+
+impl GzipError {
+    /// The decoder's error inside `e`, or `e` itself if it is not one.
+    fn take(e: std::io::Error) -> Result<std::io::Error, std::io::Error> {
+        if !e.get_ref().is_some_and(|inner| inner.is::<GzipError>()) {
+            return Err(e);
+        }
+        let kind = e.kind();
+        match e.into_inner().map(|inner| inner.downcast::<GzipError>()) {
+            Some(Ok(g)) => Ok(g.0),
+            // Not reached (checked above); keep what there is.
+            Some(Err(other)) => Err(std::io::Error::new(kind, other)),
+            None => Err(kind.into()),
+        }
+    }
+}
+
+impl fmt::Display for GzipError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for GzipError {}
 
 #[cfg(test)]
 mod tests {

@@ -118,7 +118,7 @@ pub fn run(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp]) -> Result<(), 
     let config = RadixConfig { policy, event_capacity: None };
     let cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
         .map_err(|e| e.to_string())?;
-    let mut reference = ReferenceRadixCache::new(make(), policy);
+    let mut reference = ReferenceRadixCache::new(make(), policy).map_err(|e| e.to_string())?;
     let mut reqs: Vec<Req<'_>> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
