@@ -225,6 +225,14 @@ pub fn expand_decode(
 
 /// The expansion itself. `out[..n_pages]` holds the fresh pages on entry; on return
 /// `out` holds the slots. Inputs are already validated.
+/// `out[k] = base + k`.
+#[inline]
+fn fill_ascending(out: &mut [u32], base: u32) {
+    for (k, o) in out.iter_mut().enumerate() {
+        *o = base.wrapping_add(k as u32);
+    }
+}
+
 pub(crate) fn expand_in_place<R>(ps: u32, batch: usize, request: R, n_pages: usize, out: &mut [u32])
 where
     R: Fn(usize) -> (u32, u32, u32),
@@ -249,19 +257,18 @@ where
         let p2 = full_end.saturating_sub(aligned_prefix) as usize;
         let p3 = if np > 0 { (seq - full_end) as usize } else { 0 };
         // Backwards: part 3, part 2, part 1 (see the module docs for why in place works).
+        // Within a page the fill runs forwards (an ascending fill vectorizes): the page
+        // numbers not yet read sit below `at` (pages never outnumber new tokens, so
+        // `page_start <= out_start`), and the page's own number is read before the fill.
         if p3 > 0 {
             let base = out[page_start + np - 1] * ps;
             let at = out_start + p1 + p2;
-            for k in (0..p3).rev() {
-                out[at + k] = base + k as u32;
-            }
+            fill_ascending(&mut out[at..at + p3], base);
         }
         for full in (0..p2 / ps as usize).rev() {
             let base = out[page_start + full] * ps;
             let at = out_start + p1 + full * ps as usize;
-            for k in (0..ps as usize).rev() {
-                out[at + k] = base + k as u32;
-            }
+            fill_ascending(&mut out[at..at + ps as usize], base);
         }
         for k in (0..p1).rev() {
             out[out_start + k] = last_loc.wrapping_add(1 + k as u32);
