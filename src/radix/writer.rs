@@ -244,12 +244,19 @@ impl<A: KvAllocator> Writer<'_, A> {
         let r = &self.c.records[new as usize];
         r.hash_next.store(next, Ordering::Relaxed);
         r.gen.fetch_add(1, Ordering::Release);
+        // The old record leaves the chain as an unlink would, so the bucket's removal
+        // version moves too: a lookup that reached `old` before the swap, then finds it
+        // retired and walks off the chain, must see the change and retry instead of
+        // reporting a miss of content that stayed cached throughout (found by the loom
+        // model `peek_racing_split`).
+        let word = self.c.buckets[b].load(Ordering::Relaxed);
+        let version = (word >> 32).wrapping_add(1) << 32;
         match self.predecessor(old) {
-            None => {
-                let word = self.c.buckets[b].load(Ordering::Relaxed);
-                self.c.buckets[b].store(word & !0xffff_ffff | new as u64, Ordering::Release);
+            None => self.c.buckets[b].store(version | new as u64, Ordering::Release),
+            Some(p) => {
+                self.c.records[p as usize].hash_next.store(new, Ordering::Release);
+                self.c.buckets[b].store(version | (word & 0xffff_ffff), Ordering::Release);
             }
-            Some(p) => self.c.records[p as usize].hash_next.store(new, Ordering::Release),
         }
     }
 
