@@ -1,4 +1,4 @@
-#![cfg(loom)]
+#![cfg(all(loom, not(shuttle)))]
 //! Loom models of `SlotPool`: every interleaving (within the preemption bound) of a few
 //! threads allocating and freeing.
 //!
@@ -19,6 +19,8 @@
 //! | `free_group_publishes_atomically`       | an observer sees none or all of a group; allocs needing it fail until it ends |
 //! | `free_group_across_words_with_alloc`    | the same with the group's bits in two words and a concurrent claim |
 //! | `double_free_racing_with_alloc`         | a double free is reported, counts stay exact, nothing else is touched |
+
+mod loom_common;
 
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -65,7 +67,7 @@ fn distinct_in_range(indices: &[u32], capacity: u32) {
 /// held: no index has two owners, and every index comes back.
 #[test]
 fn alloc_and_free_never_double_hand_out() {
-    loom::model(|| {
+    loom_common::model("alloc_and_free_never_double_hand_out", || {
         const CAP: u32 = 4;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -102,7 +104,7 @@ fn alloc_and_free_never_double_hand_out() {
 /// Batches that must take bits from both words of a 66-index pool.
 #[test]
 fn batch_alloc_across_two_words() {
-    loom::model(|| {
+    loom_common::model("batch_alloc_across_two_words", || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -148,7 +150,7 @@ fn batch_alloc_across_two_words() {
 /// the winner left and its buffer is untouched.
 #[test]
 fn racing_for_the_last_slots() {
-    loom::model(|| {
+    loom_common::model("racing_for_the_last_slots", || {
         let pool = Arc::new(SlotPool::new(3));
         let racers: Vec<_> = (0..2)
             .map(|_| {
@@ -185,7 +187,7 @@ fn racing_for_the_last_slots() {
 /// holds a partial batch, and the counts add up.
 #[test]
 fn racing_for_the_last_slots_with_a_free() {
-    loom::model(|| {
+    loom_common::model("racing_for_the_last_slots_with_a_free", || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -228,7 +230,7 @@ fn racing_for_the_last_slots_with_a_free() {
 /// `available()` as 0 or 2, never 1, and an alloc that succeeds has seen the end begin.
 #[test]
 fn free_group_publishes_atomically() {
-    loom::model(|| {
+    loom_common::model("free_group_publishes_atomically", || {
         let pool = Arc::new(SlotPool::new(3));
         let mut all = [0u32; 3];
         pool.alloc(&mut all).unwrap();
@@ -265,7 +267,7 @@ fn free_group_publishes_atomically() {
 /// once set) but never more than it reserved, and the group's count arrives whole.
 #[test]
 fn free_group_across_words_with_alloc() {
-    loom::model(|| {
+    loom_common::model("free_group_across_words_with_alloc", || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -305,7 +307,7 @@ fn free_group_across_words_with_alloc() {
 /// count is disturbed.
 #[test]
 fn double_free_racing_with_alloc() {
-    loom::model(|| {
+    loom_common::model("double_free_racing_with_alloc", || {
         let pool = Arc::new(SlotPool::new(2));
         let mut all = [0u32; 2];
         pool.alloc(&mut all).unwrap();
