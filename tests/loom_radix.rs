@@ -27,6 +27,8 @@
 //! | `peek_racing_evict`             | a lookup before, inside or after an eviction returns the whole prefix or nothing; after it, nothing; a lookup that read the node and then saw it retired retries (observed) |
 //! | `peek_racing_split`             | a lookup before, inside or after a split finds the whole cached prefix — **fails, ignored: a lookup inside a split can miss (see the model)** |
 //! | `peek_racing_split_returns_a_valid_prefix` | a lookup racing a split returns a prefix of the right slots; before or after it, all of them |
+//! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
+//! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
 //! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
 //! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
@@ -230,6 +232,97 @@ fn race_peek_with_split() -> (usize, [u32; 3], Vec<u32>, Place) {
     c.check_invariants().unwrap();
     assert_eq!(c.node_count(), 2);
     (n, out, slots, place)
+}
+
+/// A lookup racing an insert that hangs a new leaf `[3, 4]` under the cached `[1, 2]`
+/// finds `[1, 2]` and, once the leaf is published, all of `[1, 2, 3, 4]` with the
+/// inserted slots; never a half-published leaf. Both results are seen inside the insert.
+#[test]
+fn peek_racing_insert() {
+    let seen = Outcomes::new(&["before", "inside_old", "inside_new", "after"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_insert", move || {
+        let c = Arc::new(cache(6));
+        let prefix = insert_fresh(&c, &[1, 2]);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || span1.write(|| insert_fresh(&c1, &[1, 2, 3, 4])));
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 4];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2, 3, 4], &mut out));
+            (n, out, place)
+        });
+        let inserted = writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
+        assert_eq!(out[..2], prefix[..], "wrong slots for the cached prefix: {out:?}");
+        match (place, n) {
+            (Place::Before, 2) => s.hit("before"),
+            (Place::Inside, 2) => s.hit("inside_old"),
+            (Place::Inside, 4) => s.hit("inside_new"),
+            (Place::After, 4) => s.hit("after"),
+            _ => panic!("a lookup {place:?} the insert found {n} tokens: {out:?}"),
+        }
+        if n == 4 {
+            assert_eq!(out[2..], inserted[2..], "wrong slots for the inserted leaf: {out:?}");
+        }
+        c.check_invariants().unwrap();
+        assert_eq!((c.total_size(), c.allocator().available_size()), (4, 2));
+    });
+    seen.expect_seen("peek_racing_insert", &["before", "inside_old", "inside_new", "after"]);
+}
+
+/// ABA: the writer evicts `[1, 2]` and at once caches `[3, 4]` in the same two slots
+/// (the only ones) and, most likely, the same node record. A lookup of `[1, 2]` returns
+/// those slots only if it validated before the eviction (never after it finished), and
+/// returns nothing otherwise — never slots that now hold `[3, 4]`.
+#[test]
+fn peek_racing_evict_and_reuse() {
+    let seen = Outcomes::new(&["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_evict_and_reuse", move || {
+        let c = Arc::new(cache(2));
+        let slots = insert_fresh(&c, &[1, 2]);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || {
+            span1.write(|| {
+                assert_eq!(c1.evict(2), 2);
+                insert_fresh(&c1, &[3, 4])
+            })
+        });
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 2];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2], &mut out));
+            (n, out, place)
+        });
+        let reused = writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
+        let mut sorted = reused.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [1, 2], "the writer did not reuse the evicted slots");
+        assert!(n == 0 || (n == 2 && out[..] == slots[..]), "partial or wrong match {n} {out:?}");
+        match (place, n) {
+            (Place::Before, 2) => s.hit("before_hit"),
+            (Place::Before, _) => panic!("missed a node cached throughout the lookup"),
+            (Place::Inside, 2) => s.hit("inside_hit"),
+            (Place::Inside, _) => s.hit("inside_miss"),
+            (Place::After, 0) => s.hit("after_miss"),
+            (Place::After, _) => panic!("found [1, 2] in slots that hold [3, 4] since before the lookup"),
+        }
+        if n == 0 && out != [0, 0] {
+            s.hit("retried");
+        }
+        c.check_invariants().unwrap();
+        let mut now = [0u32; 2];
+        assert_eq!(c.peek_prefix(0, &[3, 4], &mut now), 2);
+        assert_eq!(now[..], reused[..]);
+    });
+    seen.expect_seen(
+        "peek_racing_evict_and_reuse",
+        &["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"],
+    );
 }
 
 /// Match-and-lock racing eviction: a locked node is never evicted; the lease's slots
