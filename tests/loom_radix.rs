@@ -30,6 +30,7 @@
 //! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
 //! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
 //! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
+//! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
 //! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
 
@@ -39,7 +40,7 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::radix::{EventQueue, KvEvent, RadixCache, RadixConfig};
+use kvpool::radix::{CacheError, EventQueue, KvEvent, RadixCache, RadixConfig};
 use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
 use loom_common::Outcomes;
 
@@ -353,6 +354,71 @@ fn lock_racing_evict() {
         c.check_invariants().unwrap();
     });
     seen.expect_seen("lock_racing_evict", &["locked_first", "evicted_first"]);
+}
+
+/// A match taken without a lock, locked later while another thread evicts its node and
+/// caches the same key in the same slots again: `lock` succeeds only if it came before
+/// the eviction, and refuses the match (`StaleMatch`) after it — also once the same
+/// tokens are back in the same slots (the per-page epoch rules out that ABA).
+#[test]
+fn lock_of_a_match_racing_evict_and_reinsert() {
+    let seen = Outcomes::new(&["locked_before_evict", "stale", "stale_after_reinsert_same_slots"]);
+    let s = seen.clone();
+    loom_common::model("lock_of_a_match_racing_evict_and_reinsert", move || {
+        let c = Arc::new(cache(2));
+        let slots = insert_fresh(&c, &[1, 2]);
+        let mut out = [0u32; 2];
+        let m = c.match_prefix(0, &[1, 2], &mut out);
+        assert_eq!(m.len(), 2);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || {
+            span1.write(|| {
+                let freed = c1.evict(2);
+                if freed == 2 {
+                    insert_fresh(&c1, &[1, 2]);
+                }
+                freed
+            })
+        });
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let (locked, place) = span2.read(|| c2.lock(&m).map(|lease| lease.detach()));
+            (locked, place)
+        });
+        let freed = writer.join().unwrap();
+        let (locked, place) = reader.join().unwrap();
+        match locked {
+            Ok(lease) => {
+                assert_ne!(place, Place::After, "locked a match whose node was evicted");
+                assert_eq!(freed, 0, "evicted a locked node");
+                assert_eq!(lease.len(), 2);
+                c.release(lease).unwrap();
+                s.hit("locked_before_evict");
+            }
+            Err(e) => {
+                assert_eq!(e, CacheError::StaleMatch);
+                assert_ne!(place, Place::Before, "refused a match whose node was cached throughout");
+                assert_eq!(freed, 2);
+                let mut now = [0u32; 2];
+                assert_eq!(c.peek_prefix(0, &[1, 2], &mut now), 2);
+                let mut sorted = now;
+                sorted.sort_unstable();
+                assert_eq!(sorted, [1, 2], "the reinsert did not reuse the slots");
+                s.hit(if now[..] == slots[..] && place == Place::After {
+                    "stale_after_reinsert_same_slots"
+                } else {
+                    "stale"
+                });
+            }
+        }
+        c.check_invariants().unwrap();
+        assert_eq!(c.protected_size(), 0);
+    });
+    seen.expect_seen(
+        "lock_of_a_match_racing_evict_and_reinsert",
+        &["locked_before_evict", "stale", "stale_after_reinsert_same_slots"],
+    );
 }
 
 /// Two threads insert overlapping keys at once; each frees its duplicates. The tree
