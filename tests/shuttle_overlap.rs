@@ -3,8 +3,9 @@
 //! inference engine, with randomized schedules.
 //!
 //! * the **scheduler** admits requests: takes a row, `match_and_lock`s the prompt,
-//!   writes the hit into the row, `alloc_extend`s the rest (evicting when short), then
-//!   runs a few decode steps (`alloc_decode`) and hands the request over;
+//!   writes the hit into the row, `alloc_extend`s the rest (evicting when short) — for
+//!   every third request in two chunks with `cache_unfinished_req` between (chunked
+//!   prefill) — then runs a few decode steps (`alloc_decode`) and hands the request over;
 //! * the **output** thread finishes requests as they come (`cache_finished_req`: insert,
 //!   free duplicates and the tail, unlock, free the row) while the scheduler allocates
 //!   for the next ones;
@@ -30,9 +31,9 @@ use kvpool::{AllocError, KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
 use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
 
 const PS: u32 = 4;
-/// 32 pages: less than the requests in flight can hold at once (6 rows of up to 7
+/// 24 pages: less than the requests in flight can hold at once (6 rows of up to 7
 /// pages), so admission evicts the tree and at times waits for the output thread.
-const SIZE: usize = 128;
+const SIZE: usize = 96;
 /// Request rows: at most this many requests in flight (the scheduler waits for one).
 const ROWS: u32 = 6;
 const REQUESTS: u32 = 14;
@@ -89,6 +90,7 @@ struct Engine<'a, 'c> {
 const LABELS: &[&str] = &[
     "requests",
     "hits",
+    "chunked",
     "row_waits",
     "evicting_admissions",
     "oom_waits",
@@ -112,7 +114,7 @@ fn scheduler(e: &Engine<'_, '_>) {
             }
         };
         let mut hit = vec![0u32; p];
-        let lease = c.match_and_lock(0, &prompt, &mut hit);
+        let mut lease = c.match_and_lock(0, &prompt, &mut hit);
         let h = lease.len();
         hit.truncate(h);
         shadow.check_match("match_and_lock", &prompt, &hit, PS as usize);
@@ -122,14 +124,37 @@ fn scheduler(e: &Engine<'_, '_>) {
         }
         c.req_pool().write(&mut row, 0, &hit).unwrap();
 
-        let mut fresh = vec![0u32; p - h];
+        // Every third request with enough new tokens is prefilled in two chunks.
+        let chunk_end = if id % 3 == 0 && p - h > 5 { h + (p - h) / 2 } else { p };
+        let mut fresh = vec![0u32; chunk_end - h];
         if c.allocator().available_size() < fresh.len() {
             seen.hit("evicting_admissions");
         }
         let last = hit.last().copied().unwrap_or(0);
-        retry("alloc_extend", seen, || c.alloc_extend(&[h as u32], &[p as u32], &[last], &mut fresh));
-        shadow.claim(id, &fresh, &prompt[h..]);
+        retry("alloc_extend", seen, || c.alloc_extend(&[h as u32], &[chunk_end as u32], &[last], &mut fresh));
+        shadow.claim(id, &fresh, &prompt[h..chunk_end]);
         c.req_pool().write(&mut row, h, &fresh).unwrap();
+        if chunk_end < p {
+            // Chunked prefill: the first chunk's whole pages go to the cache, the row is
+            // rewritten with the tree's slots, the lease moves down; the unaligned tail
+            // stays with the request and the second chunk continues its page.
+            let aligned = chunk_end / PS as usize * PS as usize;
+            shadow.unclaim(id, &fresh[..aligned - h]);
+            shadow.unlock(&hit);
+            c.cache_unfinished_req(0, &prompt[..chunk_end], &mut row, &mut lease, 0).unwrap();
+            assert_eq!(lease.len(), aligned);
+            hit = c.req_pool().read(&row, 0..aligned).unwrap().to_vec();
+            shadow.check_match("cache_unfinished_req", &prompt[..aligned], &hit, PS as usize);
+            shadow.lock(&hit);
+            fresh.drain(..aligned - h);
+            let last = c.req_pool().read(&row, chunk_end - 1..chunk_end).unwrap()[0];
+            let mut rest = vec![0u32; p - chunk_end];
+            retry("alloc_extend", seen, || c.alloc_extend(&[chunk_end as u32], &[p as u32], &[last], &mut rest));
+            shadow.claim(id, &rest, &prompt[chunk_end..]);
+            c.req_pool().write(&mut row, chunk_end, &rest).unwrap();
+            fresh.extend(rest);
+            seen.hit("chunked");
+        }
 
         let mut tokens = prompt;
         let mut last = fresh.last().or(hit.last()).copied().unwrap();
@@ -220,9 +245,17 @@ fn scenario(seen: &Outcomes) {
 fn overlap_scheduler() {
     let seen = Outcomes::new(LABELS);
     let s = seen.clone();
-    shuttle_common::check("overlap_scheduler", schedules(4000), move || scenario(&s));
+    shuttle_common::check("overlap_scheduler", schedules(10_000), move || scenario(&s));
     seen.expect_seen(
         "overlap_scheduler",
-        &["hits", "row_waits", "evicting_admissions", "oom_waits", "finished_while_admitting", "router_hits"],
+        &[
+            "hits",
+            "chunked",
+            "row_waits",
+            "evicting_admissions",
+            "oom_waits",
+            "finished_while_admitting",
+            "router_hits",
+        ],
     );
 }
