@@ -6,6 +6,11 @@
 #   scripts/loom.sh loom_slots      # one file
 #   scripts/loom.sh loom_slots racing   # one file, models whose name contains "racing"
 #
+# Every model prints how many executions loom explored and fails if it was only one
+# (tests/loom_common: loom never reorders a load before a later store in another
+# thread, tokio-rs/loom#392, so a badly ordered model can pass without interleaving);
+# pass --nocapture to see the counts and the outcomes each model asserts it reached.
+#
 # A separate target dir keeps the `--cfg loom` build from invalidating the normal one.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,9 +5,29 @@
 //! explores every interleaving of kvpool's atomics — and of the atomics in a user's
 //! own scheduler, when they model-check their code with our types.
 //!
+//! Under `RUSTFLAGS="--cfg loom --cfg shuttle"` they come from
+//! [`shuttle`](https://docs.rs/shuttle) instead, for randomized schedules of scenarios
+//! too large for loom (`tests/shuttle_*.rs`, `scripts/shuttle.sh`).
+//!
 //! Code elsewhere in the crate writes `crate::sync::atomic::AtomicU64` and never
 //! `std::sync::atomic::AtomicU64`; a grep for `std::sync::atomic` outside this file
 //! should find nothing.
+//!
+//! # The cfgs
+//!
+//! * `cfg(loom)` means *a model-checked build*: kvpool's atomics are a checker's, the
+//!   crate skips its plain-memory fast paths (which read atomics as plain integers, and
+//!   a checker's atomics do not have an integer's layout), shrinks shard counts, and
+//!   leaves out the trace-replay tool.
+//! * `cfg(shuttle)` picks *which* checker: shuttle instead of loom. It is only valid
+//!   together with `cfg(loom)`, so every `cfg(not(loom))` fast path stays off under
+//!   shuttle too; a build with `--cfg shuttle` alone stops with a compile error.
+
+#[cfg(all(shuttle, not(loom)))]
+compile_error!(
+    "`--cfg shuttle` needs `--cfg loom` as well (loom marks a model-checked build, shuttle picks the checker): \
+     run scripts/shuttle.sh, or RUSTFLAGS=\"--cfg loom --cfg shuttle\""
+);
 
 #[cfg(not(loom))]
 mod imp {
@@ -25,7 +45,7 @@ mod imp {
     }
 }
 
-#[cfg(loom)]
+#[cfg(all(loom, not(shuttle)))]
 mod imp {
     pub(crate) mod atomic {
         #[allow(unused_imports)]
@@ -41,16 +61,36 @@ mod imp {
     }
 }
 
+/// Shuttle: every atomic access is a scheduling point (shuttle models them all as
+/// `SeqCst`; loom is the tool for weak orderings, shuttle for size).
+#[cfg(all(loom, shuttle))]
+mod imp {
+    pub(crate) mod atomic {
+        #[allow(unused_imports)]
+        pub(crate) use shuttle::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+    }
+    #[allow(unused_imports)]
+    pub(crate) use shuttle::sync::Arc;
+
+    /// A spinning thread yields, which tells shuttle's schedulers to run someone else
+    /// (a spin without a yield could be scheduled forever).
+    #[inline]
+    pub(crate) fn spin_loop() {
+        shuttle::thread::yield_now();
+    }
+}
+
 #[allow(unused_imports)]
 pub(crate) use imp::*;
 
 /// An `UnsafeCell` with tokio's closure API, so loom can check every access under
 /// `--cfg loom` (it tracks concurrent `with`/`with_mut` and reports data races).
-#[cfg(not(loom))]
+/// Shuttle has no such cell: under shuttle it is the plain one.
+#[cfg(any(not(loom), shuttle))]
 #[derive(Debug)]
 pub(crate) struct UnsafeCell<T>(core::cell::UnsafeCell<T>);
 
-#[cfg(not(loom))]
+#[cfg(any(not(loom), shuttle))]
 #[allow(dead_code)]
 impl<T> UnsafeCell<T> {
     pub(crate) fn new(t: T) -> Self {
@@ -66,7 +106,7 @@ impl<T> UnsafeCell<T> {
     }
 }
 
-#[cfg(loom)]
+#[cfg(all(loom, not(shuttle)))]
 pub(crate) use loom::cell::UnsafeCell;
 
 /// A small number that tells the calling thread apart from the others (threads that
@@ -98,7 +138,7 @@ pub(crate) fn thread_slot() -> usize {
 /// spawn order), the same in every execution of a model, so the model stays
 /// deterministic. Loom shows that number only through `Debug` (`ThreadId(3)`); the
 /// digits are read straight out of the formatter.
-#[cfg(loom)]
+#[cfg(all(loom, not(shuttle)))]
 pub(crate) fn thread_slot() -> usize {
     use std::fmt::Write;
     struct Digits(usize);
@@ -113,6 +153,14 @@ pub(crate) fn thread_slot() -> usize {
     let mut digits = Digits(0);
     let _ = write!(digits, "{:?}", loom::thread::current().id());
     digits.0
+}
+
+/// Under shuttle: the shuttle task number (0 for the test's main thread, then in spawn
+/// order), the same in every schedule of a test. All shuttle threads share one OS
+/// thread, so the std version's thread-local would give them all the same slot.
+#[cfg(all(loom, shuttle))]
+pub(crate) fn thread_slot() -> usize {
+    usize::from(shuttle::thread::current().id())
 }
 
 /// Atomics for heuristics only — state that decides where a scan starts, never whether

@@ -1,4 +1,4 @@
-#![cfg(loom)]
+#![cfg(all(loom, not(shuttle)))]
 //! Loom models of `PagedAllocator`: `alloc_extend` / `alloc_decode` racing with frees
 //! and free groups. Run with `scripts/loom.sh`.
 //!
@@ -10,6 +10,8 @@
 //! |----------------------------------------|---------------------------------------------------------|
 //! | `extend_and_decode_race_with_free`     | page size 4: the pages of racing extend and decode are distinct, their slots follow the three-part formula, the freed page is reused safely, counts add up |
 //! | `decode_races_alloc_and_group_free`    | page size 3 (not a power of two): a decode batch that fills a partial page and opens a new one, racing a plain alloc and a free group |
+
+mod loom_common;
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
@@ -49,7 +51,7 @@ fn oom_available(e: &AllocError) -> usize {
 /// decodes a new request (one fresh page), the freer frees page 2.
 #[test]
 fn extend_and_decode_race_with_free() {
-    loom::model(|| {
+    loom_common::model("extend_and_decode_race_with_free", || {
         let alloc = Arc::new(PagedAllocator::new(12, 4).unwrap());
         let owners = Arc::new(PageOwners::new(3));
         let mut prefix_page = [0u32; 4];
@@ -126,7 +128,7 @@ fn extend_and_decode_race_with_free() {
 /// page. The group's page counts only when the group ends.
 #[test]
 fn decode_races_alloc_and_group_free() {
-    loom::model(|| {
+    loom_common::model("decode_races_alloc_and_group_free", || {
         let alloc = Arc::new(PagedAllocator::new(10, 3).unwrap());
         let owners = Arc::new(PageOwners::new(3));
         let mut first = [0u32; 3];

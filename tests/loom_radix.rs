@@ -1,14 +1,48 @@
+#![cfg(all(loom, not(shuttle)))]
 //! Loom models of the radix cache's concurrency claims (small capacities).
 //!
-//! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom_radix`
-#![cfg(loom)]
+//! Run with `scripts/loom.sh loom_radix`.
+//!
+//! # Getting loom to explore the race at all
+//!
+//! Loom does not reorder a load in one thread with a later store in another
+//! (tokio-rs/loom#392): if the reader's loads all come before the writer's stores in
+//! loom's first schedule, loom explores that one schedule and the lock-free reader is
+//! never model-checked. Loom's first schedule keeps running the main thread and, when it
+//! blocks in `join`, runs the spawned threads in spawn order. So every model here spawns
+//! the **writer first and the reader second** and has the main thread only join: the
+//! first schedule stores before it loads, and from each load loom backtracks to the
+//! store it depends on, which puts the reader before, inside and after the writer.
+//! Every model counts its executions and fails when loom explored only one
+//! (`loom_common::model`), and counts the outcomes it is about (`Outcomes`), failing
+//! when an interleaving it names was never reached.
+//!
+//! Where the reader ran relative to the writer is recorded with two flags around the
+//! writer's call (`Span`): the reader reads `done` before its lookup and `started` after
+//! it. Done before: the reader ran after. Not started after: it ran before. Otherwise the
+//! two calls overlapped — the reader ran *inside* the split or eviction.
+//!
+//! | model                           | what it proves                                              |
+//! |---------------------------------|-------------------------------------------------------------|
+//! | `peek_racing_evict`             | a lookup before, inside or after an eviction returns the whole prefix or nothing; after it, nothing; a lookup that read the node and then saw it retired retries (observed) |
+//! | `peek_racing_split`             | a lookup before, inside or after a split finds the whole cached prefix — **fails, ignored: a lookup inside a split can miss (see the model)** |
+//! | `peek_racing_split_returns_a_valid_prefix` | a lookup racing a split returns a prefix of the right slots; before or after it, all of them |
+//! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
+//! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
+//! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
+//! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
+//! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
+//! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
+
+mod loom_common;
 
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::radix::{EventQueue, KvEvent, RadixCache, RadixConfig};
+use kvpool::radix::{CacheError, EventQueue, KvEvent, RadixCache, RadixConfig};
 use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use loom_common::Outcomes;
 
 fn cache(size: usize) -> RadixCache<TokenAllocator> {
     RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(1, 4).unwrap(), RadixConfig::default())
@@ -23,58 +57,282 @@ fn insert_fresh(c: &RadixCache<TokenAllocator>, key: &[u32]) -> Vec<u32> {
     s
 }
 
+/// Two flags around the writer's call, so the reader can tell where it ran.
+#[derive(Default)]
+struct Span {
+    started: AtomicBool,
+    done: AtomicBool,
+}
+
+/// Where the reader's call ran relative to the writer's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Before,
+    Inside,
+    After,
+}
+
+impl Span {
+    fn new() -> Arc<Span> {
+        Arc::new(Span::default())
+    }
+
+    /// The writer: run `f` between the two flags.
+    fn write<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.started.store(true, Ordering::SeqCst);
+        let r = f();
+        self.done.store(true, Ordering::SeqCst);
+        r
+    }
+
+    /// The reader: run `f` and say where it ran.
+    fn read<R>(&self, f: impl FnOnce() -> R) -> (R, Place) {
+        let after = self.done.load(Ordering::SeqCst);
+        let r = f();
+        let before = !self.started.load(Ordering::SeqCst);
+        let place = match (after, before) {
+            (true, _) => Place::After,
+            (false, true) => Place::Before,
+            (false, false) => Place::Inside,
+        };
+        (r, place)
+    }
+}
+
+impl Place {
+    fn label(self) -> &'static str {
+        match self {
+            Place::Before => "before",
+            Place::Inside => "inside",
+            Place::After => "after",
+        }
+    }
+}
+
 /// A lookup that starts after an eviction finished never finds the evicted node, and a
 /// lookup racing the eviction returns the whole cached prefix or nothing — never a
 /// partial or garbled one — and never panics on a half-evicted node.
+///
+/// A lookup writes a node's slots to `out` before it validates the node, so `n == 0`
+/// with slots in `out` means the lookup read the node, then found it retired or
+/// unlinked, and retried: the model asserts that this retry path was taken.
 #[test]
 fn peek_racing_evict() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_evict", move || {
         let c = Arc::new(cache(4));
         let slots = insert_fresh(&c, &[1, 2]);
-        let evicted = Arc::new(AtomicBool::new(false));
-        let (c2, e2) = (c.clone(), evicted.clone());
-        let t = thread::spawn(move || {
-            assert_eq!(c2.evict(2), 2);
-            e2.store(true, Ordering::SeqCst);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || assert_eq!(span1.write(|| c1.evict(2)), 2));
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 2];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2], &mut out));
+            (n, out, place)
         });
-        let after = evicted.load(Ordering::SeqCst);
-        let mut out = [0u32; 2];
-        let n = c.peek_prefix(0, &[1, 2], &mut out);
-        if after {
-            assert_eq!(n, 0, "found a node evicted before the lookup began");
-        }
+        writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
         assert!(n == 0 || (n == 2 && out[..] == slots[..]), "partial or wrong match {n} {out:?}");
-        t.join().unwrap();
+        match (place, n) {
+            (Place::Before, 2) => s.hit("before_hit"),
+            (Place::Before, _) => panic!("missed a node cached throughout the lookup"),
+            (Place::Inside, 2) => s.hit("inside_hit"),
+            (Place::Inside, _) => s.hit("inside_miss"),
+            (Place::After, 0) => s.hit("after_miss"),
+            (Place::After, _) => panic!("found a node evicted before the lookup began"),
+        }
+        if n == 0 && out != [0, 0] {
+            s.hit("retried");
+        }
         c.check_invariants().unwrap();
+        assert_eq!(c.allocator().available_size(), 4);
     });
+    seen.expect_seen("peek_racing_evict", &["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
 }
 
-/// A concurrent split never makes a lookup miss content that is cached throughout.
+/// A concurrent split never makes a lookup miss content that is cached throughout:
+/// before, inside and after the split, the lookup finds all of `[1, 2, 3]`.
+///
+/// Fails: loom finds a lookup inside the split that returns 0. The interleaving (ps 1,
+/// `C = [1, 2, 3]` alone in its root bucket, writer `match_prefix([1, 2, 9])` splits
+/// `C` into `U = [1, 2] -> C' = [3]`):
+///
+/// 1. reader `find_child(root, [1])`: loads the bucket head: `C`;
+/// 2. writer `split`: `publish(C')` (another bucket), `swap_in(C, U)` (one store puts
+///    `U` at the head; the bucket's removal version is *not* bumped), `retire(C)`
+///    (`C.gen` becomes odd);
+/// 3. reader: loads `C.gen`: odd, so it skips `C` as dead, follows `C.hash_next`
+///    (`NIL`): `Lookup::Miss`;
+/// 4. reader `peek_prefix`: re-reads the bucket's removal version, finds it unchanged,
+///    and accepts the miss: returns 0 although `[1, 2, 3]` was cached throughout.
+///
+/// Not a safety problem (no freed slot is returned) but a false miss that the module
+/// docs rule out ("a miss caused by a concurrent unlink is retried": a split's
+/// `swap_in` is an unlink too). `peek_racing_split_returns_a_valid_prefix` checks the
+/// safety half in the meantime.
 #[test]
+#[ignore = "bug: a lookup inside a split can miss the split node (swap_in does not bump the bucket's removal version, the reader skips the retired old record and accepts the miss)"]
 fn peek_racing_split() {
-    loom::model(|| {
-        let c = Arc::new(cache(6));
-        let slots = insert_fresh(&c, &[1, 2, 3]);
-        let c2 = c.clone();
-        let t = thread::spawn(move || {
-            let mut out = [0u32; 3];
-            // ends inside [1,2,3]: splits it into [1,2] -> [3]
-            assert_eq!(c2.match_prefix(0, &[1, 2, 9], &mut out).len(), 2);
-        });
-        let mut out = [0u32; 3];
-        assert_eq!(c.peek_prefix(0, &[1, 2, 3], &mut out), 3, "a half-made split was visible");
+    let seen = Outcomes::new(&["before", "inside", "after"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_split", move || {
+        let (n, out, slots, place) = race_peek_with_split();
+        assert_eq!(n, 3, "a lookup {place:?} the split missed cached content: {out:?}");
         assert_eq!(out[..], slots[..]);
-        t.join().unwrap();
-        c.check_invariants().unwrap();
-        assert_eq!(c.node_count(), 2);
+        s.hit(place.label());
     });
+    seen.expect_seen("peek_racing_split", &["before", "inside", "after"]);
+}
+
+/// The safety half of `peek_racing_split`, which holds today: a lookup before, inside
+/// or after a split returns a prefix of the cached slots (never a garbled or partial
+/// page, never a slot of another node). Counts the false misses it tolerates.
+#[test]
+fn peek_racing_split_returns_a_valid_prefix() {
+    let seen = Outcomes::new(&["before", "inside", "after", "short"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_split_returns_a_valid_prefix", move || {
+        let (n, out, slots, place) = race_peek_with_split();
+        assert!(
+            n <= 3 && out[..n] == slots[..n],
+            "a lookup {place:?} the split returned {n} {out:?}, cached {slots:?}"
+        );
+        if place != Place::Inside {
+            assert_eq!(n, 3, "a lookup {place:?} the split missed cached content: {out:?}");
+        }
+        s.hit(place.label());
+        if n < 3 {
+            s.hit("short");
+        }
+    });
+    seen.expect_seen("peek_racing_split_returns_a_valid_prefix", &["before", "inside", "after"]);
+}
+
+/// One execution of a lookup of `[1, 2, 3]` racing a split of the node `[1, 2, 3]`:
+/// returns (matched, out, the cached slots, where the lookup ran).
+fn race_peek_with_split() -> (usize, [u32; 3], Vec<u32>, Place) {
+    let c = Arc::new(cache(6));
+    let slots = insert_fresh(&c, &[1, 2, 3]);
+    let span = Span::new();
+    let (c1, span1) = (c.clone(), span.clone());
+    let writer = thread::spawn(move || {
+        let mut out = [0u32; 3];
+        // Ends inside [1,2,3]: splits it into [1,2] -> [3].
+        assert_eq!(span1.write(|| c1.match_prefix(0, &[1, 2, 9], &mut out)).len(), 2);
+    });
+    let (c2, span2) = (c.clone(), span.clone());
+    let reader = thread::spawn(move || {
+        let mut out = [0u32; 3];
+        let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2, 3], &mut out));
+        (n, out, place)
+    });
+    writer.join().unwrap();
+    let (n, out, place) = reader.join().unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.node_count(), 2);
+    (n, out, slots, place)
+}
+
+/// A lookup racing an insert that hangs a new leaf `[3, 4]` under the cached `[1, 2]`
+/// finds `[1, 2]` and, once the leaf is published, all of `[1, 2, 3, 4]` with the
+/// inserted slots; never a half-published leaf. Both results are seen inside the insert.
+#[test]
+fn peek_racing_insert() {
+    let seen = Outcomes::new(&["before", "inside_old", "inside_new", "after"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_insert", move || {
+        let c = Arc::new(cache(6));
+        let prefix = insert_fresh(&c, &[1, 2]);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || span1.write(|| insert_fresh(&c1, &[1, 2, 3, 4])));
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 4];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2, 3, 4], &mut out));
+            (n, out, place)
+        });
+        let inserted = writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
+        assert_eq!(out[..2], prefix[..], "wrong slots for the cached prefix: {out:?}");
+        match (place, n) {
+            (Place::Before, 2) => s.hit("before"),
+            (Place::Inside, 2) => s.hit("inside_old"),
+            (Place::Inside, 4) => s.hit("inside_new"),
+            (Place::After, 4) => s.hit("after"),
+            _ => panic!("a lookup {place:?} the insert found {n} tokens: {out:?}"),
+        }
+        if n == 4 {
+            assert_eq!(out[2..], inserted[2..], "wrong slots for the inserted leaf: {out:?}");
+        }
+        c.check_invariants().unwrap();
+        assert_eq!((c.total_size(), c.allocator().available_size()), (4, 2));
+    });
+    seen.expect_seen("peek_racing_insert", &["before", "inside_old", "inside_new", "after"]);
+}
+
+/// ABA: the writer evicts `[1, 2]` and at once caches `[3, 4]` in the same two slots
+/// (the only ones) and, most likely, the same node record. A lookup of `[1, 2]` returns
+/// those slots only if it validated before the eviction (never after it finished), and
+/// returns nothing otherwise — never slots that now hold `[3, 4]`.
+#[test]
+fn peek_racing_evict_and_reuse() {
+    let seen = Outcomes::new(&["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_evict_and_reuse", move || {
+        let c = Arc::new(cache(2));
+        let slots = insert_fresh(&c, &[1, 2]);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || {
+            span1.write(|| {
+                assert_eq!(c1.evict(2), 2);
+                insert_fresh(&c1, &[3, 4])
+            })
+        });
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 2];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2], &mut out));
+            (n, out, place)
+        });
+        let reused = writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
+        let mut sorted = reused.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [1, 2], "the writer did not reuse the evicted slots");
+        assert!(n == 0 || (n == 2 && out[..] == slots[..]), "partial or wrong match {n} {out:?}");
+        match (place, n) {
+            (Place::Before, 2) => s.hit("before_hit"),
+            (Place::Before, _) => panic!("missed a node cached throughout the lookup"),
+            (Place::Inside, 2) => s.hit("inside_hit"),
+            (Place::Inside, _) => s.hit("inside_miss"),
+            (Place::After, 0) => s.hit("after_miss"),
+            (Place::After, _) => panic!("found [1, 2] in slots that hold [3, 4] since before the lookup"),
+        }
+        if n == 0 && out != [0, 0] {
+            s.hit("retried");
+        }
+        c.check_invariants().unwrap();
+        let mut now = [0u32; 2];
+        assert_eq!(c.peek_prefix(0, &[3, 4], &mut now), 2);
+        assert_eq!(now[..], reused[..]);
+    });
+    seen.expect_seen(
+        "peek_racing_evict_and_reuse",
+        &["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"],
+    );
 }
 
 /// Match-and-lock racing eviction: a locked node is never evicted; the lease's slots
-/// stay cached and allocated until it is released.
+/// stay cached and allocated until it is released. Both orders are reached.
 #[test]
 fn lock_racing_evict() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["locked_first", "evicted_first"]);
+    let s = seen.clone();
+    loom_common::model("lock_racing_evict", move || {
         let c = Arc::new(cache(4));
         let slots = insert_fresh(&c, &[1, 2]);
         let c2 = c.clone();
@@ -87,60 +345,168 @@ fn lock_racing_evict() {
             assert_eq!(freed, 0, "evicted a locked node");
             assert_eq!(c.total_size(), 2);
             assert!(slots.iter().all(|&s| c.allocator().is_allocated(s)));
+            s.hit("locked_first");
         } else {
             assert_eq!((lease.len(), freed), (0, 2));
+            s.hit("evicted_first");
         }
         drop(lease);
         c.check_invariants().unwrap();
     });
+    seen.expect_seen("lock_racing_evict", &["locked_first", "evicted_first"]);
+}
+
+/// A match taken without a lock, locked later while another thread evicts its node and
+/// caches the same key in the same slots again: `lock` succeeds only if it came before
+/// the eviction, and refuses the match (`StaleMatch`) after it — also once the same
+/// tokens are back in the same slots (the per-page epoch rules out that ABA).
+#[test]
+fn lock_of_a_match_racing_evict_and_reinsert() {
+    let seen = Outcomes::new(&["locked_before_evict", "stale", "stale_after_reinsert_same_slots"]);
+    let s = seen.clone();
+    loom_common::model("lock_of_a_match_racing_evict_and_reinsert", move || {
+        let c = Arc::new(cache(2));
+        let slots = insert_fresh(&c, &[1, 2]);
+        let mut out = [0u32; 2];
+        let m = c.match_prefix(0, &[1, 2], &mut out);
+        assert_eq!(m.len(), 2);
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || {
+            span1.write(|| {
+                let freed = c1.evict(2);
+                if freed == 2 {
+                    insert_fresh(&c1, &[1, 2]);
+                }
+                freed
+            })
+        });
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let (locked, place) = span2.read(|| c2.lock(&m).map(|lease| lease.detach()));
+            (locked, place)
+        });
+        let freed = writer.join().unwrap();
+        let (locked, place) = reader.join().unwrap();
+        match locked {
+            Ok(lease) => {
+                assert_ne!(place, Place::After, "locked a match whose node was evicted");
+                assert_eq!(freed, 0, "evicted a locked node");
+                assert_eq!(lease.len(), 2);
+                c.release(lease).unwrap();
+                s.hit("locked_before_evict");
+            }
+            Err(e) => {
+                assert_eq!(e, CacheError::StaleMatch);
+                assert_ne!(place, Place::Before, "refused a match whose node was cached throughout");
+                assert_eq!(freed, 2);
+                let mut now = [0u32; 2];
+                assert_eq!(c.peek_prefix(0, &[1, 2], &mut now), 2);
+                let mut sorted = now;
+                sorted.sort_unstable();
+                assert_eq!(sorted, [1, 2], "the reinsert did not reuse the slots");
+                s.hit(if now[..] == slots[..] && place == Place::After {
+                    "stale_after_reinsert_same_slots"
+                } else {
+                    "stale"
+                });
+            }
+        }
+        c.check_invariants().unwrap();
+        assert_eq!(c.protected_size(), 0);
+    });
+    seen.expect_seen(
+        "lock_of_a_match_racing_evict_and_reinsert",
+        &["locked_before_evict", "stale", "stale_after_reinsert_same_slots"],
+    );
 }
 
 /// Two threads insert overlapping keys at once; each frees its duplicates. The tree
-/// ends valid with exact sizes and no slot lost or doubly owned.
+/// ends valid with exact sizes and no slot lost or doubly owned, whichever insert
+/// went first (both orders are reached).
 #[test]
 fn concurrent_overlapping_inserts() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["thread_first", "main_first"]);
+    let s = seen.clone();
+    loom_common::model("concurrent_overlapping_inserts", move || {
         let c = Arc::new(cache(8));
         let c2 = c.clone();
-        let t = thread::spawn(move || {
-            insert_fresh(&c2, &[1, 2, 3]);
-        });
-        insert_fresh(&c, &[1, 2, 4]);
-        t.join().unwrap();
+        let t = thread::spawn(move || insert_fresh(&c2, &[1, 2, 3]));
+        let mine = insert_fresh(&c, &[1, 2, 4]);
+        let theirs = t.join().unwrap();
         c.check_invariants().unwrap();
         assert_eq!(c.total_size(), 4);
         assert_eq!(c.evictable_size(), 4);
         assert_eq!(c.allocator().available_size(), 8 - 4);
+        // The shared prefix [1, 2] holds the slots of whichever insert came first.
+        let mut out = [0u32; 3];
+        assert_eq!(c.peek_prefix(0, &[1, 2, 3], &mut out), 3);
+        if out[..2] == theirs[..2] {
+            assert_eq!(out[..], theirs[..]);
+            s.hit("thread_first");
+        } else {
+            assert_eq!(out[..2], mine[..2]);
+            s.hit("main_first");
+        }
     });
+    seen.expect_seen("concurrent_overlapping_inserts", &["thread_first", "main_first"]);
 }
 
-/// The event queue hands every event from a producer to a consumer once, in order.
+/// The event queue hands every event from a producer to a consumer once, in order. With
+/// capacity 2 and 3 events, the third push succeeds only when the consumer emptied the
+/// first cell in time (a hand-off across a lap of the ring), else it is dropped and
+/// counted: both happen, and so does a pop that meets an empty queue.
 #[test]
 fn event_queue_producer_consumer() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["lap_reused", "dropped", "popped_concurrently", "popped_empty"]);
+    let s = seen.clone();
+    loom_common::model("event_queue_producer_consumer", move || {
         let q = Arc::new(EventQueue::new(2));
-        let q2 = q.clone();
+        let q1 = q.clone();
         let producer = thread::spawn(move || {
             let mut pushed = 0;
             for page in 0..3 {
-                if q2.push(KvEvent::BlockRemoved { hash: [0; 32], page }) {
+                if q1.push(KvEvent::BlockRemoved { hash: [0; 32], page }) {
                     pushed += 1;
                 }
             }
             pushed
         });
-        let mut got = vec![];
-        for _ in 0..3 {
-            if let Some(KvEvent::BlockRemoved { page, .. }) = q.pop() {
-                got.push(page);
+        let q2 = q.clone();
+        let consumer = thread::spawn(move || {
+            let (mut got, mut empty) = (vec![], false);
+            for _ in 0..3 {
+                match q2.pop() {
+                    Some(KvEvent::BlockRemoved { page, .. }) => got.push(page),
+                    Some(other) => panic!("unexpected event {other:?}"),
+                    None => empty = true,
+                }
             }
-        }
+            (got, empty)
+        });
         let pushed = producer.join().unwrap();
+        let (mut got, empty) = consumer.join().unwrap();
+        let concurrently = got.len();
         while let Some(KvEvent::BlockRemoved { page, .. }) = q.pop() {
             got.push(page);
         }
         assert_eq!(got.len(), pushed);
         assert_eq!(got.len() as u64 + q.dropped(), 3);
         assert!(got.windows(2).all(|w| w[0] < w[1]), "out of order: {got:?}");
+        if pushed == 3 {
+            s.hit("lap_reused");
+        } else {
+            s.hit("dropped");
+        }
+        if concurrently > 0 {
+            s.hit("popped_concurrently");
+        }
+        if empty {
+            s.hit("popped_empty");
+        }
     });
+    seen.expect_seen(
+        "event_queue_producer_consumer",
+        &["lap_reused", "dropped", "popped_concurrently", "popped_empty"],
+    );
 }

@@ -1,4 +1,4 @@
-#![cfg(loom)]
+#![cfg(all(loom, not(shuttle)))]
 //! Loom model of a `ReqToTokenPool` row handed from one thread to another. Run with
 //! `scripts/loom.sh`.
 //!
@@ -10,6 +10,8 @@
 //! | model                      | what it proves                                              |
 //! |----------------------------|-------------------------------------------------------------|
 //! | `row_hand_off`             | B sees A's complete row or a fresh row, never a torn one; the hand-off is ordered |
+
+mod loom_common;
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
@@ -38,7 +40,7 @@ impl Shadow {
 /// else the fresh row 1) and reads it.
 #[test]
 fn row_hand_off() {
-    loom::model(|| {
+    loom_common::model("row_hand_off", || {
         let pool = Arc::new(ReqToTokenPool::new(2, 2).unwrap());
         let shadow = Arc::new(Shadow((0..2).map(|_| UnsafeCell::new([0, 0])).collect()));
         let mut row = pool.alloc().unwrap();

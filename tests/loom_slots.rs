@@ -1,4 +1,4 @@
-#![cfg(loom)]
+#![cfg(all(loom, not(shuttle)))]
 //! Loom models of `SlotPool`: every interleaving (within the preemption bound) of a few
 //! threads allocating and freeing.
 //!
@@ -20,12 +20,15 @@
 //! | `free_group_across_words_with_alloc`    | the same with the group's bits in two words and a concurrent claim |
 //! | `double_free_racing_with_alloc`         | a double free is reported, counts stay exact, nothing else is touched |
 
+mod loom_common;
+
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::{FreeErrorKind, SlotPool};
+use loom_common::Outcomes;
 
 /// One loom-tracked cell per index (`0..=capacity`): the current owner's tag.
 struct Owners(Vec<UnsafeCell<usize>>);
@@ -65,7 +68,7 @@ fn distinct_in_range(indices: &[u32], capacity: u32) {
 /// held: no index has two owners, and every index comes back.
 #[test]
 fn alloc_and_free_never_double_hand_out() {
-    loom::model(|| {
+    loom_common::model("alloc_and_free_never_double_hand_out", || {
         const CAP: u32 = 4;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -102,7 +105,7 @@ fn alloc_and_free_never_double_hand_out() {
 /// Batches that must take bits from both words of a 66-index pool.
 #[test]
 fn batch_alloc_across_two_words() {
-    loom::model(|| {
+    loom_common::model("batch_alloc_across_two_words", || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -148,7 +151,9 @@ fn batch_alloc_across_two_words() {
 /// the winner left and its buffer is untouched.
 #[test]
 fn racing_for_the_last_slots() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["first_won", "second_won"]);
+    let s = seen.clone();
+    loom_common::model("racing_for_the_last_slots", move || {
         let pool = Arc::new(SlotPool::new(3));
         let racers: Vec<_> = (0..2)
             .map(|_| {
@@ -172,12 +177,14 @@ fn racing_for_the_last_slots() {
         let results: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
         let winners: Vec<_> = results.iter().flatten().collect();
         assert_eq!(winners.len(), 1, "{results:?}");
+        s.hit(if results[0].is_some() { "first_won" } else { "second_won" });
         assert_eq!(pool.available(), 1);
         let won = winners[0];
         let left = (1..=3).find(|i| !won.contains(i)).unwrap();
         assert!(!pool.is_allocated(left) && pool.is_allocated(won[0]) && pool.is_allocated(won[1]));
         pool.check_invariants().unwrap();
     });
+    seen.expect_seen("racing_for_the_last_slots", &["first_won", "second_won"]);
 }
 
 /// Two `alloc(2)` race for 3 free indices spread over two words while a third thread
@@ -185,7 +192,9 @@ fn racing_for_the_last_slots() {
 /// holds a partial batch, and the counts add up.
 #[test]
 fn racing_for_the_last_slots_with_a_free() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["one_won", "both_won"]);
+    let s = seen.clone();
+    loom_common::model("racing_for_the_last_slots_with_a_free", move || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -220,15 +229,19 @@ fn racing_for_the_last_slots_with_a_free() {
         let wins = racers.into_iter().map(|r| r.join().unwrap() as usize).sum::<usize>();
         assert!(wins >= 1);
         assert_eq!(pool.available(), 4 - 2 * wins);
+        s.hit(if wins == 2 { "both_won" } else { "one_won" });
         pool.check_invariants().unwrap();
     });
+    seen.expect_seen("racing_for_the_last_slots_with_a_free", &["one_won", "both_won"]);
 }
 
 /// A group's two frees become available together at its end: an observer reads
 /// `available()` as 0 or 2, never 1, and an alloc that succeeds has seen the end begin.
 #[test]
 fn free_group_publishes_atomically() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["saw_none", "saw_group", "alloc_from_group", "alloc_refused"]);
+    let s = seen.clone();
+    loom_common::model("free_group_publishes_atomically", move || {
         let pool = Arc::new(SlotPool::new(3));
         let mut all = [0u32; 3];
         pool.alloc(&mut all).unwrap();
@@ -244,20 +257,38 @@ fn free_group_publishes_atomically() {
                 assert_eq!(g.end(), 2);
             })
         };
-        let seen = pool.available();
-        assert!(seen == 0 || seen == 2, "saw {seen} of a group of 2");
-        if let Ok(i) = pool.alloc_one() {
-            assert!(ending.load(Ordering::Acquire), "allocated {i} before the group ended");
-            assert!(i == 1 || i == 3);
-            let later = pool.available();
-            assert!(later <= 1, "the group published twice: {later}");
-            pool.free(&[i]).unwrap();
-        }
+        // The observer is a thread spawned after the grouper (main only joins), so loom's
+        // first schedule runs the group's stores before the observer's loads and
+        // backtracks from there (loom does not reorder a load before a later store in
+        // another thread: tokio-rs/loom#392).
+        let observer = {
+            let (pool, ending, s2) = (Arc::clone(&pool), Arc::clone(&ending), s.clone());
+            thread::spawn(move || {
+                let avail = pool.available();
+                assert!(avail == 0 || avail == 2, "saw {avail} of a group of 2");
+                s2.hit(if avail == 0 { "saw_none" } else { "saw_group" });
+                if let Ok(i) = pool.alloc_one() {
+                    assert!(ending.load(Ordering::Acquire), "allocated {i} before the group ended");
+                    assert!(i == 1 || i == 3);
+                    let later = pool.available();
+                    assert!(later <= 1, "the group published twice: {later}");
+                    pool.free(&[i]).unwrap();
+                    s2.hit("alloc_from_group");
+                } else {
+                    s2.hit("alloc_refused");
+                }
+            })
+        };
+        observer.join().unwrap();
         grouper.join().unwrap();
         assert_eq!(pool.available(), 2);
         assert!(pool.is_allocated(2));
         pool.check_invariants().unwrap();
     });
+    seen.expect_seen(
+        "free_group_publishes_atomically",
+        &["saw_none", "saw_group", "alloc_from_group", "alloc_refused"],
+    );
 }
 
 /// A group frees one index in each word of a 66-index pool while another thread
@@ -265,7 +296,9 @@ fn free_group_publishes_atomically() {
 /// once set) but never more than it reserved, and the group's count arrives whole.
 #[test]
 fn free_group_across_words_with_alloc() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["took_66", "took_a_group_index"]);
+    let s = seen.clone();
+    loom_common::model("free_group_across_words_with_alloc", move || {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -294,9 +327,11 @@ fn free_group_across_words_with_alloc() {
         assert_eq!(grouper.join().unwrap(), 2);
         let i = taker.join().unwrap();
         assert!([2, 65, 66].contains(&i), "{i}");
+        s.hit(if i == 66 { "took_66" } else { "took_a_group_index" });
         assert_eq!(pool.available(), 2);
         pool.check_invariants().unwrap();
     });
+    seen.expect_seen("free_group_across_words_with_alloc", &["took_66", "took_a_group_index"]);
 }
 
 /// Two threads free the same index while a third allocates. At most one free succeeds
@@ -305,7 +340,9 @@ fn free_group_across_words_with_alloc() {
 /// count is disturbed.
 #[test]
 fn double_free_racing_with_alloc() {
-    loom::model(|| {
+    let seen = Outcomes::new(&["alloc_between_frees", "alloc_after_free", "alloc_refused"]);
+    let s = seen.clone();
+    loom_common::model("double_free_racing_with_alloc", move || {
         let pool = Arc::new(SlotPool::new(2));
         let mut all = [0u32; 2];
         pool.alloc(&mut all).unwrap();
@@ -331,13 +368,16 @@ fn double_free_racing_with_alloc() {
                 // both frees succeeded only if the alloc took 1 in between
                 assert_eq!(pool.available(), oks - 1);
                 assert_eq!(pool.is_allocated(1), oks == 1);
+                s.hit(if oks == 2 { "alloc_between_frees" } else { "alloc_after_free" });
             }
             Err(_) => {
                 assert_eq!(oks, 1, "a double free succeeded with no alloc in between");
                 assert_eq!(pool.available(), 1);
+                s.hit("alloc_refused");
             }
         }
         assert!(pool.is_allocated(2), "an unrelated index was freed");
         pool.check_invariants().unwrap();
     });
+    seen.expect_seen("double_free_racing_with_alloc", &["alloc_between_frees", "alloc_after_free", "alloc_refused"]);
 }

@@ -1,0 +1,232 @@
+#![cfg(all(loom, shuttle))]
+//! Shuttle tests of the radix cache's lock-free lookups on trees too large for loom:
+//! hundreds of nodes, readers (`peek_prefix`) racing a splitting thread and a thread
+//! that inserts and evicts. Randomized schedules (shuttle's random and PCT schedulers),
+//! not every interleaving: loom covers the small cases exhaustively.
+//!
+//! Run with `scripts/shuttle.sh shuttle_radix`.
+//!
+//! What every lookup is checked against (`Shadow`): each returned slot holds the token
+//! it matched (the token written when the slot was allocated for that key), no slot
+//! twice, whole slots in range. Lookups of locked ("pinned") keys find the locked slots.
+//! A lookup that begins after everything unlocked was evicted finds nothing of a
+//! namespace no one inserts into anymore. At the end: the tree's invariants hold, every
+//! slot is either cached or free, and evicting everything frees every slot.
+//!
+//! | test                                  | what it checks                                   |
+//! |---------------------------------------|--------------------------------------------------|
+//! | `peek_racing_splits_inserts_evictions`| the above, tolerating (and counting) short results for pinned keys |
+//! | `peek_never_misses_pinned_content`    | also that a pinned key is always found whole — **ignored: fails, the false miss inside a split that `loom_radix::peek_racing_split` shows** |
+
+mod shuttle_common;
+
+use shuttle::sync::atomic::{AtomicBool, Ordering};
+use shuttle::sync::Arc;
+use shuttle::thread;
+
+use kvpool::radix::{RadixCache, RadixConfig, RawLease};
+use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
+
+/// Token slots: room for the whole initial tree without eviction.
+const SIZE: usize = 1536;
+/// Keys inserted before the threads start (namespace 0).
+const KEYS: usize = 150;
+/// Keys of the namespace that is purged and never written again.
+const DOOMED_KEYS: usize = 20;
+const DOOMED_NS: u64 = 7;
+/// Keys locked for the whole run.
+const PINNED: usize = 6;
+/// Tokens `1..=ALPHABET`: few, so keys share prefixes and matches split nodes.
+const ALPHABET: u32 = 3;
+/// A token no key contains: a match ending in it stops inside a node and splits it.
+const DIVERGE: u32 = 9;
+
+type Cache = RadixCache<TokenAllocator>;
+
+/// A key locked for the whole run: (key, its slots, the lease).
+type Pinned = (Vec<u32>, Vec<u32>, RawLease);
+
+/// Allocate slots for `key` (evicting if short), record what they hold, insert, free
+/// the duplicates.
+fn insert(c: &Cache, shadow: &Shadow, ns: u64, key: &[u32]) {
+    let mut slots = vec![0u32; key.len()];
+    c.alloc(&mut slots).expect("the cache can always evict enough");
+    shadow.record(&slots, key);
+    let dup = c.insert(ns, key, &slots, 0).unwrap();
+    c.allocator().free(&slots[..dup]).unwrap();
+}
+
+fn random_len_key() -> Vec<u32> {
+    random_key(random_in(2..9), ALPHABET)
+}
+
+const LABELS: &[&str] = &["nodes", "peeks", "found", "pinned_short", "doomed_found", "doomed_after_purge", "splits"];
+
+/// One schedule. `strict`: a short lookup of a pinned key fails the test (else it is
+/// counted as `pinned_short`).
+fn scenario(strict: bool, seen: &Outcomes) {
+    let c = Arc::new(
+        RadixCache::new(
+            TokenAllocator::new(SIZE).unwrap(),
+            ReqToTokenPool::new(1, 16).unwrap(),
+            RadixConfig::default(),
+        )
+        .unwrap(),
+    );
+    let shadow = Arc::new(Shadow::new(SIZE + 1));
+    let keys: Arc<Vec<Vec<u32>>> = Arc::new((0..KEYS).map(|_| random_len_key()).collect());
+    for k in keys.iter() {
+        insert(&c, &shadow, 0, k);
+    }
+    let doomed: Arc<Vec<Vec<u32>>> = Arc::new((0..DOOMED_KEYS).map(|_| random_len_key()).collect());
+    for k in doomed.iter() {
+        insert(&c, &shadow, DOOMED_NS, k);
+    }
+    assert!(c.node_count() >= 100, "a tree of {} nodes is too small for this test", c.node_count());
+    for _ in 0..c.node_count() {
+        seen.hit("nodes"); // summed over schedules: the mean tree size is nodes / schedules
+    }
+    // Pin a few keys: their nodes are locked, so they stay cached with the same slots
+    // through every split, insert and eviction.
+    let mut pinned = vec![];
+    for _ in 0..PINNED {
+        let key = keys[random_in(0..KEYS)].clone();
+        let mut out = vec![0u32; key.len()];
+        let lease = c.match_and_lock(0, &key, &mut out).detach();
+        assert_eq!(lease.len(), key.len());
+        shadow.lock(&out);
+        pinned.push((key, out, lease));
+    }
+    let pinned: Arc<Vec<Pinned>> = Arc::new(pinned);
+    let purged = Arc::new(AtomicBool::new(false));
+
+    let mut threads = vec![];
+    // The splitter: matches that end inside nodes (each splits one, unless an earlier
+    // split already cut there), and match-and-lock.
+    {
+        let (c, keys, pinned, seen) = (c.clone(), keys.clone(), pinned.clone(), seen.clone());
+        threads.push(thread::spawn(move || {
+            let nodes = c.node_count();
+            for round in 0..25 {
+                // Every other split cuts a pinned key's path, the one readers look up most.
+                let k = if round % 2 == 1 { &pinned[random_in(0..PINNED)].0 } else { &keys[random_in(0..KEYS)] };
+                let mut key = k[..random_in(1..k.len())].to_vec();
+                key.push(DIVERGE);
+                let mut out = vec![0u32; key.len()];
+                if round % 4 == 0 {
+                    let lease = c.match_and_lock(0, &key, &mut out);
+                    assert!(lease.len() < key.len());
+                } else {
+                    assert!(c.match_prefix(0, &key, &mut out).len() < key.len());
+                }
+            }
+            if c.node_count() > nodes {
+                seen.hit("splits");
+            }
+        }));
+    }
+    // The writer: inserts new keys, evicts a little, and once purges everything unlocked.
+    {
+        let (c, shadow, purged) = (c.clone(), shadow.clone(), purged.clone());
+        threads.push(thread::spawn(move || {
+            for round in 0..20 {
+                insert(&c, &shadow, 0, &random_len_key());
+                if round % 5 == 4 {
+                    c.evict(random_in(1..24));
+                }
+                if round == 10 {
+                    c.evict(usize::MAX);
+                    purged.store(true, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    // Two readers.
+    for _ in 0..2 {
+        let (c, shadow, keys, doomed, pinned, purged, seen) =
+            (c.clone(), shadow.clone(), keys.clone(), doomed.clone(), pinned.clone(), purged.clone(), seen.clone());
+        threads.push(thread::spawn(move || {
+            for round in 0..30 {
+                seen.hit("peeks");
+                match round % 3 {
+                    0 => {
+                        let (key, slots, _) = &pinned[random_in(0..PINNED)];
+                        let mut out = vec![0u32; key.len() + 1];
+                        let mut query = key.clone();
+                        query.push(1);
+                        let n = c.peek_prefix(0, &query, &mut out);
+                        shadow.check_match("peek of a pinned key", &query, &out[..n], 1);
+                        let m = n.min(key.len());
+                        assert_eq!(out[..m], slots[..m], "a pinned key's slots changed");
+                        if n < key.len() {
+                            seen.hit("pinned_short");
+                            assert!(!strict, "peek of a locked key {key:?} found {n} of {} tokens", key.len());
+                        }
+                    }
+                    1 => {
+                        let key = &keys[random_in(0..KEYS)];
+                        let mut out = vec![0u32; key.len()];
+                        let n = c.peek_prefix(0, key, &mut out);
+                        shadow.check_match("peek", key, &out[..n], 1);
+                        if n > 0 {
+                            seen.hit("found");
+                        }
+                    }
+                    _ => {
+                        let key = &doomed[random_in(0..DOOMED_KEYS)];
+                        let was_purged = purged.load(Ordering::SeqCst);
+                        let mut out = vec![0u32; key.len()];
+                        let n = c.peek_prefix(DOOMED_NS, key, &mut out);
+                        shadow.check_match("peek of a doomed key", key, &out[..n], 1);
+                        if was_purged {
+                            assert_eq!(n, 0, "found {key:?} after its namespace was evicted");
+                            seen.hit("doomed_after_purge");
+                        } else if n > 0 {
+                            seen.hit("doomed_found");
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+
+    let pinned = Arc::try_unwrap(pinned).unwrap_or_else(|_| panic!("every thread joined"));
+    for (_, slots, lease) in pinned {
+        shadow.unlock(&slots);
+        c.release(lease).unwrap();
+    }
+    c.check_invariants().unwrap();
+    assert_eq!(c.protected_size(), 0);
+    assert_eq!(c.total_size() + c.allocator().available_size(), SIZE, "a slot was lost or doubly owned");
+    c.evict(usize::MAX);
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, SIZE));
+    shadow.assert_nothing_held();
+}
+
+/// Readers racing splits, inserts and evictions on a tree of a few hundred nodes return
+/// only slots that hold what they matched; a pinned key keeps its slots; a purged
+/// namespace stays empty; the tree ends consistent with no slot lost.
+#[test]
+fn peek_racing_splits_inserts_evictions() {
+    let seen = Outcomes::new(LABELS);
+    let s = seen.clone();
+    shuttle_common::check("peek_racing_splits_inserts_evictions", schedules(4000), move || scenario(false, &s));
+    seen.expect_seen(
+        "peek_racing_splits_inserts_evictions",
+        &["found", "doomed_found", "doomed_after_purge", "splits"],
+    );
+}
+
+/// The strict version: a lookup of a locked key always finds all of it.
+#[test]
+#[ignore = "bug: a lookup inside a split can miss the split node (see loom_radix::peek_racing_split)"]
+fn peek_never_misses_pinned_content() {
+    let seen = Outcomes::new(LABELS);
+    let s = seen.clone();
+    shuttle_common::check("peek_never_misses_pinned_content", schedules(4000), move || scenario(true, &s));
+    seen.expect_seen("peek_never_misses_pinned_content", &[]);
+}
