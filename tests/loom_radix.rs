@@ -25,7 +25,7 @@
 //! | model                           | what it proves                                              |
 //! |---------------------------------|-------------------------------------------------------------|
 //! | `peek_racing_evict`             | a lookup before, inside or after an eviction returns the whole prefix or nothing; after it, nothing; a lookup that read the node and then saw it retired retries (observed) |
-//! | `peek_racing_split`             | a lookup before, inside or after a split finds the whole cached prefix — **fails, ignored: a lookup inside a split can miss (see the model)** |
+//! | `peek_racing_split`             | a lookup before, inside or after a split finds the whole cached prefix (it failed until a split's swap bumped the bucket's removal version) |
 //! | `peek_racing_split_returns_a_valid_prefix` | a lookup racing a split returns a prefix of the right slots; before or after it, all of them |
 //! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
 //! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
@@ -161,19 +161,18 @@ fn peek_racing_evict() {
 ///
 /// 1. reader `find_child(root, [1])`: loads the bucket head: `C`;
 /// 2. writer `split`: `publish(C')` (another bucket), `swap_in(C, U)` (one store puts
-///    `U` at the head; the bucket's removal version is *not* bumped), `retire(C)`
+///    `U` at the head; before the fix it did not bump the bucket's removal version), `retire(C)`
 ///    (`C.gen` becomes odd);
 /// 3. reader: loads `C.gen`: odd, so it skips `C` as dead, follows `C.hash_next`
 ///    (`NIL`): `Lookup::Miss`;
-/// 4. reader `peek_prefix`: re-reads the bucket's removal version, finds it unchanged,
-///    and accepts the miss: returns 0 although `[1, 2, 3]` was cached throughout.
+/// 4. reader `peek_prefix`: re-reads the bucket's removal version; before the fix it
+///    found it unchanged and accepted the miss, returning 0 although `[1, 2, 3]` was
+///    cached throughout. Now the version has moved and the lookup retries.
 ///
 /// Not a safety problem (no freed slot is returned) but a false miss that the module
 /// docs rule out ("a miss caused by a concurrent unlink is retried": a split's
-/// `swap_in` is an unlink too). `peek_racing_split_returns_a_valid_prefix` checks the
-/// safety half in the meantime.
+/// `swap_in` is an unlink too). Fixed: `swap_in` bumps the version as `unlink` does.
 #[test]
-#[ignore = "bug: a lookup inside a split can miss the split node (swap_in does not bump the bucket's removal version, the reader skips the retired old record and accepts the miss)"]
 fn peek_racing_split() {
     let seen = Outcomes::new(&["before", "inside", "after"]);
     let s = seen.clone();
