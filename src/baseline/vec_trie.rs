@@ -354,6 +354,16 @@ impl<S: BuildHasher> VecTrieCache<S> {
         self.page_size as usize
     }
 
+    /// The page of `slot` (a shift for power-of-two page sizes: this runs per slot).
+    #[inline]
+    pub fn page_of(&self, slot: u32) -> u32 {
+        if self.page_size.is_power_of_two() {
+            slot >> self.page_size.trailing_zeros()
+        } else {
+            slot / self.page_size
+        }
+    }
+
     /// The child-map key of a page of tokens: the token itself at page size 1 (exact),
     /// otherwise the page's hash.
     #[inline]
@@ -651,6 +661,18 @@ impl<S: BuildHasher> VecTrieCache<S> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn insert(&mut self, namespace: u64, key: &[u32], pages: &[u32]) -> Result<Inserted, VecTrieError> {
+        self.insert_inner(namespace, key, pages, usize::MAX)
+    }
+
+    /// [`insert`](Self::insert), where the caller already checked that the pages of
+    /// `key[checked_from..]` are held and distinct (`usize::MAX`: nothing checked).
+    fn insert_inner(
+        &mut self,
+        namespace: u64,
+        key: &[u32],
+        pages: &[u32],
+        checked_from: usize,
+    ) -> Result<Inserted, VecTrieError> {
         let ps = self.ps();
         if key.len() % ps != 0 {
             return Err(VecTrieError::NotPageAligned { len: key.len(), page_size: self.page_size });
@@ -698,9 +720,11 @@ impl<S: BuildHasher> VecTrieCache<S> {
         }
         let present = at;
         let stored = if blocked { present } else { key.len() };
-        if let Err(e) = self.check_held(&pages[present / ps..stored / ps]) {
-            self.path = path;
-            return Err(e);
+        if present < checked_from {
+            if let Err(e) = self.check_held(&pages[present / ps..stored / ps]) {
+                self.path = path;
+                return Err(e);
+            }
         }
 
         // Commit: one tick for the whole insert.
@@ -793,10 +817,13 @@ impl<S: BuildHasher> VecTrieCache<S> {
                 return Err(VecTrieError::NotLocked);
             }
         }
-        if key.len() % ps == 0 && key.len() / ps == pages.len() {
+        let checked_from = if key.len() % ps == 0 && key.len() / ps == pages.len() {
             self.check_held(&pages[prefix_len / ps..])?;
-        }
-        let r = self.insert(namespace, key, pages)?;
+            prefix_len
+        } else {
+            usize::MAX
+        };
+        let r = self.insert_inner(namespace, key, pages, checked_from)?;
         // The locked prefix stays cached, so `present >= prefix_len`.
         let dup = prefix_len.min(r.present) / ps..r.present / ps;
         self.release_pages(&pages[dup]);
@@ -831,8 +858,11 @@ impl<S: BuildHasher> VecTrieCache<S> {
                 let keep = have - need;
                 let x = &mut self.nodes[n as usize];
                 x.key.truncate(keep * ps);
-                let tail = x.pages.split_off(keep);
-                self.release_pages(&tail);
+                for &p in &x.pages[keep..] {
+                    self.page_state[p as usize] = PageState::Free;
+                    self.free_pages.push(p);
+                }
+                x.pages.truncate(keep);
                 self.evictable -= need * ps;
                 self.leaves.insert((t, n));
                 freed += need;
@@ -1034,7 +1064,7 @@ impl<S: BuildHasher> VecTrieCache<S> {
     pub fn free_slots(&mut self, slots: &[u32]) -> Result<(), FreeError> {
         let ps = self.page_size;
         for &s in slots {
-            let page = s / ps;
+            let page = self.page_of(s);
             let kind = if page == 0 || page > self.num_pages {
                 let last = ((self.num_pages as u64 + 1) * ps as u64 - 1) as u32;
                 FreeErrorKind::OutOfRange { first: ps, last }
@@ -1046,7 +1076,7 @@ impl<S: BuildHasher> VecTrieCache<S> {
             return Err(FreeError { index: s, kind, rest_freed: false });
         }
         for &s in slots {
-            let page = s / ps;
+            let page = self.page_of(s);
             if self.page_state[page as usize] == PageState::Held {
                 self.page_state[page as usize] = PageState::Free;
                 self.free_pages.push(page);

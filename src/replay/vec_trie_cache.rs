@@ -92,6 +92,10 @@ impl VecTrieReplayCache {
     /// Write the slots of `pages` into `out`.
     fn expand(&self, pages: &[u32], out: &mut [u32]) {
         let ps = self.page_size as usize;
+        if ps == 1 {
+            out.copy_from_slice(pages);
+            return;
+        }
         for (chunk, &p) in out.chunks_exact_mut(ps).zip(pages) {
             for (k, s) in chunk.iter_mut().enumerate() {
                 *s = p * self.page_size + k as u32;
@@ -184,11 +188,17 @@ impl ReplayCache for VecTrieReplayCache {
         let mut g = self.inner();
         let Inner { trie, pages } = &mut *g;
         pages.clear();
-        for &first in kv[..aligned].iter().step_by(ps as usize) {
-            if first % ps != 0 {
-                return Err(ReplayError::internal("cache_finished_req", format!("slot {first} does not start a page")));
+        if ps == 1 {
+            pages.extend_from_slice(&kv[..aligned]);
+        } else {
+            for &first in kv[..aligned].iter().step_by(ps as usize) {
+                let page = trie.page_of(first);
+                if page * ps != first {
+                    let e = format!("slot {first} does not start a page");
+                    return Err(ReplayError::internal("cache_finished_req", e));
+                }
+                pages.push(page);
             }
-            pages.push(first / ps);
         }
         let prefix = trie
             .finish(namespace, &token_ids[..aligned], pages, lease.len, lease.node)
@@ -200,5 +210,92 @@ impl ReplayCache for VecTrieReplayCache {
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.inner().trie.check_invariants()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::radix::EvictionPolicy;
+    use crate::replay::{run_overlap, run_sequential, Mode, ReferenceCache, ReplayConfig, Trace};
+
+    /// 60 requests over shared two-block prefixes, prompt lengths not page-aligned.
+    fn trace() -> Trace {
+        let mut text = String::new();
+        for i in 0..60u32 {
+            text += &format!(
+                "{{\"input_length\": {}, \"output_length\": {}, \"hash_ids\": [{}, {}, {}]}}\n",
+                1100 + 37 * (i % 7),
+                2 + i % 21,
+                i % 3,
+                10 + i % 5,
+                100 + i
+            );
+        }
+        Trace::from_jsonl_str(&text, "test").unwrap()
+    }
+
+    fn config(capacity: usize, page_size: u32, mode: Mode) -> ReplayConfig {
+        ReplayConfig { capacity_tokens: capacity, page_size, mode, max_running: 4, routers: 1, ..Default::default() }
+    }
+
+    #[test]
+    fn without_eviction_hits_equal_the_reference() {
+        let trace = trace();
+        for ps in [1, 16] {
+            let c = config(1 << 20, ps, Mode::Sequential);
+            let v = VecTrieReplayCache::new(c.capacity_tokens, ps, 1, trace.max_kv_len()).unwrap();
+            let r = ReferenceCache::new(c.capacity_tokens, ps, EvictionPolicy::Lru, 1, trace.max_kv_len()).unwrap();
+            let (v, r) =
+                (run_sequential(&v, &trace, &c, &|_| {}).unwrap(), run_sequential(&r, &trace, &c, &|_| {}).unwrap());
+            assert!(r.hit_tokens > 0);
+            assert_eq!(
+                (v.hit_tokens, v.final_cached_tokens, v.evicted_tokens),
+                (r.hit_tokens, r.final_cached_tokens, 0)
+            );
+            assert_eq!(v.cache, "vectrie");
+        }
+    }
+
+    #[test]
+    fn eviction_trims_and_accounts_exactly() {
+        let trace = trace();
+        for ps in [1, 16] {
+            // Three requests' worth of tokens: eviction on most requests.
+            let c = config(4096, ps, Mode::Sequential);
+            let v = VecTrieReplayCache::new(c.capacity_tokens, ps, 1, trace.max_kv_len()).unwrap();
+            // finish_report checks slots in use == cached, and added == cached + evicted.
+            let rep = run_sequential(&v, &trace, &c, &|_| {}).unwrap();
+            assert!(rep.evicted_tokens > 0 && rep.hit_tokens > 0, "{rep:?}");
+            assert_eq!(rep.rejected, 0);
+        }
+    }
+
+    #[test]
+    fn overlap_replay_stays_consistent() {
+        let trace = trace();
+        let c = config(8192, 16, Mode::Overlap);
+        let v = VecTrieReplayCache::new(c.capacity_tokens, 16, c.rows() as u32, trace.max_kv_len()).unwrap();
+        let rep = run_overlap(&v, &trace, &c, &|_| {}).unwrap();
+        assert_eq!(rep.requests, 60);
+        assert!(rep.invariants_ok);
+    }
+
+    #[test]
+    fn a_row_of_bad_slots_is_an_error_not_a_panic() {
+        // Two rows: a refused finish does not give its row back (the replay stops).
+        let cache = VecTrieReplayCache::new(64, 4, 2, 16).unwrap();
+        let tokens: Vec<u32> = (0..8).collect();
+        let (_, lease) = cache.match_and_lock(0, &tokens, &mut [0; 8]);
+        let mut row = cache.req_pool().alloc().unwrap();
+        // Slots that do not start a page, then pages nobody allocated.
+        cache.req_pool().write(&mut row, 0, &[5, 6, 7, 8, 9, 10, 11, 12]).unwrap();
+        assert!(matches!(cache.cache_finished_req(0, &tokens, row, lease), Err(ReplayError::Internal(_))));
+        let (_, lease) = cache.match_and_lock(0, &tokens, &mut [0; 8]);
+        let mut row = cache.req_pool().alloc().unwrap();
+        cache.req_pool().write(&mut row, 0, &[4, 5, 6, 7, 8, 9, 10, 11]).unwrap();
+        assert!(matches!(cache.cache_finished_req(0, &tokens, row, lease), Err(ReplayError::Internal(_))));
+        assert_eq!((cache.cached_tokens(), cache.available_tokens()), (0, 64));
+        cache.check_invariants().unwrap();
     }
 }
