@@ -603,33 +603,7 @@ impl<S: BuildHasher> VecTrieCache<S> {
 
     /// Whether pages are in range and held by the caller, each named once.
     fn check_held(&mut self, pages: &[u32]) -> Result<(), VecTrieError> {
-        let mut bad = None;
-        for &p in pages {
-            if p == 0 || p > self.num_pages {
-                bad = Some(VecTrieError::BadPage { page: p });
-                break;
-            }
-            match self.page_state[p as usize] {
-                PageState::Held => self.page_state[p as usize] = PageState::Seen,
-                PageState::Seen => {
-                    bad = Some(VecTrieError::DuplicatePage { page: p });
-                    break;
-                }
-                PageState::Free | PageState::Cached => {
-                    bad = Some(VecTrieError::PageNotHeld { page: p });
-                    break;
-                }
-            }
-        }
-        // Undo the marks (only pages marked Seen were Held before).
-        for &p in pages {
-            if let Some(s) = self.page_state.get_mut(p as usize) {
-                if *s == PageState::Seen {
-                    *s = PageState::Held;
-                }
-            }
-        }
-        bad.map_or(Ok(()), Err)
+        check_held(&mut self.page_state, pages)
     }
 
     /// Insert `key -> pages` (one page per `page_size` tokens) into `namespace`. Returns
@@ -755,9 +729,7 @@ impl<S: BuildHasher> VecTrieCache<S> {
             self.nodes[parent as usize].children.insert(h, leaf);
             self.leaves.insert((now, leaf));
             self.evictable += stored - present;
-            for &p in &pages[present / ps..] {
-                self.page_state[p as usize] = PageState::Cached;
-            }
+            set_states(&mut self.page_state, &pages[present / ps..], PageState::Cached);
         }
         Ok(Inserted { present, stored })
     }
@@ -836,10 +808,8 @@ impl<S: BuildHasher> VecTrieCache<S> {
 
     /// Held pages back to the free list (already validated).
     fn release_pages(&mut self, pages: &[u32]) {
-        for &p in pages {
-            self.page_state[p as usize] = PageState::Free;
-            self.free_pages.push(p);
-        }
+        self.free_pages.extend_from_slice(pages);
+        set_states(&mut self.page_state, pages, PageState::Free);
     }
 
     /// Evict at least `num_pages` pages if that many are evictable: least recently used
@@ -858,10 +828,8 @@ impl<S: BuildHasher> VecTrieCache<S> {
                 let keep = have - need;
                 let x = &mut self.nodes[n as usize];
                 x.key.truncate(keep * ps);
-                for &p in &x.pages[keep..] {
-                    self.page_state[p as usize] = PageState::Free;
-                    self.free_pages.push(p);
-                }
+                self.free_pages.extend_from_slice(&x.pages[keep..]);
+                set_states(&mut self.page_state, &x.pages[keep..], PageState::Free);
                 x.pages.truncate(keep);
                 self.evictable -= need * ps;
                 self.leaves.insert((t, n));
@@ -919,8 +887,8 @@ impl<S: BuildHasher> VecTrieCache<S> {
         let start = self.free_pages.len() - n;
         for (out, &p) in pages.iter_mut().zip(self.free_pages[start..].iter().rev()) {
             *out = p;
-            self.page_state[p as usize] = PageState::Held;
         }
+        set_states(&mut self.page_state, pages, PageState::Held);
         self.free_pages.truncate(start);
         Ok(())
     }
@@ -963,9 +931,7 @@ impl<S: BuildHasher> VecTrieCache<S> {
             self.free_pages[start..].reverse();
             return Err(e.into());
         }
-        for &p in &self.free_pages[start..] {
-            self.page_state[p as usize] = PageState::Held;
-        }
+        set_states(&mut self.page_state, &self.free_pages[start..], PageState::Held);
         self.free_pages.truncate(start);
         Ok(())
     }
@@ -1190,6 +1156,51 @@ impl<S: BuildHasher> VecTrieCache<S> {
         }
         Ok(())
     }
+}
+
+/// Set the state of each page. A free function over plain slices, so the compiler
+/// knows the stores cannot touch the vectors' headers and keeps them in registers (as
+/// a method writing `self.page_state[p]` in a loop it reloaded them every page).
+fn set_states(states: &mut [PageState], pages: &[u32], to: PageState) {
+    for &p in pages {
+        states[p as usize] = to;
+    }
+}
+
+/// Whether `pages` are in range and held by the caller, each named once: marks each
+/// `Seen` on the way (a second sighting is a duplicate), then undoes the marks.
+fn check_held(states: &mut [PageState], pages: &[u32]) -> Result<(), VecTrieError> {
+    let mut bad = None;
+    for &p in pages {
+        // Index 0 (the padding page) is never held, so it fails as `BadPage` here.
+        match states.get(p as usize) {
+            _ if p == 0 => {}
+            Some(PageState::Held) => {
+                states[p as usize] = PageState::Seen;
+                continue;
+            }
+            Some(PageState::Seen) => {
+                bad = Some(VecTrieError::DuplicatePage { page: p });
+                break;
+            }
+            Some(PageState::Free | PageState::Cached) => {
+                bad = Some(VecTrieError::PageNotHeld { page: p });
+                break;
+            }
+            None => {}
+        }
+        bad = Some(VecTrieError::BadPage { page: p });
+        break;
+    }
+    // Undo the marks (only pages marked Seen were Held before).
+    for &p in pages {
+        if let Some(s) = states.get_mut(p as usize) {
+            if *s == PageState::Seen {
+                *s = PageState::Held;
+            }
+        }
+    }
+    bad.map_or(Ok(()), Err)
 }
 
 impl<S> fmt::Debug for VecTrieCache<S> {
