@@ -1,6 +1,7 @@
 //! The Mooncake conversation trace (12,031 requests, tokens expanded as `kvpool replay`
-//! does) through kvpool's `RadixCache` and through the simple reference tree, side by
-//! side, at two pool sizes. Two workloads per configuration:
+//! does) through three prefix caches side by side: kvpool's concurrent `RadixCache`,
+//! the simple SGLang-shaped reference tree (`reference`) and the TGI-v3-shaped
+//! `VecTrieCache` (`vectrie`, issue 8), each with its own allocator. Two workloads:
 //!
 //! * `cache_ops`: only the prefix-cache work of each request — match and lock the
 //!   prompt, allocate its remaining KV tokens (evicting the shortfall), finish it
@@ -8,21 +9,46 @@
 //! * `sequential_replay`: the whole sequential replay of `kvpool replay --mode
 //!   sequential`, decode steps included (the loop every engine runs).
 //!
-//! Both caches give identical hit counts (asserted here and tested in
-//! tests/replay_trace.rs). `cargo bench --bench radix_replay`
+//! Three configurations: page size 16 with 1 M tokens (`ps16_1M`, eviction-heavy),
+//! page size 16 with 150 M tokens (`ps16_150M`, everything fits), page size 1 with
+//! 1 M tokens (`ps1_1M`). kvpool and the reference give identical hit counts (asserted
+//! here once per configuration); the vec trie trims leaves instead of evicting them
+//! whole, so its hits may differ slightly: all three are printed.
+//!
+//! Each benchmark is 10 samples of one run each (flat sampling; a run at page size 1
+//! takes seconds). A criterion filter runs a subset, e.g.
+//! `cargo bench --bench radix_replay -- --noplot ps16_1M` or `-- cache_ops/vectrie`
+//! (the hit counts of every configuration are computed first regardless).
 
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode};
 use kvpool::alloc::plan_extend;
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-use kvpool::replay::{run_sequential, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace};
+use kvpool::replay::{run_sequential, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache};
 use kvpool::{PagedAllocator, ReqToTokenPool};
 
-const PS: u32 = 16;
+/// One pool configuration.
+#[derive(Clone, Copy)]
+struct Setup {
+    label: &'static str,
+    page_size: u32,
+    capacity: usize,
+    /// Criterion's measurement time (with one run per sample it only needs to cover
+    /// the 10 samples).
+    measure: Duration,
+}
+
+const SETUPS: [Setup; 3] = [
+    Setup { label: "ps16_1M", page_size: 16, capacity: 1 << 20, measure: Duration::from_secs(6) },
+    Setup { label: "ps16_150M", page_size: 16, capacity: 150_000_000, measure: Duration::from_secs(6) },
+    Setup { label: "ps1_1M", page_size: 1, capacity: 1 << 20, measure: Duration::from_secs(20) },
+];
 
 /// The cache work of every request of `trace`; returns the hit tokens.
 fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots: &mut [u32]) -> usize {
+    let ps = cache.page_size();
     let mut hits = 0;
     for r in 0..trace.len() {
         let req = trace.request(r);
@@ -33,7 +59,7 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots
         hits += hit;
         let last = if hit > 0 { slots[hit - 1] } else { 0 };
         // Evict the shortfall first (as the replay drivers and SGLang do).
-        let need = plan_extend(PS, &[hit as u32], &[kv as u32]).unwrap().new_pages * PS as usize;
+        let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
         let avail = cache.available_tokens();
         if avail < need {
             cache.evict(need - avail);
@@ -49,14 +75,48 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots
     hits
 }
 
-fn kvpool_cache(capacity: usize, max_kv: usize) -> RadixCache<PagedAllocator> {
+fn kvpool_cache(s: Setup, max_kv: usize) -> RadixCache<PagedAllocator> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
-    RadixCache::new(PagedAllocator::new(capacity, PS).unwrap(), ReqToTokenPool::new(1, max_kv).unwrap(), config)
-        .unwrap()
+    let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
+    RadixCache::new(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config).unwrap()
 }
 
-fn reference_cache(capacity: usize, max_kv: usize) -> ReferenceCache {
-    ReferenceCache::new(capacity, PS, EvictionPolicy::Lru, 1, max_kv).unwrap()
+fn reference_cache(s: Setup, max_kv: usize) -> ReferenceCache {
+    ReferenceCache::new(s.capacity, s.page_size, EvictionPolicy::Lru, 1, max_kv).unwrap()
+}
+
+fn vectrie_cache(s: Setup, max_kv: usize) -> VecTrieReplayCache {
+    VecTrieReplayCache::new(s.capacity, s.page_size, 1, max_kv).unwrap()
+}
+
+fn replay_config(s: Setup) -> ReplayConfig {
+    ReplayConfig {
+        capacity_tokens: s.capacity,
+        page_size: s.page_size,
+        mode: Mode::Sequential,
+        ..ReplayConfig::default()
+    }
+}
+
+/// Time `work` on a fresh cache per run; building and dropping the cache is not timed.
+fn timed<C, M, W>(group: &mut BenchmarkGroup<'_, WallTime>, id: BenchmarkId, make: M, mut work: W)
+where
+    M: Fn() -> C,
+    W: FnMut(&C),
+{
+    group.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let cache = make();
+                let t = Instant::now();
+                work(&cache);
+                total += t.elapsed();
+                drop(cache);
+            }
+            total
+        })
+    });
 }
 
 fn bench(c: &mut Criterion) {
@@ -65,69 +125,79 @@ fn bench(c: &mut Criterion) {
     let mut tokens = vec![0u32; max_kv];
     let mut slots = vec![0u32; max_kv];
     let mut group = c.benchmark_group("mooncake_trace");
-    group.sample_size(10).measurement_time(Duration::from_secs(12)).warm_up_time(Duration::from_secs(1));
-    for capacity in [1usize << 20, 1 << 23] {
-        // Identical hits, checked once per configuration.
-        let a = cache_ops(&kvpool_cache(capacity, max_kv), &trace, &mut tokens, &mut slots);
-        let b = cache_ops(&reference_cache(capacity, max_kv), &trace, &mut tokens, &mut slots);
-        assert_eq!(a, b, "kvpool and the reference disagree on hits");
-        println!("capacity {capacity}: {a} hit tokens in cache_ops (both caches)");
+    group.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(Duration::from_secs(1));
+    for s in SETUPS {
+        // Hit tokens of each cache, once per configuration.
+        let a = cache_ops(&kvpool_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        let b = cache_ops(&reference_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        let v = cache_ops(&vectrie_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        assert_eq!(a, b, "{}: kvpool and the reference disagree on hits", s.label);
+        let config = replay_config(s);
+        let seq = |r: Result<kvpool::replay::Report, _>| r.expect("sequential replay").hit_tokens;
+        let sa = seq(run_sequential(&kvpool_cache(s, max_kv), &trace, &config, &|_| {}));
+        let sb = seq(run_sequential(&reference_cache(s, max_kv), &trace, &config, &|_| {}));
+        let sv = seq(run_sequential(&vectrie_cache(s, max_kv), &trace, &config, &|_| {}));
+        assert_eq!(sa, sb, "{}: kvpool and the reference disagree on sequential hits", s.label);
+        println!(
+            "{}: hit tokens cache_ops kvpool = reference = {a}, vectrie {v} ({:+}); \
+             sequential_replay kvpool = reference = {sa}, vectrie {sv} ({:+})",
+            s.label,
+            v as i64 - a as i64,
+            sv as i64 - sa as i64
+        );
 
-        let id = |name: &str| BenchmarkId::new(name, format!("{}M_tokens", capacity >> 20));
-        group.bench_function(id("cache_ops/kvpool"), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let cache = kvpool_cache(capacity, max_kv);
-                    let t = Instant::now();
-                    cache_ops(&cache, &trace, &mut tokens, &mut slots);
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
-        group.bench_function(id("cache_ops/reference"), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let cache = reference_cache(capacity, max_kv);
-                    let t = Instant::now();
-                    cache_ops(&cache, &trace, &mut tokens, &mut slots);
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
-        let config = ReplayConfig {
-            capacity_tokens: capacity,
-            page_size: PS,
-            mode: Mode::Sequential,
-            ..ReplayConfig::default()
-        };
-        group.bench_function(id("sequential_replay/kvpool"), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let cache = kvpool_cache(capacity, max_kv);
-                    let t = Instant::now();
-                    run_sequential(&cache, &trace, &config, &|_| {}).unwrap();
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
-        group.bench_function(id("sequential_replay/reference"), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let cache = reference_cache(capacity, max_kv);
-                    let t = Instant::now();
-                    run_sequential(&cache, &trace, &config, &|_| {}).unwrap();
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
+        group.measurement_time(s.measure);
+        let id = |what: &str, who: &str| BenchmarkId::new(format!("{what}/{who}"), s.label);
+        let (trace, tokens, slots) = (&trace, &mut tokens, &mut slots);
+        timed(
+            &mut group,
+            id("cache_ops", "kvpool"),
+            || kvpool_cache(s, max_kv),
+            |c| {
+                cache_ops(c, trace, tokens, slots);
+            },
+        );
+        timed(
+            &mut group,
+            id("cache_ops", "reference"),
+            || reference_cache(s, max_kv),
+            |c| {
+                cache_ops(c, trace, tokens, slots);
+            },
+        );
+        timed(
+            &mut group,
+            id("cache_ops", "vectrie"),
+            || vectrie_cache(s, max_kv),
+            |c| {
+                cache_ops(c, trace, tokens, slots);
+            },
+        );
+        let config = &config;
+        timed(
+            &mut group,
+            id("sequential_replay", "kvpool"),
+            || kvpool_cache(s, max_kv),
+            |c| {
+                run_sequential(c, trace, config, &|_| {}).unwrap();
+            },
+        );
+        timed(
+            &mut group,
+            id("sequential_replay", "reference"),
+            || reference_cache(s, max_kv),
+            |c| {
+                run_sequential(c, trace, config, &|_| {}).unwrap();
+            },
+        );
+        timed(
+            &mut group,
+            id("sequential_replay", "vectrie"),
+            || vectrie_cache(s, max_kv),
+            |c| {
+                run_sequential(c, trace, config, &|_| {}).unwrap();
+            },
+        );
     }
     group.finish();
 }

@@ -19,6 +19,13 @@
 //!   distinct and eviction order is deterministic;
 //! * each node on a match's path (not the root) gets one hit, for LFU; a split's upper
 //!   node inherits the hits of the node it was cut from.
+//!
+//! [`VecTrieCache`] (module [`vec_trie`]) is a second baseline in the shape of TGI v3's
+//! `RadixAllocator`: per-node token and page vectors, a `BTreeSet` LRU of leaves that
+//! eviction trims, and a `Vec` free list of pages.
+
+pub mod vec_trie;
+pub use vec_trie::VecTrieCache;
 
 use std::collections::{BinaryHeap, HashMap};
 

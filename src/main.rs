@@ -57,8 +57,9 @@ mod cli {
         /// Router threads matching upcoming prompts read-only (overlap mode).
         #[arg(long, value_name = "K", default_value_t = replay::DEFAULT_ROUTERS)]
         routers: usize,
-        /// Which prefix cache to drive: kvpool (the concurrent RadixCache) or reference
-        /// (the simple single-threaded tree behind a mutex).
+        /// Which prefix cache to drive: kvpool (the concurrent RadixCache), reference
+        /// (the simple single-threaded tree behind a mutex) or vectrie (the TGI-style
+        /// trie behind a mutex).
         #[arg(long, default_value = "kvpool")]
         cache: CacheKind,
         /// Print one JSON object on stdout instead of the table.

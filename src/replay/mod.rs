@@ -41,6 +41,7 @@ mod plot;
 mod sequential;
 mod stats;
 mod trace;
+mod vec_trie_cache;
 
 use std::fmt;
 use std::str::FromStr;
@@ -54,6 +55,7 @@ pub use trace::{
     output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
     MAX_HASH_ID, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
 };
+pub use vec_trie_cache::{VecTrieLease, VecTrieReplayCache};
 
 use crate::error::InvariantViolation;
 use crate::radix::{EvictionPolicy, RadixCache, RadixConfig};
@@ -119,6 +121,8 @@ pub enum CacheKind {
     Kvpool,
     /// [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache) behind a mutex.
     Reference,
+    /// The TGI-style [`VecTrieCache`](crate::baseline::VecTrieCache) behind a mutex.
+    VecTrie,
 }
 
 impl CacheKind {
@@ -127,6 +131,7 @@ impl CacheKind {
         match self {
             CacheKind::Kvpool => "kvpool",
             CacheKind::Reference => "reference",
+            CacheKind::VecTrie => "vectrie",
         }
     }
 }
@@ -137,7 +142,8 @@ impl FromStr for CacheKind {
         match s.to_ascii_lowercase().as_str() {
             "kvpool" => Ok(CacheKind::Kvpool),
             "reference" => Ok(CacheKind::Reference),
-            _ => Err(ReplayError::Config(format!("unknown cache {s:?}; expected kvpool or reference"))),
+            "vectrie" => Ok(CacheKind::VecTrie),
+            _ => Err(ReplayError::Config(format!("unknown cache {s:?}; expected kvpool, reference or vectrie"))),
         }
     }
 }
@@ -401,6 +407,10 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
             let cache =
                 ReferenceCache::new(config.capacity_tokens, config.page_size, config.policy, rows, max_context_len)
                     .map_err(too_large)?;
+            run(&cache, trace, config, progress)
+        }
+        CacheKind::VecTrie => {
+            let cache = VecTrieReplayCache::new(config.capacity_tokens, config.page_size, rows, max_context_len)?;
             run(&cache, trace, config, progress)
         }
     }
