@@ -296,7 +296,8 @@ impl ReplayConfig {
         let rows = self.rows() as u128 * max_kv * slot;
         let cache = match self.cache {
             CacheKind::Kvpool => RADIX_BYTES_PER_PAGE * (pages + 3) + slot * (pages + 1) * ps,
-            CacheKind::Reference => 0,
+            // The baselines grow with what they cache.
+            CacheKind::Reference | CacheKind::VecTrie => 0,
         };
         let buffers = match self.mode {
             Mode::Sequential => 2 * max_kv * slot,
