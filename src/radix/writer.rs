@@ -31,6 +31,24 @@ fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
     move |i, slot| CacheError::RowMismatch { index: offset + i, slot }
 }
 
+/// How many leading elements of `s` are `first, first + 1, ...`: 64 at a time with one
+/// branch-free pass each (it vectorizes), then one by one.
+fn ascending_len(s: &[u32], first: u32) -> usize {
+    let mut n = 0;
+    while n + 64 <= s.len() {
+        let base = first.wrapping_add(n as u32);
+        let diff = s[n..n + 64].iter().zip(0u32..).fold(0u32, |acc, (&x, k)| acc | (x ^ base.wrapping_add(k)));
+        if diff != 0 {
+            break;
+        }
+        n += 64;
+    }
+    while n < s.len() && s[n] == first.wrapping_add(n as u32) {
+        n += 1;
+    }
+    n
+}
+
 /// Pages in the run of consecutive pages that starts at page `i` of `slots` (whole
 /// pages of a checked shape). At page size 1, blocks of 64 slots are compared with one
 /// branch-free pass each (it vectorizes) before the page-by-page tail.
@@ -395,23 +413,18 @@ impl<A: KvAllocator> Writer<'_, A> {
             return Err(InvalidInput::NotPageAligned { count: key.len(), page_size: ps as u32 }.into());
         }
         let (lo, hi) = (ps as u32, (self.c.num_pages + 1).saturating_mul(ps as u32).wrapping_sub(1));
-        if ps == 1 {
-            // Every slot is a page: only the range matters (min and max vectorize).
-            let (min, max) = slots.iter().fold((u32::MAX, 0), |(a, b), &s| (a.min(s), b.max(s)));
-            if !slots.is_empty() && (min < lo || max > hi) {
-                let slot = slots.iter().copied().find(|&s| s < lo || s > hi).unwrap_or(min);
-                return Err(InvalidInput::NotAPage { slot }.into());
-            }
-            return Ok(());
-        }
-        for chunk in slots.chunks_exact(ps) {
-            let s0 = chunk[0];
-            // One branch-free pass (it vectorizes): any slot off its place sets a bit.
-            let off = chunk.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ s0.wrapping_add(k)));
-            let whole = self.c.page_offset(s0) == 0 && off == 0;
-            if !whole || s0 < lo || s0 > hi {
+        // A run of consecutive slots at a time: one ascending sequence covers every whole
+        // page of a run of consecutive pages, so the check is one branch-free pass per 64
+        // slots (it vectorizes), with work per run, not per page.
+        let mut i = 0;
+        while i < slots.len() {
+            let s0 = slots[i];
+            let whole = ascending_len(&slots[i..], s0) / ps * ps;
+            let last = s0 as u64 + whole as u64 - 1;
+            if whole == 0 || self.c.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
                 return Err(InvalidInput::NotAPage { slot: s0 }.into());
             }
+            i += whole;
         }
         Ok(())
     }
@@ -563,16 +576,21 @@ impl<A: KvAllocator> Writer<'_, A> {
     pub(super) fn apply_insert(&mut self, namespace: u64, key: &[u32], slots: &[u32], priority: i64, cached: usize) {
         let ps = self.c.ps;
         self.touch(ROOT);
+        // The caller has compared the first `cached` tokens with the tree already: this
+        // walk only finds the nodes (one hash lookup each), touches them and splits the
+        // last one where the cached part ends, without comparing tokens again.
         let (mut pos, mut cur) = (0usize, 0u32);
-        while pos < key.len() {
+        while pos < cached {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+                debug_assert!(false, "the cached prefix of an insert is in the tree");
                 break;
             };
             self.touch(id);
-            let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
+            let n = self.span(id).1 as usize;
+            let m = n.min((cached - pos) / ps);
             pos += m * ps;
-            cur = last;
             let node = if m < n { self.split(id, m) } else { id };
+            cur = self.s.meta[node as usize].last_page;
             let meta = &mut self.s.meta[node as usize];
             if priority > meta.priority {
                 meta.priority = priority;
