@@ -31,6 +31,11 @@ fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
     move |i, slot| CacheError::RowMismatch { index: offset + i, slot }
 }
 
+/// Whether `s` is `first, first + 1, ...` (one branch-free pass: it vectorizes).
+fn ascending(s: &[u32], first: u32) -> bool {
+    s.iter().zip(0u32..).fold(0u32, |acc, (&x, k)| acc | (x ^ first.wrapping_add(k))) == 0
+}
+
 /// How many leading elements of `s` are `first, first + 1, ...`: 64 at a time with one
 /// branch-free pass each (it vectorizes), then one by one.
 fn ascending_len(s: &[u32], first: u32) -> usize {
@@ -511,22 +516,37 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.check_insert_shape(key, &kv[..aligned])?;
         let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
         // Walk the cached part of the key; compare the leased prefix with the row.
+        // Nodes wholly inside the leased prefix were compared with the key when the lease
+        // was taken and are locked since (never evicted; splits do not change tokens), so
+        // only their slots are checked against the row; the rest is compared token by token.
         let (mut pos, mut cur) = (0usize, 0u32);
         let mut bad = None;
         while pos < aligned {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 break;
             };
-            let (m, last, n) = self.c.walk_node::<true>(id, &key[pos..], |at, page, pages| {
+            let mut check_row = |at: usize, page: u32, pages: usize| {
                 // The row must hold the tree's slots (consecutive in a run) where leased.
                 let from = pos + at * ps;
                 let to = (from + pages * ps).min(protected);
                 let base = page * ps as u32;
-                if bad.is_none() && from < to {
+                if bad.is_none() && from < to && !ascending(&kv[from..to], base) {
                     let off = kv[from..to].iter().zip(base..).position(|(&s, t)| s != t);
                     bad = off.map(|k| from + k);
                 }
-            });
+            };
+            let n = self.span(id).1 as usize;
+            let (m, last) = if pos + n * ps <= protected {
+                let mut at = 0;
+                for (start, len) in self.runs(id) {
+                    check_row(at, start, len as usize);
+                    at += len as usize;
+                }
+                (n, self.s.meta[id as usize].last_page)
+            } else {
+                let (m, last, _) = self.c.walk_node::<true>(id, &key[pos..], check_row);
+                (m, last)
+            };
             if let Some(index) = bad {
                 return Err(mismatch(index, kv[index]));
             }
