@@ -89,7 +89,9 @@ impl ReqToTokenPool {
             ConfigError::TooLarge { size: (size as u64).saturating_mul(max_context_len as u64), page_size: 1 },
         )?;
         let table = (0..cells).map(|_| UnsafeCell::new(0)).collect();
-        Ok(ReqToTokenPool { rows: SlotPool::new(size), table, max_context_len, generation: next_generation() })
+        // Rows stay lowest-first (no magazines): a row is one index per request, where a
+        // magazine saves nothing worth the changed order.
+        Ok(ReqToTokenPool { rows: SlotPool::without_magazines(size), table, max_context_len, generation: next_generation() })
     }
 
     /// Number of rows.

@@ -19,6 +19,12 @@
 //! | `free_group_publishes_atomically`       | an observer sees none or all of a group; allocs needing it fail until it ends |
 //! | `free_group_across_words_with_alloc`    | the same with the group's bits in two words and a concurrent claim |
 //! | `double_free_racing_with_alloc`         | a double free is reported, counts stay exact, nothing else is touched |
+//! | `magazine_exchange_racing_alloc`        | a full magazine flushed to the bitmap by a free racing its owner's pop and another thread's flush-on-shortage: one owner per index, count conserved |
+//! | `double_free_of_a_magazine_index`       | a second free of an index sitting in a magazine is refused, racing the pop that hands it out again and a free into the same (shared) magazine |
+//!
+//! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
+//! share a magazine (thread slot = loom thread number), so its `busy` flag is contended.
+//! Every model counts its executions and asserts that loom explored more than one.
 
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -54,6 +60,20 @@ impl Owners {
     }
 }
 
+/// `loom::model(f)`, asserting that loom explored more than one execution (a model
+/// whose threads never interleave proves nothing).
+fn model<F: Fn() + Sync + Send + 'static>(f: F) {
+    use std::sync::atomic::{AtomicUsize, Ordering as StdOrdering};
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&runs);
+    loom::model(move || {
+        counter.fetch_add(1, StdOrdering::Relaxed);
+        f();
+    });
+    let n = runs.load(StdOrdering::Relaxed);
+    assert!(n > 1, "loom explored only {n} execution(s)");
+}
+
 fn distinct_in_range(indices: &[u32], capacity: u32) {
     for (k, &i) in indices.iter().enumerate() {
         assert!((1..=capacity).contains(&i), "index {i} out of range");
@@ -65,7 +85,7 @@ fn distinct_in_range(indices: &[u32], capacity: u32) {
 /// held: no index has two owners, and every index comes back.
 #[test]
 fn alloc_and_free_never_double_hand_out() {
-    loom::model(|| {
+    model(|| {
         const CAP: u32 = 4;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -102,7 +122,7 @@ fn alloc_and_free_never_double_hand_out() {
 /// Batches that must take bits from both words of a 66-index pool.
 #[test]
 fn batch_alloc_across_two_words() {
-    loom::model(|| {
+    model(|| {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -148,7 +168,7 @@ fn batch_alloc_across_two_words() {
 /// the winner left and its buffer is untouched.
 #[test]
 fn racing_for_the_last_slots() {
-    loom::model(|| {
+    model(|| {
         let pool = Arc::new(SlotPool::new(3));
         let racers: Vec<_> = (0..2)
             .map(|_| {
@@ -185,7 +205,7 @@ fn racing_for_the_last_slots() {
 /// holds a partial batch, and the counts add up.
 #[test]
 fn racing_for_the_last_slots_with_a_free() {
-    loom::model(|| {
+    model(|| {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -228,7 +248,7 @@ fn racing_for_the_last_slots_with_a_free() {
 /// `available()` as 0 or 2, never 1, and an alloc that succeeds has seen the end begin.
 #[test]
 fn free_group_publishes_atomically() {
-    loom::model(|| {
+    model(|| {
         let pool = Arc::new(SlotPool::new(3));
         let mut all = [0u32; 3];
         pool.alloc(&mut all).unwrap();
@@ -265,7 +285,7 @@ fn free_group_publishes_atomically() {
 /// once set) but never more than it reserved, and the group's count arrives whole.
 #[test]
 fn free_group_across_words_with_alloc() {
-    loom::model(|| {
+    model(|| {
         const CAP: u32 = 66;
         let pool = Arc::new(SlotPool::new(CAP));
         let owners = Arc::new(Owners::new(CAP));
@@ -305,7 +325,7 @@ fn free_group_across_words_with_alloc() {
 /// count is disturbed.
 #[test]
 fn double_free_racing_with_alloc() {
-    loom::model(|| {
+    model(|| {
         let pool = Arc::new(SlotPool::new(2));
         let mut all = [0u32; 2];
         pool.alloc(&mut all).unwrap();
@@ -338,6 +358,118 @@ fn double_free_racing_with_alloc() {
             }
         }
         assert!(pool.is_allocated(2), "an unrelated index was freed");
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// The main thread's magazine (shard 0) is full with [1, 2]. Thread 2 shares it and
+/// frees [3, 4], which do not fit on top: it flushes the magazine to the bitmap (the
+/// exchange) and pushes its own. Thread 1 (shard 1, empty magazine) needs 2 and finds
+/// the counters empty, so it flushes shard 0's magazine itself. The main thread pops
+/// 2 from its magazine meanwhile. Whoever gets indices owns them alone; every index is
+/// held or available at the end.
+#[test]
+fn magazine_exchange_racing_alloc() {
+    model(|| {
+        const CAP: u32 = 4;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = [0u32; 4];
+        pool.alloc(&mut all).unwrap();
+        assert_eq!(all, [1, 2, 3, 4]);
+        pool.free(&[1, 2]).unwrap();
+        owners.claim(&[3, 4], 9);
+
+        let taker = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut got = [u32::MAX; 2];
+                match pool.alloc(&mut got) {
+                    Ok(()) => {
+                        distinct_in_range(&got, CAP);
+                        owners.claim(&got, 1);
+                        owners.check(&got, 1);
+                        2
+                    }
+                    Err(e) => {
+                        // A magazine in use is skipped, so the refusal may undercount.
+                        assert!(e.requested == 2 && e.available < 2, "{e:?}");
+                        assert_eq!(got, [u32::MAX; 2]);
+                        0
+                    }
+                }
+            })
+        };
+        let freer = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                owners.check(&[3, 4], 9);
+                pool.free(&[3, 4]).unwrap();
+            })
+        };
+        let mut mine = [u32::MAX; 2];
+        let held_here = match pool.alloc(&mut mine) {
+            Ok(()) => {
+                distinct_in_range(&mine, CAP);
+                owners.claim(&mine, 3);
+                owners.check(&mine, 3);
+                2
+            }
+            Err(_) => 0,
+        };
+        freer.join().unwrap();
+        let held_there = taker.join().unwrap();
+        assert_eq!(pool.available(), CAP as usize - held_here - held_there);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Index 1 sits in the main thread's magazine. Thread 1 frees it again (a double
+/// free) while the main thread allocates one index and thread 2, which shares the
+/// main thread's magazine, frees index 2. The double free is refused unless the main
+/// thread was handed 1 before it (the API-level ABA of the module docs); whatever
+/// happens, the counts add up and every index is held or available exactly once.
+#[test]
+fn double_free_of_a_magazine_index() {
+    model(|| {
+        let pool = Arc::new(SlotPool::new(2));
+        let mut all = [0u32; 2];
+        pool.alloc(&mut all).unwrap();
+        pool.free(&[1]).unwrap();
+
+        let double = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || match pool.free(&[1]) {
+                Ok(()) => true,
+                Err(e) => {
+                    assert_eq!((e.index, e.kind, e.rest_freed), (1, FreeErrorKind::NotAllocated, false));
+                    false
+                }
+            })
+        };
+        let other = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || pool.free(&[2]).unwrap())
+        };
+        let got = pool.alloc_one();
+        let double_ok = double.join().unwrap();
+        other.join().unwrap();
+        match got {
+            Ok(i) => {
+                assert!(i == 1 || i == 2, "{i}");
+                if double_ok {
+                    assert_eq!(i, 1, "a double free of an index in a magazine succeeded");
+                }
+                assert_eq!(pool.is_allocated(i), !double_ok);
+                assert_eq!(pool.available(), 1 + double_ok as usize);
+            }
+            // Refused only while thread 2 held the shared magazine (a busy magazine is
+            // skipped, never waited for): then index 1 stayed in it, never handed out.
+            Err(_) => {
+                assert!(!double_ok, "a double free of an index in a magazine succeeded");
+                assert_eq!(pool.available(), 2);
+            }
+        }
         pool.check_invariants().unwrap();
     });
 }

@@ -143,7 +143,10 @@ impl PagedAllocator {
             return Err(ConfigError::TooLarge { size: size as u64, page_size });
         }
         Ok(PagedAllocator {
-            pages: SlotPool::new(num_pages as u32),
+            // No magazines (yet): the allocator frees through free groups, which bypass
+            // magazines, and its page order is part of DESIGN.md's test vectors and
+            // the radix tests (lowest free pages first, always).
+            pages: SlotPool::without_magazines(num_pages as u32),
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
         })
