@@ -71,6 +71,7 @@ fn model<F: Fn() + Sync + Send + 'static>(f: F) {
         f();
     });
     let n = runs.load(StdOrdering::Relaxed);
+    eprintln!("loom explored {n} executions");
     assert!(n > 1, "loom explored only {n} execution(s)");
 }
 

@@ -129,8 +129,9 @@
 //!   construction. Plus `held`, a bitmap beside `words`: bit 1 while the index is
 //!   handed out. The magazines are part of the capacity: an index in a magazine is
 //!   free, counted by `available()`, and in no bitmap.
-//! * **Who uses a magazine.** Whoever holds its `busy` flag, taken with
-//!   `swap(true, Acquire)` and given back with `store(false, Release)`; only the
+//! * **Who uses a magazine.** Whoever holds its `busy` flag, taken with a
+//!   compare-and-swap `false -> true` (Acquire) and given back with
+//!   `store(false, Release)`; only the
 //!   holder reads or writes the stack and writes `len`. Threads with the same shard
 //!   (more than `SHARDS` threads) share a magazine. Nobody ever waits for the flag: an
 //!   operation that finds it taken uses the bitmap instead.
@@ -173,7 +174,7 @@
 //! indices sitting in a magazine, exactly as for bitmap ones. The held bits are
 //! Relaxed: they order nothing but themselves (every hand-off of an index's contents
 //! goes through `words`, whose Release/Acquire pairs are unchanged, or through a
-//! magazine's `busy`, whose Release store and Acquire swap order the previous
+//! magazine's `busy`, whose Release store and Acquire compare-and-swap order the previous
 //! holder's pushes, and the writes before them, before the next holder's pops).
 //!
 //! **No index handed out twice.** An index leaves a magazine only by a pop or a
@@ -200,7 +201,7 @@
 //! in `words`.
 //!
 //! **Cost.** A round of alloc and free of `n` indices through a magazine costs two
-//! `busy` swaps and one `fetch_and` plus one `fetch_or` per held word (`n / 64` for
+//! `busy` compare-and-swaps and one `fetch_and` plus one `fetch_or` per held word (`n / 64` for
 //! runs), plus copying `n` indices in and out and a load per run to validate. The
 //! bitmap path costs one read-modify-write per word more than without magazines (the
 //! held bits), which is why the allocators use [`SlotPool::without_magazines`].
@@ -307,8 +308,8 @@ pub struct SlotPool {
 /// Used only by the thread that holds `busy`; other threads (a flush when an
 /// allocation runs short) take it the same way and skip it when it is busy.
 struct Magazine {
-    /// Whether a thread is using the magazine. Taken with `swap(true, Acquire)` that
-    /// returned `false`, given back with `store(false, Release)`: every access to
+    /// Whether a thread is using the magazine. Taken with a compare-and-swap
+    /// `false -> true` (Acquire), given back with `store(false, Release)`: every access to
     /// `slots` and every write of `len` happens between the two, so the holders'
     /// accesses are ordered one after the other. Nobody ever waits for it.
     busy: AtomicBool,
@@ -321,8 +322,8 @@ struct Magazine {
 
 // SAFETY: every field but the magazines' `slots` cells is an atomic or plain data.
 // A `slots` cell is read and written only through a `MagazineGuard`, which exists only
-// while its thread holds that magazine's `busy` flag (an Acquire swap that returned
-// `false`, ended by a Release store), so no two accesses overlap and each happens
+// while its thread holds that magazine's `busy` flag (an Acquire compare-and-swap
+// from `false` to `true`, ended by a Release store), so no two accesses overlap and each happens
 // after the previous holder's.
 unsafe impl Sync for SlotPool {}
 
@@ -354,11 +355,13 @@ impl Magazine {
     #[inline]
     fn try_take(&self) -> Option<MagazineGuard<'_>> {
         // Acquire: the previous holder's writes to `slots` and `len` (before its
-        // Release store of `false`) happen-before ours.
-        if self.busy.swap(true, Ordering::Acquire) {
-            None
-        } else {
-            Some(MagazineGuard { mag: self })
+        // Release store of `false`) happen-before ours. A compare-and-swap rather than
+        // a swap: a failed attempt writes nothing. (loom 0.7 also let a later swap
+        // read the `true` of a failed swap that came before the holder's release.)
+        match self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => Some(MagazineGuard { mag: self }),
+            // Another thread is using it: the caller goes to the bitmap instead.
+            Err(_) => None,
         }
     }
 }
@@ -1334,7 +1337,7 @@ impl SlotPool {
                 )));
             }
         }
-        let avail = self.available() - in_mags;
+        let avail = self.available().saturating_sub(in_mags);
         let unpub = self.unpublished.load(Ordering::Acquire);
         if ones != avail + unpub {
             return Err(InvariantViolation(format!("{ones} free bits but available {avail} + unpublished {unpub}")));
