@@ -91,7 +91,12 @@ impl ReqToTokenPool {
         let table = (0..cells).map(|_| UnsafeCell::new(0)).collect();
         // Rows stay lowest-first (no magazines): a row is one index per request, where a
         // magazine saves nothing worth the changed order.
-        Ok(ReqToTokenPool { rows: SlotPool::without_magazines(size), table, max_context_len, generation: next_generation() })
+        Ok(ReqToTokenPool {
+            rows: SlotPool::without_magazines(size),
+            table,
+            max_context_len,
+            generation: next_generation(),
+        })
     }
 
     /// Number of rows.

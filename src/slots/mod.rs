@@ -1317,7 +1317,9 @@ impl SlotPool {
                 })
             });
             if let Some(i) = bad {
-                return Err(InvariantViolation(format!("magazine {m} holds {i}, which is out of range, held or free in the bitmap")));
+                return Err(InvariantViolation(format!(
+                    "magazine {m} holds {i}, which is out of range, held or free in the bitmap"
+                )));
             }
             in_mags += len;
         }
@@ -1327,7 +1329,9 @@ impl SlotPool {
                 let (h, v) = (h.load(Ordering::Acquire), word.load(Ordering::Acquire));
                 let n = (cap - w * BITS).min(BITS);
                 if h & v != 0 || (n < BITS && h >> n != 0) {
-                    return Err(InvariantViolation(format!("word {w}: held {h:#x} overlaps free {v:#x} or passes capacity")));
+                    return Err(InvariantViolation(format!(
+                        "word {w}: held {h:#x} overlaps free {v:#x} or passes capacity"
+                    )));
                 }
                 held += h.count_ones() as usize;
             }
