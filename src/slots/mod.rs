@@ -183,6 +183,14 @@
 //! only after a held bit was won (free) or from a magazine (flush). So each index is
 //! moved by one operation at a time, and handed out once per win.
 //!
+//! **No tags, no ABA.** Nothing here reads a value and later acts on a successor
+//! derived from it: `busy`'s compare-and-swap `false -> true` succeeds exactly when
+//! nobody holds the magazine *now*, whatever happened in between, and the held bits
+//! are changed by `fetch_and`/`fetch_or`, whose old value is the current one. The
+//! stack itself is only touched under `busy`. The API-level ABA of the section
+//! above remains: a stale free that arrives after its index was popped and handed to
+//! someone else is taken for the new owner's free.
+//!
 //! **Counting.** The reservation counter counts only indices free *in the bitmap*:
 //! the invariant of "Why it is correct" holds unchanged, because pops and pushes
 //! touch neither bits nor counters and a flush sets bits before it publishes. A
