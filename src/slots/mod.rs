@@ -639,8 +639,9 @@ impl SlotPool {
         central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>()
     }
 
-    /// Whether `index` is currently handed out (`false` for out-of-range indices and
-    /// for indices freed inside a still-open free group). A snapshot under concurrency.
+    /// Whether `index` is currently handed out (`false` for out-of-range indices, for
+    /// indices sitting in a magazine and for indices freed inside a still-open free
+    /// group). A snapshot under concurrency.
     #[inline]
     pub fn is_allocated(&self, index: u32) -> bool {
         if index == 0 || index > self.capacity {
@@ -661,7 +662,12 @@ impl SlotPool {
 
     /// Allocate `out.len()` indices into `out`, all or nothing.
     ///
-    /// Single-threaded, the indices are the lowest free ones, ascending.
+    /// Up to [`magazine_capacity`](Self::magazine_capacity) indices come from the
+    /// calling thread's magazine when it holds that many: the most recently freed
+    /// ones, in the order they were freed (a run freed together comes back as that
+    /// run). Otherwise, and always for larger batches and in a pool
+    /// [`without_magazines`](Self::without_magazines), single-threaded the indices are
+    /// the lowest free ones, ascending (a fresh pool hands out `1, 2, 3, ...`).
     ///
     /// # Errors
     ///
@@ -937,6 +943,13 @@ impl SlotPool {
     }
 
     /// Free a batch of indices.
+    ///
+    /// A batch of up to [`magazine_capacity`](Self::magazine_capacity) indices goes onto
+    /// the calling thread's magazine (which is first returned to the bitmap whole if
+    /// the batch does not fit on top); a larger one, or any batch while the magazine is
+    /// in use by another thread of the same shard, to the bitmap. Either way every
+    /// index is checked first: double frees of indices sitting in a magazine are
+    /// refused like any other.
     ///
     /// # Errors
     ///
@@ -1541,6 +1554,9 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
 /// Other threads may still be handed the group's indices before it ends — they are
 /// free — but the *count* of allocatable indices only grows at the end, so an
 /// allocation that needs the group's frees fails until then.
+///
+/// A group's frees go to the bitmap, never to a magazine (a magazine's entries count
+/// as available at once).
 #[must_use = "a free group publishes its frees when it ends; dropping it at once is a plain free"]
 pub struct FreeGroup<'a> {
     pool: &'a SlotPool,
