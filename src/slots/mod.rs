@@ -992,6 +992,11 @@ impl SlotPool {
     /// batch order.
     fn free_to_magazine(&self, guard: &MagazineGuard<'_>, indices: &[u32]) -> Result<(), FreeError> {
         // 1. Validate: nothing changes unless every index is in range and handed out.
+        // The runs go to a stack buffer (left uninitialised, as in `release_slice`), so
+        // that applying them does not cut the batch into runs a second time.
+        let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
+        let mut buffered = 0;
+        let mut simple = true; // no index twice in a run, and every run buffered
         let mut pos = 0;
         while pos < indices.len() {
             let run = self.next_run(indices, pos)?;
@@ -1004,6 +1009,12 @@ impl SlotPool {
                     .unwrap_or(indices[pos]);
                 return Err(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false });
             }
+            if run.dup.is_some() || buffered == RUN_BUF {
+                simple = false;
+            } else {
+                runs[buffered].write((run.word, run.mask));
+                buffered += 1;
+            }
             pos = run.end;
         }
         // 2. Room: a full magazine goes back to the bitmap whole (the depot).
@@ -1012,24 +1023,53 @@ impl SlotPool {
             self.flush(guard);
             len = 0;
         }
-        // 3. Apply, run by run.
+        // 3. Apply: clear the held bits run by run (Relaxed: see `set_held`). Bits that
+        // are already 0 were freed by a racing free since we validated (or earlier in
+        // this batch): not ours to push.
         let mut first_dup = None;
-        guard.with_slots(|slots| {
-            let mut pos = 0;
-            while pos < indices.len() {
-                let Ok(run) = self.next_run(indices, pos) else { break };
-                // Relaxed: see `set_held`. Bits already 0 were freed by another free
-                // since we validated (or earlier in this batch): not ours to push.
-                let old = self.held[run.word].fetch_and(!run.mask, Ordering::Relaxed);
-                let won = run.mask & old;
-                let part = &indices[pos..run.end];
-                if won == run.mask && run.dup.is_none() {
-                    // The common case: every index of the run is new; one copy.
-                    slots[len..len + part.len()].copy_from_slice(part);
-                    len += part.len();
-                } else {
+        if simple {
+            let mut lost = false;
+            for run in &mut runs[..buffered] {
+                // SAFETY: the validation loop wrote entries `..buffered` (it counts up
+                // `buffered` only right after writing `runs[buffered]`).
+                let (word, mask) = unsafe { run.assume_init() };
+                let won = mask & self.held[word].fetch_and(!mask, Ordering::Relaxed);
+                lost |= won != mask;
+                run.write((word, won));
+            }
+            if !lost {
+                // The common case: every index is new and appears once: one copy.
+                guard.with_slots(|slots| slots[len..len + indices.len()].copy_from_slice(indices));
+                guard.set_len(len + indices.len());
+                return Ok(());
+            }
+            // A racing free won some: push the others, run by run as validated.
+            guard.with_slots(|slots| {
+                let mut pos = 0;
+                for run in &runs[..buffered] {
+                    // SAFETY: as above; the loop above rewrote each entry in place.
+                    let (_, won) = unsafe { run.assume_init() };
+                    let Ok(next) = self.next_run(indices, pos) else { break };
+                    for &i in &indices[pos..next.end] {
+                        if won & Self::locate(i).1 != 0 {
+                            slots[len] = i;
+                            len += 1;
+                        } else if first_dup.is_none() {
+                            first_dup = Some(i);
+                        }
+                    }
+                    pos = next.end;
+                }
+            });
+        } else {
+            // Repeats inside a run, or more runs than the buffer: cut the batch again.
+            guard.with_slots(|slots| {
+                let mut pos = 0;
+                while pos < indices.len() {
+                    let Ok(run) = self.next_run(indices, pos) else { break };
+                    let won = run.mask & self.held[run.word].fetch_and(!run.mask, Ordering::Relaxed);
                     let mut left = won;
-                    for &i in part {
+                    for &i in &indices[pos..run.end] {
                         let bit = Self::locate(i).1;
                         if left & bit != 0 {
                             slots[len] = i;
@@ -1039,10 +1079,10 @@ impl SlotPool {
                             first_dup = Some(i);
                         }
                     }
+                    pos = run.end;
                 }
-                pos = run.end;
-            }
-        });
+            });
+        }
         guard.set_len(len);
         match first_dup {
             None => Ok(()),

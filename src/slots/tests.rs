@@ -394,3 +394,25 @@ fn threads_never_share_an_index_and_counts_come_back() {
     pool.free(&all).unwrap();
     pool.check_invariants().unwrap();
 }
+
+/// A magazine free with more runs than the stack buffer holds (indices alternating
+/// between two words: every index is a run), with and without a repeat.
+#[test]
+fn magazine_free_with_many_runs() {
+    let pool = SlotPool::new(2000);
+    let mut all = vec![0u32; 2000];
+    pool.alloc(&mut all).unwrap();
+    let batch: Vec<u32> = (1..=50u32).flat_map(|k| [k, 64 + k]).collect(); // 100 runs
+    pool.free(&batch).unwrap();
+    let mut got = vec![0u32; 100];
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, batch, "pushed and popped in batch order");
+    let mut with_repeat = batch.clone();
+    with_repeat.push(3);
+    let e = pool.free(&with_repeat).unwrap_err();
+    assert_eq!((e.index, e.kind, e.rest_freed), (3, FreeErrorKind::NotAllocated, true));
+    assert_eq!(pool.available(), 100);
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, batch, "each index pushed once");
+    pool.check_invariants().unwrap();
+}
