@@ -1,7 +1,9 @@
 //! `SlotPool` against the free lists other engines use, side by side in one run.
 //!
-//! * `slotpool` — kvpool's lock-free bitmap arena (validates every free: range and
-//!   double-free checks, all-or-nothing).
+//! * `slotpool` — kvpool's lock-free bitmap arena with per-thread magazines (validates
+//!   every free: range and double-free checks, all-or-nothing).
+//! * `slotpool_bitmap` — the same without magazines (`SlotPool::without_magazines`):
+//!   every batch claims from and frees to the bitmap, lowest-first.
 //! * `mutex_vec` — a `Mutex<Vec<u32>>` free list, the way TGI and mistral.rs keep
 //!   theirs, written the strong way: alloc copies the tail slice into the caller's
 //!   buffer and truncates, free extends from the slice (two memcpys and one lock each;
@@ -50,6 +52,24 @@ impl FreeList for SlotPool {
     #[inline]
     fn free(&self, indices: &[u32]) {
         SlotPool::free(self, indices).expect("benchmark frees only what it allocated");
+    }
+}
+
+/// `SlotPool` without magazines: the bitmap path alone (lowest-first).
+struct Bitmap(SlotPool);
+
+impl FreeList for Bitmap {
+    const NAME: &'static str = "slotpool_bitmap";
+    fn new(capacity: u32) -> Self {
+        Bitmap(SlotPool::without_magazines(capacity))
+    }
+    #[inline]
+    fn alloc(&self, out: &mut [u32]) -> bool {
+        self.0.alloc(out).is_ok()
+    }
+    #[inline]
+    fn free(&self, indices: &[u32]) {
+        self.0.free(indices).expect("benchmark frees only what it allocated");
     }
 }
 
@@ -131,6 +151,7 @@ fn single(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("single/{batch}"));
         g.throughput(Throughput::Elements(batch as u64));
         single_one::<SlotPool>(&mut g, batch);
+        single_one::<Bitmap>(&mut g, batch);
         single_one::<MutexVec>(&mut g, batch);
         single_one::<Queue>(&mut g, batch);
         g.finish();
@@ -173,11 +194,12 @@ fn contended_one<P: FreeList>(
 }
 
 fn contended(c: &mut Criterion) {
-    for threads in [2usize, 4] {
+    for threads in [2usize, 4, 8] {
         for batch in [16usize, 256] {
             let mut g = c.benchmark_group(format!("contended/{threads}t_b{batch}"));
             g.throughput(Throughput::Elements((threads * batch) as u64));
             contended_one::<SlotPool>(&mut g, threads, batch);
+            contended_one::<Bitmap>(&mut g, threads, batch);
             contended_one::<MutexVec>(&mut g, threads, batch);
             contended_one::<Queue>(&mut g, threads, batch);
             g.finish();

@@ -91,7 +91,14 @@ impl ReqToTokenPool {
         )?;
         let table =
             crate::arena::try_vec_with(cells, "the request-row table", || UnsafeCell::new(0))?.into_boxed_slice();
-        Ok(ReqToTokenPool { rows: SlotPool::new(size), table, max_context_len, generation: next_generation() })
+        // Rows stay lowest-first (no magazines): a row is one index per request, where a
+        // magazine saves nothing worth the changed order.
+        Ok(ReqToTokenPool {
+            rows: SlotPool::without_magazines(size),
+            table,
+            max_context_len,
+            generation: next_generation(),
+        })
     }
 
     /// Number of rows.

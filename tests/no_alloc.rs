@@ -114,6 +114,39 @@ fn slot_pool_hot_paths() {
     assert_no_alloc("SlotPool::available", || pool.available());
 }
 
+/// The magazine paths: a free onto the magazine, a pop, a double free of an index
+/// sitting in the magazine, a free that does not fit (the magazine goes back to the
+/// bitmap), a batch larger than a magazine, and an allocation that runs short and
+/// flushes every magazine (one of them another thread's).
+#[test]
+fn slot_pool_magazine_paths() {
+    let pool = SlotPool::new(5000);
+    let cap = pool.magazine_capacity();
+    assert!(cap > 256 && cap < 1500, "the test assumes a magazine of 256..1500, not {cap}");
+    let mut all = vec![0u32; 5000];
+    pool.alloc(&mut all).unwrap();
+    let mut got = vec![0u32; 256];
+    assert_no_alloc("SlotPool::free onto the magazine", || pool.free(&all[..256])).unwrap();
+    assert_no_alloc("SlotPool::alloc from the magazine", || pool.alloc(&mut got)).unwrap();
+    assert_eq!(got, all[..256]);
+    assert_no_alloc("SlotPool::free onto the magazine, scattered", || pool.free(&[5, 900, 77])).unwrap();
+    assert_no_alloc("SlotPool::free (double free of a magazine index)", || pool.free(&[900])).unwrap_err();
+    assert_no_alloc("SlotPool::free (duplicate into the magazine)", || pool.free(&[1000, 1000])).unwrap_err();
+    assert_no_alloc("SlotPool::alloc_one from the magazine", || pool.alloc_one()).unwrap();
+    assert_no_alloc("SlotPool::free that flushes the magazine", || pool.free(&all[1200..1200 + cap])).unwrap();
+    assert_no_alloc("SlotPool::free larger than a magazine", || pool.free(&all[2800..2800 + cap + 1])).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| pool.free(&all[4800..4900]).unwrap());
+    });
+    let available = pool.available();
+    let mut rest = vec![0u32; available];
+    assert_no_alloc("SlotPool::alloc that flushes magazines", || pool.alloc(&mut rest)).unwrap();
+    assert_no_alloc("SlotPool::alloc (error after flushing)", || pool.alloc(&mut got)).unwrap_err();
+    assert_no_alloc("SlotPool::check_invariants with magazines", || pool.check_invariants()).unwrap();
+    assert_no_alloc("SlotPool::free after flushing", || pool.free(&rest[..1])).unwrap();
+    assert_no_alloc("SlotPool::available with magazines", || pool.available());
+}
+
 fn allocator_hot_paths<A: KvAllocator>(alloc: &A) {
     let ps = alloc.page_size();
     let mut whole = vec![0u32; 4 * ps as usize];

@@ -3,7 +3,9 @@
 //! edge cases: word boundaries, double and out-of-range frees, duplicates inside a
 //! batch, free groups, `clear`.
 
-use kvpool::testing::{ops_from_bytes, run_slot_pool, AllocModel, Stats};
+use kvpool::testing::{
+    ops_from_bytes, run_slot_pool, run_slot_pool_with_magazines, run_slot_pool_without_magazines, AllocModel, Stats,
+};
 use kvpool::{FreeError, FreeErrorKind, OutOfMemory, SlotPool, Unit};
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -27,6 +29,24 @@ proptest! {
     fn slot_pool_matches_model_any_capacity(capacity in 0u32..300, bytes in vec(any::<u8>(), 0..MAX_BYTES)) {
         run_slot_pool(&ops_from_bytes(&bytes), capacity).map_err(TestCaseError::fail)?;
     }
+
+    /// Small magazines: batches larger than the magazine (to the bitmap), frees that
+    /// do not fit on top (the magazine is flushed first), pops that find too few, and
+    /// double, duplicate and forged frees of indices sitting in the magazine.
+    #[test]
+    fn slot_pool_with_small_magazines_matches_model(
+        capacity in 0u32..300,
+        entries in 1usize..40,
+        bytes in vec(any::<u8>(), 0..MAX_BYTES),
+    ) {
+        run_slot_pool_with_magazines(&ops_from_bytes(&bytes), capacity, entries).map_err(TestCaseError::fail)?;
+    }
+
+    /// No magazines: lowest free first, always.
+    #[test]
+    fn slot_pool_without_magazines_matches_model(capacity in 0u32..300, bytes in vec(any::<u8>(), 0..MAX_BYTES)) {
+        run_slot_pool_without_magazines(&ops_from_bytes(&bytes), capacity).map_err(TestCaseError::fail)?;
+    }
 }
 
 /// The op mix reaches every outcome on a bare pool too.
@@ -44,6 +64,7 @@ fn op_mix_reaches_every_outcome() {
             })
             .collect();
         stats.merge(&run_slot_pool(&ops_from_bytes(&bytes), 66).unwrap());
+        stats.merge(&run_slot_pool_with_magazines(&ops_from_bytes(&bytes), 66, 5).unwrap());
     }
     for outcome in [
         "alloc: ok",
@@ -272,5 +293,36 @@ fn threads_never_share_an_index() {
     let oks: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
     assert!(oks > 0);
     assert_eq!(pool.available(), CAP as usize);
+    pool.check_invariants().unwrap();
+}
+
+/// The radix cache stores tokens by slot and wants runs: a batch freed as a run of
+/// consecutive indices comes back from the magazine as the same run, ascending, and
+/// two runs freed one after the other come back last first, each whole.
+#[test]
+fn a_freed_run_comes_back_as_a_run() {
+    let pool = SlotPool::new(4096);
+    let mut a = vec![0u32; 1000];
+    pool.alloc(&mut a).unwrap();
+    assert_eq!(a, (1..=1000).collect::<Vec<u32>>());
+    for (lo, n) in [(100usize, 16usize), (300, 256), (10, 1), (0, 1000)] {
+        pool.free(&a[lo..lo + n]).unwrap();
+        let mut b = vec![0u32; n];
+        pool.alloc(&mut b).unwrap();
+        assert_eq!(b, a[lo..lo + n], "run of {n} from {}", a[lo]);
+    }
+    pool.free(&a[500..564]).unwrap();
+    pool.free(&a[700..716]).unwrap();
+    let mut b = vec![0u32; 16];
+    pool.alloc(&mut b).unwrap();
+    assert_eq!(b, a[700..716]);
+    let mut c = vec![0u32; 64];
+    pool.alloc(&mut c).unwrap();
+    assert_eq!(c, a[500..564]);
+    // a batch larger than the magazine still comes from the bitmap, lowest first
+    let mut big = vec![0u32; pool.magazine_capacity() + 1];
+    pool.alloc(&mut big).unwrap();
+    assert_eq!(big[0], 1001);
+    assert!(big.windows(2).all(|w| w[1] == w[0] + 1));
     pool.check_invariants().unwrap();
 }

@@ -204,7 +204,10 @@ impl PagedAllocator {
         // The page bitmap: one bit a page.
         crate::arena::probe(crate::arena::bytes_of::<u64>((num_pages as usize).div_ceil(64)), "the page bitmap")?;
         Ok(PagedAllocator {
-            pages: SlotPool::new(num_pages as u32),
+            // No magazines (yet): the allocator frees through free groups, which bypass
+            // magazines, and its page order is part of DESIGN.md's test vectors and
+            // the radix tests (lowest free pages first, always).
+            pages: SlotPool::without_magazines(num_pages as u32),
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
         })

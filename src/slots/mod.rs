@@ -41,6 +41,12 @@
 //! one thread frees what another allocates, the allocating thread sweeps the freeing
 //! thread's shard: one line moves, as with a single counter.
 //!
+//! In front of the bitmap sit per-thread **magazines** (section "Magazines" below):
+//! batches of up to `MAGAZINE` (1024) indices are freed onto the calling thread's
+//! magazine and allocated from it with a copy, and a third bitmap, `held`, keeps
+//! double-free detection exact for the indices sitting in a magazine.
+//! [`SlotPool::without_magazines`] builds a pool without them (the allocators use it).
+//!
 //! # Why it is correct
 //!
 //! The invariant that carries everything:
@@ -111,6 +117,104 @@
 //! no generation; callers that need that detection keep generations beside the index
 //! (the radix cache does for its nodes).
 //!
+//! # Magazines
+//!
+//! Bonwick & Adams ("Magazines and Vmem", USENIX 2001) put a per-CPU stack of free
+//! objects, a *magazine*, in front of a shared allocator, so that most allocations and
+//! frees are a push or a pop; a full magazine is exchanged whole with a *depot*. Here:
+//!
+//! * **Layout.** One `Magazine` per shard (`thread_slot % SHARDS`, the same
+//!   assignment as the counter's shards), each on its own cache line: a `busy` flag,
+//!   a length `len`, and a stack of `min(MAGAZINE, capacity)` indices allocated at
+//!   construction. Plus `held`, a bitmap beside `words`: bit 1 while the index is
+//!   handed out. The magazines are part of the capacity: an index in a magazine is
+//!   free, counted by `available()`, and in no bitmap.
+//! * **Who uses a magazine.** Whoever holds its `busy` flag, taken with a
+//!   compare-and-swap `false -> true` (Acquire) and given back with
+//!   `store(false, Release)`; only the
+//!   holder reads or writes the stack and writes `len`. Threads with the same shard
+//!   (more than `SHARDS` threads) share a magazine. Nobody ever waits for the flag: an
+//!   operation that finds it taken uses the bitmap instead.
+//! * **Free** of `n <= mag_cap` indices, outside a free group: take the magazine;
+//!   validate every index (in range, held bit 1) before changing anything; if the
+//!   batch does not fit on top, *flush* the magazine first (below); then per run
+//!   (indices in one word) clear the held bits with one `fetch_and` and push, in batch
+//!   order, the indices whose bit this `fetch_and` cleared (the others were freed
+//!   twice in the batch or by a racing free: reported as today, `rest_freed`). A run
+//!   of consecutive indices is pushed with one copy.
+//! * **Alloc** of `n <= mag_cap`: take the magazine; if it holds `n`, copy the top `n`
+//!   entries out (in push order, so a batch freed as a run comes back as the same
+//!   run), lower `len`, give the magazine back, then set the held bits (one
+//!   `fetch_or` per run). Otherwise: the bitmap path (reserve, claim), which now also
+//!   sets the held bits of what it claims.
+//! * **Flush (the depot exchange).** The bitmap is the depot: a full magazine is
+//!   returned whole by storing `len = 0`, setting its entries' bits in `words` (one
+//!   `fetch_or` per run, Release) and publishing their count to the shard, the same
+//!   order as a free. A reservation that comes up short after sweeping the shards
+//!   flushes every magazine it can take (skipping busy ones) and tries once more, so
+//!   at quiescence an allocation fails only when `available()` is really short.
+//! * **Frees larger than a magazine and free groups** go to the bitmap as before
+//!   (clearing held bits first): a group's frees must stay uncounted until it ends,
+//!   and a magazine's `len` counts at once. Batches larger than a magazine are
+//!   allocated from the bitmap lowest-first. A magazine is only filled by frees, never
+//!   refilled from the bitmap, so a fresh pool still hands out `1, 2, 3, ...`.
+//!
+//! Every index is in exactly one of four places, and `held` tells them apart from the
+//! outside: *handed out* (held 1, bit 0), *free in the bitmap* (held 0, bit 1), *in a
+//! magazine* (held 0, bit 0, in one stack), or *in transit* (held 0, bit 0, in the
+//! hands of an operation between two of its steps: popped but not yet marked held,
+//! or cleared by a free but not yet pushed or set in `words`).
+//!
+//! **Double frees.** Every free, whichever path, first checks the held bits (a
+//! load; an index that is not held is refused and nothing changes), then clears them
+//! with a `fetch_and` whose old value decides: of two frees racing for one index,
+//! exactly one sees the bit set and moves the index on (to a magazine or the bitmap);
+//! the other learns it lost and reports the index. An index in a magazine or in
+//! transit is not held, so a free of it is refused: double-free detection works for
+//! indices sitting in a magazine, exactly as for bitmap ones. The held bits are
+//! Relaxed: they order nothing but themselves (every hand-off of an index's contents
+//! goes through `words`, whose Release/Acquire pairs are unchanged, or through a
+//! magazine's `busy`, whose Release store and Acquire compare-and-swap order the previous
+//! holder's pushes, and the writes before them, before the next holder's pops).
+//!
+//! **No index handed out twice.** An index leaves a magazine only by a pop or a
+//! flush, both by the single holder of `busy`; it enters one only after its free won
+//! the held bit. It leaves the bitmap only by a claim's compare-and-swap and enters it
+//! only after a held bit was won (free) or from a magazine (flush). So each index is
+//! moved by one operation at a time, and handed out once per win.
+//!
+//! **No tags, no ABA.** Nothing here reads a value and later acts on a successor
+//! derived from it: `busy`'s compare-and-swap `false -> true` succeeds exactly when
+//! nobody holds the magazine *now*, whatever happened in between, and the held bits
+//! are changed by `fetch_and`/`fetch_or`, whose old value is the current one. The
+//! stack itself is only touched under `busy`. The API-level ABA of the section
+//! above remains: a stale free that arrives after its index was popped and handed to
+//! someone else is taken for the new owner's free.
+//!
+//! **Counting.** The reservation counter counts only indices free *in the bitmap*:
+//! the invariant of "Why it is correct" holds unchanged, because pops and pushes
+//! touch neither bits nor counters and a flush sets bits before it publishes. A
+//! magazine's `len` counts its entries. `available()` = central + shards + the
+//! magazines' `len`s, read in that order (a flush stores `len = 0` before it
+//! publishes, so a count is never seen twice). **Exact when asked at quiescence**: no
+//! operation in flight and no open free group (then nothing is in transit, and every
+//! `len` and counter is final). Under concurrency it is a snapshot that may be low by
+//! what is in transit.
+//!
+//! **Lock-freedom.** `busy` is only ever *tried*: a thread that finds a magazine
+//! taken goes to the bitmap, and a flush skips it. A thread stalled while holding a
+//! magazine keeps that magazine's entries out of reach (allocations that need them
+//! fail, as they do for a stalled freer's unpublished bits) and blocks nobody. The
+//! claim loop's argument is unchanged: reservations are only ever made against bits
+//! in `words`.
+//!
+//! **Cost.** A round of alloc and free of `n` indices through a magazine costs two
+//! `busy` compare-and-swaps and one `fetch_and` plus one `fetch_or` per held word (`n / 64` for
+//! runs), plus copying `n` indices in and out and a load per run to validate. The
+//! bitmap path costs one read-modify-write per word more than without magazines (the
+//! held bits), which is why the allocators use [`SlotPool::without_magazines`].
+//! BENCHMARKS.md ("Magazines (issue 8)") has the numbers.
+//!
 //! # Where claims start
 //!
 //! None of this affects correctness, which holds wherever a scan starts.
@@ -152,8 +256,8 @@
 //! wrap-around scan keeps it only a hint.
 
 use crate::error::{FreeError, FreeErrorKind, InvariantViolation, OutOfMemory, Unit};
-use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use crate::sync::{spin_loop, thread_slot, untracked, Backoff};
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::sync::{spin_loop, thread_slot, untracked, Backoff, UnsafeCell};
 use core::mem::MaybeUninit;
 use crossbeam_utils::CachePadded;
 
@@ -193,7 +297,116 @@ pub struct SlotPool {
     hint_owner: CachePadded<untracked::AtomicU64>,
     /// Bits set by open free groups but not yet added to `available`.
     unpublished: AtomicUsize,
+    /// One bit per index, **1 while the index is handed out** (see "Magazines"):
+    /// the authority for double-free detection once magazines hold free indices
+    /// whose bitmap bit is 0 too. Empty in a pool without magazines, where
+    /// "handed out" is simply "bit 0 in `words`".
+    held: Box<[AtomicU64]>,
+    /// One magazine per shard (`thread_slot % SHARDS`); empty without magazines.
+    mags: Box<[CachePadded<Magazine>]>,
+    /// Entries each magazine holds at most: `min(MAGAZINE, capacity)`, 0 without
+    /// magazines.
+    mag_cap: usize,
     capacity: u32,
+}
+
+/// A per-thread magazine (Bonwick & Adams 2001): a stack of free indices, taken
+/// off the bitmap, that its threads allocate from and free into with a copy.
+///
+/// Used only by the thread that holds `busy`; other threads (a flush when an
+/// allocation runs short) take it the same way and skip it when it is busy.
+struct Magazine {
+    /// Whether a thread is using the magazine. Taken with a compare-and-swap
+    /// `false -> true` (Acquire), given back with `store(false, Release)`: every access to
+    /// `slots` and every write of `len` happens between the two, so the holders'
+    /// accesses are ordered one after the other. Nobody ever waits for it.
+    busy: AtomicBool,
+    /// Entries in `slots[..len]`. Written only by the holder of `busy`; read without
+    /// it by `available()` (a snapshot, like the counters).
+    len: AtomicUsize,
+    /// The stack, bottom first; `mag_cap` entries allocated at construction.
+    slots: UnsafeCell<Box<[u32]>>,
+}
+
+// SAFETY: every field but the magazines' `slots` cells is an atomic or plain data.
+// A `slots` cell is read and written only through a `MagazineGuard`, which exists only
+// while its thread holds that magazine's `busy` flag (an Acquire compare-and-swap
+// from `false` to `true`, ended by a Release store), so no two accesses overlap and each happens
+// after the previous holder's.
+unsafe impl Sync for SlotPool {}
+
+/// Entries of a magazine. Batches up to this size go through the calling thread's
+/// magazine; larger ones go to the bitmap (lowest-first). 1024 indices = 4 KiB per
+/// shard, 64 KiB per pool at most (less when the capacity is smaller).
+#[cfg(not(loom))]
+pub(crate) const MAGAZINE: usize = 1024;
+/// Two entries let loom see a magazine fill up and be flushed with batches of one
+/// and two; more would only multiply the interleavings.
+#[cfg(loom)]
+pub(crate) const MAGAZINE: usize = 2;
+
+/// The right to use one magazine: held `busy`, given back on drop.
+struct MagazineGuard<'a> {
+    mag: &'a Magazine,
+}
+
+impl Magazine {
+    fn new(cap: usize) -> Self {
+        Magazine {
+            busy: AtomicBool::new(false),
+            len: AtomicUsize::new(0),
+            slots: UnsafeCell::new(vec![0u32; cap].into_boxed_slice()),
+        }
+    }
+
+    /// Take the magazine if no other thread is using it; never waits.
+    #[inline]
+    fn try_take(&self) -> Option<MagazineGuard<'_>> {
+        // Acquire: the previous holder's writes to `slots` and `len` (before its
+        // Release store of `false`) happen-before ours. A compare-and-swap rather than
+        // a swap: a failed attempt writes nothing. (loom 0.7 also let a later swap
+        // read the `true` of a failed swap that came before the holder's release.)
+        match self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => Some(MagazineGuard { mag: self }),
+            // Another thread is using it: the caller goes to the bitmap instead.
+            Err(_) => None,
+        }
+    }
+}
+
+impl MagazineGuard<'_> {
+    #[inline]
+    fn len(&self) -> usize {
+        // Only holders write `len`, and we are the holder.
+        self.mag.len.load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    fn set_len(&self, len: usize) {
+        // Release for `available()`'s Acquire load (a flush stores 0 before it
+        // publishes the count, so that a reader never counts the entries twice).
+        self.mag.len.store(len, Ordering::Release);
+    }
+
+    /// Run `f` on the whole stack.
+    #[inline]
+    fn with_slots<R>(&self, f: impl FnOnce(&mut [u32]) -> R) -> R {
+        self.mag.slots.with_mut(|p| {
+            // SAFETY: this guard exists only while our thread holds `busy` (see
+            // `try_take`), and only holders touch the cell: nothing else reads or
+            // writes it now. `p` points at the cell's live, initialised box.
+            let slots = unsafe { &mut *p };
+            f(slots)
+        })
+    }
+}
+
+impl Drop for MagazineGuard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        // Release: our accesses to `slots` and `len` happen-before the next holder's.
+        self.mag.busy.store(false, Ordering::Release);
+    }
 }
 
 /// One shard of the reservation counter, used by the threads whose
@@ -255,12 +468,64 @@ pub(crate) enum Dup {
 }
 
 impl SlotPool {
-    /// A pool of indices `1..=capacity`, all free.
+    /// A pool of indices `1..=capacity`, all free, with per-thread magazines (see
+    /// the module docs: batches of up to [`magazine_capacity`](Self::magazine_capacity)
+    /// indices are freed into and allocated from the calling thread's magazine, last
+    /// freed first).
     ///
-    /// Allocates `capacity / 64` words once; nothing after this allocates.
+    /// Allocates the bitmaps (`capacity / 64` words each) and the magazines
+    /// (`16 * min(1024, capacity)` indices) once; nothing after this allocates.
     pub fn new(capacity: u32) -> Self {
+        Self::build(capacity, MAGAZINE.min(capacity as usize))
+    }
+
+    /// A pool of indices `1..=capacity` without magazines: every allocation takes the
+    /// lowest free indices, ascending (SGLang's sorted free list), at the cost of a
+    /// compare-and-swap per bitmap word each way.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let pool = kvpool::SlotPool::without_magazines(300);
+    /// let mut all = [0u32; 300];
+    /// pool.alloc(&mut all)?;
+    /// pool.free(&[250, 5, 130])?;
+    /// let mut got = [0u32; 3];
+    /// pool.alloc(&mut got)?;
+    /// assert_eq!(got, [5, 130, 250]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn without_magazines(capacity: u32) -> Self {
+        Self::build(capacity, 0)
+    }
+
+    /// A pool of indices `1..=capacity` whose magazines hold `entries` indices each
+    /// (at most `capacity`; 0 is [`without_magazines`](Self::without_magazines)).
+    /// Small magazines let tests reach the flush paths with small batches.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let pool = kvpool::SlotPool::with_magazines(100, 4);
+    /// assert_eq!(pool.magazine_capacity(), 4);
+    /// let mut a = [0u32; 10];
+    /// pool.alloc(&mut a)?;
+    /// pool.free(&a[..3])?;                   // onto the magazine
+    /// pool.free(&a[3..5])?;                  // does not fit: the magazine is flushed first
+    /// let mut b = [0u32; 2];
+    /// pool.alloc(&mut b)?;
+    /// assert_eq!(b, [4, 5]);                 // the last batch freed, in push order
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_magazines(capacity: u32, entries: usize) -> Self {
+        Self::build(capacity, entries.min(capacity as usize))
+    }
+
+    fn build(capacity: u32, mag_cap: usize) -> Self {
         let nwords = (capacity as usize).div_ceil(BITS);
         let words: Box<[AtomicU64]> = (0..nwords).map(|_| AtomicU64::new(0)).collect();
+        let held_words = if mag_cap > 0 { nwords } else { 0 };
+        let (nmags, mag_cap) = if mag_cap > 0 { (SHARDS, mag_cap) } else { (0, 0) };
         let pool = SlotPool {
             words,
             central: CachePadded::new(AtomicUsize::new(0)),
@@ -277,6 +542,9 @@ impl SlotPool {
             hint: CachePadded::new(AtomicUsize::new(0)),
             hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
             unpublished: AtomicUsize::new(0),
+            held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
+            mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
+            mag_cap,
             capacity,
         };
         pool.fill();
@@ -302,6 +570,47 @@ impl SlotPool {
         self.central.store(cap, Ordering::Release);
         self.hint.store(0, Ordering::Relaxed);
         self.unpublished.store(0, Ordering::Relaxed);
+        for word in self.held.iter() {
+            word.store(0, Ordering::Relaxed);
+        }
+        for mag in self.mags.iter() {
+            mag.len.store(0, Ordering::Relaxed);
+            mag.busy.store(false, Ordering::Release);
+        }
+    }
+
+    /// The calling thread's magazine, if the pool has magazines.
+    #[inline]
+    fn my_magazine(&self) -> Option<&Magazine> {
+        self.mags.get(thread_slot() % SHARDS).map(|m| &**m)
+    }
+
+    /// How many indices a magazine holds at most: batches of up to this many go
+    /// through the calling thread's magazine. 0 for a pool without magazines.
+    #[inline]
+    pub fn magazine_capacity(&self) -> usize {
+        self.mag_cap
+    }
+
+    /// Bits of `mask` in word `w` whose indices are **not** handed out: held bits 0
+    /// with magazines, else bitmap bits 1. One load; a snapshot under concurrency.
+    #[inline]
+    fn not_held(&self, w: usize, mask: u64) -> u64 {
+        match self.held.get(w) {
+            Some(h) => mask & !h.load(Ordering::Relaxed),
+            None => mask & self.words[w].load(Ordering::Relaxed),
+        }
+    }
+
+    /// Mark the bits of `mask` in word `w` handed out (magazines only).
+    #[inline]
+    fn set_held(&self, w: usize, mask: u64) {
+        if let Some(h) = self.held.get(w) {
+            // Relaxed: the held bits order nothing but themselves (double-free
+            // detection); the hand-off of the index's contents goes through `words`
+            // or a magazine's `busy`.
+            h.fetch_or(mask, Ordering::Relaxed);
+        }
     }
 
     /// The shard of the calling thread.
@@ -324,18 +633,25 @@ impl SlotPool {
         // is then seen at most once (if this load sees the add, the shard loads after it
         // see the swap that preceded it).
         let central = self.central.load(Ordering::Acquire);
-        central + self.shards.iter().map(|s| s.available.load(Ordering::Acquire)).sum::<usize>()
+        let shards = self.shards.iter().map(|s| s.available.load(Ordering::Acquire)).sum::<usize>();
+        // Magazines last: a flush stores 0 in `len` before it publishes the count to a
+        // shard, so if the shard loads above saw the count, these see the 0.
+        central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>()
     }
 
-    /// Whether `index` is currently handed out (`false` for out-of-range indices and
-    /// for indices freed inside a still-open free group). A snapshot under concurrency.
+    /// Whether `index` is currently handed out (`false` for out-of-range indices, for
+    /// indices sitting in a magazine and for indices freed inside a still-open free
+    /// group). A snapshot under concurrency.
     #[inline]
     pub fn is_allocated(&self, index: u32) -> bool {
         if index == 0 || index > self.capacity {
             return false;
         }
         let (w, bit) = Self::locate(index);
-        self.words[w].load(Ordering::Acquire) & bit == 0
+        match self.held.get(w) {
+            Some(h) => h.load(Ordering::Acquire) & bit != 0,
+            None => self.words[w].load(Ordering::Acquire) & bit == 0,
+        }
     }
 
     #[inline]
@@ -346,7 +662,12 @@ impl SlotPool {
 
     /// Allocate `out.len()` indices into `out`, all or nothing.
     ///
-    /// Single-threaded, the indices are the lowest free ones, ascending.
+    /// Up to [`magazine_capacity`](Self::magazine_capacity) indices come from the
+    /// calling thread's magazine when it holds that many: the most recently freed
+    /// ones, in the order they were freed (a run freed together comes back as that
+    /// run). Otherwise, and always for larger batches and in a pool
+    /// [`without_magazines`](Self::without_magazines), single-threaded the indices are
+    /// the lowest free ones, ascending (a fresh pool hands out `1, 2, 3, ...`).
     ///
     /// # Errors
     ///
@@ -371,10 +692,35 @@ impl SlotPool {
         if out.is_empty() {
             return Ok(());
         }
+        if out.len() <= self.mag_cap && self.alloc_from_magazine(out) {
+            crate::debug_check(self);
+            return Ok(());
+        }
         self.reserve(out.len(), unit)?;
         self.claim(out);
         crate::debug_check(self);
         Ok(())
+    }
+
+    /// Pop the top `out.len()` entries of the calling thread's magazine into `out`,
+    /// in the order they were pushed, if it holds that many and no other thread is
+    /// using it; `false` (nothing changed) otherwise.
+    #[inline]
+    fn alloc_from_magazine(&self, out: &mut [u32]) -> bool {
+        let Some(mag) = self.my_magazine() else { return false };
+        let Some(guard) = mag.try_take() else { return false };
+        let len = guard.len();
+        let n = out.len();
+        if len < n {
+            return false;
+        }
+        guard.with_slots(|slots| out.copy_from_slice(&slots[len - n..len]));
+        guard.set_len(len - n);
+        drop(guard);
+        // The entries are ours now (in transit: neither held nor in a magazine, so a
+        // stray free of one is refused); mark them handed out before returning them.
+        for_each_run(out, |w, mask| self.set_held(w, mask));
+        true
     }
 
     /// Allocate one index.
@@ -395,10 +741,22 @@ impl SlotPool {
     /// counter, else after sweeping every shard into the central counter.
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<(), OutOfMemory> {
         let shard = self.my_shard();
-        let taken = take(&shard.available, n).or_else(|_| take(&self.central, n)).or_else(|_| {
-            self.sweep();
-            take(&self.central, n)
-        });
+        let taken = take(&shard.available, n)
+            .or_else(|_| take(&self.central, n))
+            .or_else(|_| {
+                self.sweep();
+                take(&self.central, n)
+            })
+            .or_else(|seen| {
+                // Still short: return what the magazines hold to the bitmap and count
+                // it, then try once more.
+                if self.flush_magazines() {
+                    self.sweep();
+                    take(&self.central, n)
+                } else {
+                    Err(seen)
+                }
+            });
         match taken {
             Ok(lost) => {
                 gauge_contention(shard, lost);
@@ -408,6 +766,49 @@ impl SlotPool {
             // made on (at quiescence, everything).
             Err(seen) => Err(OutOfMemory { requested: n, available: seen, evictable: None, unit }),
         }
+    }
+
+    /// Return every magazine's entries to the bitmap (and their count to the
+    /// counters), skipping magazines that another thread is using. Whether anything
+    /// moved. At quiescence this empties every magazine, so an allocation that fails
+    /// after it fails on the exact count.
+    #[cold]
+    fn flush_magazines(&self) -> bool {
+        let mut moved = false;
+        for mag in self.mags.iter() {
+            // Read first: an empty magazine's line stays shared.
+            if mag.len.load(Ordering::Acquire) == 0 {
+                continue;
+            }
+            if let Some(guard) = mag.try_take() {
+                moved |= self.flush(&guard) > 0;
+            }
+        }
+        moved
+    }
+
+    /// Return a magazine's entries to the bitmap: set their bits, then publish their
+    /// count (the order a free uses). Returns how many.
+    fn flush(&self, guard: &MagazineGuard<'_>) -> usize {
+        let len = guard.len();
+        if len == 0 {
+            return 0;
+        }
+        // 0 first: `available()` may count the entries late, never twice.
+        guard.set_len(0);
+        let mut min_word = usize::MAX;
+        guard.with_slots(|slots| {
+            for_each_run(&slots[..len], |w, mask| {
+                // Release: whatever the indices' previous owners wrote (ordered before
+                // our holding the magazine) happens-before the next claim of them.
+                let old = self.words[w].fetch_or(mask, Ordering::Release);
+                debug_assert_eq!(old & mask, 0, "a magazine entry was free in the bitmap");
+                min_word = min_word.min(w);
+            })
+        });
+        self.lower_hint(min_word);
+        self.publish(len);
+        len
     }
 
     /// Move every shard's count into the central counter. A count is in transit between
@@ -464,6 +865,7 @@ impl SlotPool {
                 // Strong: a spurious failure would read as contention.
                 match word.compare_exchange(cur, cur & !take, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
+                        self.set_held(w, take);
                         filled += write_indices(take, w, &mut out[filled..]);
                         last_word = w;
                         break;
@@ -542,6 +944,13 @@ impl SlotPool {
 
     /// Free a batch of indices.
     ///
+    /// A batch of up to [`magazine_capacity`](Self::magazine_capacity) indices goes onto
+    /// the calling thread's magazine (which is first returned to the bitmap whole if
+    /// the batch does not fit on top); a larger one, or any batch while the magazine is
+    /// in use by another thread of the same shard, to the bitmap. Either way every
+    /// index is checked first: double frees of indices sitting in a magazine are
+    /// refused like any other.
+    ///
     /// # Errors
     ///
     /// [`FreeError`] naming the first index that is out of range or not allocated; see
@@ -558,6 +967,14 @@ impl SlotPool {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn free(&self, indices: &[u32]) -> Result<(), FreeError> {
+        if !indices.is_empty() && indices.len() <= self.mag_cap {
+            if let Some(guard) = self.my_magazine().and_then(Magazine::try_take) {
+                let r = self.free_to_magazine(&guard, indices);
+                drop(guard);
+                crate::debug_check(self);
+                return r;
+            }
+        }
         let r = self.release_slice(indices);
         let (n, err) = match r {
             Ok(n) => (n, None),
@@ -566,6 +983,111 @@ impl SlotPool {
         self.publish(n);
         crate::debug_check(self);
         err.map_or(Ok(()), Err)
+    }
+
+    /// Free `indices` (at most `mag_cap`) into the magazine we hold: validate, make
+    /// room (flush the magazine to the bitmap if the batch does not fit on top), clear
+    /// their held bits (one `fetch_and` per run: the decisive step, which two racing
+    /// frees of one index cannot both win), and push the indices this free won, in
+    /// batch order.
+    fn free_to_magazine(&self, guard: &MagazineGuard<'_>, indices: &[u32]) -> Result<(), FreeError> {
+        // 1. Validate: nothing changes unless every index is in range and handed out.
+        // The runs go to a stack buffer (left uninitialised, as in `release_slice`), so
+        // that applying them does not cut the batch into runs a second time.
+        let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
+        let mut buffered = 0;
+        let mut simple = true; // no index twice in a run, and every run buffered
+        let mut pos = 0;
+        while pos < indices.len() {
+            let run = self.next_run(indices, pos)?;
+            let free = self.not_held(run.word, run.mask);
+            if free != 0 {
+                let index = indices[pos..run.end]
+                    .iter()
+                    .copied()
+                    .find(|&i| Self::locate(i).1 & free != 0)
+                    .unwrap_or(indices[pos]);
+                return Err(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false });
+            }
+            if run.dup.is_some() || buffered == RUN_BUF {
+                simple = false;
+            } else {
+                runs[buffered].write((run.word, run.mask));
+                buffered += 1;
+            }
+            pos = run.end;
+        }
+        // 2. Room: a full magazine goes back to the bitmap whole (the depot).
+        let mut len = guard.len();
+        if len + indices.len() > self.mag_cap {
+            self.flush(guard);
+            len = 0;
+        }
+        // 3. Apply: clear the held bits run by run (Relaxed: see `set_held`). Bits that
+        // are already 0 were freed by a racing free since we validated (or earlier in
+        // this batch): not ours to push.
+        let mut first_dup = None;
+        if simple {
+            let mut lost = false;
+            for run in &mut runs[..buffered] {
+                // SAFETY: the validation loop wrote entries `..buffered` (it counts up
+                // `buffered` only right after writing `runs[buffered]`).
+                let (word, mask) = unsafe { run.assume_init() };
+                let won = mask & self.held[word].fetch_and(!mask, Ordering::Relaxed);
+                lost |= won != mask;
+                run.write((word, won));
+            }
+            if !lost {
+                // The common case: every index is new and appears once: one copy.
+                guard.with_slots(|slots| slots[len..len + indices.len()].copy_from_slice(indices));
+                guard.set_len(len + indices.len());
+                return Ok(());
+            }
+            // A racing free won some: push the others, run by run as validated.
+            guard.with_slots(|slots| {
+                let mut pos = 0;
+                for run in &runs[..buffered] {
+                    // SAFETY: as above; the loop above rewrote each entry in place.
+                    let (_, won) = unsafe { run.assume_init() };
+                    let Ok(next) = self.next_run(indices, pos) else { break };
+                    for &i in &indices[pos..next.end] {
+                        if won & Self::locate(i).1 != 0 {
+                            slots[len] = i;
+                            len += 1;
+                        } else if first_dup.is_none() {
+                            first_dup = Some(i);
+                        }
+                    }
+                    pos = next.end;
+                }
+            });
+        } else {
+            // Repeats inside a run, or more runs than the buffer: cut the batch again.
+            guard.with_slots(|slots| {
+                let mut pos = 0;
+                while pos < indices.len() {
+                    let Ok(run) = self.next_run(indices, pos) else { break };
+                    let won = run.mask & self.held[run.word].fetch_and(!run.mask, Ordering::Relaxed);
+                    let mut left = won;
+                    for &i in &indices[pos..run.end] {
+                        let bit = Self::locate(i).1;
+                        if left & bit != 0 {
+                            slots[len] = i;
+                            len += 1;
+                            left &= !bit;
+                        } else if first_dup.is_none() {
+                            first_dup = Some(i);
+                        }
+                    }
+                    pos = run.end;
+                }
+            });
+        }
+        guard.set_len(len);
+        match first_dup {
+            None => Ok(()),
+            Some(index) => Err(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true }),
+        }
     }
 
     /// Open a free group: frees through it are published (counted as available) all at
@@ -608,7 +1130,7 @@ impl SlotPool {
         let mut pos = 0;
         while pos < indices.len() {
             let run = self.next_run(indices, pos).map_err(|e| (0, e))?;
-            let set = self.words[run.word].load(Ordering::Relaxed) & run.mask;
+            let set = self.not_held(run.word, run.mask);
             if set != 0 {
                 // The first index of the run whose bit is set: already free.
                 let index = indices[pos..run.end]
@@ -700,11 +1222,19 @@ impl SlotPool {
     /// Set the bits of `mask` in word `w`; count them and note double frees in `acc`.
     #[inline]
     fn set_bits(&self, w: usize, mask: u64, dup: Dup, acc: &mut Applied) {
+        // With magazines, clearing the held bits is the decisive step (a racing free
+        // of the same index, into a magazine or here, loses it): only the bits this
+        // free wins go on to the bitmap.
+        let won = match self.held.get(w) {
+            // Relaxed: see `set_held`.
+            Some(h) => mask & h.fetch_and(!mask, Ordering::Relaxed),
+            None => mask,
+        };
         // Release: our writes to whatever the index guards happen-before the next
         // owner's claim (which loads this word with Acquire).
-        let old = self.words[w].fetch_or(mask, Ordering::Release);
-        acc.freed += (mask & !old).count_ones() as usize;
-        let again = mask & old;
+        let old = if won != 0 { self.words[w].fetch_or(won, Ordering::Release) } else { 0 };
+        acc.freed += (won & !old).count_ones() as usize;
+        let again = (mask & !won) | (won & old);
         if again != 0 && dup == Dup::Strict && acc.first_dup.is_none() {
             acc.first_dup = Some((w * BITS + again.trailing_zeros() as usize + 1) as u32);
         }
@@ -755,7 +1285,7 @@ impl SlotPool {
                 return Err((0, FreeError { index, kind, rest_freed: false }));
             }
             let (w, bit) = Self::locate(index);
-            if self.words[w].load(Ordering::Relaxed) & bit != 0 {
+            if self.not_held(w, bit) != 0 {
                 let kind = FreeErrorKind::NotAllocated;
                 return Err((0, FreeError { index, kind, rest_freed: false }));
             }
@@ -829,7 +1359,50 @@ impl SlotPool {
             }
             ones += v.count_ones() as usize;
         }
-        let avail = self.available();
+        let mut in_mags = 0usize;
+        for (m, mag) in self.mags.iter().enumerate() {
+            let Some(guard) = mag.try_take() else {
+                return Err(InvariantViolation(format!("magazine {m} is in use: not quiescent")));
+            };
+            let len = guard.len();
+            if len > self.mag_cap {
+                return Err(InvariantViolation(format!("magazine {m} holds {len} > {}", self.mag_cap)));
+            }
+            let bad = guard.with_slots(|slots| {
+                slots[..len].iter().copied().find(|&i| {
+                    if i == 0 || i > self.capacity {
+                        return true;
+                    }
+                    let (w, bit) = Self::locate(i);
+                    (self.words[w].load(Ordering::Acquire) | self.held[w].load(Ordering::Acquire)) & bit != 0
+                })
+            });
+            if let Some(i) = bad {
+                return Err(InvariantViolation(format!(
+                    "magazine {m} holds {i}, which is out of range, held or free in the bitmap"
+                )));
+            }
+            in_mags += len;
+        }
+        if !self.held.is_empty() {
+            let mut held = 0usize;
+            for (w, (h, word)) in self.held.iter().zip(self.words.iter()).enumerate() {
+                let (h, v) = (h.load(Ordering::Acquire), word.load(Ordering::Acquire));
+                let n = (cap - w * BITS).min(BITS);
+                if h & v != 0 || (n < BITS && h >> n != 0) {
+                    return Err(InvariantViolation(format!(
+                        "word {w}: held {h:#x} overlaps free {v:#x} or passes capacity"
+                    )));
+                }
+                held += h.count_ones() as usize;
+            }
+            if held + ones + in_mags != cap {
+                return Err(InvariantViolation(format!(
+                    "{held} held + {ones} free in the bitmap + {in_mags} in magazines != capacity {cap}"
+                )));
+            }
+        }
+        let avail = self.available().saturating_sub(in_mags);
         let unpub = self.unpublished.load(Ordering::Acquire);
         if ones != avail + unpub {
             return Err(InvariantViolation(format!("{ones} free bits but available {avail} + unpublished {unpub}")));
@@ -862,6 +1435,37 @@ struct Applied {
     freed: usize,
     first_dup: Option<u32>,
     min_word: usize,
+}
+
+/// Call `f(word, mask)` for each stretch of `indices` (all valid) that lies in one
+/// bitmap word, in order: one call per word for indices that lowest-first allocation
+/// handed out, a vectorised comparison recognising a consecutive stretch.
+#[inline]
+fn for_each_run(indices: &[u32], mut f: impl FnMut(usize, u64)) {
+    let mut pos = 0;
+    while pos < indices.len() {
+        let first = indices[pos];
+        let i = first as usize - 1;
+        let (word, bit) = (i / BITS, i % BITS);
+        let room = (BITS - bit).min(indices.len() - pos);
+        let stretch = &indices[pos..pos + room];
+        if room > 1 && stretch[room - 1] == first.wrapping_add(room as u32 - 1) && ascending_from(stretch, first) {
+            f(word, if room == BITS { u64::MAX } else { ((1u64 << room) - 1) << bit });
+            pos += room;
+            continue;
+        }
+        let mut mask = 1u64 << bit;
+        pos += 1;
+        while let Some(&index) = indices.get(pos) {
+            let j = index as usize - 1;
+            if j / BITS != word {
+                break;
+            }
+            mask |= 1u64 << (j % BITS);
+            pos += 1;
+        }
+        f(word, mask);
+    }
 }
 
 /// Whether `s` is `first, first + 1, ...`. No early exit, so the compiler vectorises it.
@@ -990,6 +1594,9 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
 /// Other threads may still be handed the group's indices before it ends — they are
 /// free — but the *count* of allocatable indices only grows at the end, so an
 /// allocation that needs the group's frees fails until then.
+///
+/// A group's frees go to the bitmap, never to a magazine (a magazine's entries count
+/// as available at once).
 #[must_use = "a free group publishes its frees when it ends; dropping it at once is a plain free"]
 pub struct FreeGroup<'a> {
     pool: &'a SlotPool,

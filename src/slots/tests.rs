@@ -29,15 +29,104 @@ fn all_or_nothing() {
     pool.alloc(&mut []).unwrap(); // size 0 at zero availability
 }
 
+/// Without magazines, the lowest free indices come first. (With magazines this order
+/// legitimately changes: see `magazine_hands_back_the_last_batch_in_push_order`.)
 #[test]
 fn lowest_free_first_after_frees() {
-    let pool = SlotPool::new(300);
+    let pool = SlotPool::without_magazines(300);
     let mut a = [0u32; 300];
     pool.alloc(&mut a).unwrap();
     pool.free(&[250, 5, 130]).unwrap();
     let mut b = [0u32; 3];
     pool.alloc(&mut b).unwrap();
     assert_eq!(b, [5, 130, 250]);
+}
+
+#[test]
+fn magazine_hands_back_the_last_batch_in_push_order() {
+    let pool = SlotPool::new(300);
+    assert_eq!(pool.magazine_capacity(), 300);
+    let mut a = [0u32; 300];
+    pool.alloc(&mut a).unwrap();
+    pool.free(&[250, 5, 130]).unwrap();
+    pool.free(&a[9..109]).unwrap(); // 10..=109, consecutive
+    assert_eq!(pool.available(), 103);
+    pool.check_invariants().unwrap();
+    let mut b = [0u32; 100];
+    pool.alloc(&mut b).unwrap();
+    assert_eq!(b.to_vec(), (10..=109).collect::<Vec<u32>>(), "a freed run comes back as the same run");
+    let mut c = [0u32; 2];
+    pool.alloc(&mut c).unwrap();
+    assert_eq!(c, [5, 130]);
+    assert_eq!(pool.alloc_one().unwrap(), 250);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn magazine_indices_are_not_allocated() {
+    let pool = SlotPool::new(200);
+    let mut a = [0u32; 200];
+    pool.alloc(&mut a).unwrap();
+    pool.free(&[7, 8, 9, 150]).unwrap();
+    assert!(!pool.is_allocated(8) && !pool.is_allocated(150) && pool.is_allocated(10));
+    // double frees of indices sitting in the magazine, alone and inside a valid batch
+    let e = pool.free(&[8]).unwrap_err();
+    assert_eq!((e.index, e.kind, e.rest_freed), (8, FreeErrorKind::NotAllocated, false));
+    let e = pool.free(&[10, 11, 150, 12]).unwrap_err();
+    assert_eq!((e.index, e.kind, e.rest_freed), (150, FreeErrorKind::NotAllocated, false));
+    assert!(pool.is_allocated(10) && pool.is_allocated(11));
+    // through a group too (group frees go to the bitmap)
+    let mut g = pool.free_group();
+    assert_eq!(g.free(&[9]).unwrap_err().index, 9);
+    g.free(&[10]).unwrap();
+    assert_eq!(g.end(), 1);
+    assert_eq!(pool.available(), 5);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn full_magazine_goes_back_to_the_bitmap() {
+    let pool = SlotPool::new(3000);
+    let cap = pool.magazine_capacity();
+    let mut a = vec![0u32; 3000];
+    pool.alloc(&mut a).unwrap();
+    pool.free(&a[..cap - 10]).unwrap(); // 1..=cap-10 in the magazine
+    pool.free(&a[2000..2020]).unwrap(); // does not fit: the magazine is flushed first
+    assert_eq!(pool.available(), cap + 10);
+    pool.check_invariants().unwrap();
+    let mut b = [0u32; 20];
+    pool.alloc(&mut b).unwrap();
+    assert_eq!(b.to_vec(), (2001..=2020).collect::<Vec<u32>>());
+    // the flushed ones come from the bitmap, lowest first
+    let mut c = [0u32; 5];
+    pool.alloc(&mut c).unwrap();
+    assert_eq!(c, [1, 2, 3, 4, 5]);
+    // a batch larger than a magazine goes to the bitmap and comes back lowest-first
+    pool.free(&a[1900..1900 + cap + 1]).unwrap();
+    let mut d = vec![0u32; cap + 1];
+    pool.alloc(&mut d).unwrap();
+    assert_eq!(d[..3], [6, 7, 8]);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn allocation_flushes_magazines_when_short() {
+    let pool = SlotPool::new(100);
+    let mut a = [0u32; 100];
+    pool.alloc(&mut a).unwrap();
+    pool.free(&a[10..40]).unwrap(); // 30 in this thread's magazine
+    std::thread::scope(|s| {
+        s.spawn(|| pool.free(&a[60..70]).unwrap()); // 10 in another thread's magazine
+    });
+    assert_eq!(pool.available(), 40);
+    let mut b = [0u32; 41];
+    let e = pool.alloc(&mut b).unwrap_err();
+    assert_eq!((e.requested, e.available), (41, 40));
+    // the failed allocation emptied the magazines into the bitmap: lowest first now
+    let mut c = [0u32; 35];
+    pool.alloc(&mut c).unwrap();
+    assert_eq!(c.to_vec(), (11..=40).chain(61..=65).collect::<Vec<u32>>());
+    pool.check_invariants().unwrap();
 }
 
 #[test]
@@ -143,7 +232,9 @@ fn free_paths_match_a_sequential_model() {
     use std::collections::BTreeSet;
     for (seed, cap) in [(1u64, 200u32), (2, 64 * 80 + 7), (3, 1000), (4, 63)] {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let pool = SlotPool::new(cap);
+        // The bitmap's free paths, lowest-first: no magazines (the magazine paths have
+        // their own model in tests/slot_model.rs).
+        let pool = SlotPool::without_magazines(cap);
         let mut free: BTreeSet<u32> = (1..=cap).collect();
         let mut held: Vec<u32> = Vec::new();
         for step in 0..3000 {
@@ -289,6 +380,39 @@ fn threads_never_share_an_index_and_counts_come_back() {
     });
     pool.alloc(&mut all).unwrap();
     assert_eq!(pool.available(), 0);
+    // Small batches freed by other threads sit in their magazines; this thread still
+    // gets all of them (the allocation flushes the magazines).
+    std::thread::scope(|s| {
+        let pool = &pool;
+        for part in all.chunks(700).take(4) {
+            s.spawn(move || pool.free(part).unwrap());
+        }
+    });
+    pool.free(&all[2800..]).unwrap();
+    assert_eq!(pool.available(), CAP as usize);
+    pool.alloc(&mut all).unwrap();
     pool.free(&all).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+/// A magazine free with more runs than the stack buffer holds (indices alternating
+/// between two words: every index is a run), with and without a repeat.
+#[test]
+fn magazine_free_with_many_runs() {
+    let pool = SlotPool::new(2000);
+    let mut all = vec![0u32; 2000];
+    pool.alloc(&mut all).unwrap();
+    let batch: Vec<u32> = (1..=50u32).flat_map(|k| [k, 64 + k]).collect(); // 100 runs
+    pool.free(&batch).unwrap();
+    let mut got = vec![0u32; 100];
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, batch, "pushed and popped in batch order");
+    let mut with_repeat = batch.clone();
+    with_repeat.push(3);
+    let e = pool.free(&with_repeat).unwrap_err();
+    assert_eq!((e.index, e.kind, e.rest_freed), (3, FreeErrorKind::NotAllocated, true));
+    assert_eq!(pool.available(), 100);
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, batch, "each index pushed once");
     pool.check_invariants().unwrap();
 }

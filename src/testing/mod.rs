@@ -7,7 +7,8 @@
 //!   in *symbolic* terms ("free live handle `k`", "a forged slot past the end") so that
 //!   any sequence means something on any pool size and page size;
 //! * [`AllocModel`] — a plain sequential model: a `BTreeSet` of free pages (or slots),
-//!   lowest first, all-or-nothing, with the slot and page numbering of `DESIGN.md` and
+//!   lowest first (a `SlotPool`'s magazine in front of it), all-or-nothing, with the
+//!   slot and page numbering of `DESIGN.md` and
 //!   the validation order and error values the real allocators document;
 //! * [`run`], [`run_allocator`], [`run_slot_pool`] — drive a real structure and the
 //!   model side by side and compare, after every step, the result (outputs, error kind
@@ -445,6 +446,10 @@ pub struct AllocModel {
     /// Pages freed inside the open group: in `free`, but not yet available.
     pending: usize,
     group_open: bool,
+    /// A `SlotPool`'s magazine (single-threaded: one), entries bottom first; they are
+    /// in `free` too. `mag_cap` is 0 without magazines.
+    mag: Vec<u32>,
+    mag_cap: usize,
 }
 
 impl AllocModel {
@@ -452,16 +457,46 @@ impl AllocModel {
     /// when `page_size` is 1). `page_size` must be at least 1.
     pub fn paged(size: usize, page_size: u32) -> Self {
         let num_pages = (size / page_size as usize) as u32;
-        Self::new(page_size, num_pages, Unit::Tokens)
+        Self::new(page_size, num_pages, Unit::Tokens, 0)
     }
 
-    /// The model of a `SlotPool::new(capacity)`.
+    /// The model of a `SlotPool::new(capacity)`, used from one thread: its magazine
+    /// of `min(MAGAZINE, capacity)` entries in front of the lowest-first bitmap.
+    ///
+    /// * `alloc(n)`, `n` at most the magazine's size: the top `n` entries, in the
+    ///   order they were pushed, if the magazine holds `n`. Otherwise the lowest free
+    ///   indices outside the magazine; when those are fewer than `n`, the magazine is
+    ///   emptied into them first (even if the allocation then fails).
+    /// * `free` of a valid batch of at most the magazine's size, outside a group:
+    ///   onto the magazine, each index once, in batch order; when it does not fit on
+    ///   top, the magazine is emptied into the bitmap first. Larger batches and group
+    ///   frees go to the bitmap.
     pub fn slot_pool(capacity: u32) -> Self {
-        Self::new(1, capacity, Unit::Indices)
+        Self::slot_pool_with_magazines(capacity, crate::slots::MAGAZINE)
     }
 
-    fn new(page_size: u32, num_pages: u32, unit: Unit) -> Self {
-        AllocModel { page_size, num_pages, unit, free: (1..=num_pages).collect(), pending: 0, group_open: false }
+    /// The model of a `SlotPool::with_magazines(capacity, entries)` (see
+    /// [`slot_pool`](Self::slot_pool)).
+    pub fn slot_pool_with_magazines(capacity: u32, entries: usize) -> Self {
+        Self::new(1, capacity, Unit::Indices, entries.min(capacity as usize))
+    }
+
+    /// The model of a `SlotPool::without_magazines(capacity)`: lowest free first.
+    pub fn slot_pool_without_magazines(capacity: u32) -> Self {
+        Self::new(1, capacity, Unit::Indices, 0)
+    }
+
+    fn new(page_size: u32, num_pages: u32, unit: Unit, mag_cap: usize) -> Self {
+        AllocModel {
+            page_size,
+            num_pages,
+            unit,
+            free: (1..=num_pages).collect(),
+            pending: 0,
+            group_open: false,
+            mag: Vec::new(),
+            mag_cap,
+        }
     }
 
     /// Tokens (or indices) per page.
@@ -511,10 +546,21 @@ impl AllocModel {
     }
 
     fn take_pages(&mut self, n: usize) -> Result<Vec<u32>, AllocError> {
+        if n > 0 && n <= self.mag_cap && self.mag.len() >= n {
+            let pages = self.mag.split_off(self.mag.len() - n);
+            for p in &pages {
+                self.free.remove(p);
+            }
+            return Ok(pages);
+        }
+        if n > self.free.len() - self.mag.len() - self.pending {
+            self.mag.clear(); // flushed into the bitmap
+        }
         if n > self.free.len() - self.pending {
             return Err(self.oom(n));
         }
-        let pages: Vec<u32> = self.free.iter().copied().take(n).collect();
+        let mag: BTreeSet<u32> = self.mag.iter().copied().collect();
+        let pages: Vec<u32> = self.free.iter().copied().filter(|p| !mag.contains(p)).take(n).collect();
         for p in &pages {
             self.free.remove(p);
         }
@@ -649,6 +695,15 @@ impl AllocModel {
         }
         if self.group_open {
             self.pending += pages.len();
+        } else if !slots.is_empty() && slots.len() <= self.mag_cap {
+            if self.mag.len() + slots.len() > self.mag_cap {
+                self.mag.clear(); // flushed into the bitmap
+            }
+            for &slot in slots {
+                if !self.mag.contains(&slot) && !self.free.contains(&slot) {
+                    self.mag.push(slot);
+                }
+            }
         }
         self.free.extend(pages);
         if ps == 1 && !repeated.is_empty() {
@@ -673,7 +728,7 @@ impl AllocModel {
 
     /// Everything free again (any open group must have ended).
     pub fn clear(&mut self) {
-        *self = Self::new(self.page_size, self.num_pages, self.unit);
+        *self = Self::new(self.page_size, self.num_pages, self.unit, self.mag_cap);
     }
 }
 
@@ -952,6 +1007,27 @@ pub fn run_allocator<A: KvAllocator>(alloc: A, ops: &[Op]) -> Result<Stats, Stri
 /// ```
 pub fn run_slot_pool(ops: &[Op], capacity: u32) -> Result<Stats, String> {
     drive(Slots(SlotPool::new(capacity)), AllocModel::slot_pool(capacity), ops)
+}
+
+/// Drive `ops` on a fresh `SlotPool::with_magazines(capacity, entries)` against the
+/// model.
+///
+/// # Errors
+///
+/// The first disagreement, as a message naming the step and the op.
+pub fn run_slot_pool_with_magazines(ops: &[Op], capacity: u32, entries: usize) -> Result<Stats, String> {
+    let model = AllocModel::slot_pool_with_magazines(capacity, entries);
+    drive(Slots(SlotPool::with_magazines(capacity, entries)), model, ops)
+}
+
+/// Drive `ops` on a fresh `SlotPool::without_magazines(capacity)` against the model
+/// (lowest free first).
+///
+/// # Errors
+///
+/// The first disagreement, as a message naming the step and the op.
+pub fn run_slot_pool_without_magazines(ops: &[Op], capacity: u32) -> Result<Stats, String> {
+    drive(Slots(SlotPool::without_magazines(capacity)), AllocModel::slot_pool_without_magazines(capacity), ops)
 }
 
 /// The runner's memory: live and freed handles, and outcome counts.
