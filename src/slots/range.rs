@@ -4,7 +4,6 @@
 
 use super::{Applied, Dup, FreeGroup, SlotPool, BITS};
 use crate::error::{FreeError, FreeErrorKind};
-use crate::sync::atomic::Ordering;
 
 /// The bitmap words covering `first..first + count` (indices from 1), each with the mask
 /// of the range's bits in it.
@@ -44,8 +43,8 @@ impl SlotPool {
         if first == 0 || first as u64 + count as u64 - 1 > self.capacity as u64 {
             return false;
         }
-        // A set bit means free.
-        words_of(first, count).all(|(w, mask)| self.words[w].load(Ordering::Acquire) & mask == 0)
+        // As `is_allocated`: the held bits with magazines, the bitmap without.
+        words_of(first, count).all(|(w, mask)| self.not_held(w, mask) == 0)
     }
 
     /// Validate then set the bits of `first..first + count` (without publishing), as
@@ -63,7 +62,8 @@ impl SlotPool {
             return Err((0, FreeError { index, kind, rest_freed: false }));
         }
         for (w, mask) in words_of(first, count) {
-            let set = self.words[w].load(Ordering::Relaxed) & mask;
+            // Not handed out: free in the bitmap, or (with magazines) in a magazine.
+            let set = self.not_held(w, mask);
             if set != 0 {
                 let index = (w * BITS + set.trailing_zeros() as usize + 1) as u32;
                 return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
@@ -112,10 +112,16 @@ impl FreeGroup<'_> {
 mod tests {
     use super::*;
 
-    /// Ranges agree with index-by-index answers, across word boundaries.
+    /// Ranges agree with index-by-index answers, across word boundaries, with and
+    /// without magazines (indices sitting in a magazine are not allocated).
     #[test]
     fn ranges_agree_with_indices() {
-        let pool = SlotPool::new(300);
+        ranges_agree(SlotPool::without_magazines(300));
+        ranges_agree(SlotPool::new(300));
+        ranges_agree(SlotPool::with_magazines(300, 8));
+    }
+
+    fn ranges_agree(pool: SlotPool) {
         let mut all = [0u32; 300];
         pool.alloc(&mut all).unwrap();
         // Free a scattered pattern: every index divisible by 7 or in 100..=140.
