@@ -68,7 +68,7 @@ pub const MAX_BATCH: usize = 8;
 pub const MAX_FORGED: usize = 8;
 /// How many ops the `allocator_ops` fuzz target reads from one input (see
 /// [`Scenario::from_fuzz_input`]): short sequences, many executions.
-pub const MAX_FUZZ_OPS: usize = 32;
+pub const MAX_FUZZ_OPS: usize = 16;
 /// The most slots a pool of [`Scenario::from_fuzz_input`] has (page sizes up to 4: up to
 /// 128 or 130 pages, three bitmap words; page size 16: 32 pages; page size 64: 8).
 pub const MAX_FUZZ_SLOTS: u32 = 512;
