@@ -44,7 +44,7 @@ table="$OUT/campaign.md"
     echo
     echo "- machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //' || echo unknown))"
     echo "- workers per target: $workers; limit per job: ${limit[*]}"
-    echo "- binaries: $(grep -E '^(commit|toolchain|flags):' "$dir/BUILD_INFO" 2>/dev/null | tr '\n' ';' | sed 's/;$//')"
+    echo "- binaries: $(grep -E '^(commit|toolchain|flags):' "$dir/BUILD_INFO" 2>/dev/null | paste -sd ';' - | sed 's/;/; /g')"
     echo "- started: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo
     echo "| target | jobs | wall s | total execs | execs/s (all jobs) | execs/s per job | cov | ft | corpus files | crashes |"
