@@ -14,8 +14,10 @@
 # when there is one. One process per target (-jobs=1): CI machines are small.
 #
 # The committed fuzz/Cargo.lock must be current: `cargo fuzz` has no --locked, so the
-# script checks with `cargo fetch --locked` first and fails on drift (refresh it with
-# `cd fuzz && cargo +nightly update -w`, keeping versions equal to ../Cargo.lock).
+# script checks with `cargo fetch --locked` first and fails on drift. Refresh it from
+# the main lock, so that shared packages keep the main lock's versions (checked by
+# scripts/fuzz_lock_check.sh):
+#   cp Cargo.lock fuzz/Cargo.lock && (cd fuzz && cargo +nightly metadata --format-version 1 >/dev/null)
 #
 # Needs the nightly toolchain; installs cargo-fuzz if it is missing.
 set -euo pipefail
