@@ -4,30 +4,70 @@
 #
 #   scripts/fuzz.sh                      # all targets, 60 s each
 #   FUZZ_SECONDS=600 scripts/fuzz.sh     # longer
+#   FUZZ_TARGETS="trace_parse" scripts/fuzz.sh   # some targets only
 #   FUZZ_SANITIZER=address scripts/fuzz.sh   # with AddressSanitizer (slower)
+#   FUZZ_TRACE_COMPARES=1 scripts/fuzz.sh    # with -trace-compares instrumentation
+#
+# Each target starts from its checked-in seeds (fuzz/seeds/<target>/, read only) and
+# the git-ignored working corpus fuzz/corpus/<target>/ (new inputs go there), with the
+# flags in fuzz/options/<target>.options and the dictionary fuzz/dicts/<target>.dict
+# when there is one. One process per target (-jobs=1): CI machines are small.
+#
+# The committed fuzz/Cargo.lock must be current: `cargo fuzz` has no --locked, so the
+# script checks with `cargo fetch --locked` first and fails on drift. Refresh it from
+# the main lock, so that shared packages keep the main lock's versions (checked by
+# scripts/fuzz_lock_check.sh):
+#   cp Cargo.lock fuzz/Cargo.lock && (cd fuzz && cargo +nightly metadata --format-version 1 >/dev/null)
 #
 # Needs the nightly toolchain; installs cargo-fuzz if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/fuzz_common.sh
 
 secs="${FUZZ_SECONDS:-60}"
-# The fuzzed paths (slots, allocators, the model) contain no unsafe code, so by default
-# no sanitizer: several times the executions per second. Overflow checks and debug
-# assertions stay on (-a).
+# The fuzzed paths (slots, allocators, the model, the trace reader) contain no unsafe
+# code, so by default no sanitizer: several times the executions per second. Overflow
+# checks and debug assertions stay on (-a).
 sanitizer="${FUZZ_SANITIZER:-none}"
+flags=(-O --debug-assertions --sanitizer "$sanitizer")
+# Comparison tracing (libFuzzer's CMP mutations) costs about 30% of the executions per
+# second of the model targets, whose inputs are reduced modulo the pool before any
+# comparison; the trace reader's literals come from its dictionary instead. Set
+# FUZZ_TRACE_COMPARES=1 to turn it back on.
+[ "${FUZZ_TRACE_COMPARES:-0}" = 1 ] || flags+=(--no-trace-compares)
 
 if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
     echo "fuzz: installing cargo-fuzz"
     cargo install cargo-fuzz --locked
 fi
 
+echo "fuzz: checking fuzz/Cargo.lock"
+if ! cargo +nightly fetch --locked --quiet --manifest-path fuzz/Cargo.toml; then
+    echo "fuzz: fuzz/Cargo.lock is stale (see the comment at the top of scripts/fuzz.sh)"
+    exit 1
+fi
+bash scripts/fuzz_lock_check.sh
+
+targets="${FUZZ_TARGETS:-$(cargo +nightly fuzz list)}"
+lock_before=$(cksum <fuzz/Cargo.lock)
+cargo +nightly fuzz build "${flags[@]}"
+# Belt and braces: the build must not have rewritten the lock either.
+if [ "$(cksum <fuzz/Cargo.lock)" != "$lock_before" ]; then
+    echo "fuzz: the build changed fuzz/Cargo.lock (commit a refreshed lock)"
+    exit 1
+fi
+
 mkdir -p target/fuzz-logs
 status=0
-for target in $(cargo +nightly fuzz list); do
+for target in $targets; do
     log="target/fuzz-logs/$target.log"
-    echo "fuzz: $target for ${secs}s (sanitizer: $sanitizer)"
-    if cargo +nightly fuzz run --sanitizer "$sanitizer" --debug-assertions "$target" -- \
-        -max_total_time="$secs" -print_final_stats=1 >"$log" 2>&1; then
+    mkdir -p "fuzz/corpus/$target"
+    corpora=("fuzz/corpus/$target")
+    [ -d "fuzz/seeds/$target" ] && corpora+=("fuzz/seeds/$target")
+    mapfile -t extra < <(fuzz_args fuzz "$target")
+    echo "fuzz: $target for ${secs}s (sanitizer: $sanitizer; ${extra[*]})"
+    if cargo +nightly fuzz run "${flags[@]}" "$target" "${corpora[@]}" -- \
+        -max_total_time="$secs" -print_final_stats=1 "${extra[@]}" >"$log" 2>&1; then
         grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n1 || true
         grep -E 'stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" || true
         echo "fuzz: $target passed"

@@ -83,6 +83,15 @@ proptest! {
             check(s.run())?;
         }
     }
+
+    /// The fuzz target's reading and checks (`Checks::Touched`, one structure per
+    /// input) agree with the model too.
+    #[test]
+    fn fuzz_scenarios_match_model(bytes in vec(any::<u8>(), 0..512)) {
+        let s = Scenario::from_fuzz_input(&bytes, kvpool::testing::MAX_FUZZ_OPS);
+        check(s.run_fuzz())?;
+        check(s.run_with(kvpool::testing::Checks::Touched))?;
+    }
 }
 
 // ---------------------------------------------------------------------------------

@@ -38,6 +38,20 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The fuzz target's reading of its input and its check schedule.
+    #[test]
+    fn fuzz_inputs_match_reference(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        use kvpool::testing::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+        let (ps, pages, policy, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);
+        if let Err(e) = run_with(ps, pages, policy, &ops, FUZZ_FULL_CHECK_EVERY) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}
+
 /// A fixed sequence through every operation, for every page size and policy. (That the
 /// model can fail was checked by planting bugs in the eviction heap: it reports them
 /// within a few steps.)

@@ -1,16 +1,22 @@
 //! Random operation sequences on the radix cache (requests that start, chunk, finish
-//! and abort; inserts, matches, lock-free lookups, evictions), checked step by step
-//! against the simple reference tree by `kvpool::testing::radix::run`. The input picks
-//! the page size (1, 2, 4), the pool size (4..32 pages) and the eviction policy.
+//! and abort; inserts, matches, lock-free lookups, evictions), checked against the
+//! simple reference tree by `kvpool::testing::radix::run_with`. The input picks the
+//! page size (1, 2, 4), the pool size (4..32 pages), the eviction policy and at most
+//! `MAX_FUZZ_OPS` ops. Every step compares the op's result, sizes and free space; the
+//! full comparison (leaf paths, invariants, page owners) runs every
+//! `FUZZ_FULL_CHECK_EVERY` steps and at the end.
+//!
+//! Replay a crash: `cargo +nightly fuzz run radix_ops <crash-file>`, or in a test
+//! `let (ps, pages, policy, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);` then
+//! `run(ps, pages, policy, &ops)` (full comparison after every step).
 #![no_main]
 
-use kvpool::testing::radix::{run, RadixOp};
+use kvpool::testing::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|input: (u8, u8, u8, Vec<RadixOp>)| {
-    let (page_size, pages, policy, ops) = input;
-    let ops = &ops[..ops.len().min(200)];
-    if let Err(e) = run(page_size, pages, policy, ops) {
+fuzz_target!(|data: &[u8]| {
+    let (page_size, pages, policy, ops) = from_fuzz_input(data, MAX_FUZZ_OPS);
+    if let Err(e) = run_with(page_size, pages, policy, &ops, FUZZ_FULL_CHECK_EVERY) {
         panic!("RadixCache disagrees with the reference: {e}\n{ops:#?}");
     }
 });

@@ -6,7 +6,7 @@
 //! * [`Op`] — one step of a random operation sequence (`#[derive(Arbitrary)]`), written
 //!   in *symbolic* terms ("free live handle `k`", "a forged slot past the end") so that
 //!   any sequence means something on any pool size and page size;
-//! * [`AllocModel`] — a plain sequential model: a `BTreeSet` of free pages (or slots),
+//! * [`AllocModel`] — a plain sequential model: a bitmap of free pages (or slots),
 //!   lowest first (a `SlotPool`'s magazine in front of it), all-or-nothing, with the
 //!   slot and page numbering of `DESIGN.md` and
 //!   the validation order and error values the real allocators document;
@@ -55,7 +55,7 @@
 
 pub mod radix;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use arbitrary::{Arbitrary, Unstructured};
 
@@ -67,6 +67,12 @@ use crate::slots::{FreeGroup, SlotPool};
 pub const MAX_BATCH: usize = 8;
 /// The most slots one [`FreeOp::Forged`] names (longer lists are cut).
 pub const MAX_FORGED: usize = 8;
+/// How many ops the `allocator_ops` fuzz target reads from one input (see
+/// [`Scenario::from_fuzz_input`]): short sequences, many executions.
+pub const MAX_FUZZ_OPS: usize = 16;
+/// The most slots a pool of [`Scenario::from_fuzz_input`] has (page sizes up to 4: up to
+/// 128 or 130 pages, three bitmap words; page size 16: 32 pages; page size 64: 8).
+pub const MAX_FUZZ_SLOTS: u32 = 512;
 /// How many freed handles are remembered for [`FreeOp::Stale`].
 pub const STALE_MEMORY: usize = 16;
 /// Pages of the pool that [`run`] builds: more than 64, so the bitmap spans two words.
@@ -76,6 +82,29 @@ pub const SCENARIO_PAGE_SIZES: [u32; 8] = [1, 2, 3, 4, 5, 16, 64, 1];
 /// Output buffers are filled with this before a call, so that a failed call that wrote
 /// anything is caught.
 pub const SENTINEL: u32 = 0xA5A5_A5A5;
+
+/// How much of the allocation state a run compares with the model after each step.
+///
+/// Every step compares the step's result (outputs, error kind and counts),
+/// `available`, the open group's pending count and `check_invariants()`; the two levels
+/// differ in which pages' allocation bits are compared:
+///
+/// * [`EveryPage`](Checks::EveryPage): every page after every step, O(capacity) per
+///   step (the proptest model tests);
+/// * [`Touched`](Checks::Touched): after a step, the pages it took or named in a free
+///   (O(touched) per step); every page at the end of each segment (before a `clear`,
+///   and at the end). This does the same job for less: a page no step named may not
+///   change, and if a bug changes one anyway, either the available count differs at
+///   once, or a page the step did name is wrong at once, or (two untouched pages
+///   swapped) the next full check reports it. The fuzz targets use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checks {
+    /// Every page after every step.
+    #[default]
+    EveryPage,
+    /// The step's own pages after every step; every page at the end of each segment.
+    Touched,
+}
 
 /// A slot number chosen symbolically, resolved against the pool it is used on.
 #[derive(Arbitrary, Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,16 +398,87 @@ impl Scenario {
     /// # Ok::<(), String>(())
     /// ```
     pub fn run(&self) -> Result<(), String> {
+        self.run_with(Checks::EveryPage)
+    }
+
+    /// [`run`](Self::run) with a choice of [`Checks`] (the fuzz target uses
+    /// [`Checks::Touched`]).
+    ///
+    /// # Errors
+    ///
+    /// The first disagreement with the model, as a message naming the step.
+    pub fn run_with(&self, checks: Checks) -> Result<(), String> {
+        self.run_allocator(checks)?;
+        self.run_slot_pool(checks)
+    }
+
+    /// What the `allocator_ops` fuzz target runs: only one of the two structures of
+    /// [`run`](Self::run) per input, the `SlotPool` when bit 6 of `extra` is set (that
+    /// bit is otherwise unused), with [`Checks::Touched`].
+    ///
+    /// # Errors
+    ///
+    /// The first disagreement with the model, as a message naming the step.
+    pub fn run_fuzz(&self) -> Result<(), String> {
+        if self.extra & 0x40 != 0 {
+            self.run_slot_pool(Checks::Touched)
+        } else {
+            self.run_allocator(Checks::Touched)
+        }
+    }
+
+    fn run_slot_pool(&self, checks: Checks) -> Result<(), String> {
+        let pages = self.pages as u32 % 131;
+        run_slot_pool_with(&self.ops, pages, checks).map(drop).map_err(|e| format!("SlotPool capacity {pages}: {e}"))
+    }
+
+    fn run_allocator(&self, checks: Checks) -> Result<(), String> {
         let ps = self.page_size();
         let pages = self.pages as u32 % 131;
         let size = pages as usize * ps as usize + self.extra as usize % ps as usize;
         let r = if ps == 1 && self.extra & 0x80 == 0 {
-            run_allocator(TokenAllocator::new(size).map_err(|e| e.to_string())?, &self.ops)
+            run_allocator_with(TokenAllocator::new(size).map_err(|e| e.to_string())?, &self.ops, checks)
         } else {
-            run_allocator(PagedAllocator::new(size, ps).map_err(|e| e.to_string())?, &self.ops)
+            run_allocator_with(PagedAllocator::new(size, ps).map_err(|e| e.to_string())?, &self.ops, checks)
         };
-        r.map_err(|e| format!("page size {ps}, size {size}: {e}"))?;
-        run_slot_pool(&self.ops, pages).map(drop).map_err(|e| format!("SlotPool capacity {pages}: {e}"))
+        r.map(drop).map_err(|e| format!("page size {ps}, size {size}: {e}"))
+    }
+
+    /// The `allocator_ops` fuzz target's reading of its input: the three header bytes
+    /// as [`Arbitrary`] reads them (the page count reduced so that the pool has at most
+    /// [`MAX_FUZZ_SLOTS`] slots), then at most `max_ops` ops as [`ops_from_bytes`]
+    /// reads them (bytes past the last op are ignored). Any bytes work.
+    ///
+    /// Replay a fuzz crash file in a test with
+    /// `Scenario::from_fuzz_input(&bytes, MAX_FUZZ_OPS).run()` (both structures, every
+    /// page after every step).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::testing::{Checks, Scenario};
+    /// let s = Scenario::from_fuzz_input(&[2, 40, 0, 7, 7, 7, 1, 0, 0, 0, 3, 3, 3], 4);
+    /// assert!(s.ops.len() <= 4);
+    /// s.run_with(Checks::Touched)?;
+    /// # Ok::<(), String>(())
+    /// ```
+    pub fn from_fuzz_input(bytes: &[u8], max_ops: usize) -> Scenario {
+        let mut u = Unstructured::new(bytes);
+        let mut byte = || u8::arbitrary(&mut u).unwrap_or(0);
+        let (page_size, pages, extra) = (byte(), byte(), byte());
+        // At most MAX_FUZZ_SLOTS slots, so that one op costs little (page count
+        // `pages % 131` still spans three bitmap words for page sizes up to 4).
+        let ps = SCENARIO_PAGE_SIZES[page_size as usize % SCENARIO_PAGE_SIZES.len()];
+        let max_pages = (MAX_FUZZ_SLOTS / ps).min(130);
+        let pages = (pages as u32 % 131 % (max_pages + 1)) as u8;
+        let mut ops = Vec::new();
+        while ops.len() < max_ops && !u.is_empty() {
+            match Op::arbitrary(&mut u) {
+                Ok(op) => ops.push(op),
+                Err(_) => break,
+            }
+        }
+        Scenario { page_size, pages, extra, ops }
     }
 }
 
@@ -442,7 +542,14 @@ pub struct AllocModel {
     page_size: u32,
     num_pages: u32,
     unit: Unit,
-    free: BTreeSet<u32>,
+    /// Bit `p` is set when page `p` (1-based) is free: a plain bitmap rather than a
+    /// `BTreeSet`, so that the fuzz targets' per-step lookups cost O(1).
+    free: Vec<u64>,
+    /// Number of set bits in `free`.
+    free_count: usize,
+    /// Scratch for [`free`](Self::free): the pages of the batch being validated (all
+    /// clear between calls).
+    seen: Vec<u64>,
     /// Pages freed inside the open group: in `free`, but not yet available.
     pending: usize,
     group_open: bool,
@@ -487,16 +594,40 @@ impl AllocModel {
     }
 
     fn new(page_size: u32, num_pages: u32, unit: Unit, mag_cap: usize) -> Self {
-        AllocModel {
+        let words = (num_pages as usize + 1).div_ceil(64);
+        let mut m = AllocModel {
             page_size,
             num_pages,
             unit,
-            free: (1..=num_pages).collect(),
+            free: vec![0; words],
+            free_count: 0,
+            seen: vec![0; words],
             pending: 0,
             group_open: false,
             mag: Vec::new(),
             mag_cap,
+        };
+        m.fill();
+        m
+    }
+
+    /// Every page `1..=num_pages` free.
+    fn fill(&mut self) {
+        for (w, word) in self.free.iter_mut().enumerate() {
+            // pages w*64 .. w*64+64, clipped to 1..=num_pages
+            let lo = (w * 64) as u64;
+            let hi = (lo + 64).min(self.num_pages as u64 + 1);
+            let n = hi.saturating_sub(lo);
+            *word = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+            if w == 0 {
+                *word &= !1; // page 0 is reserved
+            }
         }
+        self.free_count = self.num_pages as usize;
+    }
+
+    fn is_free(&self, page: u32) -> bool {
+        self.free[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
     /// Tokens (or indices) per page.
@@ -512,7 +643,7 @@ impl AllocModel {
     /// What `available_size()` (or `available()`) must say: free pages not held back
     /// by an open group, in tokens.
     pub fn available(&self) -> usize {
-        (self.free.len() - self.pending) * self.page_size as usize
+        (self.free_count - self.pending) * self.page_size as usize
     }
 
     /// Tokens freed into the open group, not yet available.
@@ -522,7 +653,7 @@ impl AllocModel {
 
     /// Whether `page` (1-based) is allocated.
     pub fn is_page_allocated(&self, page: u32) -> bool {
-        page >= 1 && page <= self.num_pages && !self.free.contains(&page)
+        page >= 1 && page <= self.num_pages && !self.is_free(page)
     }
 
     /// Whether `slot`'s page is allocated (`false` out of range).
@@ -547,23 +678,40 @@ impl AllocModel {
 
     fn take_pages(&mut self, n: usize) -> Result<Vec<u32>, AllocError> {
         if n > 0 && n <= self.mag_cap && self.mag.len() >= n {
+            // The magazine's top `n`, in the order they were pushed.
             let pages = self.mag.split_off(self.mag.len() - n);
-            for p in &pages {
-                self.free.remove(p);
+            for &p in &pages {
+                self.free[p as usize / 64] &= !(1u64 << (p % 64));
             }
+            self.free_count -= n;
             return Ok(pages);
         }
-        if n > self.free.len() - self.mag.len() - self.pending {
+        if n > self.free_count - self.mag.len() - self.pending {
             self.mag.clear(); // flushed into the bitmap
         }
-        if n > self.free.len() - self.pending {
+        if n > self.free_count - self.pending {
             return Err(self.oom(n));
         }
-        let mag: BTreeSet<u32> = self.mag.iter().copied().collect();
-        let pages: Vec<u32> = self.free.iter().copied().filter(|p| !mag.contains(p)).take(n).collect();
-        for p in &pages {
-            self.free.remove(p);
+        // The lowest free pages outside the magazine, ascending.
+        let mut pages = Vec::with_capacity(n);
+        for (w, word) in self.free.iter_mut().enumerate() {
+            let mut avail = *word;
+            for &m in &self.mag {
+                if m as usize / 64 == w {
+                    avail &= !(1u64 << (m % 64));
+                }
+            }
+            while pages.len() < n && avail != 0 {
+                let bit = avail.trailing_zeros();
+                avail &= avail - 1;
+                *word &= !(1u64 << bit);
+                pages.push((w * 64) as u32 + bit);
+            }
+            if pages.len() == n {
+                break;
+            }
         }
+        self.free_count -= n;
         Ok(pages)
     }
 
@@ -677,21 +825,36 @@ impl AllocModel {
     /// What the real free must report.
     pub fn free(&mut self, slots: &[u32]) -> Result<(), ExpectedFreeError> {
         let ps = self.page_size;
-        let mut pages = BTreeSet::new();
-        let mut repeated = BTreeSet::new();
+        // The batch's distinct pages are marked in `seen` (cleared again before
+        // returning); `pages` lists them.
+        let mut pages = Vec::new();
+        let mut repeated = Vec::new();
+        let mut refused = None;
         for &slot in slots {
             let page = slot / ps;
             if page == 0 || page > self.num_pages {
                 let kind = FreeErrorKind::OutOfRange { first: ps, last: self.last_slot() };
-                return Err(ExpectedFreeError { kind, rest_freed: false, index_any_of: vec![slot] });
+                refused = Some(ExpectedFreeError { kind, rest_freed: false, index_any_of: vec![slot] });
+                break;
             }
-            if self.free.contains(&page) {
+            if self.is_free(page) {
                 let kind = FreeErrorKind::NotAllocated;
-                return Err(ExpectedFreeError { kind, rest_freed: false, index_any_of: vec![slot] });
+                refused = Some(ExpectedFreeError { kind, rest_freed: false, index_any_of: vec![slot] });
+                break;
             }
-            if !pages.insert(page) {
-                repeated.insert(slot);
+            let (w, bit) = (page as usize / 64, 1u64 << (page % 64));
+            if self.seen[w] & bit != 0 {
+                repeated.push(slot);
+            } else {
+                self.seen[w] |= bit;
+                pages.push(page);
             }
+        }
+        for &page in &pages {
+            self.seen[page as usize / 64] &= !(1u64 << (page % 64));
+        }
+        if let Some(e) = refused {
+            return Err(e);
         }
         if self.group_open {
             self.pending += pages.len();
@@ -700,15 +863,20 @@ impl AllocModel {
                 self.mag.clear(); // flushed into the bitmap
             }
             for &slot in slots {
-                if !self.mag.contains(&slot) && !self.free.contains(&slot) {
+                if !self.mag.contains(&slot) && !self.is_free(slot) {
                     self.mag.push(slot);
                 }
             }
         }
-        self.free.extend(pages);
+        for &page in &pages {
+            self.free[page as usize / 64] |= 1 << (page % 64);
+        }
+        self.free_count += pages.len();
         if ps == 1 && !repeated.is_empty() {
+            repeated.sort_unstable();
+            repeated.dedup();
             let kind = FreeErrorKind::NotAllocated;
-            return Err(ExpectedFreeError { kind, rest_freed: true, index_any_of: repeated.into_iter().collect() });
+            return Err(ExpectedFreeError { kind, rest_freed: true, index_any_of: repeated });
         }
         Ok(())
     }
@@ -728,7 +896,10 @@ impl AllocModel {
 
     /// Everything free again (any open group must have ended).
     pub fn clear(&mut self) {
-        *self = Self::new(self.page_size, self.num_pages, self.unit, self.mag_cap);
+        self.fill();
+        self.pending = 0;
+        self.group_open = false;
+        self.mag.clear();
     }
 }
 
@@ -908,7 +1079,24 @@ impl Stats {
     }
 
     fn record(&mut self, op: &str, outcome: &str) {
-        *self.counts.entry(format!("{op}: {outcome}")).or_default() += 1;
+        // "op: outcome", built on the stack: no allocation once the key exists.
+        let mut buf = [0u8; 96];
+        let mut n = 0;
+        for part in [op, ": ", outcome] {
+            let end = (n + part.len()).min(buf.len());
+            buf[n..end].copy_from_slice(&part.as_bytes()[..end - n]);
+            n = end;
+        }
+        match core::str::from_utf8(&buf[..n]) {
+            Ok(key) => match self.counts.get_mut(key) {
+                Some(count) => *count += 1,
+                None => {
+                    self.counts.insert(key.to_owned(), 1);
+                }
+            },
+            // Only if a cut fell inside a character.
+            Err(_) => *self.counts.entry(format!("{op}: {outcome}")).or_default() += 1,
+        }
     }
 }
 
@@ -979,6 +1167,25 @@ pub fn run(ops: &[Op], page_size: u32) -> Result<(), String> {
 /// # Ok::<(), String>(())
 /// ```
 pub fn run_allocator<A: KvAllocator>(alloc: A, ops: &[Op]) -> Result<Stats, String> {
+    run_allocator_with(alloc, ops, Checks::EveryPage)
+}
+
+/// [`run_allocator`] with a choice of [`Checks`].
+///
+/// # Errors
+///
+/// The first disagreement, as a message naming the step and the op.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::testing::{run_allocator_with, Checks, Misalign, Op};
+/// let ops = [Op::Alloc { pages: 2, misalign: Misalign(0) }, Op::FreeLive { handle: 0 }];
+/// let stats = run_allocator_with(kvpool::PagedAllocator::new(20, 3).unwrap(), &ops, Checks::Touched)?;
+/// assert_eq!(stats.get("free: ok"), 1);
+/// # Ok::<(), String>(())
+/// ```
+pub fn run_allocator_with<A: KvAllocator>(alloc: A, ops: &[Op], checks: Checks) -> Result<Stats, String> {
     let model = AllocModel::paged(alloc.size(), alloc.page_size());
     if alloc.available_size() != model.available() {
         return Err(format!(
@@ -987,7 +1194,7 @@ pub fn run_allocator<A: KvAllocator>(alloc: A, ops: &[Op]) -> Result<Stats, Stri
             model.available()
         ));
     }
-    drive(Kv(alloc), model, ops)
+    drive(Kv(alloc), model, ops, checks)
 }
 
 /// Drive `ops` on a fresh `SlotPool::new(capacity)` against the model.
@@ -1006,7 +1213,16 @@ pub fn run_allocator<A: KvAllocator>(alloc: A, ops: &[Op]) -> Result<Stats, Stri
 /// # Ok::<(), String>(())
 /// ```
 pub fn run_slot_pool(ops: &[Op], capacity: u32) -> Result<Stats, String> {
-    drive(Slots(SlotPool::new(capacity)), AllocModel::slot_pool(capacity), ops)
+    run_slot_pool_with(ops, capacity, Checks::EveryPage)
+}
+
+/// [`run_slot_pool`] with a choice of [`Checks`].
+///
+/// # Errors
+///
+/// The first disagreement, as a message naming the step and the op.
+pub fn run_slot_pool_with(ops: &[Op], capacity: u32, checks: Checks) -> Result<Stats, String> {
+    drive(Slots(SlotPool::new(capacity)), AllocModel::slot_pool(capacity), ops, checks)
 }
 
 /// Drive `ops` on a fresh `SlotPool::with_magazines(capacity, entries)` against the
@@ -1017,7 +1233,7 @@ pub fn run_slot_pool(ops: &[Op], capacity: u32) -> Result<Stats, String> {
 /// The first disagreement, as a message naming the step and the op.
 pub fn run_slot_pool_with_magazines(ops: &[Op], capacity: u32, entries: usize) -> Result<Stats, String> {
     let model = AllocModel::slot_pool_with_magazines(capacity, entries);
-    drive(Slots(SlotPool::with_magazines(capacity, entries)), model, ops)
+    drive(Slots(SlotPool::with_magazines(capacity, entries)), model, ops, Checks::EveryPage)
 }
 
 /// Drive `ops` on a fresh `SlotPool::without_magazines(capacity)` against the model
@@ -1027,7 +1243,12 @@ pub fn run_slot_pool_with_magazines(ops: &[Op], capacity: u32, entries: usize) -
 ///
 /// The first disagreement, as a message naming the step and the op.
 pub fn run_slot_pool_without_magazines(ops: &[Op], capacity: u32) -> Result<Stats, String> {
-    drive(Slots(SlotPool::without_magazines(capacity)), AllocModel::slot_pool_without_magazines(capacity), ops)
+    drive(
+        Slots(SlotPool::without_magazines(capacity)),
+        AllocModel::slot_pool_without_magazines(capacity),
+        ops,
+        Checks::EveryPage,
+    )
 }
 
 /// The runner's memory: live and freed handles, and outcome counts.
@@ -1036,6 +1257,9 @@ struct Runner {
     live: Vec<Vec<u32>>,
     stale: VecDeque<Vec<u32>>,
     stats: Stats,
+    /// Pages the current step took or named in a free (in range), for
+    /// [`Checks::Touched`].
+    touched: Vec<u32>,
 }
 
 impl Runner {
@@ -1070,9 +1294,15 @@ impl Runner {
                 if out != a.slots {
                     return Err(format!("output {out:?}, expected {:?}", a.slots));
                 }
-                let fresh: BTreeSet<u32> = a.pages.iter().copied().collect();
-                let handle: Vec<u32> = a.slots.iter().copied().filter(|s| fresh.contains(&(s / page_size))).collect();
-                if handle.len() < a.slots.len() {
+                self.touched.extend_from_slice(&a.pages);
+                let handle = if a.slots.len() == a.pages.len() * page_size as usize {
+                    a.slots // every slot lies in a fresh page
+                } else {
+                    // `a.pages` is ascending.
+                    let fresh = |slot: &u32| a.pages.binary_search(&(slot / page_size)).is_ok();
+                    a.slots.iter().copied().filter(fresh).collect()
+                };
+                if handle.len() < out.len() {
                     self.stats.record(op, "ok, filled a partial page");
                 }
                 if !handle.is_empty() {
@@ -1091,10 +1321,10 @@ impl Runner {
     }
 }
 
-fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op]) -> Result<Stats, String> {
+fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op], checks: Checks) -> Result<Stats, String> {
     let mut runner = Runner::default();
     let mut i = 0;
-    while i < ops.len() {
+    loop {
         {
             // A group borrows the subject; `clear` needs it exclusively. So the ops run
             // in segments separated by clears, each with its own (optional) group.
@@ -1102,25 +1332,36 @@ fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op]) -> Resul
             let mut group: Option<S::Group<'_>> = None;
             while i < ops.len() && ops[i] != Op::Control(Control::Clear) {
                 step(s, &mut group, &mut model, &mut runner, &ops[i])
-                    .and_then(|()| check_state(s, &group, &model))
+                    .and_then(|()| {
+                        let pages = match checks {
+                            Checks::EveryPage => None,
+                            Checks::Touched => Some(&runner.touched[..]),
+                        };
+                        check_state(s, &group, &model, pages)
+                    })
                     .map_err(|e| format!("step {i} ({:?}): {e}", ops[i]))?;
+                runner.touched.clear();
                 i += 1;
             }
             if let Some(g) = group.take() {
                 end_group::<S>(g, &mut model, &mut runner.stats)
                     .map_err(|e| format!("ending the group before step {i}: {e}"))?;
             }
+            // Every page at the end of each segment: with `Checks::Touched` this is where
+            // a change to a page no step named shows up (before `clear` erases it).
+            check_state(s, &None, &model, None).map_err(|e| format!("end of the segment before step {i}: {e}"))?;
         }
-        if i < ops.len() {
-            subject.clear();
-            model.clear();
-            for h in core::mem::take(&mut runner.live) {
-                runner.retire(h);
-            }
-            runner.stats.record("clear", "ok");
-            check_state(&subject, &None, &model).map_err(|e| format!("step {i} (clear): {e}"))?;
-            i += 1;
+        if i == ops.len() {
+            break;
         }
+        subject.clear();
+        model.clear();
+        for h in core::mem::take(&mut runner.live) {
+            runner.retire(h);
+        }
+        runner.stats.record("clear", "ok");
+        check_state(&subject, &None, &model, None).map_err(|e| format!("step {i} (clear): {e}"))?;
+        i += 1;
     }
     Ok(runner.stats)
 }
@@ -1146,12 +1387,23 @@ fn step<'s, S: Subject>(
     let num_pages = model.num_pages();
     // Free through the open group if there is one; `Ok(true)` when the batch was
     // refused (nothing freed).
-    let mut free = |slots: &[u32], model: &mut AllocModel, stats: &mut Stats| -> Result<bool, String> {
+    let mut free = |slots: &[u32], model: &mut AllocModel, runner: &mut Runner| -> Result<bool, String> {
         let got = match group.as_mut() {
             Some(g) => S::group_free(g, slots),
             None => s.free(slots),
         };
         let want = model.free(slots);
+        // Every page the batch names may have changed (a refused batch must change none).
+        // (A handle's slots come a page at a time: skip repeats of the previous page.)
+        let mut prev = u32::MAX;
+        for &slot in slots {
+            let page = slot / ps;
+            if page != prev && page >= 1 && page <= num_pages {
+                runner.touched.push(page);
+            }
+            prev = page;
+        }
+        let stats = &mut runner.stats;
         stats.record(if group.is_some() { "group free" } else { "free" }, free_outcome(&want));
         let refused = matches!(want, Err(ExpectedFreeError { rest_freed: false, .. }));
         match (&got, &want) {
@@ -1255,7 +1507,7 @@ fn step<'s, S: Subject>(
                 Some(k) => runner.live.swap_remove(k),
                 None => Vec::new(), // freeing an empty list
             };
-            free(&h, model, &mut runner.stats)?;
+            free(&h, model, runner)?;
             runner.retire(h);
         }
         Op::Free(FreeOp::Part { handle, take }) => {
@@ -1263,7 +1515,7 @@ fn step<'s, S: Subject>(
                 let h = &mut runner.live[k];
                 let t = 1 + *take as usize % h.len();
                 let part: Vec<u32> = h.drain(..t).collect();
-                free(&part, model, &mut runner.stats)?;
+                free(&part, model, runner)?;
                 // An owner that freed a slot has given up its whole page.
                 let h = &mut runner.live[k];
                 h.retain(|&slot| model.is_allocated(slot));
@@ -1277,7 +1529,7 @@ fn step<'s, S: Subject>(
             if let Some(k) = runner.pick(*handle) {
                 let mut h = runner.live.swap_remove(k);
                 h.push(h[0]);
-                free(&h, model, &mut runner.stats)?;
+                free(&h, model, runner)?;
                 h.pop();
                 runner.retire(h);
             }
@@ -1287,7 +1539,7 @@ fn step<'s, S: Subject>(
                 let mut batch = runner.live[k].clone();
                 let at = *at as usize % (batch.len() + 1);
                 batch.insert(at, forged.resolve(ps, num_pages));
-                if !free(&batch, model, &mut runner.stats)? {
+                if !free(&batch, model, runner)? {
                     let h = runner.live.swap_remove(k);
                     runner.retire(h);
                 }
@@ -1296,12 +1548,12 @@ fn step<'s, S: Subject>(
         Op::Free(FreeOp::Stale { which }) => {
             if !runner.stale.is_empty() {
                 let h = runner.stale[*which as usize % runner.stale.len()].clone();
-                free(&h, model, &mut runner.stats)?;
+                free(&h, model, runner)?;
             }
         }
         Op::Free(FreeOp::Forged { slots }) => {
             let slots: Vec<u32> = slots.iter().take(MAX_FORGED).map(|r| r.resolve(ps, num_pages)).collect();
-            free(&slots, model, &mut runner.stats)?;
+            free(&slots, model, runner)?;
         }
         Op::Control(Control::GroupBegin) => {
             if group.is_none() {
@@ -1342,7 +1594,14 @@ fn last_loc(choice: LastLoc, prefix_len: u32, runner: &Runner, model: &AllocMode
     }
 }
 
-fn check_state<S: Subject>(s: &S, group: &Option<S::Group<'_>>, model: &AllocModel) -> Result<(), String> {
+/// Compare `s` with the model: invariants, available and pending counts, and whether
+/// `pages` (every page when `None`) and the slots just outside the pool are allocated.
+fn check_state<S: Subject>(
+    s: &S,
+    group: &Option<S::Group<'_>>,
+    model: &AllocModel,
+    pages: Option<&[u32]>,
+) -> Result<(), String> {
     s.check_invariants().map_err(|e| e.to_string())?;
     if s.available() != model.available() {
         return Err(format!("available {} but the model has {}", s.available(), model.available()));
@@ -1352,13 +1611,19 @@ fn check_state<S: Subject>(s: &S, group: &Option<S::Group<'_>>, model: &AllocMod
         return Err(format!("group pending {pending} but the model has {}", model.pending()));
     }
     let ps = model.page_size();
-    for page in 1..=model.num_pages() {
+    let check_page = |page: u32| {
         let want = model.is_page_allocated(page);
-        for slot in [page * ps, page * ps + ps - 1] {
+        let (first, last) = (page * ps, page * ps + ps - 1);
+        for slot in [first, last].into_iter().take(if ps == 1 { 1 } else { 2 }) {
             if s.is_allocated(slot) != want {
                 return Err(format!("is_allocated({slot}) is {} but page {page} is allocated: {want}", !want));
             }
         }
+        Ok(())
+    };
+    match pages {
+        Some(pages) => pages.iter().try_for_each(|&page| check_page(page))?,
+        None => (1..=model.num_pages()).try_for_each(check_page)?,
     }
     for slot in [0, ps - 1, model.last_slot().saturating_add(1), u32::MAX] {
         if s.is_allocated(slot) {

@@ -6,8 +6,13 @@
 //! driver compares sizes, free space, the canonical leaf paths and node counts, runs
 //! `check_invariants()`, and checks that every page is owned exactly once: by the tree,
 //! by an open request, or by the free pool.
+//!
+//! [`run_with`] lets the fuzz target do the O(tree) part of that comparison (leaf
+//! paths, invariants, page owners) only every few steps and after the last one; the
+//! O(1) part (sizes, free space, node count) and each operation's own result are still
+//! compared at every step.
 
-use arbitrary::Arbitrary;
+use arbitrary::{Arbitrary, Unstructured};
 
 use crate::baseline::{RefNodeId, ReferenceRadixCache};
 use crate::radix::{EvictionPolicy, Lease, RadixCache, RadixConfig};
@@ -19,6 +24,14 @@ const ALPHABET: u8 = 3;
 const MAX_KEY: usize = 24;
 /// Open requests at most.
 const MAX_REQS: usize = 6;
+/// How many ops the `radix_ops` fuzz target reads from one input (short sequences,
+/// many executions: about 50,000 a second on one core, see RELIABILITY.md).
+pub const MAX_FUZZ_OPS: usize = 8;
+/// How often the `radix_ops` fuzz target runs the full O(tree) comparison: every
+/// `FUZZ_FULL_CHECK_EVERY` steps, after the last step and after the final teardown.
+/// Equal to [`MAX_FUZZ_OPS`]: once at the end of the sequence and once after the
+/// teardown (a crash replayed with [`run`] names the first bad step).
+pub const FUZZ_FULL_CHECK_EVERY: usize = MAX_FUZZ_OPS;
 
 /// One step of a radix-cache model run.
 #[derive(Arbitrary, Debug, Clone)]
@@ -111,6 +124,46 @@ fn check<T: PartialEq + std::fmt::Debug>(what: &str, step: usize, got: T, want: 
 ///
 /// The first disagreement or broken invariant, described.
 pub fn run(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp]) -> Result<(), String> {
+    run_with(page_size, pages, policy, ops, 1)
+}
+
+/// The `radix_ops` fuzz target's reading of its input: three header bytes (page size,
+/// pages, policy), then at most `max_ops` ops (bytes past them are ignored). Any bytes
+/// work.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::testing::radix::{from_fuzz_input, run};
+/// let (ps, pages, policy, ops) = from_fuzz_input(b"any bytes at all: 0123456789abcdef", 8);
+/// assert!(ops.len() <= 8);
+/// run(ps, pages, policy, &ops)?;
+/// # Ok::<(), String>(())
+/// ```
+pub fn from_fuzz_input(bytes: &[u8], max_ops: usize) -> (u8, u8, u8, Vec<RadixOp>) {
+    let mut u = Unstructured::new(bytes);
+    let mut byte = || u8::arbitrary(&mut u).unwrap_or(0);
+    let (page_size, pages, policy) = (byte(), byte(), byte());
+    let mut ops = Vec::new();
+    while ops.len() < max_ops && !u.is_empty() {
+        match RadixOp::arbitrary(&mut u) {
+            Ok(op) => ops.push(op),
+            Err(_) => break,
+        }
+    }
+    (page_size, pages, policy, ops)
+}
+
+/// [`run`], with the full O(tree) comparison (leaf paths, `check_invariants()`, page
+/// owners) after every `full_every`-th step, after the last step and after the
+/// teardown; sizes, free space and node counts are compared after every step. `run` is
+/// `run_with(.., 1)`.
+///
+/// # Errors
+///
+/// The first disagreement or broken invariant, described.
+pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_every: usize) -> Result<(), String> {
+    let full_every = full_every.max(1);
     let ps = [1u32, 2, 4][page_size as usize % 3] as usize;
     let pages = 4 + pages as usize % 28;
     let policy = EvictionPolicy::ALL[policy as usize % EvictionPolicy::ALL.len()];
@@ -122,7 +175,11 @@ pub fn run(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp]) -> Result<(), 
     let mut reqs: Vec<Req<'_>> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
-        compare(&cache, &reference, &reqs, ps, pages, step)?;
+        if (step + 1) % full_every == 0 || step + 1 == ops.len() {
+            compare(&cache, &reference, &reqs, ps, pages, step)?;
+        } else {
+            compare_sizes(&cache, &reference, step)?;
+        }
     }
     // Finish everything, then evict everything: the pool must be whole again.
     while let Some(r) = reqs.pop() {
@@ -279,6 +336,19 @@ fn apply<'c>(
     Ok(())
 }
 
+/// The O(1) part of [`compare`]: sizes, free space, node count.
+fn compare_sizes(
+    cache: &RadixCache<PagedAllocator>,
+    reference: &ReferenceRadixCache<PagedAllocator>,
+    step: usize,
+) -> Result<(), String> {
+    check("total", step, cache.total_size(), reference.total_size())?;
+    check("evictable", step, cache.evictable_size(), reference.evictable_size())?;
+    check("protected", step, cache.protected_size(), reference.protected_size())?;
+    check("available", step, cache.allocator().available_size(), reference.allocator().available_size())?;
+    check("nodes", step, cache.node_count(), reference.node_count())
+}
+
 fn compare(
     cache: &RadixCache<PagedAllocator>,
     reference: &ReferenceRadixCache<PagedAllocator>,
@@ -288,15 +358,12 @@ fn compare(
     step: usize,
 ) -> Result<(), String> {
     cache.check_invariants().map_err(|e| format!("step {step}: {e}"))?;
-    check("total", step, cache.total_size(), reference.total_size())?;
-    check("evictable", step, cache.evictable_size(), reference.evictable_size())?;
-    check("protected", step, cache.protected_size(), reference.protected_size())?;
-    check("available", step, cache.allocator().available_size(), reference.allocator().available_size())?;
-    check("nodes", step, cache.node_count(), reference.node_count())?;
-    check("leaf paths", step, cache.leaf_paths(), reference.leaf_paths())?;
+    compare_sizes(cache, reference, step)?;
+    let leaf_paths = cache.leaf_paths();
+    check("leaf paths", step, &leaf_paths, &reference.leaf_paths())?;
     // Every page owned exactly once: tree, open requests, free pool.
     let mut owner = vec![0u8; pages + 1];
-    for (_, _, slots) in cache.leaf_paths() {
+    for (_, _, slots) in &leaf_paths {
         for s in slots.chunks(ps) {
             owner[s[0] as usize / ps] = 1; // shared prefixes repeat: mark, do not count
         }
