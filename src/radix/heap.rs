@@ -114,17 +114,22 @@ impl Heap<'_> {
         self.remove(top);
         Some(top)
     }
+}
 
-    /// Heap order and position indices are consistent.
-    pub fn check(&self) -> Result<(), String> {
-        for (pos, &id) in self.heap.iter().enumerate() {
-            if self.meta[id as usize].heap_pos as usize != pos {
-                return Err(format!("heap position of node {id} is stale"));
-            }
-            if pos > 0 && self.key(self.heap[(pos - 1) / 2]) > self.key(id) {
-                return Err(format!("heap order broken at {pos}"));
-            }
+/// Check heap order and positions over shared views (no copy of the arenas: the
+/// invariant check runs on caches of millions of nodes).
+pub(super) fn check(heap: &[u32], meta: &[Meta], policy: EvictionPolicy) -> Result<(), String> {
+    let key = |id: u32| {
+        let m = &meta[id as usize];
+        policy.key(m.last_access, m.created, m.hit_count, m.priority)
+    };
+    for (pos, &id) in heap.iter().enumerate() {
+        if meta[id as usize].heap_pos as usize != pos {
+            return Err(format!("heap position of node {id} is stale"));
         }
-        Ok(())
+        if pos > 0 && key(heap[(pos - 1) / 2]) > key(id) {
+            return Err(format!("heap order broken at {pos}"));
+        }
     }
+    Ok(())
 }

@@ -1023,8 +1023,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         if leaves != self.s.heap.len() {
             return Err(format!("heap holds {} nodes, {leaves} evictable leaves", self.s.heap.len()));
         }
-        let heap = Heap { heap: &mut self.s.heap.clone(), meta: &mut self.s.meta.to_vec(), policy: self.c.policy };
-        heap.check()?;
+        super::heap::check(&self.s.heap, &self.s.meta, self.c.policy)?;
         if self.s.free_ids.len() + live + 1 != self.s.meta.len() {
             return Err(format!(
                 "{} free records + {live} live + root != {}",
