@@ -53,7 +53,26 @@ impl Tokens {
     /// The index of the first of `key.len()` tokens from `slot` that differs from
     /// `key` (`key.len()` when all match), with atomic loads: for lock-free readers.
     pub(super) fn first_diff_atomic(&self, slot: usize, key: &[u32]) -> usize {
-        (0..key.len()).find(|&k| self.get(slot + k) != key[k]).unwrap_or(key.len())
+        let n = key.len();
+        let mut k = 0;
+        if n > 0 && slot % 2 == 1 {
+            if self.get(slot) != key[0] {
+                return 0;
+            }
+            k = 1;
+        }
+        // A word (two tokens) per load and compare.
+        while k + 2 <= n {
+            let w = self.words[(slot + k) / 2].load(Ordering::Relaxed);
+            if w != pack(key[k], key[k + 1]) {
+                return if unpack(w).0 != key[k] { k } else { k + 1 };
+            }
+            k += 2;
+        }
+        if k < n && self.get(slot + k) != key[k] {
+            return k;
+        }
+        n
     }
 
     /// The tokens of `slot..slot + len` as plain memory.
@@ -97,6 +116,36 @@ impl Tokens {
             let w = &self.words[(s + t.len()) / 2];
             let (_, odd) = unpack(w.load(Ordering::Relaxed));
             w.store(pack(t[t.len() - 1], odd), Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Writes at odd and even boundaries keep the neighbouring slots, and the atomic
+    /// comparison finds the first difference wherever it falls.
+    #[test]
+    fn runs_at_any_alignment() {
+        let t = Tokens::new(20).unwrap();
+        t.write(0, &[9; 20]);
+        t.write(3, &[1, 2, 3, 4, 5]); // odd start, odd end
+        t.write(10, &[6, 7]); // even start, even end
+        let all: Vec<u32> = (0..20).map(|s| t.get(s)).collect();
+        assert_eq!(all, [9, 9, 9, 1, 2, 3, 4, 5, 9, 9, 6, 7, 9, 9, 9, 9, 9, 9, 9, 9]);
+        // SAFETY: no write is in flight.
+        assert_eq!(unsafe { t.plain(3, 5) }, &[1, 2, 3, 4, 5]);
+        for start in 0..8 {
+            for len in 0..12 {
+                let want: Vec<u32> = (start..start + len).map(|s| t.get(s)).collect();
+                assert_eq!(t.first_diff_atomic(start, &want), len);
+                for bad in 0..len {
+                    let mut key = want.clone();
+                    key[bad] ^= 0x55;
+                    assert_eq!(t.first_diff_atomic(start, &key), bad, "start {start} len {len}");
+                }
+            }
         }
     }
 }
