@@ -10,15 +10,30 @@ pub(crate) fn bytes_of<T>(len: usize) -> u64 {
     (len as u64).saturating_mul(core::mem::size_of::<T>() as u64)
 }
 
-/// A vector of `len` values made by `fill`, its memory reserved fallibly first.
+/// A vector of `len` values, `fill(i)` at index `i`, its memory reserved fallibly
+/// first. Every element is written here, so the arena is committed at construction.
 ///
 /// # Errors
 ///
 /// [`ConfigError::TooLargeForMemory`] naming `what` if the memory cannot be reserved.
-pub(crate) fn try_vec_with<T>(len: usize, what: &'static str, fill: impl FnMut() -> T) -> Result<Vec<T>, ConfigError> {
+pub(crate) fn try_vec_with<T>(
+    len: usize,
+    what: &'static str,
+    fill: impl FnMut(usize) -> T,
+) -> Result<Vec<T>, ConfigError> {
+    let mut v = try_with_capacity(len, what)?;
+    v.extend((0..len).map(fill));
+    Ok(v)
+}
+
+/// An empty vector with room for `len` values, reserved fallibly.
+///
+/// # Errors
+///
+/// [`ConfigError::TooLargeForMemory`] naming `what` if the memory cannot be reserved.
+pub(crate) fn try_with_capacity<T>(len: usize, what: &'static str) -> Result<Vec<T>, ConfigError> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| ConfigError::TooLargeForMemory { what, bytes: bytes_of::<T>(len) })?;
-    v.resize_with(len, fill);
     Ok(v)
 }
 
@@ -44,11 +59,11 @@ mod tests {
     #[test]
     fn impossible_sizes_are_errors() {
         assert_eq!(bytes_of::<u32>(usize::MAX), u64::MAX);
-        let e = try_vec_with(usize::MAX / 2, "table", || 0u32).unwrap_err();
+        let e = try_vec_with(usize::MAX / 2, "table", |_| 0u32).unwrap_err();
         assert_eq!(e, ConfigError::TooLargeForMemory { what: "table", bytes: u64::MAX });
         assert!(probe(u64::MAX, "x").is_err());
         assert!(probe(1 << 62, "x").unwrap_err().to_string().contains("4611686018427387904 bytes"));
-        assert_eq!(try_vec_with(3, "t", || 7u8).unwrap(), [7, 7, 7]);
+        assert_eq!(try_vec_with(3, "t", |_| 7u8).unwrap(), [7, 7, 7]);
         probe(4096, "x").unwrap();
     }
 }

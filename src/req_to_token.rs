@@ -90,7 +90,7 @@ impl ReqToTokenPool {
             ConfigError::TooLarge { size: (size as u64).saturating_mul(max_context_len as u64), page_size: 1 },
         )?;
         let table =
-            crate::arena::try_vec_with(cells, "the request-row table", || UnsafeCell::new(0))?.into_boxed_slice();
+            crate::arena::try_vec_with(cells, "the request-row table", |_| UnsafeCell::new(0))?.into_boxed_slice();
         // Rows stay lowest-first (no magazines): a row is one index per request, where a
         // magazine saves nothing worth the changed order.
         Ok(ReqToTokenPool {

@@ -634,3 +634,52 @@ impl KvAllocator for TokenAllocator {
         self.0.check_invariants()
     }
 }
+
+#[cfg(test)]
+pub(crate) use test_geometry::Geometry;
+
+#[cfg(test)]
+mod test_geometry {
+    use super::*;
+
+    /// A test allocator that reports whatever geometry a test wants (page size, size) over a
+    /// real token allocator: for constructor checks of the caches built on `KvAllocator`.
+    #[derive(Debug)]
+    pub(crate) struct Geometry(pub TokenAllocator, pub u32, pub usize);
+
+    impl KvAllocator for Geometry {
+        fn page_size(&self) -> u32 {
+            self.1
+        }
+        fn size(&self) -> usize {
+            self.2
+        }
+        fn available_size(&self) -> usize {
+            self.0.available_size()
+        }
+        fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+            self.0.alloc(out)
+        }
+        fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+            self.0.alloc_extend(p, s, l, out)
+        }
+        fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+            self.0.alloc_decode(s, l, out)
+        }
+        fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+            self.0.free(slots)
+        }
+        fn free_group(&self) -> KvFreeGroup<'_> {
+            self.0.free_group()
+        }
+        fn is_allocated(&self, slot: u32) -> bool {
+            self.0.is_allocated(slot)
+        }
+        fn clear(&mut self) {
+            self.0.clear()
+        }
+        fn check_invariants(&self) -> Result<(), InvariantViolation> {
+            self.0.check_invariants()
+        }
+    }
+}

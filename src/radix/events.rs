@@ -112,7 +112,7 @@ impl EventQueue {
     pub fn try_new(capacity: usize) -> Result<Self, crate::ConfigError> {
         let too_large = crate::ConfigError::TooLargeForMemory { what: "the KV event queue", bytes: u64::MAX };
         let cap = capacity.max(2).checked_next_power_of_two().ok_or(too_large)?;
-        let cells = super::arena::boxed("the KV event queue", cap, |i| Cell {
+        let cells = super::boxed("the KV event queue", cap, |i| Cell {
             seq: AtomicUsize::new(i),
             event: UnsafeCell::new(KvEvent::AllBlocksCleared),
         })?;

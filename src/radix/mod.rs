@@ -135,7 +135,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod arena;
 mod events;
 mod heap;
 mod policy;
@@ -423,6 +422,11 @@ pub struct RadixCache<A: KvAllocator> {
     id: u64,
 }
 
+/// A boxed arena of `n` cells, reserved fallibly (see `crate::arena`).
+fn boxed<T>(what: &'static str, n: usize, f: impl FnMut(usize) -> T) -> Result<Box<[T]>, ConfigError> {
+    Ok(crate::arena::try_vec_with(n, what, f)?.into_boxed_slice())
+}
+
 // SAFETY: `inner` is only reached while holding the latch (`write`), which gives
 // mutual exclusion with Acquire/Release; everything else is atomic or immutable.
 unsafe impl<A: KvAllocator> Sync for RadixCache<A> {}
@@ -481,7 +485,20 @@ impl<A: KvAllocator> RadixCache<A> {
         }
         let num_pages = num_pages as u32;
         let nrec = num_pages as usize + 3;
-        let records = arena::boxed("radix node records", nrec, |i| Record {
+        let nbuckets = (nrec * 2).next_power_of_two();
+        let pages = num_pages as usize + 1;
+        // The arenas are written as they are built: check first that all of them fit
+        // together, so that a system that grants each reservation on its own (memory
+        // overcommit) gives an error here rather than killing the process half-way.
+        let per_record = size_of::<Record>() + size_of::<Meta>() + 2 * size_of::<u32>();
+        let per_page = 4 * size_of::<u32>() + if config.event_capacity.is_some() { size_of::<BlockHash>() } else { 0 };
+        let total = crate::arena::bytes_of::<u8>(nrec)
+            .saturating_mul(per_record as u64)
+            .saturating_add(crate::arena::bytes_of::<u64>(nbuckets))
+            .saturating_add(crate::arena::bytes_of::<u8>(pages).saturating_mul(per_page as u64))
+            .saturating_add(crate::arena::bytes_of::<u32>(nslots));
+        crate::arena::probe(total, "the radix cache's arenas")?;
+        let records = boxed("radix node records", nrec, |i| Record {
             gen: AtomicU64::new(if i == ROOT as usize { 0 } else { 1 }),
             span: AtomicU64::new(0),
             first_run: AtomicU32::new(0),
@@ -490,22 +507,16 @@ impl<A: KvAllocator> RadixCache<A> {
             key_hash: AtomicU64::new(0),
             hash_next: AtomicU32::new(NIL),
         })?;
-        let nbuckets = (nrec * 2).next_power_of_two();
-        let meta = arena::boxed("radix node metadata", nrec, |_| Meta::default())?;
+        let meta = boxed("radix node metadata", nrec, |_| Meta::default())?;
         let events = config.event_capacity.map(EventQueue::try_new).transpose()?;
-        let pages = num_pages as usize + 1;
         let inner = Inner {
             meta,
-            free_ids: arena::with_capacity("radix free node list", nrec)?,
-            heap: arena::with_capacity("radix eviction heap", nrec)?,
-            in_tree: arena::boxed("radix page bitmap", pages.div_ceil(64), |_| 0u64)?,
-            page_owner: arena::boxed("radix page owners", pages, |_| NIL)?,
-            page_epoch: arena::boxed("radix page epochs", pages, |_| 0u32)?,
-            digests: if events.is_some() {
-                arena::boxed("radix page digests", pages, |_| [0u8; 32])?
-            } else {
-                Box::new([])
-            },
+            free_ids: crate::arena::try_with_capacity(nrec, "radix free node list")?,
+            heap: crate::arena::try_with_capacity(nrec, "radix eviction heap")?,
+            in_tree: boxed("radix page bitmap", pages.div_ceil(64), |_| 0u64)?,
+            page_owner: boxed("radix page owners", pages, |_| NIL)?,
+            page_epoch: boxed("radix page epochs", pages, |_| 0u32)?,
+            digests: if events.is_some() { boxed("radix page digests", pages, |_| [0u8; 32])? } else { Box::new([]) },
             clock: 0,
         };
         let cache = RadixCache {
@@ -517,9 +528,9 @@ impl<A: KvAllocator> RadixCache<A> {
             num_pages,
             records,
             slot_token: tokens::Tokens::new(nslots)?,
-            next_page: arena::boxed("radix page links", pages, |_| AtomicU32::new(0))?,
-            run_len: arena::boxed("radix run lengths", pages, |_| AtomicU32::new(0))?,
-            buckets: arena::boxed("radix hash buckets", nbuckets, |_| AtomicU64::new(NIL as u64))?,
+            next_page: boxed("radix page links", pages, |_| AtomicU32::new(0))?,
+            run_len: boxed("radix run lengths", pages, |_| AtomicU32::new(0))?,
+            buckets: boxed("radix hash buckets", nbuckets, |_| AtomicU64::new(NIL as u64))?,
             bucket_mask: nbuckets - 1,
             latch: CachePadded::new(AtomicBool::new(false)),
             inner: UnsafeCell::new(inner),
@@ -990,9 +1001,9 @@ impl<A: KvAllocator> RadixCache<A> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
-        let need = self.alloc.extend_need(prefix_lens, seq_lens)?;
-        let new_tokens = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?.new_tokens;
-        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), new_tokens, |i| {
+        let plan = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?;
+        let need = plan.new_pages * self.ps;
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), plan.new_tokens, |i| {
             (prefix_lens[i], seq_lens[i])
         })?;
         self.make_room(need);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::alloc::Geometry;
 use crate::baseline::ReferenceRadixCache;
 use crate::{PagedAllocator, TokenAllocator};
 
@@ -459,45 +460,6 @@ fn allocation_validates_before_evicting() {
     assert_eq!((c.total_size(), c.allocator().available_size()), (0, 8));
 }
 
-/// An allocator that reports whatever geometry a test wants (for constructor checks).
-struct Geometry(TokenAllocator, u32, usize);
-
-impl KvAllocator for Geometry {
-    fn page_size(&self) -> u32 {
-        self.1
-    }
-    fn size(&self) -> usize {
-        self.2
-    }
-    fn available_size(&self) -> usize {
-        self.0.available_size()
-    }
-    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.alloc(out)
-    }
-    fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.alloc_extend(p, s, l, out)
-    }
-    fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.alloc_decode(s, l, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.0.free(slots)
-    }
-    fn free_group(&self) -> crate::alloc::KvFreeGroup<'_> {
-        self.0.free_group()
-    }
-    fn is_allocated(&self, slot: u32) -> bool {
-        self.0.is_allocated(slot)
-    }
-    fn clear(&mut self) {
-        self.0.clear()
-    }
-    fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.0.check_invariants()
-    }
-}
-
 #[test]
 fn construction_checks_the_geometry() {
     let rows = || ReqToTokenPool::new(1, 4).unwrap();
@@ -516,7 +478,7 @@ fn construction_checks_the_geometry() {
     .unwrap_err();
     assert!(matches!(e, ConfigError::TooLargeForMemory { bytes: u64::MAX, .. }), "{e:?}");
     // An arena the machine cannot grant is an error that names its bytes.
-    let e = super::arena::boxed("test arena", usize::MAX / 8, |_| 0u64).unwrap_err();
+    let e = crate::arena::try_vec_with(usize::MAX / 8, "test arena", |_| 0u64).unwrap_err();
     assert_eq!(e, ConfigError::TooLargeForMemory { what: "test arena", bytes: u64::MAX - 7 });
     assert!(e.to_string().contains("18446744073709551608 bytes"), "{e}");
 }

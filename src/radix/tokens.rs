@@ -35,7 +35,7 @@ fn unpack(word: u64) -> (u32, u32) {
 
 impl Tokens {
     pub(super) fn new(slots: usize) -> Result<Self, crate::ConfigError> {
-        let words = super::arena::boxed("radix slot tokens", slots.div_ceil(2), |_| AtomicU64::new(0))?;
+        let words = super::boxed("radix slot tokens", slots.div_ceil(2), |_| AtomicU64::new(0))?;
         Ok(Tokens { words, slots })
     }
 

@@ -7,6 +7,7 @@ use super::heap::Heap;
 use super::{page_hash, span_of, CacheError, KvEvent, Lookup, MatchResult, Meta, RadixCache, Writer, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
+use crate::slots::{ascending_from, bit_words};
 use crate::sync::atomic::{fence, AtomicU32, Ordering};
 
 const EMPTY: Meta = Meta {
@@ -31,21 +32,11 @@ fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
     move |i, slot| CacheError::RowMismatch { index: offset + i, slot }
 }
 
-/// Whether `s` is `first, first + 1, ...` (one branch-free pass: it vectorizes).
-fn ascending(s: &[u32], first: u32) -> bool {
-    s.iter().zip(0u32..).fold(0u32, |acc, (&x, k)| acc | (x ^ first.wrapping_add(k))) == 0
-}
-
 /// How many leading elements of `s` are `first, first + 1, ...`: 64 at a time with one
 /// branch-free pass each (it vectorizes), then one by one.
 fn ascending_len(s: &[u32], first: u32) -> usize {
     let mut n = 0;
-    while n + 64 <= s.len() {
-        let base = first.wrapping_add(n as u32);
-        let diff = s[n..n + 64].iter().zip(0u32..).fold(0u32, |acc, (&x, k)| acc | (x ^ base.wrapping_add(k)));
-        if diff != 0 {
-            break;
-        }
+    while n + 64 <= s.len() && ascending_from(&s[n..n + 64], first.wrapping_add(n as u32)) {
         n += 64;
     }
     while n < s.len() && s[n] == first.wrapping_add(n as u32) {
@@ -58,20 +49,12 @@ fn ascending_len(s: &[u32], first: u32) -> usize {
 /// pages of a checked shape). At page size 1, blocks of 64 slots are compared with one
 /// branch-free pass each (it vectorizes) before the page-by-page tail.
 pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
+    if ps == 1 {
+        return ascending_len(&slots[i..], slots[i]);
+    }
     let pages = slots.len() / ps;
     let s0 = slots[i * ps];
     let mut len = 1usize;
-    if ps == 1 {
-        while i + len + 64 <= pages {
-            let first = s0.wrapping_add(len as u32);
-            let block = &slots[i + len..i + len + 64];
-            let diff = block.iter().zip(0u32..).fold(0u32, |acc, (&s, k)| acc | (s ^ first.wrapping_add(k)));
-            if diff != 0 {
-                break;
-            }
-            len += 64;
-        }
-    }
     while i + len < pages && slots[(i + len) * ps] == s0.wrapping_add((len * ps) as u32) {
         len += 1;
     }
@@ -168,32 +151,17 @@ impl<A: KvAllocator> Writer<'_, A> {
 
     /// Whether no page of `start..start + len` is in the tree, a word at a time.
     fn in_tree_clear(&self, start: u32, len: u32) -> bool {
-        let (mut p, end) = (start as usize, start as usize + len as usize);
-        while p < end {
-            let (w, bit) = (p / 64, p % 64);
-            let n = (64 - bit).min(end - p);
-            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
-            if self.s.in_tree[w] & mask != 0 {
-                return false;
-            }
-            p += n;
-        }
-        true
+        bit_words(start as usize, len as usize).all(|(w, mask)| self.s.in_tree[w] & mask == 0)
     }
 
     /// Set or clear the in-tree bits of pages `start..start + len`, a word at a time.
     fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
-        let (mut p, end) = (start as usize, start as usize + len as usize);
-        while p < end {
-            let (w, bit) = (p / 64, p % 64);
-            let n = (64 - bit).min(end - p);
-            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+        for (w, mask) in bit_words(start as usize, len as usize) {
             if on {
                 self.s.in_tree[w] |= mask;
             } else {
                 self.s.in_tree[w] &= !mask;
             }
-            p += n;
         }
     }
 
@@ -530,7 +498,7 @@ impl<A: KvAllocator> Writer<'_, A> {
                 let from = pos + at * ps;
                 let to = (from + pages * ps).min(protected);
                 let base = page * ps as u32;
-                if bad.is_none() && from < to && !ascending(&kv[from..to], base) {
+                if bad.is_none() && from < to && !ascending_from(&kv[from..to], base) {
                     let off = kv[from..to].iter().zip(base..).position(|(&s, t)| s != t);
                     bad = off.map(|k| from + k);
                 }

@@ -381,51 +381,11 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
 mod tests {
     use super::*;
     use crate::error::ConfigError;
-    use crate::{KvFreeGroup, TokenAllocator};
-
-    /// A custom allocator that reports page size 0.
-    #[derive(Debug)]
-    struct ZeroPages(TokenAllocator);
-
-    impl KvAllocator for ZeroPages {
-        fn page_size(&self) -> u32 {
-            0
-        }
-        fn size(&self) -> usize {
-            self.0.size()
-        }
-        fn available_size(&self) -> usize {
-            self.0.available_size()
-        }
-        fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
-            KvAllocator::alloc(&self.0, out)
-        }
-        fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-            KvAllocator::alloc_extend(&self.0, p, s, l, out)
-        }
-        fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-            KvAllocator::alloc_decode(&self.0, s, l, out)
-        }
-        fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-            KvAllocator::free(&self.0, slots)
-        }
-        fn free_group(&self) -> KvFreeGroup<'_> {
-            KvAllocator::free_group(&self.0)
-        }
-        fn is_allocated(&self, slot: u32) -> bool {
-            KvAllocator::is_allocated(&self.0, slot)
-        }
-        fn clear(&mut self) {
-            KvAllocator::clear(&mut self.0)
-        }
-        fn check_invariants(&self) -> Result<(), InvariantViolation> {
-            KvAllocator::check_invariants(&self.0)
-        }
-    }
+    use crate::TokenAllocator;
 
     #[test]
     fn zero_page_size_allocator_is_a_config_error() {
-        let alloc = ZeroPages(TokenAllocator::new(64).unwrap());
+        let alloc = crate::alloc::Geometry(TokenAllocator::new(64).unwrap(), 0, 64);
         let rows = ReqToTokenPool::new(1, 8).unwrap();
         let e = ReferenceCache::with_allocator(alloc, rows, EvictionPolicy::Lru).unwrap_err();
         assert_eq!(e, ConfigError::ZeroPageSize);

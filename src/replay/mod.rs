@@ -556,7 +556,7 @@ pub(crate) fn fits_in_pool<C: ReplayCache>(cache: &C, kv_len: usize) -> bool {
 
 /// A driver buffer of `len` slots or tokens, reserved fallibly.
 pub(crate) fn buffer(len: usize, what: &'static str) -> Result<Vec<u32>, ReplayError> {
-    crate::arena::try_vec_with(len, what, || 0).map_err(ReplayError::from)
+    crate::arena::try_vec_with(len, what, |_| 0).map_err(ReplayError::from)
 }
 
 /// Evict the shortfall when `need` tokens are more than are free; returns the tokens

@@ -1473,7 +1473,7 @@ fn for_each_run(indices: &[u32], mut f: impl FnMut(usize, u64)) {
 
 /// Whether `s` is `first, first + 1, ...`. No early exit, so the compiler vectorises it.
 #[inline]
-fn ascending_from(s: &[u32], first: u32) -> bool {
+pub(crate) fn ascending_from(s: &[u32], first: u32) -> bool {
     let mut diff = 0u32;
     for (k, &x) in s.iter().enumerate() {
         diff |= x ^ first.wrapping_add(k as u32);
@@ -1680,6 +1680,7 @@ impl core::fmt::Debug for FreeGroup<'_> {
 }
 
 mod range;
+pub(crate) use range::bit_words;
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -5,10 +5,11 @@
 use super::{Applied, Dup, FreeGroup, SlotPool, BITS};
 use crate::error::{FreeError, FreeErrorKind};
 
-/// The bitmap words covering `first..first + count` (indices from 1), each with the mask
-/// of the range's bits in it.
-fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
-    let (mut i, end) = (first as usize - 1, first as usize - 1 + count as usize);
+/// The 64-bit words covering bits `start..start + len` of a bitmap, each with the mask
+/// of the range's bits in it. (The slot pool's index `i` is bit `i - 1`; the radix
+/// cache's page bitmap uses it too.)
+pub(crate) fn bit_words(start: usize, len: usize) -> impl Iterator<Item = (usize, u64)> {
+    let (mut i, end) = (start, start + len);
     core::iter::from_fn(move || {
         if i >= end {
             return None;
@@ -19,6 +20,11 @@ fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
         i += n;
         Some((w, mask))
     })
+}
+
+/// The words of indices `first..first + count` (`first >= 1`).
+fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
+    bit_words(first as usize - 1, count as usize)
 }
 
 impl SlotPool {
