@@ -1,26 +1,61 @@
-//! An indexed binary min-heap of evictable leaves, keyed by the eviction policy.
+//! Indexed binary min-heaps of tree nodes (the eviction orders), keyed by a policy.
 //!
-//! Each node's position is kept in its metadata (`heap_pos`, `NIL` when absent), so a
-//! key change (a touch) or a removal (a lock, a new child) is O(log n) and nothing is
-//! ever allocated: the heap's vector has the node arena's capacity from the start.
+//! Each node's position in a heap is kept in its metadata (the core order's in
+//! `heap_pos`; a variant's extra orders in fields of its payload), so a key change (a
+//! touch) or a removal (a lock, a new child) is O(log n) and nothing is ever
+//! allocated: every heap's vector has the node arena's capacity from the start.
 
 use super::{EvictionPolicy, Meta, NIL};
 
-pub(super) struct Heap<'a> {
-    pub heap: &'a mut Vec<u32>,
-    pub meta: &'a mut [Meta],
-    pub policy: EvictionPolicy,
+/// Which field of a node holds its position in a heap, and the node's key there.
+pub(crate) trait Slot<N> {
+    fn pos(m: &Meta<N>) -> u32;
+    fn set_pos(m: &mut Meta<N>, pos: u32);
+    fn key(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
+        policy.key(m.last_access, m.created, m.hit_count, m.priority)
+    }
 }
 
-impl Heap<'_> {
-    fn key(&self, id: u32) -> (i64, u64) {
-        let m = &self.meta[id as usize];
-        self.policy.key(m.last_access, m.created, m.hit_count, m.priority)
+/// The core order: evictable leaves, by the cache's policy.
+pub(crate) struct Leaves;
+
+impl<N> Slot<N> for Leaves {
+    #[inline]
+    fn pos(m: &Meta<N>) -> u32 {
+        m.heap_pos
+    }
+    #[inline]
+    fn set_pos(m: &mut Meta<N>, pos: u32) {
+        m.heap_pos = pos;
+    }
+}
+
+pub(crate) struct Heap<'a, N, S: Slot<N>> {
+    pub heap: &'a mut Vec<u32>,
+    pub meta: &'a mut [Meta<N>],
+    pub policy: EvictionPolicy,
+    pub slot: core::marker::PhantomData<S>,
+}
+
+impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
+    pub fn new(heap: &'a mut Vec<u32>, meta: &'a mut [Meta<N>], policy: EvictionPolicy) -> Self {
+        Heap { heap, meta, policy, slot: core::marker::PhantomData }
     }
 
+    #[inline]
+    fn key(&self, id: u32) -> (i64, u64) {
+        S::key(self.policy, &self.meta[id as usize])
+    }
+
+    #[inline]
+    fn pos_of(&self, id: u32) -> u32 {
+        S::pos(&self.meta[id as usize])
+    }
+
+    #[inline]
     fn set(&mut self, pos: usize, id: u32) {
         self.heap[pos] = id;
-        self.meta[id as usize].heap_pos = pos as u32;
+        S::set_pos(&mut self.meta[id as usize], pos as u32);
     }
 
     fn up(&mut self, mut pos: usize) {
@@ -60,7 +95,7 @@ impl Heap<'_> {
     }
 
     pub fn contains(&self, id: u32) -> bool {
-        self.meta[id as usize].heap_pos != NIL
+        self.pos_of(id) != NIL
     }
 
     pub fn push(&mut self, id: u32) {
@@ -68,49 +103,53 @@ impl Heap<'_> {
         // Within the capacity reserved at construction: no reallocation.
         self.heap.push(id);
         let pos = self.heap.len() - 1;
-        self.meta[id as usize].heap_pos = pos as u32;
+        S::set_pos(&mut self.meta[id as usize], pos as u32);
         self.up(pos);
     }
 
     pub fn remove(&mut self, id: u32) {
-        let pos = self.meta[id as usize].heap_pos;
+        let pos = self.pos_of(id);
         if pos == NIL {
             return;
         }
         let pos = pos as usize;
-        self.meta[id as usize].heap_pos = NIL;
+        S::set_pos(&mut self.meta[id as usize], NIL);
         let last = self.heap.pop().expect("heap holds the node");
         if pos < self.heap.len() {
             self.set(pos, last);
             self.up(pos);
-            let p = self.meta[last as usize].heap_pos as usize;
+            let p = self.pos_of(last) as usize;
             self.down(p);
         }
     }
 
     /// Restore order after `id`'s key changed.
     pub fn update(&mut self, id: u32) {
-        let pos = self.meta[id as usize].heap_pos;
+        let pos = self.pos_of(id);
         if pos != NIL {
             self.up(pos as usize);
-            let p = self.meta[id as usize].heap_pos as usize;
+            let p = self.pos_of(id) as usize;
             self.down(p);
         }
     }
 
     /// `new` takes `old`'s place (same key), `old` leaves.
     pub fn replace(&mut self, old: u32, new: u32) {
-        let pos = self.meta[old as usize].heap_pos;
-        self.meta[old as usize].heap_pos = NIL;
+        let pos = self.pos_of(old);
+        S::set_pos(&mut self.meta[old as usize], NIL);
         if pos != NIL {
             self.set(pos as usize, new);
         } else {
-            self.meta[new as usize].heap_pos = NIL;
+            S::set_pos(&mut self.meta[new as usize], NIL);
         }
     }
 
+    pub fn peek(&self) -> Option<u32> {
+        self.heap.first().copied()
+    }
+
     pub fn pop(&mut self) -> Option<u32> {
-        let top = *self.heap.first()?;
+        let top = self.peek()?;
         self.remove(top);
         Some(top)
     }
@@ -118,13 +157,10 @@ impl Heap<'_> {
 
 /// Check heap order and positions over shared views (no copy of the arenas: the
 /// invariant check runs on caches of millions of nodes).
-pub(super) fn check(heap: &[u32], meta: &[Meta], policy: EvictionPolicy) -> Result<(), String> {
-    let key = |id: u32| {
-        let m = &meta[id as usize];
-        policy.key(m.last_access, m.created, m.hit_count, m.priority)
-    };
+pub(crate) fn check<N, S: Slot<N>>(heap: &[u32], meta: &[Meta<N>], policy: EvictionPolicy) -> Result<(), String> {
+    let key = |id: u32| S::key(policy, &meta[id as usize]);
     for (pos, &id) in heap.iter().enumerate() {
-        if meta[id as usize].heap_pos as usize != pos {
+        if S::pos(&meta[id as usize]) as usize != pos {
             return Err(format!("heap position of node {id} is stale"));
         }
         if pos > 0 && key(heap[(pos - 1) / 2]) > key(id) {

@@ -139,9 +139,13 @@ mod events;
 mod heap;
 mod policy;
 mod tokens;
+mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use policy::{EvictionPolicy, UnknownPolicy};
+pub use variant::{Plain, Variant};
+
+use writer::Writer;
 
 use core::fmt;
 use core::hash::Hasher;
@@ -263,8 +267,8 @@ struct LeaseKey {
 /// A lock on a matched path: the nodes from the match's last node up to the root are
 /// protected from eviction while the lease lives. Dropping it unlocks.
 #[must_use = "dropping a lease unlocks its path at once"]
-pub struct Lease<'c, A: KvAllocator> {
-    cache: &'c RadixCache<A>,
+pub struct Lease<'c, A: KvAllocator, V: Variant = Plain> {
+    cache: &'c RadixCache<A, V>,
     key: LeaseKey,
 }
 
@@ -298,7 +302,7 @@ impl RawLease {
     }
 }
 
-impl<'c, A: KvAllocator> Lease<'c, A> {
+impl<'c, A: KvAllocator, V: Variant> Lease<'c, A, V> {
     /// Tokens covered by the lease (SGLang's `cache_protected_len`).
     pub fn len(&self) -> usize {
         self.key.len
@@ -315,36 +319,36 @@ impl<'c, A: KvAllocator> Lease<'c, A> {
     }
 }
 
-impl<A: KvAllocator> Drop for Lease<'_, A> {
+impl<A: KvAllocator, V: Variant> Drop for Lease<'_, A, V> {
     fn drop(&mut self) {
         // A lease made by this cache for a live node cannot fail to unlock.
         let _ = self.cache.release_key(self.key);
     }
 }
 
-impl<A: KvAllocator> fmt::Debug for Lease<'_, A> {
+impl<A: KvAllocator, V: Variant> fmt::Debug for Lease<'_, A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease").field("len", &self.key.len).field("last_page", &self.key.last_page).finish()
     }
 }
 
 /// A request that could not be finished, handed back with the reason (nothing changed).
-pub struct Unfinished<'c, A: KvAllocator> {
+pub struct Unfinished<'c, A: KvAllocator, V: Variant = Plain> {
     /// Why.
     pub error: CacheError,
     /// The request's row, still held.
     pub row: ReqRow,
     /// The request's lease, still held.
-    pub lease: Lease<'c, A>,
+    pub lease: Lease<'c, A, V>,
 }
 
-impl<A: KvAllocator> fmt::Debug for Unfinished<'_, A> {
+impl<A: KvAllocator, V: Variant> fmt::Debug for Unfinished<'_, A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Unfinished").field("error", &self.error).finish()
     }
 }
 
-impl<A: KvAllocator> fmt::Display for Unfinished<'_, A> {
+impl<A: KvAllocator, V: Variant> fmt::Display for Unfinished<'_, A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.error.fmt(f)
     }
@@ -367,7 +371,7 @@ struct Record {
 
 /// The writer-only part of a node.
 #[derive(Clone, Copy, Debug, Default)]
-struct Meta {
+struct Meta<N = ()> {
     lock_ref: u32,
     children: u32,
     heap_pos: u32,
@@ -377,11 +381,13 @@ struct Meta {
     hit_count: u64,
     priority: i64,
     alive: bool,
+    /// The variant's payload.
+    ext: N,
 }
 
 /// Everything only the latch holder touches.
-struct Inner {
-    meta: Box<[Meta]>,
+struct Inner<V: Variant> {
+    meta: Box<[Meta<V::Node>]>,
     free_ids: Vec<u32>,
     heap: Vec<u32>,
     /// Which pages the tree holds (one bit each).
@@ -393,11 +399,14 @@ struct Inner {
     /// Page hashes, when events are on.
     digests: Box<[BlockHash]>,
     clock: u64,
+    /// The variant's orders.
+    ext: V::State,
 }
 
 /// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
-pub struct RadixCache<A: KvAllocator> {
+pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     alloc: A,
+    variant: V,
     req_pool: ReqToTokenPool,
     policy: EvictionPolicy,
     ps: usize,
@@ -414,7 +423,7 @@ pub struct RadixCache<A: KvAllocator> {
     buckets: Box<[AtomicU64]>,
     bucket_mask: usize,
     latch: CachePadded<AtomicBool>,
-    inner: UnsafeCell<Inner>,
+    inner: UnsafeCell<Inner<V>>,
     evictable: AtomicUsize,
     protected: AtomicUsize,
     total: AtomicUsize,
@@ -429,9 +438,9 @@ fn boxed<T>(what: &'static str, n: usize, f: impl FnMut(usize) -> T) -> Result<B
 
 // SAFETY: `inner` is only reached while holding the latch (`write`), which gives
 // mutual exclusion with Acquire/Release; everything else is atomic or immutable.
-unsafe impl<A: KvAllocator> Sync for RadixCache<A> {}
+unsafe impl<A: KvAllocator, V: Variant> Sync for RadixCache<A, V> {}
 // SAFETY: the cache owns all its data; nothing is tied to a thread.
-unsafe impl<A: KvAllocator> Send for RadixCache<A> {}
+unsafe impl<A: KvAllocator, V: Variant> Send for RadixCache<A, V> {}
 
 enum Lookup {
     Found { id: u32, gen: u64 },
@@ -472,6 +481,18 @@ impl<A: KvAllocator> RadixCache<A> {
     /// [`ConfigError::TooLargeForMemory`] (naming the arena and its bytes) when an arena
     /// cannot be reserved. Nothing is left allocated then.
     pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError> {
+        Self::with_variant(alloc, req_pool, config, Plain)
+    }
+}
+
+impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
+    /// The core constructor: a tree of variant `variant` (see [`new`](RadixCache::new)).
+    fn with_variant(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        config: RadixConfig,
+        variant: V,
+    ) -> Result<Self, crate::ConfigError> {
         let ps = alloc.page_size() as usize;
         if ps == 0 {
             return Err(ConfigError::ZeroPageSize);
@@ -490,7 +511,7 @@ impl<A: KvAllocator> RadixCache<A> {
         // The arenas are written as they are built: check first that all of them fit
         // together, so that a system that grants each reservation on its own (memory
         // overcommit) gives an error here rather than killing the process half-way.
-        let per_record = size_of::<Record>() + size_of::<Meta>() + 2 * size_of::<u32>();
+        let per_record = size_of::<Record>() + size_of::<Meta<V::Node>>() + 2 * size_of::<u32>();
         let per_page = 4 * size_of::<u32>() + if config.event_capacity.is_some() { size_of::<BlockHash>() } else { 0 };
         let total = crate::arena::bytes_of::<u8>(nrec)
             .saturating_mul(per_record as u64)
@@ -518,9 +539,11 @@ impl<A: KvAllocator> RadixCache<A> {
             page_epoch: boxed("radix page epochs", pages, |_| 0u32)?,
             digests: if events.is_some() { boxed("radix page digests", pages, |_| [0u8; 32])? } else { Box::new([]) },
             clock: 0,
+            ext: variant.new_state(nrec)?,
         };
         let cache = RadixCache {
             alloc,
+            variant,
             req_pool,
             policy: config.policy,
             ps,
@@ -584,7 +607,7 @@ impl<A: KvAllocator> RadixCache<A> {
         self.total.load(Ordering::Acquire)
     }
 
-    fn write<R>(&self, f: impl FnOnce(&mut Writer<'_, A>) -> R) -> R {
+    fn write<R>(&self, f: impl FnOnce(&mut Writer<'_, A, V>) -> R) -> R {
         let mut backoff = Backoff::new();
         // Acquire: the previous holder's writes (Release on unlock) are visible.
         while self.latch.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
@@ -842,7 +865,7 @@ impl<A: KvAllocator> RadixCache<A> {
     /// lock: see [`match_and_lock`](Self::match_and_lock).
     pub fn match_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
         let key = self.aligned(key, out.len());
-        let r = self.write(|w| w.match_path(namespace, key, out));
+        let r = self.write(|w| w.match_path(namespace, key, out).0);
         crate::debug_check(self);
         r
     }
@@ -850,10 +873,10 @@ impl<A: KvAllocator> RadixCache<A> {
     /// Match and lock in one step, so no eviction can come between (the crux of using
     /// a prefix cache from several threads). The lease protects the matched path until
     /// dropped; `lease.len()` tokens of `out` hold the matched slots.
-    pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A> {
+    pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
         let key = self.aligned(key, out.len());
         let raw = self.write(|w| {
-            let m = w.match_path(namespace, key, out);
+            let (m, _) = w.match_path(namespace, key, out);
             w.inc_lock(m.last_page);
             m
         });
@@ -870,12 +893,13 @@ impl<A: KvAllocator> RadixCache<A> {
     ///
     /// [`CacheError::StaleMatch`] if the matched node was evicted since, or the match
     /// came from another cache. Nothing changes then.
-    pub fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A>, CacheError> {
+    pub fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A, V>, CacheError> {
         if m.cache_id != self.id {
             return Err(CacheError::StaleMatch);
         }
         self.write(|w| {
-            if m.last_page != 0 && !w.is_node_end(m.last_page, m.epoch) {
+            if m.last_page != 0 && (!w.is_node_end(m.last_page, m.epoch) || !V::match_end(&w.node_of(m.last_page).ext))
+            {
                 return Err(CacheError::StaleMatch);
             }
             w.inc_lock(m.last_page);
@@ -903,7 +927,7 @@ impl<A: KvAllocator> RadixCache<A> {
     /// # Errors
     ///
     /// Hands the lease back if it belongs to another cache.
-    pub fn attach(&self, lease: RawLease) -> Result<Lease<'_, A>, RawLease> {
+    pub fn attach(&self, lease: RawLease) -> Result<Lease<'_, A, V>, RawLease> {
         if lease.0.cache_id != self.id {
             return Err(lease);
         }
@@ -924,22 +948,6 @@ impl<A: KvAllocator> RadixCache<A> {
             w.dec_lock(lease.last_page);
             Ok(())
         });
-        crate::debug_check(self);
-        r
-    }
-
-    /// Insert `key -> slots` (whole pages); returns how many leading tokens were already
-    /// cached. The caller's slots for those are duplicates it must free (the request
-    /// helpers do that); the tree takes ownership of the rest. `priority` raises the
-    /// priority of every node on the path (for [`EvictionPolicy::Priority`]).
-    ///
-    /// # Errors
-    ///
-    /// [`CacheError::Invalid`] if the lengths differ or are not whole pages, or a page's
-    /// slots are not that page's slots in order; [`CacheError::SlotNotOwned`] if a new
-    /// page is already in the tree or not allocated. Nothing changes on error.
-    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
-        let r = self.write(|w| w.insert(namespace, key, slots, priority));
         crate::debug_check(self);
         r
     }
@@ -1024,38 +1032,9 @@ impl<A: KvAllocator> RadixCache<A> {
         self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }
 
-    /// SGLang's `cache_finished_req`. `token_ids` are the request's tokens that have KV
-    /// (prompt plus outputs, minus the last generated token); the row holds their slots.
-    /// Inserts the page-aligned part, frees the slots the tree already had beyond the
-    /// lease (duplicates) and the unaligned tail, unlocks, and frees the row. Returns the
-    /// prefix length the insert found.
-    ///
-    /// # Errors
-    ///
-    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
-    pub fn cache_finished_req<'c>(
-        &'c self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, A>,
-        priority: i64,
-    ) -> Result<usize, Unfinished<'c, A>> {
-        let r = self.finish(namespace, token_ids, &row, &lease, priority);
-        match r {
-            Ok(n) => {
-                core::mem::forget(lease); // its lock was released by `finish`
-                                          // The row is ours: freeing it cannot fail.
-                let _ = self.req_pool.free(row);
-                Ok(n)
-            }
-            Err(error) => Err(Unfinished { error, row, lease }),
-        }
-    }
-
     /// The page-aligned length of a request's tokens and the length its lease protects,
     /// after checking the lease is this cache's and covers no more than those tokens.
-    fn request_lengths(&self, token_ids: &[u32], lease: &Lease<'_, A>) -> Result<(usize, usize), CacheError> {
+    fn request_lengths(&self, token_ids: &[u32], lease: &Lease<'_, A, V>) -> Result<(usize, usize), CacheError> {
         if lease.key.cache_id != self.id || !core::ptr::eq(lease.cache, self) {
             return Err(CacheError::StaleMatch);
         }
@@ -1066,68 +1045,6 @@ impl<A: KvAllocator> RadixCache<A> {
             return Err(InvalidInput::PrefixLongerThanSeq { request: 0, prefix_len, seq_len }.into());
         }
         Ok((aligned, protected))
-    }
-
-    fn finish(
-        &self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: &ReqRow,
-        lease: &Lease<'_, A>,
-        priority: i64,
-    ) -> Result<usize, CacheError> {
-        let (aligned, _) = self.request_lengths(token_ids, lease)?;
-        let kv = self.req_pool.read(row, 0..token_ids.len())?;
-        let r = self.write(|w| {
-            // Everything is checked (the leased prefix against the tree, the pages to
-            // insert, the duplicates and the tail to free) before anything changes.
-            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, true)?;
-            w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
-            let mut group = self.alloc.free_group();
-            let freed = group.free(&kv[p.protected..p.cached]).and_then(|()| group.free(&kv[aligned..]));
-            debug_assert!(freed.is_ok(), "checked request slots failed to free: {freed:?}");
-            drop(group);
-            w.dec_lock(lease.key.last_page);
-            Ok(p.cached)
-        });
-        crate::debug_check(self);
-        r
-    }
-
-    /// SGLang's `cache_unfinished_req` (chunked prefill): inserts the page-aligned part of
-    /// `token_ids`, frees the duplicates, re-matches, rewrites the row with the tree's
-    /// slots, and moves the lease to the new last node. The unaligned tail stays with the
-    /// request. Afterwards `lease.len()` is the new protected length.
-    ///
-    /// # Errors
-    ///
-    /// [`CacheError`]; nothing changed.
-    pub fn cache_unfinished_req(
-        &self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, A>,
-        priority: i64,
-    ) -> Result<(), CacheError> {
-        let (aligned, _) = self.request_lengths(token_ids, lease)?;
-        let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
-        let m = self.write(|w| {
-            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, false)?;
-            w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
-            let freed = self.alloc.free(&kv[p.protected..p.cached]);
-            debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
-            let m = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
-            debug_assert_eq!(m.len, aligned);
-            w.inc_lock(m.last_page);
-            w.dec_lock(lease.key.last_page);
-            Ok::<_, CacheError>(m)
-        })?;
-        lease.key.last_page = m.last_page;
-        lease.key.epoch = m.epoch;
-        lease.key.len = m.len;
-        crate::debug_check(self);
-        Ok(())
     }
 
     /// Drop the whole tree: cached slots go back to the allocator, sizes go to 0, an
@@ -1168,13 +1085,162 @@ impl<A: KvAllocator> RadixCache<A> {
     }
 }
 
-impl<A: KvAllocator> crate::CheckInvariants for RadixCache<A> {
+/// The plain cache's inserts and request helpers (other variants carry more per node:
+/// their inserts take it).
+impl<A: KvAllocator> RadixCache<A> {
+    /// Insert `key -> slots` (whole pages); returns how many leading tokens were already
+    /// cached. The caller's slots for those are duplicates it must free (the request
+    /// helpers do that); the tree takes ownership of the rest. `priority` raises the
+    /// priority of every node on the path (for [`EvictionPolicy::Priority`]).
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Invalid`] if the lengths differ or are not whole pages, or a page's
+    /// slots are not that page's slots in order; [`CacheError::SlotNotOwned`] if a new
+    /// page is already in the tree or not allocated. Nothing changes on error.
+    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
+        let r = self.write(|w| w.insert(namespace, key, slots, priority).map(|(cached, _)| cached));
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `cache_finished_req`. `token_ids` are the request's tokens that have KV
+    /// (prompt plus outputs, minus the last generated token); the row holds their slots.
+    /// Inserts the page-aligned part, frees the slots the tree already had beyond the
+    /// lease (duplicates) and the unaligned tail, unlocks, and frees the row. Returns the
+    /// prefix length the insert found.
+    ///
+    /// # Errors
+    ///
+    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
+    pub fn cache_finished_req<'c>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, A>,
+        priority: i64,
+    ) -> Result<usize, Unfinished<'c, A>> {
+        self.finish_with(namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+    }
+
+    /// SGLang's `cache_unfinished_req` (chunked prefill): inserts the page-aligned part of
+    /// `token_ids`, frees the duplicates, re-matches, rewrites the row with the tree's
+    /// slots, and moves the lease to the new last node. The unaligned tail stays with the
+    /// request. Afterwards `lease.len()` is the new protected length.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`]; nothing changed.
+    pub fn cache_unfinished_req(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A>,
+        priority: i64,
+    ) -> Result<(), CacheError> {
+        self.unfinished_with(namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ())
+    }
+}
+
+/// The request helpers' core, shared by the variants: `check` validates the variant's
+/// part before anything changes, `then` applies it to the node the insert ended at.
+impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
+    #[allow(clippy::too_many_arguments)]
+    fn finish_with<'c, R>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, A, V>,
+        priority: i64,
+        check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
+        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+    ) -> Result<(usize, R), Unfinished<'c, A, V>> {
+        match self.finish(namespace, token_ids, &row, &lease, priority, check, then) {
+            Ok(r) => {
+                core::mem::forget(lease); // its lock was released by `finish`
+                                          // The row is ours: freeing it cannot fail.
+                let _ = self.req_pool.free(row);
+                Ok(r)
+            }
+            Err(error) => Err(Unfinished { error, row, lease }),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish<R>(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, V>,
+        priority: i64,
+        check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
+        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+    ) -> Result<(usize, R), CacheError> {
+        let (aligned, _) = self.request_lengths(token_ids, lease)?;
+        let kv = self.req_pool.read(row, 0..token_ids.len())?;
+        let r = self.write(|w| {
+            // Everything is checked (the variant's part, the leased prefix against the
+            // tree, the pages to insert, the duplicates and the tail to free) before
+            // anything changes.
+            check(w)?;
+            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, true)?;
+            let end = w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
+            let r = then(w, end);
+            let mut group = self.alloc.free_group();
+            let freed = group.free(&kv[p.protected..p.cached]).and_then(|()| group.free(&kv[aligned..]));
+            debug_assert!(freed.is_ok(), "checked request slots failed to free: {freed:?}");
+            drop(group);
+            w.dec_lock(lease.key.last_page);
+            Ok((p.cached, r))
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn unfinished_with<R>(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, V>,
+        priority: i64,
+        check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
+        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+    ) -> Result<R, CacheError> {
+        let (aligned, _) = self.request_lengths(token_ids, lease)?;
+        let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
+        let (m, r) = self.write(|w| {
+            check(w)?;
+            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, false)?;
+            let end = w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
+            let r = then(w, end);
+            let freed = self.alloc.free(&kv[p.protected..p.cached]);
+            debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
+            let (m, _) = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
+            w.inc_lock(m.last_page);
+            w.dec_lock(lease.key.last_page);
+            Ok::<_, CacheError>((m, r))
+        })?;
+        lease.key.last_page = m.last_page;
+        lease.key.epoch = m.epoch;
+        lease.key.len = m.len;
+        crate::debug_check(self);
+        Ok(r)
+    }
+}
+
+impl<A: KvAllocator, V: Variant> crate::CheckInvariants for RadixCache<A, V> {
     fn check(&self) -> Result<(), InvariantViolation> {
         self.check_invariants()
     }
 }
 
-impl<A: KvAllocator> fmt::Debug for RadixCache<A> {
+impl<A: KvAllocator, V: Variant> fmt::Debug for RadixCache<A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RadixCache")
             .field("page_size", &self.ps)
@@ -1184,12 +1250,6 @@ impl<A: KvAllocator> fmt::Debug for RadixCache<A> {
             .field("protected", &self.protected_size())
             .finish()
     }
-}
-
-/// The latch holder's view: all tree changes go through here.
-struct Writer<'a, A: KvAllocator> {
-    c: &'a RadixCache<A>,
-    s: &'a mut Inner,
 }
 
 mod writer;

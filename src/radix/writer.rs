@@ -3,24 +3,42 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use super::heap::Heap;
-use super::{page_hash, span_of, CacheError, KvEvent, Lookup, MatchResult, Meta, RadixCache, Writer, NIL, ROOT};
+use super::heap::{Heap, Leaves};
+use super::variant::Variant;
+use super::{page_hash, span_of, CacheError, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
 use crate::slots::{ascending_from, bit_words};
 use crate::sync::atomic::{fence, AtomicU32, Ordering};
 
-const EMPTY: Meta = Meta {
-    lock_ref: 0,
-    children: 0,
-    heap_pos: NIL,
-    last_page: 0,
-    last_access: 0,
-    created: 0,
-    hit_count: 0,
-    priority: 0,
-    alive: false,
-};
+/// The latch holder's view: all tree changes go through here (and through the
+/// variant's hooks, which receive it).
+pub struct Writer<'a, A: KvAllocator, V: Variant> {
+    pub(super) c: &'a RadixCache<A, V>,
+    pub(super) s: &'a mut Inner<V>,
+}
+
+impl<A: KvAllocator, V: Variant> core::fmt::Debug for Writer<'_, A, V> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Writer").finish_non_exhaustive()
+    }
+}
+
+/// The metadata of a free record.
+fn empty<N: Default>() -> Meta<N> {
+    Meta {
+        lock_ref: 0,
+        children: 0,
+        heap_pos: NIL,
+        last_page: 0,
+        last_access: 0,
+        created: 0,
+        hit_count: 0,
+        priority: 0,
+        alive: false,
+        ext: N::default(),
+    }
+}
 
 /// What [`Writer::prepare_request`] found: the lease's length and the cached length.
 pub(super) struct Prepared {
@@ -61,10 +79,10 @@ pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
     len
 }
 
-impl<'a, A: KvAllocator> Writer<'a, A> {
+impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
     /// The runs of node `id`, as (first page, pages), in order.
     pub(super) fn runs(&self, id: u32) -> Runs<'a> {
-        let c: &'a RadixCache<A> = self.c;
+        let c: &'a RadixCache<A, V> = self.c;
         let r = &c.records[id as usize];
         let (first, count) = span_of(r.span.load(Ordering::Relaxed));
         Runs {
@@ -82,13 +100,13 @@ impl<'a, A: KvAllocator> Writer<'a, A> {
     }
 }
 
-impl<A: KvAllocator> Writer<'_, A> {
+impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     pub(super) fn init(&mut self) {
         let n = self.s.meta.len();
         for m in self.s.meta.iter_mut() {
-            *m = EMPTY;
+            *m = empty();
         }
-        self.s.meta[ROOT as usize] = Meta { alive: true, lock_ref: 1, priority: i64::MIN, ..EMPTY };
+        self.s.meta[ROOT as usize] = Meta { alive: true, lock_ref: 1, priority: i64::MIN, ..empty() };
         self.s.free_ids.clear();
         self.s.free_ids.extend((1..n as u32).rev());
         self.s.heap.clear();
@@ -101,8 +119,8 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.event(KvEvent::AllBlocksCleared);
     }
 
-    fn heap(&mut self) -> Heap<'_> {
-        Heap { heap: &mut self.s.heap, meta: &mut self.s.meta, policy: self.c.policy }
+    fn heap(&mut self) -> Heap<'_, V::Node, Leaves> {
+        Heap::new(&mut self.s.heap, &mut self.s.meta, self.c.policy)
     }
 
     fn event(&self, e: KvEvent) {
@@ -116,10 +134,11 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.s.clock
     }
 
-    fn touch(&mut self, id: u32) {
+    pub(super) fn touch(&mut self, id: u32) {
         let t = self.tick();
         self.s.meta[id as usize].last_access = t;
         self.heap().update(id);
+        V::touched(self, id);
     }
 
     fn span(&self, id: u32) -> (u32, u32) {
@@ -141,7 +160,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         }
     }
 
-    pub(super) fn node_of(&self, page: u32) -> &Meta {
+    pub(super) fn node_of(&self, page: u32) -> &Meta<V::Node> {
         &self.s.meta[self.s.page_owner[page as usize] as usize]
     }
 
@@ -275,35 +294,75 @@ impl<A: KvAllocator> Writer<'_, A> {
         // before this retirement, hence before the frees that follow it.
         self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
         fence(Ordering::Release);
-        self.s.meta[id as usize] = EMPTY;
+        self.s.meta[id as usize] = empty();
         self.s.free_ids.push(id);
     }
 
     // ---- operations ----
 
     /// Walk `key`, touching as SGLang does, splitting a partially matched node.
-    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
+    ///
+    /// The match ends at the deepest node on the matched path whose payload allows it
+    /// ([`Hooks::match_end`]; every node for the plain cache); `out` holds slots up to
+    /// there. Returns the result and that node (`ROOT` for none).
+    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> (MatchResult, u32) {
         if key.is_empty() {
-            return MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id };
+            return (MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id }, ROOT);
         }
         let ps = self.c.ps;
-        self.touch(ROOT);
+        if V::TOUCH_WHILE_WALKING {
+            self.touch(ROOT);
+        }
         let (mut pos, mut cur) = (0usize, 0u32);
+        let (mut best, mut best_len, mut best_page) = (ROOT, 0usize, 0u32);
         while pos < key.len() {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 break;
             };
             self.s.meta[id as usize].hit_count += 1;
-            self.touch(id);
+            if V::TOUCH_WHILE_WALKING {
+                self.touch(id);
+            }
             let (m, last, n) = self.c.match_in_node::<true>(id, &key[pos..], &mut out[pos..]);
             pos += m * ps;
             cur = last;
+            let node = if m < n { self.split(id, m) } else { id };
+            if V::match_end(&self.s.meta[node as usize].ext) {
+                (best, best_len, best_page) = (node, pos, last);
+            }
             if m < n {
-                self.split(id, m);
                 break;
             }
         }
-        MatchResult { len: pos, last_page: cur, epoch: self.s.page_epoch[cur as usize], cache_id: self.c.id }
+        if !V::TOUCH_WHILE_WALKING {
+            self.touch_path(best);
+        }
+        let epoch = self.s.page_epoch[best_page as usize];
+        (MatchResult { len: best_len, last_page: best_page, epoch, cache_id: self.c.id }, best)
+    }
+
+    /// Refresh the recency of `id` and its ancestors, the root oldest and `id` newest
+    /// (as if touched from the root down), with one tick each.
+    pub(super) fn touch_path(&mut self, id: u32) {
+        let mut depth = 0u64;
+        let mut x = id;
+        while x != ROOT {
+            depth += 1;
+            x = self.parent_of(x);
+        }
+        let newest = self.s.clock + depth + 1;
+        self.s.clock = newest;
+        let (mut x, mut t) = (id, newest);
+        loop {
+            self.s.meta[x as usize].last_access = t;
+            self.heap().update(x);
+            V::touched(self, x);
+            if x == ROOT {
+                break;
+            }
+            x = self.parent_of(x);
+            t -= 1;
+        }
     }
 
     /// Cut node `id` after `m` pages; returns the new upper node.
@@ -343,17 +402,19 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.publish(lower);
         // One store replaces the old node by the upper part for every reader.
         self.swap_in(id, upper);
-        let old = self.s.meta[id as usize];
+        let mut old = self.s.meta[id as usize];
         self.heap().replace(id, lower);
         self.retire(id);
         let heap_pos = self.s.meta[lower as usize].heap_pos;
+        let upper_ext = V::split_payload(&mut old.ext);
         self.s.meta[lower as usize] = Meta { heap_pos, ..old };
         let t = self.tick();
         self.s.meta[upper as usize] =
-            Meta { children: 1, heap_pos: NIL, last_page: cut, last_access: t, created: t, ..old };
+            Meta { children: 1, heap_pos: NIL, last_page: cut, last_access: t, created: t, ext: upper_ext, ..old };
         self.s.page_owner[cut as usize] = upper;
         self.s.page_epoch[cut as usize] = self.s.page_epoch[cut as usize].wrapping_add(1);
         self.s.page_owner[old.last_page as usize] = lower;
+        V::split(self, id, upper, lower);
         upper
     }
 
@@ -448,12 +509,12 @@ impl<A: KvAllocator> Writer<'_, A> {
         key: &[u32],
         slots: &[u32],
         priority: i64,
-    ) -> Result<usize, CacheError> {
+    ) -> Result<(usize, u32), CacheError> {
         self.check_insert_shape(key, slots)?;
         let cached = self.cached_len(namespace, key);
         self.claim_pages(&slots[cached..], |_, slot| CacheError::SlotNotOwned { slot })?;
-        self.apply_insert(namespace, key, slots, priority, cached);
-        Ok(cached)
+        let end = self.apply_insert(namespace, key, slots, priority, cached);
+        Ok((cached, end))
     }
 
     /// Check a request about to be cached, before anything changes (the request helpers'
@@ -560,14 +621,23 @@ impl<A: KvAllocator> Writer<'_, A> {
     }
 
     /// Insert `key -> slots` whose first `cached` tokens the tree holds and whose other
-    /// pages are claimed (checked and marked); returns `cached`.
-    pub(super) fn apply_insert(&mut self, namespace: u64, key: &[u32], slots: &[u32], priority: i64, cached: usize) {
+    /// pages are claimed (checked and marked). Returns the node the key ends at (the
+    /// new leaf, or the node the cached part ends at, split there if need be; `ROOT`
+    /// for an empty key).
+    pub(super) fn apply_insert(
+        &mut self,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+        cached: usize,
+    ) -> u32 {
         let ps = self.c.ps;
         self.touch(ROOT);
         // The caller has compared the first `cached` tokens with the tree already: this
         // walk only finds the nodes (one hash lookup each), touches them and splits the
         // last one where the cached part ends, without comparing tokens again.
-        let (mut pos, mut cur) = (0usize, 0u32);
+        let (mut pos, mut cur, mut end) = (0usize, 0u32, ROOT);
         while pos < cached {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 debug_assert!(false, "the cached prefix of an insert is in the tree");
@@ -578,6 +648,7 @@ impl<A: KvAllocator> Writer<'_, A> {
             let m = n.min((cached - pos) / ps);
             pos += m * ps;
             let node = if m < n { self.split(id, m) } else { id };
+            end = node;
             cur = self.s.meta[node as usize].last_page;
             let meta = &mut self.s.meta[node as usize];
             if priority > meta.priority {
@@ -590,11 +661,13 @@ impl<A: KvAllocator> Writer<'_, A> {
         }
         debug_assert_eq!(pos, cached);
         if pos < key.len() {
-            self.new_leaf(cur, namespace, &key[pos..], &slots[pos..], priority);
+            end = self.new_leaf(cur, namespace, &key[pos..], &slots[pos..], priority);
         }
+        end
     }
 
-    fn new_leaf(&mut self, parent_page: u32, namespace: u64, key: &[u32], slots: &[u32], priority: i64) {
+    /// Returns the new leaf.
+    fn new_leaf(&mut self, parent_page: u32, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> u32 {
         let ps = self.c.ps;
         let pages = key.len() / ps;
         if self.c.events.is_some() {
@@ -635,7 +708,8 @@ impl<A: KvAllocator> Writer<'_, A> {
         let id = self.new_record(first, first_run, pages as u32, parent_page, namespace, h);
         self.publish(id);
         let t = self.tick();
-        self.s.meta[id as usize] = Meta { alive: true, last_page: last, last_access: t, created: t, priority, ..EMPTY };
+        self.s.meta[id as usize] =
+            Meta { alive: true, last_page: last, last_access: t, created: t, priority, ..empty() };
         self.s.page_owner[last as usize] = id;
         self.s.page_epoch[last as usize] = self.s.page_epoch[last as usize].wrapping_add(1);
         let parent = self.s.page_owner[parent_page as usize];
@@ -644,9 +718,10 @@ impl<A: KvAllocator> Writer<'_, A> {
         self.heap().push(id);
         self.c.evictable.fetch_add(key.len(), Ordering::Release);
         self.c.total.fetch_add(key.len(), Ordering::Release);
+        id
     }
 
-    fn parent_of(&self, id: u32) -> u32 {
+    pub(super) fn parent_of(&self, id: u32) -> u32 {
         let pp = self.c.records[id as usize].parent_page.load(Ordering::Relaxed);
         self.s.page_owner[pp as usize]
     }
@@ -660,6 +735,7 @@ impl<A: KvAllocator> Writer<'_, A> {
             return;
         }
         let mut id = self.s.page_owner[last_page as usize];
+        V::lock_end(self, id, true);
         while id != ROOT {
             if self.s.meta[id as usize].lock_ref == 0 {
                 let len = self.len_of(id);
@@ -677,6 +753,7 @@ impl<A: KvAllocator> Writer<'_, A> {
             return;
         }
         let mut id = self.s.page_owner[last_page as usize];
+        V::lock_end(self, id, false);
         while id != ROOT {
             let m = &mut self.s.meta[id as usize];
             debug_assert!(m.lock_ref > 0);
@@ -695,14 +772,29 @@ impl<A: KvAllocator> Writer<'_, A> {
     }
 
     pub(super) fn evict(&mut self, num_tokens: usize) -> usize {
-        let ps = self.c.ps;
         let mut freed = 0usize;
         let mut group = self.c.alloc.free_group();
         while freed < num_tokens {
             let Some(x) = self.heap().pop() else { break };
+            freed += self.remove_leaf(x, &mut group);
+        }
+        group.end();
+        freed
+    }
+
+    /// Remove the unlocked leaf `x` (out of the eviction order already) with its
+    /// payload, freeing its pages into `group`; a parent left childless and unlocked
+    /// becomes evictable, or goes too if it is a tombstone (a leaf never is one).
+    /// Returns the tokens freed.
+    pub(super) fn remove_leaf(&mut self, mut x: u32, group: &mut crate::alloc::KvFreeGroup<'_>) -> usize {
+        let ps = self.c.ps;
+        let mut freed = 0usize;
+        loop {
+            debug_assert!(x != ROOT && self.s.meta[x as usize].children == 0 && self.s.meta[x as usize].lock_ref == 0);
             let count = self.span(x).1;
             let parent = self.parent_of(x);
             let last_page = self.s.meta[x as usize].last_page;
+            V::removing(self, x);
             // Unpublish and retire before any page is freed (see the module docs).
             self.unlink(x);
             self.retire(x);
@@ -723,12 +815,15 @@ impl<A: KvAllocator> Writer<'_, A> {
             freed += len;
             let pm = &mut self.s.meta[parent as usize];
             pm.children -= 1;
-            if parent != ROOT && pm.children == 0 && pm.lock_ref == 0 {
-                self.heap().push(parent);
+            if parent == ROOT || pm.children != 0 || pm.lock_ref != 0 {
+                return freed;
             }
+            if !V::is_tombstone(&pm.ext) {
+                self.heap().push(parent);
+                return freed;
+            }
+            x = parent;
         }
-        group.end();
-        freed
     }
 
     pub(super) fn reset(&mut self) {
@@ -738,6 +833,7 @@ impl<A: KvAllocator> Writer<'_, A> {
             if !self.s.meta[id as usize].alive {
                 continue;
             }
+            V::removing(self, id);
             for page in self.pages(id) {
                 let r = group.free(&[page * ps as u32]);
                 debug_assert!(r.is_ok());
@@ -745,6 +841,7 @@ impl<A: KvAllocator> Writer<'_, A> {
             self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
         }
         group.end();
+        V::reset(self);
         for b in self.c.buckets.iter() {
             let w = b.load(Ordering::Relaxed);
             b.store(((w >> 32).wrapping_add(1) << 32) | NIL as u64, Ordering::Release);
@@ -828,6 +925,7 @@ impl<A: KvAllocator> Writer<'_, A> {
                 if ns != 0 {
                     let _ = write!(s, " ns={ns}");
                 }
+                V::describe(&m.ext, &mut s);
                 s.push('\n');
             }
             if let Some(children) = map.get(&id) {
@@ -991,7 +1089,7 @@ impl<A: KvAllocator> Writer<'_, A> {
         if leaves != self.s.heap.len() {
             return Err(format!("heap holds {} nodes, {leaves} evictable leaves", self.s.heap.len()));
         }
-        super::heap::check(&self.s.heap, &self.s.meta, self.c.policy)?;
+        super::heap::check::<_, Leaves>(&self.s.heap, &self.s.meta, self.c.policy)?;
         if self.s.free_ids.len() + live + 1 != self.s.meta.len() {
             return Err(format!(
                 "{} free records + {live} live + root != {}",
@@ -999,7 +1097,7 @@ impl<A: KvAllocator> Writer<'_, A> {
                 self.s.meta.len()
             ));
         }
-        Ok(())
+        V::check(self)
     }
 }
 
