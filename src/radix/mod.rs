@@ -137,11 +137,13 @@
 
 mod events;
 mod heap;
+mod mamba;
 mod policy;
 mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
+pub use mamba::{Mamba, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use variant::{Plain, Variant};
 
@@ -196,6 +198,12 @@ pub enum CacheError {
         /// The row's slot there.
         slot: u32,
     },
+    /// A Mamba state slot handed to the tree is not the caller's: out of range, free in
+    /// the state pool, or held by the tree already.
+    StateNotOwned {
+        /// The slot.
+        state: u32,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -210,6 +218,10 @@ impl fmt::Display for CacheError {
             CacheError::StaleMatch => {
                 f.write_str("the matched node was evicted, or the lease belongs to another cache")
             }
+            CacheError::StateNotOwned { state } => write!(
+                f,
+                "state slot {state} cannot be handed to the cache: it is out of range, free, or held by the cache already"
+            ),
             CacheError::RowMismatch { index, slot } => write!(
                 f,
                 "request row slot {slot} at token {index} does not belong to the request: it is the cache's, \
@@ -1256,3 +1268,5 @@ mod writer;
 
 #[cfg(all(test, not(loom)))]
 mod tests;
+#[cfg(all(test, not(loom)))]
+mod tests_mamba;

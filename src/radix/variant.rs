@@ -17,27 +17,35 @@ use super::writer::Writer;
 use crate::alloc::KvAllocator;
 use crate::error::ConfigError;
 
-/// A kind of radix tree: what a node carries besides its KV pages (sealed; see the
-/// [module docs](self)).
-pub trait Variant: Hooks {}
+pub(crate) mod sealed {
+    /// Only kvpool's variants implement [`Variant`](super::Variant).
+    pub trait Sealed {}
+}
 
-/// The hooks (see [`Variant`]).
-pub trait Hooks: Sized + Send + Sync + 'static {
+/// A kind of radix tree: what a node carries besides its KV pages (see the
+/// [module docs](self)). Sealed: its hooks see the core's internals, and the core's
+/// invariants depend on them.
+pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// What a node carries besides its pages (writer-only).
+    #[doc(hidden)]
     type Node: Copy + Default + fmt::Debug + Send + Sync;
     /// The variant's writer-only state (its extra orders).
+    #[doc(hidden)]
     type State: Send;
     /// Whether the core updates recency node by node as a match walks down (SGLang's
     /// `RadixCache`), or the variant refreshes only the returned path afterwards
     /// ([`touch_path`](Writer::touch_path), SGLang's `MambaRadixCache`).
+    #[doc(hidden)]
     const TOUCH_WHILE_WALKING: bool = true;
 
     /// The variant's state for a tree of `nodes` node records.
+    #[doc(hidden)]
     fn new_state(&self, nodes: usize) -> Result<Self::State, ConfigError>;
 
     /// Whether a match may end at a node carrying `node` (the prefix up to there is
     /// usable). The match returns the deepest such node on the matched path.
     #[inline(always)]
+    #[doc(hidden)]
     fn match_end(_node: &Self::Node) -> bool {
         true
     }
@@ -45,6 +53,7 @@ pub trait Hooks: Sized + Send + Sync + 'static {
     /// Whether a node carrying `node` must not be a leaf: when eviction leaves it
     /// childless and unlocked, the core removes it too.
     #[inline(always)]
+    #[doc(hidden)]
     fn is_tombstone(_node: &Self::Node) -> bool {
         false
     }
@@ -52,6 +61,7 @@ pub trait Hooks: Sized + Send + Sync + 'static {
     /// The payload of the upper half when a node carrying `lower` is split (the lower
     /// half keeps `lower`, which the hook may change).
     #[inline(always)]
+    #[doc(hidden)]
     fn split_payload(lower: &mut Self::Node) -> Self::Node {
         *lower
     }
@@ -59,55 +69,39 @@ pub trait Hooks: Sized + Send + Sync + 'static {
     /// Node `old` was replaced by `upper -> lower`; the metadata of both is set (the
     /// lower half carries `old`'s, with its payload), `old`'s is not cleared yet.
     #[inline(always)]
-    fn split<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _old: u32, _upper: u32, _lower: u32)
-    where
-        Self: Variant,
-    {
-    }
+    #[doc(hidden)]
+    fn split<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _old: u32, _upper: u32, _lower: u32) {}
 
     /// Node `id` leaves the tree (evicted or reset): release its payload. Its pages
     /// are freed by the core afterwards.
     #[inline(always)]
-    fn removing<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32)
-    where
-        Self: Variant,
-    {
-    }
+    #[doc(hidden)]
+    fn removing<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32) {}
 
     /// A lease ending at node `id` was taken (`inc`) or released, after or before the
     /// core's lock counts along the path changed.
     #[inline(always)]
-    fn lock_end<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32, _inc: bool)
-    where
-        Self: Variant,
-    {
-    }
+    #[doc(hidden)]
+    fn lock_end<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32, _inc: bool) {}
 
     /// Node `id`'s recency or frequency changed (its core order is updated already).
     #[inline(always)]
-    fn touched<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32)
-    where
-        Self: Variant,
-    {
-    }
+    #[doc(hidden)]
+    fn touched<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32) {}
 
     /// The tree was cleared (every node's payload went through [`removing`](Self::removing)).
     #[inline(always)]
-    fn reset<A: KvAllocator>(_w: &mut Writer<'_, A, Self>)
-    where
-        Self: Variant,
-    {
-    }
+    #[doc(hidden)]
+    fn reset<A: KvAllocator>(_w: &mut Writer<'_, A, Self>) {}
 
     /// Check the variant's invariants (the core's hold already).
-    fn check<A: KvAllocator>(_w: &Writer<'_, A, Self>) -> Result<(), String>
-    where
-        Self: Variant,
-    {
+    #[doc(hidden)]
+    fn check<A: KvAllocator>(_w: &Writer<'_, A, Self>) -> Result<(), String> {
         Ok(())
     }
 
     /// A short description of a node's payload for `pretty_print` (empty: nothing).
+    #[doc(hidden)]
     fn describe(_node: &Self::Node, _out: &mut String) {}
 }
 
@@ -115,9 +109,9 @@ pub trait Hooks: Sized + Send + Sync + 'static {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Plain;
 
-impl Variant for Plain {}
+impl sealed::Sealed for Plain {}
 
-impl Hooks for Plain {
+impl Variant for Plain {
     type Node = ();
     type State = ();
 

@@ -303,7 +303,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Walk `key`, touching as SGLang does, splitting a partially matched node.
     ///
     /// The match ends at the deepest node on the matched path whose payload allows it
-    /// ([`Hooks::match_end`]; every node for the plain cache); `out` holds slots up to
+    /// ([`Variant::match_end`]; every node for the plain cache); `out` holds slots up to
     /// there. Returns the result and that node (`ROOT` for none).
     pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> (MatchResult, u32) {
         if key.is_empty() {
@@ -780,6 +780,13 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         }
         group.end();
         freed
+    }
+
+    /// Remove the unlocked leaf `x`, which is in the eviction order (see
+    /// [`remove_leaf`](Self::remove_leaf)).
+    pub(super) fn remove_evictable_leaf(&mut self, x: u32, group: &mut crate::alloc::KvFreeGroup<'_>) -> usize {
+        self.heap().remove(x);
+        self.remove_leaf(x, group)
     }
 
     /// Remove the unlocked leaf `x` (out of the eviction order already) with its

@@ -369,7 +369,7 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
         row: ReqRow,
         lease: Lease<'a, A>,
     ) -> Result<usize, ReplayError> {
-        RadixCache::cache_finished_req(self, namespace, token_ids, row, lease, 0)
+        RadixCache::<A>::cache_finished_req(self, namespace, token_ids, row, lease, 0)
             .map_err(|u| ReplayError::internal("cache_finished_req", u))
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {

@@ -1,0 +1,560 @@
+//! The Mamba variant of the radix core: [`MambaRadixCache`], SGLang's
+//! `MambaRadixCache` for hybrid models (a few full-attention layers with paged KV, the
+//! rest linear-attention / SSM layers whose state is one fixed-size block per request).
+//!
+//! A node carries its KV pages (the core) and optionally a **state slot**: the Mamba
+//! state after the node's last token, a checkpoint a later request may resume from
+//! (copy-on-write: the request forks its own copy). A node without one is a
+//! **tombstone**: its KV stays usable by the attention layers, but a request cannot
+//! resume the recurrent layers there. So:
+//!
+//! * a match walks as far as the KV matches but returns only the prefix up to the
+//!   deepest node holding a state ([`RadixCache::match_prefix`] and
+//!   [`match_and_lock`](RadixCache::match_and_lock) on a Mamba cache; the state is
+//!   [`lease_state`](RadixCache::lease_state)); only that path's recency is refreshed;
+//! * a split gives the upper half no state (a state is valid only at the end of its
+//!   node's tokens);
+//! * locking locks the KV of the whole path (as the plain cache) and the state of the
+//!   lease's end node only (its *state lock*);
+//! * [`evict`](RadixCache::evict) removes unlocked leaves with their state, and then
+//!   any parent left a childless tombstone (a leaf is never a tombstone);
+//!   [`evict_mamba`](RadixCache::evict_mamba) frees states of unlocked nodes in LRU
+//!   order: an internal node becomes a tombstone, a leaf is removed whole.
+//!
+//! The states themselves live in a pool the cache frees them into ([`StatePool`]:
+//! kvpool's `MambaPool`, or any [`SlotPool`]); the tree records which node holds
+//! which slot, so a slot handed to the tree twice, or one the caller does not hold, is
+//! refused with [`CacheError::StateNotOwned`].
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::radix::{MambaRadixCache, RadixConfig};
+//! use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+//!
+//! let cache = MambaRadixCache::with_states(
+//!     TokenAllocator::new(64)?,
+//!     ReqToTokenPool::new(4, 64)?,
+//!     SlotPool::without_magazines(8), // 8 state slots
+//!     RadixConfig::default(),
+//! )?;
+//! // A request computed 8 tokens and checkpointed its state after them.
+//! let mut kv = [0u32; 8];
+//! cache.allocator().alloc(&mut kv)?;
+//! let state = cache.alloc_state()?;
+//! let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+//! assert!(cache.insert(0, &tokens, &kv, state)?.state_kept);
+//!
+//! // Same start, then different: the KV of 4 tokens matches, but no state lies there.
+//! let mut out = [0u32; 8];
+//! let lease = cache.match_and_lock(0, &[1, 2, 3, 4, 9, 9, 9, 9], &mut out);
+//! assert_eq!(lease.len(), 0);
+//! drop(lease);
+//! // The whole prompt again: the state after token 8 can be resumed from.
+//! let lease = cache.match_and_lock(0, &tokens, &mut out);
+//! assert_eq!((lease.len(), cache.lease_state(&lease)), (8, Some(state)));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use core::fmt::Write as _;
+use std::sync::Arc;
+
+use super::heap::{self, Heap, Slot};
+use super::variant::Variant;
+use super::writer::Writer;
+use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
+use crate::alloc::KvAllocator;
+use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::slots::SlotPool;
+use crate::sync::atomic::{AtomicUsize, Ordering};
+
+/// Where a [`MambaRadixCache`] keeps the states it holds: slot numbers `1..=capacity`
+/// handed out and taken back (lock-free, like every kvpool pool).
+pub trait StatePool: Send + Sync + 'static {
+    /// The highest slot number.
+    fn capacity(&self) -> u32;
+    /// Free slots now.
+    fn available(&self) -> usize;
+    /// Hand out one slot.
+    ///
+    /// # Errors
+    ///
+    /// [`OutOfMemory`] when none is free.
+    fn alloc_one(&self) -> Result<u32, OutOfMemory>;
+    /// Take slots back.
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] for a slot that is out of range or not handed out.
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError>;
+    /// Whether `slot` is handed out.
+    fn is_allocated(&self, slot: u32) -> bool;
+}
+
+impl StatePool for SlotPool {
+    fn capacity(&self) -> u32 {
+        SlotPool::capacity(self)
+    }
+    fn available(&self) -> usize {
+        SlotPool::available(self)
+    }
+    fn alloc_one(&self) -> Result<u32, OutOfMemory> {
+        SlotPool::alloc_one(self)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        SlotPool::free(self, slots)
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        SlotPool::is_allocated(self, slot)
+    }
+}
+
+impl<P: StatePool> StatePool for Arc<P> {
+    fn capacity(&self) -> u32 {
+        (**self).capacity()
+    }
+    fn available(&self) -> usize {
+        (**self).available()
+    }
+    fn alloc_one(&self) -> Result<u32, OutOfMemory> {
+        (**self).alloc_one()
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        (**self).free(slots)
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        (**self).is_allocated(slot)
+    }
+}
+
+/// The Mamba variant (see the [module docs](self)): nodes carry an optional state slot
+/// of pool `P`.
+#[derive(Debug)]
+pub struct Mamba<P: StatePool> {
+    pool: P,
+    evictable: AtomicUsize,
+    protected: AtomicUsize,
+}
+
+/// A radix cache whose nodes also carry Mamba states (see the [module docs](self)).
+pub type MambaRadixCache<A, P = SlotPool> = RadixCache<A, Mamba<P>>;
+
+/// A node's state: its slot (`NIL`: a tombstone), its state lock count, and its place
+/// in the state order.
+#[derive(Clone, Copy, Debug)]
+pub struct MambaNode {
+    state: u32,
+    lock: u32,
+    pos: u32,
+}
+
+impl Default for MambaNode {
+    fn default() -> Self {
+        MambaNode { state: NIL, lock: 0, pos: NIL }
+    }
+}
+
+/// The state order (SGLang's `mamba_lru_list`): nodes holding an unlocked state, least
+/// recently used first, internal nodes included.
+struct States;
+
+impl Slot<MambaNode> for States {
+    #[inline]
+    fn pos(m: &Meta<MambaNode>) -> u32 {
+        m.ext.pos
+    }
+    #[inline]
+    fn set_pos(m: &mut Meta<MambaNode>, pos: u32) {
+        m.ext.pos = pos;
+    }
+    #[inline]
+    fn key(_: EvictionPolicy, m: &Meta<MambaNode>) -> (i64, u64) {
+        (0, m.last_access)
+    }
+}
+
+/// The variant's writer-only state.
+#[derive(Debug)]
+pub struct MambaState {
+    order: Vec<u32>,
+    /// For each state slot: the node holding it, or `NIL`.
+    owner: Box<[u32]>,
+}
+
+impl<P: StatePool> super::variant::sealed::Sealed for Mamba<P> {}
+
+fn states<'w, A: KvAllocator, P: StatePool>(w: &'w mut Writer<'_, A, Mamba<P>>) -> Heap<'w, MambaNode, States> {
+    Heap::new(&mut w.s.ext.order, &mut w.s.meta, w.c.policy)
+}
+
+impl<P: StatePool> Variant for Mamba<P> {
+    type Node = MambaNode;
+    type State = MambaState;
+    const TOUCH_WHILE_WALKING: bool = false;
+
+    fn new_state(&self, nodes: usize) -> Result<MambaState, ConfigError> {
+        let slots = self.pool.capacity() as usize + 1;
+        Ok(MambaState {
+            order: crate::arena::try_with_capacity(nodes, "mamba state order")?,
+            owner: crate::arena::try_vec_with(slots, "mamba state owners", |_| NIL)?.into_boxed_slice(),
+        })
+    }
+
+    #[inline]
+    fn match_end(node: &MambaNode) -> bool {
+        node.state != NIL
+    }
+
+    #[inline]
+    fn is_tombstone(node: &MambaNode) -> bool {
+        node.state == NIL
+    }
+
+    #[inline]
+    fn split_payload(_lower: &mut MambaNode) -> MambaNode {
+        // A state is valid only after the node's last token: the upper half has none.
+        MambaNode::default()
+    }
+
+    fn split<A: KvAllocator>(w: &mut Writer<'_, A, Self>, _old: u32, _upper: u32, lower: u32) {
+        let e = w.s.meta[lower as usize].ext;
+        if e.pos != NIL {
+            w.s.ext.order[e.pos as usize] = lower;
+        }
+        if e.state != NIL {
+            w.s.ext.owner[e.state as usize] = lower;
+        }
+        // The lower half is more recent than the new upper half (SGLang re-times the
+        // child after inserting its new parent).
+        w.touch(lower);
+    }
+
+    fn removing<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        let e = w.s.meta[id as usize].ext;
+        if e.state == NIL {
+            return;
+        }
+        states(w).remove(id);
+        w.s.ext.owner[e.state as usize] = NIL;
+        w.s.meta[id as usize].ext.state = NIL;
+        let count = if e.lock == 0 { &w.c.variant.evictable } else { &w.c.variant.protected };
+        count.fetch_sub(1, Ordering::Release);
+        let r = w.c.variant.pool.free(&[e.state]);
+        debug_assert!(r.is_ok(), "a state held by the tree failed to free: {r:?}");
+    }
+
+    fn lock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32, inc: bool) {
+        let e = w.s.meta[id as usize].ext;
+        if e.state == NIL {
+            return;
+        }
+        let v = &w.c.variant;
+        if inc {
+            if e.lock == 0 {
+                v.evictable.fetch_sub(1, Ordering::Release);
+                v.protected.fetch_add(1, Ordering::Release);
+                states(w).remove(id);
+            }
+            w.s.meta[id as usize].ext.lock += 1;
+        } else {
+            debug_assert!(e.lock > 0, "a state lock released twice");
+            w.s.meta[id as usize].ext.lock -= 1;
+            if e.lock == 1 {
+                v.evictable.fetch_add(1, Ordering::Release);
+                v.protected.fetch_sub(1, Ordering::Release);
+                states(w).push(id);
+            }
+        }
+    }
+
+    #[inline]
+    fn touched<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        states(w).update(id);
+    }
+
+    fn reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) {
+        w.s.ext.order.clear();
+        w.s.ext.owner.iter_mut().for_each(|o| *o = NIL);
+        w.c.variant.evictable.store(0, Ordering::Release);
+        w.c.variant.protected.store(0, Ordering::Release);
+    }
+
+    fn check<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Result<(), String> {
+        let (mut evictable, mut protected, mut listed) = (0usize, 0usize, 0usize);
+        for (id, m) in w.s.meta.iter().enumerate().skip(1) {
+            if !m.alive {
+                continue;
+            }
+            let e = m.ext;
+            if e.state == NIL {
+                if m.children == 0 {
+                    return Err(format!("node {id} is a tombstone leaf"));
+                }
+                if e.lock != 0 || e.pos != NIL {
+                    return Err(format!("tombstone {id} has a state lock or an order place"));
+                }
+                continue;
+            }
+            if e.state == 0 || e.state as usize >= w.s.ext.owner.len() || w.s.ext.owner[e.state as usize] != id as u32 {
+                return Err(format!("node {id} holds state {} that is not recorded as its own", e.state));
+            }
+            if !w.c.variant.pool.is_allocated(e.state) {
+                return Err(format!("state {} of node {id} is free in the pool", e.state));
+            }
+            if e.lock > m.lock_ref {
+                return Err(format!("node {id} has more state locks than KV locks"));
+            }
+            if e.lock == 0 {
+                evictable += 1;
+                listed += 1;
+                if e.pos == NIL {
+                    return Err(format!("unlocked state of node {id} is not in the state order"));
+                }
+            } else {
+                protected += 1;
+                if e.pos != NIL {
+                    return Err(format!("locked state of node {id} is in the state order"));
+                }
+            }
+        }
+        for (slot, &o) in w.s.ext.owner.iter().enumerate() {
+            if o != NIL && (o as usize >= w.s.meta.len() || w.s.meta[o as usize].ext.state != slot as u32) {
+                return Err(format!("state {slot} is recorded for node {o}, which does not hold it"));
+            }
+        }
+        if listed != w.s.ext.order.len() {
+            return Err(format!("state order holds {}, {listed} unlocked states", w.s.ext.order.len()));
+        }
+        let sizes = (w.c.variant.evictable.load(Ordering::Relaxed), w.c.variant.protected.load(Ordering::Relaxed));
+        if sizes != (evictable, protected) {
+            return Err(format!("state sizes {sizes:?}, nodes add up to {:?}", (evictable, protected)));
+        }
+        heap::check::<_, States>(&w.s.ext.order, &w.s.meta, w.c.policy)
+    }
+
+    fn describe(node: &MambaNode, out: &mut String) {
+        if node.state == NIL {
+            out.push_str(" tombstone");
+        } else {
+            let _ = write!(out, " state={}", node.state);
+            if node.lock != 0 {
+                let _ = write!(out, " state_locks={}", node.lock);
+            }
+        }
+    }
+}
+
+/// What became of a state handed to a [`MambaRadixCache`] with an insert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateInsert {
+    /// Leading tokens that were cached already (their KV slots are the caller's
+    /// duplicates, as for the plain [`insert`](RadixCache::insert)).
+    pub cached: usize,
+    /// Whether the tree kept the state (the node where the key ends had none). When it
+    /// did not (a state was there already, or the key is empty), the cache freed it
+    /// back to the pool: either way the caller no longer holds it.
+    pub state_kept: bool,
+}
+
+impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
+    /// A Mamba-aware cache over `alloc` (KV pages), `req_pool` (request rows) and
+    /// `states` (the state slots it holds and frees).
+    ///
+    /// # Errors
+    ///
+    /// As [`RadixCache::new`]; also [`ConfigError::TooLargeForMemory`] for the state
+    /// bookkeeping (4 bytes per state slot).
+    pub fn with_states(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        states: P,
+        config: RadixConfig,
+    ) -> Result<Self, ConfigError> {
+        let variant = Mamba { pool: states, evictable: AtomicUsize::new(0), protected: AtomicUsize::new(0) };
+        Self::with_variant(alloc, req_pool, config, variant)
+    }
+
+    /// The state pool.
+    pub fn states(&self) -> &P {
+        &self.variant.pool
+    }
+
+    /// States held by unlocked nodes (SGLang's `mamba_evictable_size`).
+    pub fn mamba_evictable_size(&self) -> usize {
+        self.variant.evictable.load(Ordering::Acquire)
+    }
+
+    /// States held by nodes a lease ends at (`mamba_protected_size`).
+    pub fn mamba_protected_size(&self) -> usize {
+        self.variant.protected.load(Ordering::Acquire)
+    }
+
+    /// The state slot a lease ends at: the checkpoint its request resumes from (fork it
+    /// into the request's own slot; the lease keeps it from being freed). `None` for an
+    /// empty lease or one from another cache.
+    pub fn lease_state(&self, lease: &Lease<'_, A, Mamba<P>>) -> Option<u32> {
+        if lease.key.cache_id != self.id || lease.key.last_page == 0 {
+            return None;
+        }
+        self.write(|w| {
+            if !w.is_node_end(lease.key.last_page, lease.key.epoch) {
+                return None;
+            }
+            let s = w.node_of(lease.key.last_page).ext.state;
+            (s != NIL).then_some(s)
+        })
+    }
+
+    /// A state slot from the pool, freeing the least recently used unlocked state first
+    /// when none is free (SGLang's `_alloc_mamba_slot`).
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::OutOfMemory`] when the pool is empty and every state is locked.
+    pub fn alloc_state(&self) -> Result<u32, AllocError> {
+        if let Ok(s) = self.variant.pool.alloc_one() {
+            return Ok(s);
+        }
+        self.evict_mamba(1);
+        self.variant.pool.alloc_one().map_err(|mut oom| {
+            oom.evictable = Some(self.mamba_evictable_size());
+            oom.unit = Unit::Indices;
+            AllocError::OutOfMemory(oom)
+        })
+    }
+
+    /// Free at least `num` states of unlocked nodes, least recently used first (SGLang's
+    /// `evict_mamba`): an internal node becomes a tombstone (its KV stays), a leaf is
+    /// removed with its KV (and any parent left a childless tombstone with it). Returns
+    /// the states freed.
+    pub fn evict_mamba(&self, num: usize) -> usize {
+        if num == 0 {
+            return 0;
+        }
+        let r = self.write(|w| {
+            let mut freed = 0usize;
+            let mut group = w.c.alloc.free_group();
+            while freed < num {
+                let Some(x) = states(w).peek() else { break };
+                let m = w.s.meta[x as usize];
+                if m.children == 0 {
+                    debug_assert!(m.lock_ref == 0, "a leaf with an unlocked state has no lease");
+                    w.remove_evictable_leaf(x, &mut group);
+                } else {
+                    // An internal node keeps its KV: it becomes a tombstone.
+                    <Mamba<P> as Variant>::removing(w, x);
+                }
+                freed += 1;
+            }
+            group.end();
+            freed
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    fn check_state(w: &Writer<'_, A, Mamba<P>>, state: u32) -> Result<(), CacheError> {
+        let owned = state != 0
+            && (state as usize) < w.s.ext.owner.len()
+            && w.s.ext.owner[state as usize] == NIL
+            && w.c.variant.pool.is_allocated(state);
+        if owned {
+            Ok(())
+        } else {
+            Err(CacheError::StateNotOwned { state })
+        }
+    }
+
+    /// Give `state` to node `end` if it has none; otherwise free it. Returns whether it
+    /// was kept.
+    fn adopt_state(w: &mut Writer<'_, A, Mamba<P>>, end: u32, state: u32) -> bool {
+        if end == ROOT || w.s.meta[end as usize].ext.state != NIL {
+            let r = w.c.variant.pool.free(&[state]);
+            debug_assert!(r.is_ok(), "a checked state failed to free: {r:?}");
+            return false;
+        }
+        w.s.meta[end as usize].ext = MambaNode { state, lock: 0, pos: NIL };
+        w.s.ext.owner[state as usize] = end;
+        w.c.variant.evictable.fetch_add(1, Ordering::Release);
+        w.touch(end);
+        states(w).push(end);
+        true
+    }
+
+    /// Insert `key -> slots` with the state after the key's last token (SGLang's
+    /// `insert` with a `mamba_value`). The tree takes `state`: it keeps it when the node
+    /// the key ends at has none (a new leaf, or a tombstone), and frees it otherwise.
+    ///
+    /// # Errors
+    ///
+    /// As the plain [`insert`](RadixCache::insert), and
+    /// [`CacheError::StateNotOwned`] when `state` is not a slot the caller holds (free,
+    /// out of range, or held by the tree already). Nothing changes on error.
+    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], state: u32) -> Result<StateInsert, CacheError> {
+        let r = self.write(|w| {
+            Self::check_state(w, state)?;
+            let (cached, end) = w.insert(namespace, key, slots, 0)?;
+            Ok(StateInsert { cached, state_kept: Self::adopt_state(w, end, state) })
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `cache_finished_req` for hybrid models: as the plain cache's
+    /// [`cache_finished_req`](RadixCache::cache_finished_req), with `state` the request's
+    /// state after the page-aligned part of `token_ids` (its checkpoint there), which
+    /// the tree takes (see [`insert`](Self::insert)).
+    ///
+    /// # Errors
+    ///
+    /// [`Unfinished`] hands the row and lease back with the reason (the state stays the
+    /// caller's); nothing changed.
+    pub fn cache_finished_req<'c>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, A, Mamba<P>>,
+        state: u32,
+    ) -> Result<StateInsert, Unfinished<'c, A, Mamba<P>>> {
+        self.finish_with(
+            namespace,
+            token_ids,
+            row,
+            lease,
+            0,
+            |w| Self::check_state(w, state),
+            |w, end| Self::adopt_state(w, end, state),
+        )
+        .map(|(cached, state_kept)| StateInsert { cached, state_kept })
+    }
+
+    /// SGLang's `cache_unfinished_req` for hybrid models (chunked prefill): as the plain
+    /// cache's [`cache_unfinished_req`](RadixCache::cache_unfinished_req), with `state` a
+    /// copy of the request's state after the page-aligned part of `token_ids` (SGLang
+    /// donates a fresh copy; the request keeps computing in its own slot), which the
+    /// tree takes. The lease then ends at the node holding the checkpoint.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`]; nothing changed (the state stays the caller's).
+    pub fn cache_unfinished_req(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Mamba<P>>,
+        state: u32,
+    ) -> Result<bool, CacheError> {
+        self.unfinished_with(
+            namespace,
+            token_ids,
+            row,
+            lease,
+            0,
+            |w| Self::check_state(w, state),
+            |w, end| Self::adopt_state(w, end, state),
+        )
+    }
+}
