@@ -31,6 +31,7 @@
 //! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
 //! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
 //! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
+//! | `lock_racing_evict_mamba`       | Mamba variant: a state locked by a lease is never freed by `evict_mamba`; a lease taken after it finds no state and returns nothing; both orders reached |
 //! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
 
@@ -40,8 +41,8 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::radix::{CacheError, EventQueue, KvEvent, RadixCache, RadixConfig};
-use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::radix::{CacheError, EventQueue, KvEvent, MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
 use loom_common::Outcomes;
 
 fn cache(size: usize) -> RadixCache<TokenAllocator> {
@@ -353,6 +354,49 @@ fn lock_racing_evict() {
         c.check_invariants().unwrap();
     });
     seen.expect_seen("lock_racing_evict", &["locked_first", "evicted_first"]);
+}
+
+/// Mamba variant: match-and-lock racing `evict_mamba`. A lease ending at a state keeps
+/// the state allocated and unfreeable until released; once the state is gone the match
+/// finds no checkpoint and returns nothing (the leaf went whole: a leaf is never a
+/// tombstone). Both orders are reached.
+#[test]
+fn lock_racing_evict_mamba() {
+    let seen = Outcomes::new(&["locked_first", "evicted_first"]);
+    let s = seen.clone();
+    loom_common::model("lock_racing_evict_mamba", move || {
+        let c = Arc::new(
+            MambaRadixCache::with_states(
+                TokenAllocator::new(4).unwrap(),
+                ReqToTokenPool::new(1, 4).unwrap(),
+                SlotPool::without_magazines(2),
+                RadixConfig::default(),
+            )
+            .unwrap(),
+        );
+        let mut kv = [0u32; 2];
+        c.allocator().alloc(&mut kv).unwrap();
+        let state = c.alloc_state().unwrap();
+        assert!(c.insert(0, &[1, 2], &kv, state).unwrap().state_kept);
+        let c2 = c.clone();
+        let t = thread::spawn(move || c2.evict_mamba(1));
+        let mut out = [0u32; 2];
+        let lease = c.match_and_lock(0, &[1, 2], &mut out);
+        let freed = t.join().unwrap();
+        if lease.len() == 2 {
+            assert_eq!(freed, 0, "freed a locked state");
+            assert_eq!(c.lease_state(&lease), Some(state));
+            assert!(c.states().is_allocated(state));
+            s.hit("locked_first");
+        } else {
+            assert_eq!((lease.len(), freed, c.total_size()), (0, 1, 0));
+            assert!(!c.states().is_allocated(state));
+            s.hit("evicted_first");
+        }
+        drop(lease);
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("lock_racing_evict_mamba", &["locked_first", "evicted_first"]);
 }
 
 /// A match taken without a lock, locked later while another thread evicts its node and

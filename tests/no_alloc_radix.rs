@@ -6,8 +6,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
 
 struct Counting;
 
@@ -115,4 +115,62 @@ fn radix_hot_paths_do_not_allocate() {
             RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
         exercise(&paged.unwrap());
     }
+}
+
+/// The Mamba variant's paths: inserts that keep or free a state, matches that split
+/// and end at a checkpoint, state locks, `alloc_state` (evicting a state when the pool
+/// is empty), `evict_mamba` (tombstones and whole leaves), the request helpers.
+#[test]
+fn mamba_hot_paths_do_not_allocate() {
+    let cache = MambaRadixCache::with_states(
+        PagedAllocator::new(64 * 4, 4).unwrap(),
+        ReqToTokenPool::new(2, 64).unwrap(),
+        SlotPool::without_magazines(4),
+        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096) },
+    )
+    .unwrap();
+    let a: Vec<u32> = (1..=32).collect();
+    let mut b = a.clone();
+    b[16] = 999;
+    let mut kv = vec![0u32; 32];
+    let mut hit = vec![0u32; 32];
+    let mut row = cache.req_pool().alloc().unwrap();
+    let n = allocations(|| {
+        for _ in 0..4 {
+            for key in [&a, &b] {
+                cache.alloc(&mut kv).unwrap();
+                let state = cache.alloc_state().unwrap();
+                let r = cache.insert(0, key, &kv, state).unwrap();
+                cache.allocator().free(&kv[..r.cached]).unwrap();
+                let lease = cache.match_and_lock(0, &key[..24], &mut hit);
+                let _ = cache.lease_state(&lease);
+                let _ = cache.peek_prefix(0, key, &mut hit);
+                drop(lease);
+                cache.evict_mamba(1);
+            }
+            // Chunked prefill: cache the first 16 tokens of a request with a checkpoint.
+            let mut lease = cache.match_and_lock(0, &a[..16], &mut hit);
+            let h = lease.len();
+            cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+            cache.alloc(&mut kv[..16 - h]).unwrap();
+            cache.req_pool().write(&mut row, h, &kv[..16 - h]).unwrap();
+            let state = cache.alloc_state().unwrap();
+            cache.cache_unfinished_req(0, &a[..16], &mut row, &mut lease, state).unwrap();
+            drop(lease);
+            cache.evict(16);
+        }
+    });
+    assert_eq!(n, 0, "allocations in the Mamba cache's hot paths");
+    let lease = cache.match_and_lock(0, &a[..16], &mut hit);
+    let h = lease.len();
+    cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+    cache.alloc(&mut kv[..16 - h]).unwrap();
+    cache.req_pool().write(&mut row, h, &kv[..16 - h]).unwrap();
+    let state = cache.alloc_state().unwrap();
+    let n = allocations(|| {
+        cache.cache_finished_req(0, &a[..16], row, lease, state).unwrap();
+        cache.evict(usize::MAX);
+    });
+    assert_eq!(n, 0, "allocations in the Mamba cache_finished_req / evict");
+    cache.check_invariants().unwrap();
 }

@@ -112,6 +112,27 @@
 //!   in the same incarnation — a per-page epoch rules out ABA) and fails with
 //!   [`CacheError::StaleMatch`] if the node was evicted.
 //!
+//! # Variants: one core
+//!
+//! SGLang has four tree classes that copy each other (`RadixCache`, `MambaRadixCache`,
+//! `SWARadixCache`, `HiRadixCache`). Here there is one core — everything above:
+//! matching, splitting, publication to lock-free readers, leases, the writer latch,
+//! the arenas, events, whole-leaf eviction — generic over a [`Variant`], which supplies
+//! what a node carries besides its KV pages, its lock rules, its extra orders and its
+//! extra eviction passes, through hooks the core calls at fixed points (a split, a
+//! removal, a lock of a lease's end node, a touch, a reset, the invariant check; which
+//! nodes a match may end at, which nodes must never be leaves):
+//!
+//! * [`RadixCache<A>`](RadixCache) is `RadixCache<A, Plain>`: nodes carry KV slots only,
+//!   every hook is empty and inlined away;
+//! * [`MambaRadixCache<A, P>`](MambaRadixCache) is `RadixCache<A, Mamba<P>>`: nodes
+//!   may carry a Mamba state slot (none: a *tombstone*, an internal node whose KV stays
+//!   usable), see [`Mamba`].
+//!
+//! Methods common to all variants (lookups, match and lock, leases, eviction,
+//! allocation, checks) are defined once on `RadixCache<A, V>`; inserts and the request
+//! helpers take what the variant carries, so each variant has its own.
+//!
 //! # Examples
 //!
 //! ```

@@ -25,7 +25,7 @@ fn kv<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, n: usize) -> Vec<u32> {
 }
 
 fn toks(parts: &[(u32, usize)]) -> Vec<u32> {
-    parts.iter().flat_map(|&(t, n)| std::iter::repeat_n(t, n)).collect()
+    parts.iter().flat_map(|&(t, n)| std::iter::repeat(t).take(n)).collect()
 }
 
 /// Insert `key` as a request would: fresh KV for every token, the duplicates freed.
