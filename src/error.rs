@@ -291,6 +291,18 @@ pub enum ConfigError {
         /// Bytes it needs (`u64::MAX` when the size overflows 64 bits).
         bytes: u64,
     },
+    /// A length must be a whole multiple of another (a Mamba checkpoint chunk of the
+    /// page size, a decode track interval of the chunk).
+    NotAMultiple {
+        /// What is being configured.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// What it must be a multiple of.
+        of: &'static str,
+        /// That length.
+        unit: usize,
+    },
 }
 
 impl fmt::Display for ConfigError {
@@ -301,6 +313,9 @@ impl fmt::Display for ConfigError {
                 write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
+            ConfigError::NotAMultiple { what, value, of, unit } => {
+                write!(f, "{what} ({value}) must be a whole multiple of {of} ({unit})")
+            }
             ConfigError::TooLargeForMemory { what, bytes: u64::MAX } => {
                 write!(f, "{what} needs more than {} bytes, more than can be addressed", u64::MAX)
             }

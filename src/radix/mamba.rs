@@ -128,11 +128,72 @@ impl<P: StatePool> StatePool for Arc<P> {
     }
 }
 
+/// Where a hybrid model can checkpoint its recurrent state (SGLang's
+/// `FLA_CHUNK_SIZE` and `mamba_track_interval`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MambaConfig {
+    /// Prefill checkpoints lie at multiples of this (64: the linear-attention kernels'
+    /// chunk). A whole number of pages.
+    pub chunk_size: usize,
+    /// Decode checkpoints every this many tokens (256). A whole number of chunks.
+    pub track_interval: usize,
+}
+
+impl Default for MambaConfig {
+    fn default() -> Self {
+        MambaConfig { chunk_size: 64, track_interval: 256 }
+    }
+}
+
+impl MambaConfig {
+    /// The checkpoint a request whose prompt matched `kv_len` tokens of KV but only
+    /// `prefix_len` tokens up to a cached state should save during prefill: the last
+    /// chunk boundary of the KV match (SGLang's `mamba_branching_seqlen`), so that the
+    /// next request on this branch can resume there. `None` when the KV match ended at
+    /// the state (no branching) or before the first chunk.
+    pub fn branching_len(&self, kv_len: usize, prefix_len: usize) -> Option<usize> {
+        let aligned = kv_len / self.chunk_size * self.chunk_size;
+        (kv_len > prefix_len && aligned > 0).then_some(aligned)
+    }
+
+    /// The last checkpoint at or before `len` tokens of prefill (a chunk boundary).
+    pub fn prefill_checkpoint(&self, len: usize) -> usize {
+        len / self.chunk_size * self.chunk_size
+    }
+
+    /// Whether a sequence of `seq_len` tokens ends on a decode checkpoint.
+    pub fn is_decode_checkpoint(&self, seq_len: usize) -> bool {
+        seq_len > 0 && seq_len % self.track_interval == 0
+    }
+
+    fn validate(&self, page_size: usize) -> Result<(), ConfigError> {
+        if self.chunk_size == 0 {
+            return Err(ConfigError::Zero("the Mamba chunk size"));
+        }
+        if self.chunk_size % page_size != 0 {
+            let (value, unit) = (self.chunk_size, page_size);
+            return Err(ConfigError::NotAMultiple { what: "the Mamba chunk size", value, of: "the page size", unit });
+        }
+        if self.track_interval == 0 || self.track_interval % self.chunk_size != 0 {
+            let (value, unit) = (self.track_interval, self.chunk_size);
+            return Err(ConfigError::NotAMultiple {
+                what: "the Mamba track interval",
+                value,
+                of: "the chunk size",
+                unit,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// The Mamba variant (see the [module docs](self)): nodes carry an optional state slot
 /// of pool `P`.
 #[derive(Debug)]
 pub struct Mamba<P: StatePool> {
     pool: P,
+    config: MambaConfig,
+
     evictable: AtomicUsize,
     protected: AtomicUsize,
 }
@@ -357,22 +418,88 @@ pub struct StateInsert {
     pub state_kept: bool,
 }
 
+/// [`RadixCache::match_and_lock_checkpoint`]'s result.
+#[derive(Debug)]
+pub struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
+    /// The lock on the path to the deepest node holding a state; `lease.len()` tokens
+    /// can be resumed (KV and state).
+    pub lease: Lease<'c, A, Mamba<P>>,
+    /// That node's state (`None` for an empty lease): fork it into the request's slot.
+    pub state: Option<u32>,
+    /// How far the KV matched (`>= lease.len()`; the slots are in `out` up to here, but
+    /// only `lease.len()` of them are locked).
+    pub kv_len: usize,
+    /// Where the request should checkpoint during prefill so that the next request on
+    /// this branch can resume further ([`MambaConfig::branching_len`]).
+    pub branching_len: Option<usize>,
+}
+
 impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// A Mamba-aware cache over `alloc` (KV pages), `req_pool` (request rows) and
-    /// `states` (the state slots it holds and frees).
+    /// `states` (the state slots it holds and frees), with `MambaConfig::default()`.
     ///
     /// # Errors
     ///
     /// As [`RadixCache::new`]; also [`ConfigError::TooLargeForMemory`] for the state
-    /// bookkeeping (4 bytes per state slot).
+    /// bookkeeping (4 bytes per state slot), and [`ConfigError::NotAMultiple`] for a
+    /// page size that does not divide the default chunk (64).
     pub fn with_states(
         alloc: A,
         req_pool: ReqToTokenPool,
         states: P,
         config: RadixConfig,
     ) -> Result<Self, ConfigError> {
-        let variant = Mamba { pool: states, evictable: AtomicUsize::new(0), protected: AtomicUsize::new(0) };
+        Self::with_mamba_config(alloc, req_pool, states, config, MambaConfig::default())
+    }
+
+    /// [`with_states`](Self::with_states) with checkpoint positions of `mamba`.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_states`](Self::with_states); [`ConfigError::Zero`] or
+    /// [`ConfigError::NotAMultiple`] when the chunk is not a positive whole number of
+    /// pages or the track interval not a whole number of chunks.
+    pub fn with_mamba_config(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        states: P,
+        config: RadixConfig,
+        mamba: MambaConfig,
+    ) -> Result<Self, ConfigError> {
+        if alloc.page_size() == 0 {
+            return Err(ConfigError::ZeroPageSize);
+        }
+        mamba.validate(alloc.page_size() as usize)?;
+        let variant =
+            Mamba { pool: states, config: mamba, evictable: AtomicUsize::new(0), protected: AtomicUsize::new(0) };
         Self::with_variant(alloc, req_pool, config, variant)
+    }
+
+    /// Where checkpoints lie.
+    pub fn mamba_config(&self) -> MambaConfig {
+        self.variant.config
+    }
+
+    /// SGLang's `match_prefix` for hybrid models, locked: the longest prefix of `key`
+    /// (cut to whole pages and to `out.len()`) that ends at a cached state, locked with
+    /// that state; also how far the KV matched and where to checkpoint (see
+    /// [`MambaMatch`]). Refreshes the recency of the returned path only, the root
+    /// oldest; splits a node the KV match ends inside (the upper half has no state).
+    pub fn match_and_lock_checkpoint(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MambaMatch<'_, A, P> {
+        let key = self.aligned(key, out.len());
+        let (m, state, kv_len) = self.write(|w| {
+            let (m, best, kv_len) = w.match_path(namespace, key, out);
+            w.inc_lock(m.last_page);
+            let s = w.s.meta[best as usize].ext.state;
+            (m, (best != ROOT && s != NIL).then_some(s), kv_len)
+        });
+        crate::debug_check(self);
+        let lease = Lease {
+            cache: self,
+            key: super::LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
+        };
+        let branching_len = self.variant.config.branching_len(kv_len, m.len);
+        MambaMatch { lease, state, kv_len, branching_len }
     }
 
     /// The state pool.

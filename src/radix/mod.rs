@@ -164,7 +164,7 @@ mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
-pub use mamba::{Mamba, MambaRadixCache, StateInsert, StatePool};
+pub use mamba::{Mamba, MambaConfig, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use variant::{Plain, Variant};
 
@@ -909,7 +909,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
         let key = self.aligned(key, out.len());
         let raw = self.write(|w| {
-            let (m, _) = w.match_path(namespace, key, out);
+            let (m, ..) = w.match_path(namespace, key, out);
             w.inc_lock(m.last_page);
             m
         });
@@ -1254,7 +1254,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let r = then(w, end);
             let freed = self.alloc.free(&kv[p.protected..p.cached]);
             debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
-            let (m, _) = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
+            let (m, ..) = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
             w.inc_lock(m.last_page);
             w.dec_lock(lease.key.last_page);
             Ok::<_, CacheError>((m, r))

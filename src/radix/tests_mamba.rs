@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::{PagedAllocator, SlotPool, TokenAllocator};
+use crate::{ConfigError, PagedAllocator, SlotPool, TokenAllocator};
 
 type Cache = MambaRadixCache<TokenAllocator>;
 
@@ -65,40 +65,81 @@ fn a_match_ends_at_the_deepest_state() {
     c.check_invariants().unwrap();
 }
 
-/// Seed 003's hybrid-model scenarios R1-R5 with 256-token segments: a request resumes
-/// from the deepest state on its path; during prefill it checkpoints its state at the
-/// branching point (the end of the KV match, when the match went past the deepest
-/// state) or else at the end of its prompt, and caches its prompt up to there.
+/// Seed 003's hybrid-model scenarios R1-R8 (256-token segments, checkpoints at
+/// multiples of 64), at page sizes 1, 16 and 64, with the hit lengths the seed states.
+/// The seed's rule for what a request caches: if its match branched (the KV matched
+/// further than the deepest state), it checkpoints at the branching point aligned down
+/// to 64 and caches its prompt up to there; otherwise it checkpoints at the last
+/// 64-aligned point of its prompt.
 #[test]
-fn seed_scenarios_r1_to_r5() {
-    let c = cache(8192, 16);
-    let seg = |ids: &[u32]| toks(&ids.iter().map(|&t| (t, 256)).collect::<Vec<_>>());
-    let request = |ids: &[u32]| -> usize {
-        let prompt = seg(ids);
-        let mut out = vec![0u32; prompt.len()];
-        let kv_match = c.peek_prefix(0, &prompt, &mut out); // the KV match (routers see this)
-        let lease = c.match_and_lock(0, &prompt, &mut out);
-        let prefix = lease.len();
-        let checkpoint = if kv_match > prefix { kv_match } else { prompt.len() };
-        let mut row = c.req_pool().alloc().unwrap();
-        let mut slots = out[..prefix].to_vec();
-        slots.extend(kv(&c, prompt.len() - prefix));
-        c.req_pool().write(&mut row, 0, &slots).unwrap();
-        let state = c.alloc_state().unwrap();
-        let freed = slots[checkpoint..].to_vec();
-        // The request finishes with its KV up to the checkpoint cached.
-        c.req_pool().write(&mut row, 0, &slots[..checkpoint]).unwrap();
-        c.cache_finished_req(0, &prompt[..checkpoint], row, lease, state).unwrap();
-        c.allocator().free(&freed).unwrap();
-        c.check_invariants().unwrap();
-        prefix
+fn seed_scenarios_r1_to_r8() {
+    for ps in [1u32, 16, 64] {
+        let c = MambaRadixCache::with_states(
+            PagedAllocator::new(8192, ps).unwrap(),
+            ReqToTokenPool::new(2, 1024).unwrap(),
+            SlotPool::without_magazines(16),
+            RadixConfig::default(),
+        )
+        .unwrap();
+        let seg = |ids: &[u32]| toks(&ids.iter().map(|&t| (t, 256)).collect::<Vec<_>>());
+        let request = |ids: &[u32]| -> (usize, Option<usize>) {
+            let prompt = seg(ids);
+            let mut out = vec![0u32; prompt.len()];
+            let m = c.match_and_lock_checkpoint(0, &prompt, &mut out);
+            let prefix = m.lease.len();
+            assert_eq!(m.state.is_some(), prefix > 0);
+            let checkpoint = m.branching_len.unwrap_or(c.mamba_config().prefill_checkpoint(prompt.len()));
+            let mut row = c.req_pool().alloc().unwrap();
+            let mut slots = out[..prefix].to_vec();
+            let mut fresh = vec![0u32; prompt.len() - prefix];
+            c.alloc(&mut fresh).unwrap();
+            slots.extend(&fresh);
+            c.req_pool().write(&mut row, 0, &slots[..checkpoint]).unwrap();
+            let state = c.alloc_state().unwrap();
+            let r = c.cache_finished_req(0, &prompt[..checkpoint], row, m.lease, state).unwrap();
+            assert_eq!(r.state_kept, checkpoint > prefix, "{ids:?}: a new checkpoint is kept, a known one freed");
+            c.allocator().free(&slots[checkpoint..]).unwrap();
+            c.check_invariants().unwrap();
+            (prefix, m.branching_len)
+        };
+        assert_eq!(request(&[1, 2]), (0, None), "R1, page size {ps}");
+        assert_eq!(request(&[1, 3]), (0, Some(256)), "R2: splits [1,2]; [1] has no state yet");
+        assert_eq!(request(&[1, 4]), (256, None), "R3: R2 checkpointed [1]");
+        assert_eq!(request(&[1, 2, 5]), (512, None), "R4");
+        assert_eq!(request(&[1, 4, 5]), (512, None), "R5");
+        assert_eq!(request(&[1, 3, 5]), (256, None), "R6: R2 cached no [3]");
+        assert_eq!(request(&[1, 3]), (256, Some(512)), "R7: splits [3,5]; [3] has no state");
+        assert_eq!(request(&[1, 3]), (512, None), "R8: R7 revived the tombstone [3]");
+        assert_eq!((c.protected_size(), c.mamba_protected_size()), (0, 0));
+    }
+}
+
+#[test]
+fn checkpoints_must_be_whole_pages() {
+    let make = |ps: u32, mamba: MambaConfig| {
+        MambaRadixCache::with_mamba_config(
+            PagedAllocator::new(256, ps).unwrap(),
+            ReqToTokenPool::new(1, 8).unwrap(),
+            SlotPool::without_magazines(2),
+            RadixConfig::default(),
+            mamba,
+        )
+        .map(|_| ())
     };
-    assert_eq!(request(&[1, 2]), 0, "R1");
-    assert_eq!(request(&[1, 3]), 0, "R2: the match splits [1,2]; [1] has no state");
-    assert_eq!(request(&[1, 4]), 256, "R3: R2 checkpointed at its branching point");
-    assert_eq!(request(&[1, 2, 5]), 512, "R4");
-    assert_eq!(request(&[1, 4, 5]), 512, "R5");
-    assert_eq!(c.protected_size(), 0);
+    assert!(make(64, MambaConfig::default()).is_ok());
+    assert!(matches!(make(128, MambaConfig::default()), Err(ConfigError::NotAMultiple { value: 64, unit: 128, .. })));
+    let odd = MambaConfig { chunk_size: 64, track_interval: 100 };
+    assert!(matches!(make(16, odd), Err(ConfigError::NotAMultiple { value: 100, unit: 64, .. })));
+    assert_eq!(
+        make(16, MambaConfig { chunk_size: 0, track_interval: 256 }),
+        Err(ConfigError::Zero("the Mamba chunk size"))
+    );
+    let cfg = MambaConfig::default();
+    assert_eq!(
+        (cfg.branching_len(300, 0), cfg.branching_len(300, 300), cfg.branching_len(40, 0)),
+        (Some(256), None, None)
+    );
+    assert!(cfg.is_decode_checkpoint(512) && !cfg.is_decode_checkpoint(500) && !cfg.is_decode_checkpoint(0));
 }
 
 #[test]

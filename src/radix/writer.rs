@@ -304,10 +304,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     ///
     /// The match ends at the deepest node on the matched path whose payload allows it
     /// ([`Variant::match_end`]; every node for the plain cache); `out` holds slots up to
-    /// there. Returns the result and that node (`ROOT` for none).
-    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> (MatchResult, u32) {
+    /// there. Returns the result, that node (`ROOT` for none) and the length the KV
+    /// matched (whole nodes and the part of the last one; `out` holds its slots).
+    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> (MatchResult, u32, usize) {
         if key.is_empty() {
-            return (MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id }, ROOT);
+            return (MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id }, ROOT, 0);
         }
         let ps = self.c.ps;
         if V::TOUCH_WHILE_WALKING {
@@ -338,7 +339,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             self.touch_path(best);
         }
         let epoch = self.s.page_epoch[best_page as usize];
-        (MatchResult { len: best_len, last_page: best_page, epoch, cache_id: self.c.id }, best)
+        (MatchResult { len: best_len, last_page: best_page, epoch, cache_id: self.c.id }, best, pos)
     }
 
     /// Refresh the recency of `id` and its ancestors, the root oldest and `id` newest
