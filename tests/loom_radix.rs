@@ -32,6 +32,7 @@
 //! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
 //! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
 //! | `lock_racing_evict_mamba`       | Mamba variant: a state locked by a lease is never freed by `evict_mamba`; a lease taken after it finds no state and returns nothing; both orders reached |
+//! | `peek_racing_mamba_eviction`    | Mamba variant: a lookup racing `evict_mamba` (a tombstoning, then a leaf's removal cascading through its tombstone parent) returns a prefix of the cached slots: all of them before, none after |
 //! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
 
@@ -397,6 +398,49 @@ fn lock_racing_evict_mamba() {
         c.check_invariants().unwrap();
     });
     seen.expect_seen("lock_racing_evict_mamba", &["locked_first", "evicted_first"]);
+}
+
+/// Mamba variant: a lock-free lookup racing `evict_mamba(2)`, which first makes the
+/// internal node `[1, 2]` a tombstone (its KV stays) and then removes the leaf
+/// `[3, 4]` and, with it, the tombstone left childless. The lookup returns a prefix of
+/// the cached slots, whole before the eviction and nothing after it.
+#[test]
+fn peek_racing_mamba_eviction() {
+    let seen = Outcomes::new(&["whole", "none", "upper_only"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_mamba_eviction", move || {
+        let c = Arc::new(
+            MambaRadixCache::with_states(
+                TokenAllocator::new(4).unwrap(),
+                ReqToTokenPool::new(1, 4).unwrap(),
+                SlotPool::without_magazines(2),
+                RadixConfig::default(),
+            )
+            .unwrap(),
+        );
+        let mut kv = [0u32; 4];
+        c.allocator().alloc(&mut kv).unwrap();
+        let (s1, s2) = (c.alloc_state().unwrap(), c.alloc_state().unwrap());
+        c.insert(0, &[1, 2], &kv[..2], s1).unwrap();
+        c.insert(0, &[1, 2, 3, 4], &kv, s2).unwrap();
+        let span = Span::new();
+        let (c2, sp) = (c.clone(), span.clone());
+        let t = thread::spawn(move || sp.write(|| c2.evict_mamba(2)));
+        let mut out = [0u32; 4];
+        let (n, place) = span.read(|| c.peek_prefix(0, &[1, 2, 3, 4], &mut out));
+        assert_eq!(t.join().unwrap(), 2);
+        assert_eq!(out[..n], kv[..n], "a lookup returned slots that are not the cached ones");
+        match (n, place) {
+            (4, Place::After) | (0, Place::Before) => panic!("{n} tokens found {}", place.label()),
+            (4, _) => s.hit("whole"),
+            (0, _) => s.hit("none"),
+            (2, _) => s.hit("upper_only"),
+            _ => panic!("a lookup returned {n} tokens"),
+        }
+        assert_eq!((c.total_size(), c.states().available()), (0, 2));
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("peek_racing_mamba_eviction", &["whole", "none"]);
 }
 
 /// A match taken without a lock, locked later while another thread evicts its node and
