@@ -181,8 +181,20 @@ mod tests {
         assert_eq!(
             names,
             [
-                "base0", "base1", "base2", "base3", "vecs0", "vecs1", "vecs2", "vecs3", "n_comps", "num_rows",
-                "src_slots", "dst_slots", "n_pairs", "err"
+                "base0",
+                "base1",
+                "base2",
+                "base3",
+                "vecs0",
+                "vecs1",
+                "vecs2",
+                "vecs3",
+                "n_comps",
+                "num_rows",
+                "src_slots",
+                "dst_slots",
+                "n_pairs",
+                "err"
             ]
         );
         let text = k.to_ptx();

@@ -253,6 +253,56 @@ impl From<RowError> for MambaError {
     }
 }
 
+/// The host reference of the `mamba_state` kernels, on raw buffers in the pool layout
+/// (`buffers[c]` is `[layers, num_rows, row_bytes[c]]`): for each `i` in order, copy
+/// slot `src[i]` to slot `dst[i]` (or, with `src` `None`, zero slot `dst[i]`) in every
+/// layer and component. A pair naming a slot `>= num_rows` is skipped, as the kernel
+/// skips it; the result says whether one was.
+///
+/// # Panics
+///
+/// If a buffer is shorter than its layout, or `src` and `dst` differ in length.
+///
+/// # Examples
+///
+/// ```
+/// let mut conv = vec![0u8; 2 * 3 * 4]; // 2 layers, 3 rows of 4 bytes
+/// conv[4..8].copy_from_slice(&[1, 2, 3, 4]); // layer 0, slot 1
+/// let skipped = kvpool::mamba::reference_copy(&mut [&mut conv], &[4], 2, 3, Some(&[1, 1]), &[2, 7]);
+/// assert!(skipped);
+/// assert_eq!(&conv[8..12], &[1, 2, 3, 4]);
+/// ```
+pub fn reference_copy(
+    buffers: &mut [&mut [u8]],
+    row_bytes: &[usize],
+    layers: u32,
+    num_rows: u32,
+    src: Option<&[u32]>,
+    dst: &[u32],
+) -> bool {
+    if let Some(src) = src {
+        assert_eq!(src.len(), dst.len(), "src and dst lengths");
+    }
+    let mut skipped = false;
+    for (i, &d) in dst.iter().enumerate() {
+        let s = src.map(|s| s[i]);
+        if d >= num_rows || s.is_some_and(|s| s >= num_rows) {
+            skipped = true;
+            continue;
+        }
+        for (buf, &r) in buffers.iter_mut().zip(row_bytes) {
+            for layer in 0..layers as usize {
+                let row = |slot: u32| (layer * num_rows as usize + slot as usize) * r;
+                match s {
+                    Some(s) => buf.copy_within(row(s)..row(s) + r, row(d)),
+                    None => buf[row(d)..row(d) + r].fill(0),
+                }
+            }
+        }
+    }
+    skipped
+}
+
 /// Pool generations tell handles of different pools apart (see `req_to_token`).
 fn next_generation() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
