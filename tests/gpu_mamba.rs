@@ -67,14 +67,24 @@ fn configs() -> Vec<(MambaConfig, u32)> {
             },
             2,
         ),
-        // A row of many blocks (the grid-stride loop and its tail).
+        // Rows of many blocks (the grid-stride loop and its tail): 24576 and 529416
+        // bytes, so width 8 and 66177 vectors in the temporal row.
         (
             MambaConfig {
                 layers: 1,
                 conv: vec![s(&[4096, 3], StateDtype::Bf16)],
-                temporal: s(&[8, 64, 129], StateDtype::F32),
+                temporal: s(&[2, 513, 129], StateDtype::F32),
             },
             8,
+        ),
+        // Width 16 with large rows (the bench's row shapes).
+        (
+            MambaConfig {
+                layers: 2,
+                conv: vec![s(&[8192, 3], StateDtype::Bf16)],
+                temporal: s(&[4, 128, 128], StateDtype::F32),
+            },
+            16,
         ),
     ]
 }
