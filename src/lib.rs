@@ -6,7 +6,9 @@
 //! * [`SlotPool`] — the one primitive: a lock-free arena of `u32` indices;
 //! * [`TokenAllocator`] and [`PagedAllocator`] — KV slot allocators with SGLang's slot
 //!   and page numbering, `alloc_extend` / `alloc_decode`, free groups;
-//! * [`ReqToTokenPool`] — request rows mapping token positions to KV slots.
+//! * [`ReqToTokenPool`] — request rows mapping token positions to KV slots;
+//! * [`mamba`] — hybrid models: [`MambaPool`] (state slots), [`HybridReqToTokenPool`]
+//!   (rows that own a state) and [`HybridLayerMap`].
 //!
 //! Every operation takes `&self`, never blocks, and never touches the heap after
 //! construction: an overlap scheduler can allocate batch N+1 on one thread while
@@ -51,6 +53,7 @@ mod arena;
 pub mod baseline;
 pub mod error;
 pub mod kv;
+pub mod mamba;
 pub mod radix;
 #[cfg(all(feature = "replay", not(loom)))]
 pub mod replay;
@@ -66,6 +69,7 @@ pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, RowError, Unit,
 };
+pub use mamba::{HybridLayerMap, HybridReqToTokenPool, HybridRow, MambaConfig, MambaPool, MambaSlot};
 pub use req_to_token::{ReqRow, ReqToTokenPool};
 pub use slots::{FreeGroup, SlotPool};
 
