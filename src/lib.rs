@@ -34,10 +34,23 @@
 //! ## Model-checking your own code
 //!
 //! Built with `RUSTFLAGS="--cfg loom"`, kvpool's atomics are loom's, so a scheduler
-//! that uses kvpool types can be model-checked with loom as it is.
+//! that uses kvpool types can be model-checked with loom as it is. The module
+//! `kvpool::loom` (present only in such a build) is the loom kvpool was built with
+//! (0.7) plus `run_model`, which counts the executions a model explored;
+//! `examples/loom-scheduler/` in the repository is a crate that model-checks a
+//! scheduler protocol this way.
+//!
+//! ## Fuzzing your own code
+//!
+//! With feature `models`, [`models`](crate::models) has kvpool's `Arbitrary` operation
+//! sequences and sequential reference models; `models::run_allocator_observed` drives
+//! your own [`KvAllocator`] wrapper with them and checks it against the model
+//! (`examples/fuzz-scheduler/` is a cargo-fuzz target doing that).
 //!
 //! ## Features
 //!
+//! * `models` (alias `testing`) — [`models`](crate::models): op sequences and
+//!   sequential models for fuzzing and model tests.
 //! * `debug-invariants` — run `check_invariants()` after every mutating operation
 //!   and panic on a violation (SGLang's `SGLANG_DEBUG_MEMORY_POOL`). O(capacity) per
 //!   operation and exact only single-threaded: for tests and debugging.
@@ -56,8 +69,13 @@ pub mod radix;
 pub mod replay;
 pub mod req_to_token;
 pub mod slots;
-#[cfg(feature = "testing")]
-pub mod testing;
+#[cfg(all(loom, not(shuttle)))]
+pub mod loom;
+#[cfg(feature = "models")]
+pub mod models;
+/// The old name of [`models`] (feature `testing`, now an alias of feature `models`).
+#[cfg(feature = "models")]
+pub use models as testing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
