@@ -239,11 +239,7 @@ fn a_request_finished_on_the_output_thread_while_its_prefix_is_admitted() {
     let outcomes = Outcomes::new(&["B hit A's prefix", "B missed, allocated", "B out of memory"]);
     let seen = outcomes.clone();
     let name = "a_request_finished_on_the_output_thread_while_its_prefix_is_admitted";
-    // Two threads each taking the cache's latch several times: bound the preemptions
-    // so the model stays in seconds (kvpool's CI runs with 3 elsewhere).
-    let mut builder = Builder::new();
-    builder.preemption_bound = Some(builder.preemption_bound.map_or(2, |b| b.min(2)));
-    kvpool::loom::run_model(name, builder, move || {
+    kvpool::loom::run_model(name, Builder::new(), move || {
         let cache = Arc::new(tiny_cache(2));
         let a = admit(&cache, 0, &[1, 2], None).unwrap();
         let a = a.into_finished();
