@@ -64,15 +64,15 @@ mod arena;
 pub mod baseline;
 pub mod error;
 pub mod kv;
+#[cfg(all(loom, not(shuttle)))]
+pub mod loom;
+#[cfg(feature = "models")]
+pub mod models;
 pub mod radix;
 #[cfg(all(feature = "replay", not(loom)))]
 pub mod replay;
 pub mod req_to_token;
 pub mod slots;
-#[cfg(all(loom, not(shuttle)))]
-pub mod loom;
-#[cfg(feature = "models")]
-pub mod models;
 /// The old name of [`models`] (feature `testing`, now an alias of feature `models`).
 #[cfg(feature = "models")]
 pub use models as testing;

@@ -200,7 +200,9 @@ mod tests {
     /// The fuzz target's check, on what a few byte strings read as.
     #[test]
     fn fuzz_check_passes_on_sample_inputs() {
-        for bytes in [&b"\x03\x20\x00 any bytes become ops: 0123456789abcdef"[..], b"\x05\x40\x01\xff\x10\x22\x33\x44\x55"] {
+        for bytes in
+            [&b"\x03\x20\x00 any bytes become ops: 0123456789abcdef"[..], b"\x05\x40\x01\xff\x10\x22\x33\x44\x55"]
+        {
             let scenario = Scenario::from_fuzz_input(bytes, MAX_FUZZ_OPS);
             let ledger = PageLedger::new(PagedAllocator::new(scenario.pool_size(), scenario.page_size()).unwrap());
             let mut tags = vec![None; scenario.num_pages() as usize + 1];

@@ -73,7 +73,8 @@ fn assert_settled(cache: &RadixCache<TokenAllocator>, rows: usize) {
 /// allocated and findable until the pin is released.
 #[test]
 fn a_pinned_prefix_is_never_freed() {
-    let outcomes = Outcomes::new(&["pinned: admission out of memory", "evicted first: pin missed", "unpinned, then evicted"]);
+    let outcomes =
+        Outcomes::new(&["pinned: admission out of memory", "evicted first: pin missed", "unpinned, then evicted"]);
     let seen = outcomes.clone();
     kvpool::loom::run_model("a_pinned_prefix_is_never_freed", Builder::new(), move || {
         let cache = Arc::new(tiny_cache(1));
