@@ -13,8 +13,9 @@
 //!   state from outside a Loom model"). Write `use kvpool::loom;` and there is only one;
 //!   or keep your own dependency and pass its `model::Builder` to [`run_model`], whose
 //!   signature names kvpool's loom: with another version, that call does not compile
-//!   (rustc: "expected `loom::model::Builder`, found a different `loom::model::Builder`
-//!   ... multiple different versions of crate `loom` in the dependency graph").
+//!   (rustc: "expected `kvpool::loom::model::Builder`, found `loom::model::Builder`",
+//!   "note: there are multiple different versions of crate `loom` in the dependency
+//!   graph").
 //! * **No state outside the model.** kvpool keeps no loom object in a static or a
 //!   thread-local, so each execution starts from what the model builds. Its only statics
 //!   are two std counters (the identities of caches and request-row pools, compared only
