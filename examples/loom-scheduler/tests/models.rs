@@ -14,6 +14,7 @@
 //! |---|---|
 //! | `a_pinned_prefix_is_never_freed` | a router's pin (a lease) keeps its slots allocated and out of every other request's hands, however the scheduler's evicting allocation interleaves; once released they can be reused |
 //! | `slots_freed_on_the_output_thread_are_never_handed_out_twice` | the overlap loop: the scheduler allocates batch 2 while the output thread frees batch 1; a slot is never held by both, and batch 2's KV writes happen after batch 1's reads (loom checks the cells) |
+//! | `pages_freed_on_the_output_thread_are_never_handed_out_twice` | the same on a paged allocator (pages of 2) |
 //! | `a_request_finished_on_the_output_thread_while_its_prefix_is_admitted` | the lease travels detached to the output thread, which caches the request while the scheduler admits one with the same prefix; at the end every slot is free or cached, every lock and row released |
 #![cfg(loom)]
 
@@ -21,7 +22,7 @@ use kvpool::loom::cell::UnsafeCell;
 use kvpool::loom::model::Builder;
 use kvpool::loom::sync::atomic::{AtomicBool, Ordering};
 use kvpool::radix::{RadixCache, RadixConfig};
-use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, TokenAllocator};
 use loom_scheduler::sync::{mpsc, thread, Arc};
 use loom_scheduler::{admit, finish, free_batches, AdmitError, Pin, ToOutput};
 
@@ -172,22 +173,49 @@ impl KvBuffer {
 /// reads them.
 #[test]
 fn slots_freed_on_the_output_thread_are_never_handed_out_twice() {
+    overlap_model(
+        "slots_freed_on_the_output_thread_are_never_handed_out_twice",
+        || TokenAllocator::new(4).unwrap(),
+        3,
+        2,
+    );
+}
+
+/// The same on pages of 2 (4 pages, slots 2..=9): batch 1 takes 3 pages, batch 2 needs 2.
+#[test]
+fn pages_freed_on_the_output_thread_are_never_handed_out_twice() {
+    overlap_model(
+        "pages_freed_on_the_output_thread_are_never_handed_out_twice",
+        || PagedAllocator::new(8, 2).unwrap(),
+        6,
+        4,
+    );
+}
+
+/// The overlap loop of the two models above on the allocator `make` builds (fresh, with
+/// fewer than `first + second` tokens, so that batch 2 must reuse batch 1's slots).
+fn overlap_model<A, F>(name: &'static str, make: F, first: usize, second: usize)
+where
+    A: KvAllocator + 'static,
+    F: Fn() -> A + Send + Sync + 'static,
+{
     let outcomes = Outcomes::new(&["batch 2 reused batch 1's slots", "batch 2 found no room"]);
     let seen = outcomes.clone();
-    let name = "slots_freed_on_the_output_thread_are_never_handed_out_twice";
     kvpool::loom::run_model(name, Builder::new(), move || {
-        let alloc = Arc::new(TokenAllocator::new(4).unwrap());
-        let kv = Arc::new(KvBuffer::new(5));
+        let alloc = Arc::new(make());
+        let size = KvAllocator::size(&*alloc);
+        assert!(first + second > size);
+        let kv = Arc::new(KvBuffer::new(size + alloc.page_size() as usize));
         let (to_output, batches) = mpsc::channel::<ToOutput>();
 
         let scheduler = {
             let (alloc, kv) = (Arc::clone(&alloc), Arc::clone(&kv));
             thread::spawn(move || {
-                let mut batch1 = vec![0u32; 3];
+                let mut batch1 = vec![0u32; first];
                 alloc.alloc(&mut batch1).unwrap();
                 batch1.iter().for_each(|&s| kv.write(s, 1));
                 to_output.send(ToOutput::Batch(batch1.clone())).unwrap();
-                let mut batch2 = vec![0u32; 2];
+                let mut batch2 = vec![0u32; second];
                 for attempt in 0..2 {
                     if alloc.alloc(&mut batch2).is_ok() {
                         batch2.iter().for_each(|&s| kv.write(s, 2));
@@ -220,11 +248,11 @@ fn slots_freed_on_the_output_thread_are_never_handed_out_twice() {
         let freed = output.join().unwrap();
         seen.hit(match batch2 {
             Some(true) => "batch 2 reused batch 1's slots",
-            Some(false) => panic!("4 slots, 3 of them in batch 1: batch 2 cannot avoid them"),
+            Some(false) => panic!("batch 2 cannot avoid batch 1's slots in so small a pool"),
             None => "batch 2 found no room",
         });
-        assert_eq!(freed, if batch2.is_some() { 5 } else { 3 });
-        assert_eq!(alloc.available_size(), 4, "every slot is back");
+        assert_eq!(freed, if batch2.is_some() { first + second } else { first });
+        assert_eq!(alloc.available_size(), size, "every slot is back");
         alloc.check_invariants().unwrap();
     });
     outcomes.expect_all(name);
