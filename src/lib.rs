@@ -42,14 +42,14 @@
 //!
 //! ## Fuzzing your own code
 //!
-//! With feature `models`, [`models`](crate::models) has kvpool's `Arbitrary` operation
+//! With feature `models`, `kvpool::models` has kvpool's `Arbitrary` operation
 //! sequences and sequential reference models; `models::run_allocator_observed` drives
 //! your own [`KvAllocator`] wrapper with them and checks it against the model
 //! (`examples/fuzz-scheduler/` is a cargo-fuzz target doing that).
 //!
 //! ## Features
 //!
-//! * `models` (alias `testing`) — [`models`](crate::models): op sequences and
+//! * `models` (alias `testing`) — `kvpool::models`: op sequences and
 //!   sequential models for fuzzing and model tests.
 //! * `debug-invariants` — run `check_invariants()` after every mutating operation
 //!   and panic on a violation (SGLang's `SGLANG_DEBUG_MEMORY_POOL`). O(capacity) per
