@@ -131,7 +131,7 @@ impl<P: StatePool> StatePool for Arc<P> {
 /// Where a hybrid model can checkpoint its recurrent state (SGLang's
 /// `FLA_CHUNK_SIZE` and `mamba_track_interval`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MambaConfig {
+pub struct CheckpointConfig {
     /// Prefill checkpoints lie at multiples of this (64: the linear-attention kernels'
     /// chunk). A whole number of pages.
     pub chunk_size: usize,
@@ -139,13 +139,13 @@ pub struct MambaConfig {
     pub track_interval: usize,
 }
 
-impl Default for MambaConfig {
+impl Default for CheckpointConfig {
     fn default() -> Self {
-        MambaConfig { chunk_size: 64, track_interval: 256 }
+        CheckpointConfig { chunk_size: 64, track_interval: 256 }
     }
 }
 
-impl MambaConfig {
+impl CheckpointConfig {
     /// The checkpoint a request whose prompt matched `kv_len` tokens of KV but only
     /// `prefix_len` tokens up to a cached state should save during prefill: the last
     /// chunk boundary of the KV match (SGLang's `mamba_branching_seqlen`), so that the
@@ -192,7 +192,7 @@ impl MambaConfig {
 #[derive(Debug)]
 pub struct Mamba<P: StatePool> {
     pool: P,
-    config: MambaConfig,
+    config: CheckpointConfig,
 
     evictable: AtomicUsize,
     protected: AtomicUsize,
@@ -430,13 +430,13 @@ pub struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
     /// only `lease.len()` of them are locked).
     pub kv_len: usize,
     /// Where the request should checkpoint during prefill so that the next request on
-    /// this branch can resume further ([`MambaConfig::branching_len`]).
+    /// this branch can resume further ([`CheckpointConfig::branching_len`]).
     pub branching_len: Option<usize>,
 }
 
 impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// A Mamba-aware cache over `alloc` (KV pages), `req_pool` (request rows) and
-    /// `states` (the state slots it holds and frees), with `MambaConfig::default()`.
+    /// `states` (the state slots it holds and frees), with `CheckpointConfig::default()`.
     ///
     /// # Errors
     ///
@@ -449,7 +449,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         states: P,
         config: RadixConfig,
     ) -> Result<Self, ConfigError> {
-        Self::with_mamba_config(alloc, req_pool, states, config, MambaConfig::default())
+        Self::with_checkpoints(alloc, req_pool, states, config, CheckpointConfig::default())
     }
 
     /// [`with_states`](Self::with_states) with checkpoint positions of `mamba`.
@@ -459,12 +459,12 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// As [`with_states`](Self::with_states); [`ConfigError::Zero`] or
     /// [`ConfigError::NotAMultiple`] when the chunk is not a positive whole number of
     /// pages or the track interval not a whole number of chunks.
-    pub fn with_mamba_config(
+    pub fn with_checkpoints(
         alloc: A,
         req_pool: ReqToTokenPool,
         states: P,
         config: RadixConfig,
-        mamba: MambaConfig,
+        mamba: CheckpointConfig,
     ) -> Result<Self, ConfigError> {
         if alloc.page_size() == 0 {
             return Err(ConfigError::ZeroPageSize);
@@ -476,7 +476,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     }
 
     /// Where checkpoints lie.
-    pub fn mamba_config(&self) -> MambaConfig {
+    pub fn checkpoint_config(&self) -> CheckpointConfig {
         self.variant.config
     }
 
@@ -683,5 +683,27 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             |w| Self::check_state(w, state),
             |w, end| Self::adopt_state(w, end, state),
         )
+    }
+}
+
+/// kvpool's [`MambaPool`](crate::mamba::MambaPool) as the tree's state pool: the tree
+/// holds *cached* states by number (a request hands one over with
+/// [`MambaPool::cache`](crate::mamba::MambaPool::cache)); `alloc_one` hands out a
+/// zeroed state already cached, and `free` takes cached states back.
+impl StatePool for crate::mamba::MambaPool {
+    fn capacity(&self) -> u32 {
+        self.size() as u32
+    }
+    fn available(&self) -> usize {
+        crate::mamba::MambaPool::available(self)
+    }
+    fn alloc_one(&self) -> Result<u32, OutOfMemory> {
+        self.alloc().map(|slot| self.cache(slot))
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        crate::mamba::MambaPool::free(self, slots)
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        self.is_cached(slot)
     }
 }

@@ -164,7 +164,7 @@ mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
-pub use mamba::{Mamba, MambaConfig, MambaMatch, MambaRadixCache, StateInsert, StatePool};
+pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use variant::{Plain, Variant};
 
