@@ -139,3 +139,18 @@ fn a_match_refreshes_its_whole_path() {
         run(Shape::from_bytes(ps, 20, 5, 0), &ops).unwrap();
     }
 }
+
+/// The fuzz target's checked-in seeds (one of them caught a match that refreshed only
+/// its end node), with the full comparison after every step.
+#[test]
+fn fuzz_seeds_agree() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/mamba_ops");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);
+        run(shape, &ops).unwrap();
+        seen += 1;
+    }
+    assert!(seen > 0, "no seeds in {}", dir.display());
+}
