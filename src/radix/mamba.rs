@@ -56,7 +56,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use core::fmt::Write as _;
+use core::fmt::{self, Write as _};
 use std::sync::Arc;
 
 use super::heap::{self, Heap, Slot};
@@ -65,6 +65,7 @@ use super::writer::Writer;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
+use crate::mamba::{HybridReqToTokenPool, HybridRow, MambaPool, MambaSlot};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
 use crate::sync::atomic::{AtomicUsize, Ordering};
@@ -675,6 +676,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         state: u32,
     ) -> Result<bool, CacheError> {
         self.unfinished_with(
+            &self.req_pool,
             namespace,
             token_ids,
             row,
@@ -705,5 +707,149 @@ impl StatePool for crate::mamba::MambaPool {
     }
     fn is_allocated(&self, slot: u32) -> bool {
         self.is_cached(slot)
+    }
+}
+
+/// A hybrid request that could not be cached: everything comes back unchanged.
+pub struct HybridUnfinished<'c, A: KvAllocator> {
+    /// Why.
+    pub error: CacheError,
+    /// The request's row, with every state it still owns.
+    pub row: HybridRow,
+    /// The request's lease, still held.
+    pub lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
+    /// The checkpoint that was to be cached, still the caller's.
+    pub state: MambaSlot,
+}
+
+impl<A: KvAllocator> fmt::Debug for HybridUnfinished<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HybridUnfinished").field("error", &self.error).finish_non_exhaustive()
+    }
+}
+
+/// The request helpers of a hybrid engine whose rows come from a
+/// [`HybridReqToTokenPool`] over the cache's [`MambaPool`]: the checkpoint goes to the
+/// tree as a [`MambaSlot`] handle (cached by number on the way in, so the request can
+/// no longer write it), and the row is freed with every state it still owns.
+impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
+    /// A cache for requests whose rows come from `rows`: its states are `rows`' Mamba
+    /// pool, and the request helpers are [`cache_finished_hybrid`](Self::cache_finished_hybrid)
+    /// and [`cache_unfinished_hybrid`](Self::cache_unfinished_hybrid) (the cache's own
+    /// request rows, [`req_pool`](RadixCache::req_pool), are a single unused row).
+    ///
+    /// # Errors
+    ///
+    /// As [`with_checkpoints`](Self::with_checkpoints).
+    pub fn for_hybrid_rows(
+        alloc: A,
+        rows: &HybridReqToTokenPool,
+        config: RadixConfig,
+        checkpoints: CheckpointConfig,
+    ) -> Result<Self, ConfigError> {
+        let own_rows = ReqToTokenPool::new(1, 1)?;
+        Self::with_checkpoints(alloc, own_rows, Arc::clone(rows.mamba_pool()), config, checkpoints)
+    }
+
+    fn check_hybrid(&self, rows: &HybridReqToTokenPool, state: &MambaSlot) -> Result<(), CacheError> {
+        if !Arc::ptr_eq(rows.mamba_pool(), &self.variant.pool) || self.variant.pool.own(state).is_err() {
+            return Err(CacheError::ForeignRows);
+        }
+        Ok(())
+    }
+
+    /// [`cache_finished_req`](RadixCache::cache_finished_req) for a hybrid row:
+    /// `token_ids` are the tokens up to the request's checkpoint (the row holds their
+    /// KV slots; the caller frees its slots past the checkpoint), `state` the state
+    /// there (the working state, or a track buffer taken with
+    /// [`HybridReqToTokenPool::take_checkpoint`]). The tree takes the state (keeps it or
+    /// frees it, see [`StateInsert`]); the row is freed with the states it still owns.
+    ///
+    /// # Errors
+    ///
+    /// [`HybridUnfinished`] hands everything back with the reason, nothing changed:
+    /// [`CacheError::ForeignRows`] for rows or a state of another pool, and the errors
+    /// of [`cache_finished_req`](RadixCache::cache_finished_req).
+    #[allow(clippy::result_large_err)]
+    pub fn cache_finished_hybrid<'c>(
+        &'c self,
+        rows: &HybridReqToTokenPool,
+        namespace: u64,
+        token_ids: &[u32],
+        row: HybridRow,
+        lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
+        state: MambaSlot,
+    ) -> Result<StateInsert, HybridUnfinished<'c, A>> {
+        if let Err(error) = self.check_hybrid(rows, &state) {
+            return Err(HybridUnfinished { error, row, lease, state });
+        }
+        let mut held = Some(state);
+        let pool = &self.variant.pool;
+        let r = self.finish(
+            rows.tokens(),
+            namespace,
+            token_ids,
+            row.req_row(),
+            &lease,
+            0,
+            |_| Ok(()),
+            |w, end| {
+                let slot = pool.cache(held.take().expect("the state is handed over once"));
+                Self::adopt_state(w, end, slot)
+            },
+        );
+        match r {
+            Ok((cached, state_kept)) => {
+                core::mem::forget(lease); // its lock was released by `finish`
+                                          // The row is the pool's (its tokens were read above): freeing it cannot fail.
+                let freed = rows.free(row);
+                debug_assert!(freed.is_ok(), "a checked hybrid row failed to free: {freed:?}");
+                Ok(StateInsert { cached, state_kept })
+            }
+            Err(error) => {
+                let state = held.take().expect("a refused request keeps its state");
+                Err(HybridUnfinished { error, row, lease, state })
+            }
+        }
+    }
+
+    /// [`cache_unfinished_req`](RadixCache::cache_unfinished_req) for a hybrid row
+    /// (chunked prefill): `state` is a copy of the request's state after the
+    /// page-aligned part of `token_ids` (SGLang donates a copy: take it with
+    /// [`HybridReqToTokenPool::checkpoint`] and
+    /// [`take_checkpoint`](HybridReqToTokenPool::take_checkpoint)), which the tree
+    /// takes. Returns whether the tree kept it.
+    ///
+    /// # Errors
+    ///
+    /// The reason and the state, nothing changed.
+    pub fn cache_unfinished_hybrid(
+        &self,
+        rows: &HybridReqToTokenPool,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut HybridRow,
+        lease: &mut Lease<'_, A, Mamba<Arc<MambaPool>>>,
+        state: MambaSlot,
+    ) -> Result<bool, (CacheError, MambaSlot)> {
+        if let Err(e) = self.check_hybrid(rows, &state) {
+            return Err((e, state));
+        }
+        let mut held = Some(state);
+        let pool = &self.variant.pool;
+        let r = self.unfinished_with(
+            rows.tokens(),
+            namespace,
+            token_ids,
+            row.req_row_mut(),
+            lease,
+            0,
+            |_| Ok(()),
+            |w, end| {
+                let slot = pool.cache(held.take().expect("the state is handed over once"));
+                Self::adopt_state(w, end, slot)
+            },
+        );
+        r.map_err(|e| (e, held.take().expect("a refused request keeps its state")))
     }
 }

@@ -395,3 +395,70 @@ fn over_a_mamba_pool_fork_copies_the_nodes_state() {
     assert_eq!(pool.available(), 4);
     c.check_invariants().unwrap();
 }
+
+/// Hybrid rows: a refused finish hands the row, the lease and the state back unchanged;
+/// rows of another Mamba pool are refused; a chunked prefill caches a copy of the state.
+#[test]
+fn hybrid_rows_hand_everything_back_on_refusal() {
+    use crate::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+    use std::sync::Arc;
+
+    let layout = || MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+    let states = Arc::new(MambaPool::new(6, layout()).unwrap());
+    let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&states), 2).unwrap();
+    let other = HybridReqToTokenPool::new(2, 64, Arc::new(MambaPool::new(6, layout()).unwrap()), 2).unwrap();
+    let c = MambaRadixCache::for_hybrid_rows(
+        TokenAllocator::new(64).unwrap(),
+        &rows,
+        RadixConfig::default(),
+        CheckpointConfig { chunk_size: 4, track_interval: 8 },
+    )
+    .unwrap();
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    let mut out = [0u32; 8];
+    let mut lease = c.match_and_lock(0, &tokens, &mut out);
+    let mut req = rows.alloc().unwrap();
+    let kv_slots = kv(&c, 8);
+    rows.tokens().write(req.req_row_mut(), 0, &kv_slots).unwrap();
+    // Chunked prefill: cache the first 4 tokens with a copy of the state there.
+    rows.checkpoint(&mut req).unwrap();
+    let copy = rows.take_checkpoint(&mut req).unwrap();
+    assert!(c.cache_unfinished_hybrid(&rows, 0, &tokens[..4], &mut req, &mut lease, copy).unwrap());
+    assert_eq!((lease.len(), c.mamba_protected_size()), (4, 1));
+    // A state of another pool is refused, and comes back.
+    let mut foreign_req = other.alloc().unwrap();
+    let foreign = other.take_mamba(&mut foreign_req).unwrap();
+    let state = rows.take_mamba(&mut req).unwrap();
+    let before = c.pretty_print();
+    let u = c.cache_finished_hybrid(&rows, 0, &tokens, req, lease, foreign).unwrap_err();
+    assert_eq!(u.error, CacheError::ForeignRows);
+    assert_eq!(c.pretty_print(), before);
+    let (req, lease) = (u.row, u.lease);
+    other.mamba_pool().free_slot(u.state).unwrap();
+    other.free(foreign_req).unwrap();
+    // A row that disagrees with its lease is refused before anything changes.
+    let mut bad = req;
+    rows.tokens().write(bad.req_row_mut(), 0, &[kv_slots[1]]).unwrap();
+    let u = c.cache_finished_hybrid(&rows, 0, &tokens, bad, lease, state).unwrap_err();
+    assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
+    let (mut req, lease, state) = (u.row, u.lease, u.state);
+    let mut fixed = [0u32; 8];
+    fixed[..4].copy_from_slice(&c_slots(&c, &tokens[..4]));
+    fixed[4..].copy_from_slice(&kv_slots[4..]);
+    rows.tokens().write(req.req_row_mut(), 0, &fixed).unwrap();
+    let r = c.cache_finished_hybrid(&rows, 0, &tokens, req, lease, state).unwrap();
+    assert_eq!((r.cached, r.state_kept), (4, true));
+    assert_eq!((c.mamba_evictable_size(), c.mamba_protected_size(), c.protected_size()), (2, 0, 0));
+    // The row went back with its remaining track buffer: only the two cached states are out.
+    assert_eq!(states.available(), 4);
+    assert_eq!(rows.available_size(), 2);
+    c.check_invariants().unwrap();
+}
+
+/// The cached slots of `key` (a lookup).
+fn c_slots<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, key: &[u32]) -> Vec<u32> {
+    let mut out = vec![0u32; key.len()];
+    let n = c.peek_prefix(0, key, &mut out);
+    out.truncate(n);
+    out
+}
