@@ -158,7 +158,7 @@ fn scatter_row(
     let reps = if quick { 5 } else { 20 };
     let scatter_us = t.per_op(dev, reps, |i| {
         let (k, v) = &srcs[i % sets];
-        let rows = |d| Rows { data: d, row_stride: row_bytes, layer_stride: tokens * row_bytes };
+        let rows = |d| Rows::new(d, row_bytes, tokens * row_bytes);
         let src = fp8.then_some(SrcFloat::Bf16);
         cache.set_kv(dev, layer_sel, &slot_sets[i % sets], rows(k), rows(v), src, (1.0, 1.0))?;
         Ok(())
@@ -232,8 +232,8 @@ fn alloc_rows(dev: &KvDevice, t: &Timer, out: &mut Out, rng: &mut Rng, batch: us
     let pages = dalloc.pages(&staged)?.to_vec();
     dalloc.free_pages(&pages)?;
     let noop_blocks = batch as u32; // the extend grid: one block per request
-    let noop_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(1, 128)?))?;
-    let noop_grid_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(noop_blocks, 128)?))?;
+    let noop_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(dev, 1, 128)?))?;
+    let noop_grid_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(dev, noop_blocks, 128)?))?;
     // The whole call: plan + reserve + pinned copy + launch (+ free, off the clock).
     let mut call = |decode: bool| -> Result<f64> {
         let mut times = Vec::new();
@@ -303,7 +303,7 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
         let t0 = Instant::now();
         start.record(dev.stream())?;
         dalloc.alloc_decode(dev, &seq, LastLocs::FromRows, Some((&table, &rows)), &slots)?;
-        let r = |d| Rows { data: d, row_stride: row_bytes, layer_stride: 0 };
+        let r = |d| Rows::new(d, row_bytes, 0);
         cache.set_kv(dev, Layers::One(0), &slots, r(&k), r(&v), None, (1.0, 1.0))?;
         stop.record(dev.stream())?;
         stop.synchronize()?;

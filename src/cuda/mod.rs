@@ -43,12 +43,20 @@
 
 mod alloc;
 mod cache;
+mod graph;
 mod launch;
+mod stream;
 mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};
-pub use cache::{DeviceKvCache, Layers, Rows, RowsMut};
-pub use table::DeviceReqToToken;
+pub use cache::{DeviceKvCache, KvCacheView, Layers, Rows, RowsMut};
+pub use graph::{DecodeGraphs, DecodeStep, FloorGraph, MAX_BUCKET};
+pub use stream::{KvStream, StreamRef};
+pub use table::{DeviceReqToToken, ReqToTokenView};
+
+/// `docs/GPU.md`, whose examples compile as doctests.
+#[doc = include_str!("../../docs/GPU.md")]
+pub mod guide {}
 
 use core::fmt;
 
@@ -93,8 +101,26 @@ pub enum CudaKvError {
     /// A kernel met a slot past its buffer's rows: that row was skipped, the others
     /// were written.
     DeviceSlotOutOfRange,
-    /// A [`StagedBatch`] was expanded after a newer batch replaced its staging.
+    /// A [`StagedBatch`] was expanded after a newer batch replaced its staging (or a
+    /// [`DecodeStep`] was read after its staging buffer was reused).
     StaleBatch,
+    /// A driver call `cust` has no error name for failed (stream capture, graphs).
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// Its `CUresult`.
+        code: u32,
+    },
+    /// An address handed to a view is not device memory of the current context.
+    NotDeviceMemory {
+        /// Which argument.
+        what: &'static str,
+        /// The address.
+        address: u64,
+    },
+    /// A stream handed to [`KvDevice::on`] belongs to another context than the
+    /// device's primary context, where kvpool's kernels are loaded.
+    ForeignStream,
 }
 
 impl fmt::Display for CudaKvError {
@@ -119,6 +145,13 @@ impl fmt::Display for CudaKvError {
                 f.write_str("a kernel met a slot beyond its KV buffer; those rows were skipped")
             }
             CudaKvError::StaleBatch => f.write_str("this staged batch was replaced by a newer one"),
+            CudaKvError::Driver { call, code } => write!(f, "{call} failed with CUresult {code}"),
+            CudaKvError::NotDeviceMemory { what, address } => {
+                write!(f, "{what} at {address:#x} is not device memory of the current context")
+            }
+            CudaKvError::ForeignStream => {
+                f.write_str("the stream belongs to another context than the device's primary context")
+            }
         }
     }
 }
@@ -257,6 +290,23 @@ impl KvDevice {
         &self.stream
     }
 
+    /// Pair the device's kernels with another stream of its context: an engine's own
+    /// stream (a `cust` [`Stream`], a `cudarc` stream with the feature `cudarc`, or
+    /// [`StreamRef::from_raw`]). Every launcher takes the result.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::ForeignStream`] when the stream belongs to another context (the
+    /// kernels are loaded in the device's primary context only);
+    /// [`CudaKvError::Cuda`] for an invalid handle.
+    pub fn on<'a>(&'a self, stream: impl Into<StreamRef<'a>>) -> Result<KvStream<'a>, CudaKvError> {
+        let stream = stream.into();
+        if stream.context()? != self._context.as_raw() {
+            return Err(CudaKvError::ForeignStream);
+        }
+        Ok(KvStream { kernels: &self.kernels, stream })
+    }
+
     /// Wait until everything queued on the stream has run.
     ///
     /// # Errors
@@ -266,13 +316,14 @@ impl KvDevice {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Launch the empty kernel (the launch floor benchmarks compare against).
+    /// Launch the empty kernel on `on` (the launch floor benchmarks compare against).
     ///
     /// # Errors
     ///
     /// [`CudaKvError::Cuda`] if the launch is refused.
-    pub fn launch_noop(&self, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
-        self.kernels.noop(&self.stream, blocks, threads)
+    pub fn launch_noop<'s>(&self, on: impl Into<KvStream<'s>>, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
+        let on = on.into();
+        on.kernels.noop(on.raw(), blocks, threads)
     }
 
     pub(crate) fn kernels(&self) -> &launch::KvKernels {

@@ -1,0 +1,218 @@
+//! The records the allocation kernels read, and the host side of a decode step.
+//!
+//! An allocation batch reaches the device as bytes: one [`AllocRecord`] per request
+//! (a `#[repr(C)]` [`Pod`] struct, the layout the generated kernels read), followed by
+//! the batch's fresh page numbers. [`stage_decode`] fills such a block for a decode
+//! step of a captured batch-size bucket: it plans the step, reserves its pages from
+//! the shared [`PagedAllocator`] (lock-free), writes one record per request and pads
+//! the bucket with [`AllocRecord::PAD`] records (slot 0, no row access). It never
+//! allocates and never touches the device: the CUDA layer
+//! ([`DecodeGraphs`](crate::cuda)) uploads the block and launches the captured graph.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::ptx::{PAD_ROW, RECORD_BYTES};
+use super::KvError;
+use crate::alloc::new_pages;
+use crate::error::InvalidInput;
+use crate::{KvAllocator, PagedAllocator};
+
+/// One request of an allocation batch, as the allocation kernels read it.
+///
+/// `page_start` and `out_start` are the exclusive prefix sums of the batch's fresh
+/// pages and new tokens; `row` is the request's row of the `req_to_token` table
+/// ([`PAD_ROW`] for a padding record).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AllocRecord {
+    /// Tokens the request already has.
+    pub prefix_len: u32,
+    /// Tokens it has after the batch.
+    pub seq_len: u32,
+    /// The slot of its last prefix token (read only when the prefix ends inside a page
+    /// and `last_loc` does not come from the rows).
+    pub last_loc: u32,
+    /// Its first fresh page's index in the batch's page list.
+    pub page_start: u32,
+    /// Its first new token's index in the batch's output.
+    pub out_start: u32,
+    /// Its row of the request table.
+    pub row: u32,
+}
+
+// The kernels read records of exactly this size (kernels_build's RECORD_BYTES).
+const _: () = assert!(core::mem::size_of::<AllocRecord>() == RECORD_BYTES as usize);
+
+impl AllocRecord {
+    /// A padding record of a decode bucket: its output is the dummy slot 0, and no row
+    /// is read or written.
+    pub const PAD: AllocRecord =
+        AllocRecord { prefix_len: 0, seq_len: 1, last_loc: 0, page_start: 0, out_start: 0, row: PAD_ROW };
+}
+
+/// Bytes of a decode block for a bucket of `bucket` requests: `bucket` records, then
+/// room for `bucket` page numbers (a decode request takes at most one fresh page).
+pub const fn decode_block_bytes(bucket: usize) -> usize {
+    bucket * (RECORD_BYTES as usize + 4)
+}
+
+/// What [`stage_decode`] wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedDecode {
+    /// Requests in the step.
+    pub batch: usize,
+    /// The bucket it was padded to.
+    pub bucket: usize,
+    /// Fresh pages reserved (they sit after the records, in request order).
+    pub new_pages: usize,
+}
+
+/// The limits a decode step is checked against: the request table's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowLimits {
+    /// Rows of the table.
+    pub rows: u32,
+    /// Cells per row.
+    pub max_context_len: u32,
+}
+
+/// Plan a decode step, reserve its pages and write its block into `block`
+/// (`decode_block_bytes(bucket)` bytes, 4-byte aligned): request `i` grows to
+/// `seq_lens[i]` tokens in row `rows[i]`; its `last_loc` is read from the row on the
+/// device, so the host needs nothing from the device. Requests `batch..bucket` are
+/// padding.
+///
+/// Nothing allocates; on error nothing is reserved.
+///
+/// # Errors
+///
+/// [`KvError::Shape`] for mismatched lengths, a batch larger than `bucket`, a block of
+/// the wrong size or a `seq_len` past the row; [`KvError::SlotOutOfRange`] for a row
+/// past the table; [`KvError::Alloc`] for a zero `seq_len` or when pages run out.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::kv::staging::{decode_block_bytes, stage_decode, AllocRecord, RowLimits};
+/// use kvpool::PagedAllocator;
+/// let host = PagedAllocator::new(1024, 16)?;
+/// let mut block = vec![0u32; decode_block_bytes(4) / 4];
+/// let limits = RowLimits { rows: 8, max_context_len: 64 };
+/// // Request in row 5 writes its 17th token: it starts a page.
+/// let staged = stage_decode(&host, &[17, 3], &[5, 6], 4, limits, bytemuck::cast_slice_mut(&mut block))?;
+/// assert_eq!((staged.batch, staged.bucket, staged.new_pages), (2, 4, 1));
+/// let records: &[AllocRecord] = bytemuck::cast_slice(&block[..4 * 6]);
+/// assert_eq!(records[0].row, 5);
+/// assert_eq!(records[3], AllocRecord::PAD);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn stage_decode(
+    host: &PagedAllocator,
+    seq_lens: &[u32],
+    rows: &[u32],
+    bucket: usize,
+    limits: RowLimits,
+    block: &mut [u8],
+) -> Result<StagedDecode, KvError> {
+    let batch = seq_lens.len();
+    if rows.len() != batch {
+        return Err(KvError::Shape { what: "rows", got: rows.len(), expected: batch });
+    }
+    if batch > bucket {
+        return Err(KvError::Shape { what: "batch (bucket)", got: batch, expected: bucket });
+    }
+    if block.len() != decode_block_bytes(bucket) {
+        return Err(KvError::Shape { what: "block", got: block.len(), expected: decode_block_bytes(bucket) });
+    }
+    let ps = host.page_size();
+    let mut fresh = 0usize;
+    for (request, (&seq, &row)) in seq_lens.iter().zip(rows).enumerate() {
+        if seq == 0 {
+            return Err(InvalidInput::EmptyDecode { request }.into());
+        }
+        if row >= limits.rows {
+            return Err(KvError::SlotOutOfRange { slot: row, rows: limits.rows as usize });
+        }
+        if seq > limits.max_context_len {
+            return Err(KvError::Shape {
+                what: "seq_len (max_context_len)",
+                got: seq as usize,
+                expected: limits.max_context_len as usize,
+            });
+        }
+        fresh += new_pages(ps, seq - 1, seq) as usize;
+    }
+    let (head, tail) = block.split_at_mut(bucket * RECORD_BYTES as usize);
+    let records: &mut [AllocRecord] = bytemuck::try_cast_slice_mut(head)
+        .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
+    let pages: &mut [u32] = bytemuck::try_cast_slice_mut(tail)
+        .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
+    host.reserve_pages(&mut pages[..fresh])?;
+    let mut page_start = 0u32;
+    for (i, rec) in records.iter_mut().enumerate() {
+        *rec = match (seq_lens.get(i), rows.get(i)) {
+            (Some(&seq), Some(&row)) => {
+                let r = AllocRecord { prefix_len: seq - 1, seq_len: seq, last_loc: 0, page_start, out_start: i as u32, row };
+                page_start += new_pages(ps, seq - 1, seq);
+                r
+            }
+            _ => AllocRecord::PAD,
+        };
+    }
+    Ok(StagedDecode { batch, bucket, new_pages: fresh })
+}
+
+/// The smallest power of two at least `batch` (at least 1): the captured bucket a
+/// decode step of `batch` requests runs in.
+pub fn bucket_for(batch: usize) -> usize {
+    batch.max(1).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_and_padding() {
+        let host = PagedAllocator::new(256, 4).unwrap();
+        let mut block = vec![0u32; decode_block_bytes(4) / 4];
+        let limits = RowLimits { rows: 4, max_context_len: 32 };
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block);
+        // seq 5 and 9 start pages (positions 4 and 8), seq 3 does not.
+        let s = stage_decode(&host, &[5, 3, 9], &[0, 1, 2], 4, limits, b).unwrap();
+        assert_eq!(s, StagedDecode { batch: 3, bucket: 4, new_pages: 2 });
+        let records: &[AllocRecord] = bytemuck::cast_slice(&block[..24]);
+        assert_eq!(records[0], AllocRecord { prefix_len: 4, seq_len: 5, last_loc: 0, page_start: 0, out_start: 0, row: 0 });
+        assert_eq!(records[1].page_start, 1);
+        assert_eq!(records[2].page_start, 1);
+        assert_eq!(records[2].out_start, 2);
+        assert_eq!(records[3], AllocRecord::PAD);
+        let pages = &block[24..26];
+        assert!(pages.iter().all(|&p| host.is_allocated(p * 4)));
+        assert_eq!(host.available_pages(), 64 - 2);
+    }
+
+    #[test]
+    fn refusals_reserve_nothing() {
+        let host = PagedAllocator::new(64, 4).unwrap();
+        let mut block = vec![0u32; decode_block_bytes(2) / 4];
+        let limits = RowLimits { rows: 4, max_context_len: 32 };
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block);
+        assert!(matches!(stage_decode(&host, &[1, 1, 1], &[0, 1, 2], 2, limits, b), Err(KvError::Shape { .. })));
+        assert!(matches!(stage_decode(&host, &[1], &[4], 2, limits, b), Err(KvError::SlotOutOfRange { .. })));
+        assert!(matches!(stage_decode(&host, &[33], &[0], 2, limits, b), Err(KvError::Shape { .. })));
+        assert!(matches!(stage_decode(&host, &[0], &[0], 2, limits, b), Err(KvError::Alloc(_))));
+        assert!(matches!(stage_decode(&host, &[1], &[0], 1, limits, b), Err(KvError::Shape { what: "block", .. })));
+        assert_eq!(host.available_pages(), 16);
+        // Out of pages: 17 requests each starting a page, 16 pages.
+        let mut big = vec![0u32; decode_block_bytes(32) / 4];
+        let limits = RowLimits { rows: 32, max_context_len: 32 };
+        let rows: Vec<u32> = (0..17).collect();
+        let r = stage_decode(&host, &[1; 17], &rows, 32, limits, bytemuck::cast_slice_mut(&mut big));
+        assert!(matches!(r, Err(KvError::Alloc(_))));
+        assert_eq!(host.available_pages(), 16);
+        assert_eq!(bucket_for(0), 1);
+        assert_eq!(bucket_for(3), 4);
+        assert_eq!(bucket_for(1024), 1024);
+    }
+}
