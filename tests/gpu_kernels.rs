@@ -508,15 +508,7 @@ fn mla_scatter_matches_the_host_reference() {
         let rope = DeviceBuffer::from_slice(&rope_h).unwrap();
         let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
         cache
-            .set_mla_kv(
-                &dev,
-                layers,
-                &d_slots,
-                Rows::new(&nope, ns, nls),
-                Rows::new(&rope, rs, rls),
-                src,
-                scale,
-            )
+            .set_mla_kv(&dev, layers, &d_slots, Rows::new(&nope, ns, nls), Rows::new(&rope, rs, rls), src, scale)
             .unwrap();
         cache.take_error(&dev).unwrap();
         let store = src.map_or(RowStore::Copy, |f| RowStore::Fp8E4m3 { src: f, inv_scale: 1.0 / scale });

@@ -16,6 +16,14 @@
 //!    launch).
 //! 3. The decode step end to end: `alloc_decode` with the fused row write, then one
 //!    layer of `kv_scatter` at the new slots.
+//! 4. The decode step's memory operations without host synchronization (section
+//!    `decode`): wall time per step over 10,000 steps for 1..1024 requests, eager
+//!    (`DevicePagedAllocator::alloc_decode`) and from captured graphs (`DecodeGraphs`),
+//!    against the floor graph (one copy of the same bytes and one empty kernel).
+//! 5. `kv_scatter` through kvpool's own cache and through a view of separately
+//!    allocated layers on another stream (the interop path), same run.
+//!
+//! `--section decode` (or `scatter`, `alloc`, `step`, `view`) runs one section only.
 //!
 //! Timing: CUDA events around `reps` back-to-back operations, after a warm-up, median
 //! of `samples` such measurements; inputs rotate among buffer sets larger than L2.
@@ -25,9 +33,14 @@ use std::time::Instant;
 
 use cust::event::{Event, EventFlags};
 use cust::memory::{AsyncCopyDestination, CopyDestination, DeviceBuffer, DeviceSlice};
-use kvpool::cuda::{DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, KvDevice, LastLocs, Layers, Rows};
+use cust::stream::{Stream, StreamFlags};
+use kvpool::cuda::{
+    DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
+    Layers, Rows,
+};
+use kvpool::kv::staging::{bucket_for, decode_block_bytes};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
-use kvpool::PagedAllocator;
+use kvpool::{KvAllocator, PagedAllocator};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -322,9 +335,191 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
     Ok(())
 }
 
+/// Requests of the decode-step benchmark: rows, lengths and the pages each holds (to
+/// free them when a request reaches `LIMIT` tokens and starts over).
+struct Batch {
+    rows: Vec<u32>,
+    seq: Vec<u32>,
+    pages: Vec<Vec<u32>>,
+}
+
+const LIMIT: u32 = 4096;
+
+impl Batch {
+    /// `batch` requests in random rows, each with a prefill of 1..1000 tokens.
+    fn new(
+        dev: &KvDevice,
+        dalloc: &mut DevicePagedAllocator,
+        table: &DeviceReqToToken,
+        rng: &mut Rng,
+        batch: usize,
+    ) -> Result<Batch> {
+        let ps = dalloc.allocator().page_size();
+        let rows = shuffled(batch, table.rows() as usize, rng);
+        let seq: Vec<u32> = (0..batch).map(|_| 1 + rng.below(1000) as u32).collect();
+        let mut pages: Vec<Vec<u32>> = (0..batch).map(|_| Vec::with_capacity((LIMIT / ps + 2) as usize)).collect();
+        let out = DeviceBuffer::<u32>::zeroed(1000)?;
+        for i in 0..batch {
+            let o = out.index(..seq[i] as usize);
+            let staged =
+                dalloc.alloc_extend(dev, &[0], &[seq[i]], LastLocs::FromRows, Some((table, &rows[i..i + 1])), &o)?;
+            pages[i].extend_from_slice(dalloc.pages(&staged)?);
+        }
+        dev.synchronize()?;
+        Ok(Batch { rows, seq, pages })
+    }
+
+    /// Advance every request by one token (requests at `LIMIT` free their pages and
+    /// start over at one token).
+    fn advance(&mut self, host: &PagedAllocator) -> Result<()> {
+        let ps = host.page_size();
+        for (s, pages) in self.seq.iter_mut().zip(&mut self.pages) {
+            if *s >= LIMIT {
+                let mut group = host.free_group();
+                for &p in pages.iter() {
+                    group.free(&[p * ps])?;
+                }
+                group.end();
+                pages.clear();
+                *s = 0;
+            }
+            *s += 1;
+        }
+        Ok(())
+    }
+
+    /// Record the fresh pages a step took (in request order, one per request whose new
+    /// token starts a page).
+    fn took(&mut self, ps: u32, fresh: &[u32]) {
+        let mut it = fresh.iter();
+        for (s, pages) in self.seq.iter().zip(&mut self.pages) {
+            if (s - 1) % ps == 0 {
+                pages.push(*it.next().expect("one fresh page per page-starting request"));
+            }
+        }
+    }
+}
+
+/// Wall microseconds per step over `steps` steps of `op` with one synchronize at the
+/// end (after a warm-up), and the host's issue time per step (before that
+/// synchronize): the median of five such runs (by wall time).
+fn per_step(dev: &KvDevice, steps: usize, mut op: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..200 {
+        op()?;
+    }
+    dev.synchronize()?;
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            op()?;
+        }
+        let issued = t0.elapsed().as_secs_f64();
+        dev.synchronize()?;
+        let wall = t0.elapsed().as_secs_f64();
+        runs.push((wall * 1e6 / steps as f64, issued * 1e6 / steps as f64));
+    }
+    runs.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+    Ok(runs[2])
+}
+
+fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, steps: usize) -> Result<()> {
+    let ps = 16;
+    let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
+    // Eager.
+    let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+    let slots = DeviceBuffer::<u32>::zeroed(batch)?;
+    let (eager, eager_issue) = per_step(dev, steps, || {
+        b.advance(&host)?;
+        let staged = dalloc.alloc_decode(dev, &b.seq, LastLocs::FromRows, Some((&table, &b.rows)), &slots)?;
+        b.took(ps, dalloc.pages(&staged)?);
+        Ok(())
+    })?;
+    drop(b);
+    // Graphs (a fresh allocator and requests: the same shape of work).
+    let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+    let mut graphs = DecodeGraphs::new(dev, Arc::clone(&host), &table, batch)?;
+    let (graph, graph_issue) = per_step(dev, steps, || {
+        b.advance(&host)?;
+        let step = graphs.step(dev.stream(), &b.seq, &b.rows)?;
+        b.took(ps, graphs.pages(&step)?);
+        Ok(())
+    })?;
+    drop(graphs);
+    // The floor: a graph of one copy of the same bytes and one empty kernel.
+    let floor_graph = FloorGraph::new(dev, decode_block_bytes(bucket_for(batch)))?;
+    let (floor, floor_issue) = per_step(dev, steps, || Ok(floor_graph.launch(dev.stream())?))?;
+    out.line(format!(
+        "| {batch} | {} | {eager:.2} ({eager_issue:.2}) | {graph:.2} ({graph_issue:.2}) | {floor:.2} ({floor_issue:.2}) | {:.2}x | {:.2}x |",
+        bucket_for(batch),
+        graph / floor,
+        eager / graph
+    ));
+    Ok(())
+}
+
+/// `set_kv` through kvpool's cache and through a view of separately allocated layers
+/// (not evenly spaced) on a second stream: the same kernels, so the same time.
+fn view_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, tokens: usize) -> Result<()> {
+    let cfg = KvConfig {
+        layout: KvLayout::Mha { head_num: 8, head_dim: 128 },
+        dtype: KvDtype::Bf16,
+        layer_num: 4,
+        size: 1 << 17,
+        page_size: 16,
+    };
+    let row = cfg.row_bytes();
+    let owned = DeviceKvCache::new(cfg)?;
+    let k_layers: Vec<DeviceBuffer<u8>> =
+        (0..4).map(|_| DeviceBuffer::zeroed(cfg.layer_bytes())).collect::<std::result::Result<_, _>>()?;
+    let v_layers: Vec<DeviceBuffer<u8>> =
+        (0..4).map(|_| DeviceBuffer::zeroed(cfg.layer_bytes())).collect::<std::result::Result<_, _>>()?;
+    let kp: Vec<u64> = k_layers.iter().map(|b| b.as_device_ptr().as_raw()).collect();
+    let vp: Vec<u64> = v_layers.iter().map(|b| b.as_device_ptr().as_raw()).collect();
+    // SAFETY: the layers are the buffers above, alive until the end of this function
+    // (after every launch was synchronized by the timer); only this benchmark uses them.
+    let view = unsafe { KvCacheView::from_raw(cfg, &kp, Some(&vp), row) }?;
+    let stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
+    let on = dev.on(&stream)?;
+    let src = DeviceBuffer::from_slice(&random_bytes(4 * tokens * row, rng))?;
+    let slots = DeviceBuffer::from_slice(&shuffled(tokens, cfg.rows(), rng))?;
+    let rows = || Rows::new(&src, row, tokens * row);
+    let view_sync_free = {
+        stream.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..200 {
+            view.set_kv(on, Layers::All, &slots, rows(), rows(), None, (1.0, 1.0))?;
+        }
+        stream.synchronize()?;
+        t0.elapsed().as_secs_f64() * 1e6 / 200.0
+    };
+    let owned_sync_free = {
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..200 {
+            owned.set_kv(dev, Layers::All, &slots, rows(), rows(), None, (1.0, 1.0))?;
+        }
+        dev.synchronize()?;
+        t0.elapsed().as_secs_f64() * 1e6 / 200.0
+    };
+    owned.take_error(dev)?;
+    view.take_error(on)?;
+    out.line(format!(
+        "| {tokens} | {owned_sync_free:.1} | {view_sync_free:.1} | {:.2}x |",
+        view_sync_free / owned_sync_free
+    ));
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let section = args.iter().position(|a| a == "--section").and_then(|i| args.get(i + 1)).cloned();
+    let run = |name: &str| section.as_deref().map_or(true, |s| s == name);
     let out_path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
     let target: u32 =
         args.iter().position(|a| a == "--target").and_then(|i| args.get(i + 1)).map_or(Ok(u32::MAX), |t| t.parse())?;
@@ -349,41 +544,76 @@ fn main() -> Result<()> {
         dev.ptx_target(),
         dev.kernel_count()
     ));
-    out.line("");
-    out.line("### kv_scatter vs device-to-device memcpy of the same bytes (bf16 rows; fp8 rows: bf16 in, e4m3 out)");
-    out.line("");
-    out.line("| slots | tokens | row bytes | layers | MiB moved | scatter us | scatter GB/s | memcpy us | memcpy GB/s | scatter/memcpy |");
-    out.line("|---|---|---|---|---|---|---|---|---|---|");
-    let token_counts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 4096, 16384, 65536] };
-    for &row in &[1024usize, 2048, 4096] {
+    if run("scatter") {
+        out.line("");
+        out.line(
+            "### kv_scatter vs device-to-device memcpy of the same bytes (bf16 rows; fp8 rows: bf16 in, e4m3 out)",
+        );
+        out.line("");
+        out.line("| slots | tokens | row bytes | layers | MiB moved | scatter us | scatter GB/s | memcpy us | memcpy GB/s | scatter/memcpy |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|");
+        let token_counts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 4096, 16384, 65536] };
+        for &row in &[1024usize, 2048, 4096] {
+            for &tokens in token_counts {
+                scatter_row(&dev, &t, &mut out, &mut rng, tokens, row, 1, false, false, quick)?;
+            }
+        }
         for &tokens in token_counts {
-            scatter_row(&dev, &t, &mut out, &mut rng, tokens, row, 1, false, false, quick)?;
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, true, false, quick)?;
+        }
+        for &tokens in &[1024usize, 8192] {
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 8, false, false, quick)?;
+        }
+        for &tokens in token_counts {
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, false, true, quick)?;
         }
     }
-    for &tokens in token_counts {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, true, false, quick)?;
+    if run("alloc") {
+        out.line("");
+        out.line("### alloc kernels vs an empty launch (page size 16, fused row write, last_loc from rows; extend: 64 new tokens per request)");
+        out.line("");
+        out.line("| requests | empty 1 block us | empty, extend's grid us | alloc_extend us | alloc_decode us | vs empty (ext / dec) | extend call us | decode call us |");
+        out.line("|---|---|---|---|---|---|---|---|");
+        for &batch in &[1usize, 8, 64, 256, 1024] {
+            alloc_rows(&dev, &t, &mut out, &mut rng, batch, quick)?;
+        }
     }
-    for &tokens in &[1024usize, 8192] {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 8, false, false, quick)?;
+    if run("step") {
+        out.line("");
+        out.line("### decode step: alloc_decode (fused row write) + one layer kv_scatter (8x128 bf16 K and V), synchronized per step");
+        out.line("");
+        out.line("| requests | device us | wall us (host + device) | pages left |");
+        out.line("|---|---|---|---|");
+        for &batch in &[1usize, 64, 256, 1024] {
+            decode_step(&dev, &mut out, &mut rng, batch, quick)?;
+        }
     }
-    for &tokens in token_counts {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, false, true, quick)?;
+    if run("decode") {
+        let steps = if quick { 2_000 } else { 10_000 };
+        out.line("");
+        out.line(format!(
+            "### decode step without host synchronization: alloc_decode + row write, {steps} steps, one synchronize at the end, median of 5 runs (page size 16, last_loc from rows)"
+        ));
+        out.line("");
+        out.line("wall us per step (host issue us per step in brackets)");
+        out.line("");
+        out.line("| requests | bucket | eager | graph | floor graph | graph / floor | eager / graph |");
+        out.line("|---|---|---|---|---|---|---|");
+        for &batch in &[1usize, 8, 64, 256, 1024] {
+            decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
+        }
     }
-    out.line("");
-    out.line("### alloc kernels vs an empty launch (page size 16, fused row write, last_loc from rows; extend: 64 new tokens per request)");
-    out.line("");
-    out.line("| requests | empty 1 block us | empty, extend's grid us | alloc_extend us | alloc_decode us | vs empty (ext / dec) | extend call us | decode call us |");
-    out.line("|---|---|---|---|---|---|---|---|");
-    for &batch in &[1usize, 8, 64, 256, 1024] {
-        alloc_rows(&dev, &t, &mut out, &mut rng, batch, quick)?;
-    }
-    out.line("");
-    out.line("### decode step: alloc_decode (fused row write) + one layer kv_scatter (8x128 bf16 K and V), synchronized per step");
-    out.line("");
-    out.line("| requests | device us | wall us (host + device) | pages left |");
-    out.line("|---|---|---|---|");
-    for &batch in &[1usize, 64, 256, 1024] {
-        decode_step(&dev, &mut out, &mut rng, batch, quick)?;
+    if run("view") {
+        out.line("");
+        out.line("### set_kv, all 4 layers (8x128 bf16): kvpool's cache vs a view of separate layer buffers on another stream");
+        out.line("");
+        out.line("us per call, 200 calls back to back, one synchronize");
+        out.line("");
+        out.line("| tokens | owned | view | view / owned |");
+        out.line("|---|---|---|---|");
+        for &tokens in &[64usize, 1024, 8192] {
+            view_row(&dev, &mut out, &mut rng, tokens)?;
+        }
     }
     if let Some(p) = out_path {
         std::fs::write(&p, &out.text)?;

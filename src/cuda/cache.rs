@@ -6,7 +6,7 @@ use core::ops::Deref;
 
 use bytemuck::Pod;
 use cust::memory::{CopyDestination, DeviceBuffer, DeviceCopy, DevicePointer, DeviceSlice};
-use cust::sys::{cuMemGetAddressRange_v2, CUdeviceptr};
+use cust::sys::{cuMemGetAddressRange_v2, cuPointerGetAttribute, CUdeviceptr, CUmemorytype, CUpointer_attribute};
 
 use super::launch::{check, GatherArgs, MlaArgs, MoveArgs, ScatterArgs, StoreKind};
 use super::{CudaKvError, KvStream};
@@ -182,15 +182,15 @@ pub struct KvCacheView {
 
 impl core::fmt::Debug for KvCacheView {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("KvCacheView")
-            .field("config", &self.cfg)
-            .field("k_layer_stride", &self.k.stride)
-            .finish()
+        f.debug_struct("KvCacheView").field("config", &self.cfg).field("k_layer_stride", &self.k.stride).finish()
     }
 }
 
 /// Check that `bytes` bytes from `addr` lie inside one device allocation of the
-/// current context.
+/// current context (`cuMemGetAddressRange`). Where the driver reports no range for an
+/// address it nevertheless knows as device memory (`cuPointerGetAttribute`: some
+/// stream-ordered pool allocations), only that much is checked and the size stays the
+/// caller's contract.
 pub(crate) fn check_allocation(what: &'static str, addr: u64, bytes: usize) -> Result<(), CudaKvError> {
     if addr == 0 {
         return Err(KvError::Format { what: "a null device address" }.into());
@@ -198,7 +198,19 @@ pub(crate) fn check_allocation(what: &'static str, addr: u64, bytes: usize) -> R
     let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
     // SAFETY: plain out-parameters; the driver only looks the address up.
     let r = unsafe { cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
-    check(r, "cuMemGetAddressRange").map_err(|_| CudaKvError::NotDeviceMemory { what, address: addr })?;
+    if check(r, "cuMemGetAddressRange").is_err() {
+        let mut kind = 0u32;
+        // SAFETY: `MEMORY_TYPE` writes one `unsigned int` into `kind`.
+        let r = unsafe {
+            cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        let device = check(r, "cuPointerGetAttribute").is_ok() && kind == CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+        return if device { Ok(()) } else { Err(CudaKvError::NotDeviceMemory { what, address: addr }) };
+    }
     let avail = (base + size as u64).saturating_sub(addr) as usize;
     if avail < bytes {
         return Err(KvError::Shape { what, got: avail, expected: bytes }.into());

@@ -299,8 +299,9 @@ impl<'t> DecodeGraphs<'t> {
         let stream = stream.into();
         let bucket = bucket_for(seq_lens.len());
         if bucket > self.max_bucket {
-            return Err(KvError::Shape { what: "batch (max_batch)", got: seq_lens.len(), expected: self.max_bucket }
-                .into());
+            return Err(
+                KvError::Shape { what: "batch (max_batch)", got: seq_lens.len(), expected: self.max_bucket }.into()
+            );
         }
         let half = self.next;
         // The graph that last read this buffer (two steps ago) must have run.

@@ -18,7 +18,11 @@ use crate::kv::KvError;
 /// The allocation kernels write new slots straight into it
 /// ([`DevicePagedAllocator`](super::DevicePagedAllocator),
 /// [`DecodeGraphs`](super::DecodeGraphs)); attention kernels read it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// Deliberately neither `Clone` nor `Copy`: borrowing a view (as
+/// [`DecodeGraphs`](super::DecodeGraphs) does for as long as its graphs write into the
+/// table) then borrows its owner too.
+#[derive(Debug, PartialEq, Eq)]
 pub struct ReqToTokenView {
     ptr: u64,
     rows: u32,
@@ -109,7 +113,13 @@ impl ReqToTokenView {
     ///
     /// [`CudaKvError::Kv`] for a row past the table or columns past `max_context_len`;
     /// [`CudaKvError::Cuda`].
-    pub fn write<'s>(&self, on: impl Into<KvStream<'s>>, row: u32, start: usize, slots: &[u32]) -> Result<(), CudaKvError> {
+    pub fn write<'s>(
+        &self,
+        on: impl Into<KvStream<'s>>,
+        row: u32,
+        start: usize,
+        slots: &[u32],
+    ) -> Result<(), CudaKvError> {
         let mut dst = self.cells(row, start, slots.len())?;
         on.into().synchronize()?;
         dst.copy_from(slots)?;

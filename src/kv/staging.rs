@@ -152,7 +152,14 @@ pub fn stage_decode(
     for (i, rec) in records.iter_mut().enumerate() {
         *rec = match (seq_lens.get(i), rows.get(i)) {
             (Some(&seq), Some(&row)) => {
-                let r = AllocRecord { prefix_len: seq - 1, seq_len: seq, last_loc: 0, page_start, out_start: i as u32, row };
+                let r = AllocRecord {
+                    prefix_len: seq - 1,
+                    seq_len: seq,
+                    last_loc: 0,
+                    page_start,
+                    out_start: i as u32,
+                    row,
+                };
                 page_start += new_pages(ps, seq - 1, seq);
                 r
             }
@@ -182,7 +189,10 @@ mod tests {
         let s = stage_decode(&host, &[5, 3, 9], &[0, 1, 2], 4, limits, b).unwrap();
         assert_eq!(s, StagedDecode { batch: 3, bucket: 4, new_pages: 2 });
         let records: &[AllocRecord] = bytemuck::cast_slice(&block[..24]);
-        assert_eq!(records[0], AllocRecord { prefix_len: 4, seq_len: 5, last_loc: 0, page_start: 0, out_start: 0, row: 0 });
+        assert_eq!(
+            records[0],
+            AllocRecord { prefix_len: 4, seq_len: 5, last_loc: 0, page_start: 0, out_start: 0, row: 0 }
+        );
         assert_eq!(records[1].page_start, 1);
         assert_eq!(records[2].page_start, 1);
         assert_eq!(records[2].out_start, 2);
