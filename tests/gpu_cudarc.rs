@@ -19,7 +19,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use cust::memory::{DevicePointer, DeviceSlice};
 use half::f16;
-use kvpool::cuda::{DecodeGraphs, DevicePagedAllocator, KvCacheView, KvDevice, LastLocs, Layers, ReqToTokenView, Rows};
+use kvpool::cuda::{
+    DecodeGraphs, DevicePagedAllocator, KvCacheView, KvDevice, LastLocs, Layers, ReqToTokenView, Rows, Staging,
+};
 use kvpool::kv::reference::{decode_with_rows, extend_with_rows, scatter_rows, RowTable};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, RowStore};
 use kvpool::PagedAllocator;
@@ -113,7 +115,7 @@ fn kvpool_runs_on_cudarc_memory_and_streams() {
     view.set_kv(on, Layers::All, &out, kr, vr, None, (1.0, 1.0)).unwrap();
 
     // Two decode steps from the captured graphs, launched on cudarc's stream.
-    let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), &table, 8).unwrap();
+    let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), &table, 8, Staging::Mapped).unwrap();
     let mut seq_now = seq;
     for _ in 0..2 {
         seq_now.iter_mut().for_each(|s| *s += 1);

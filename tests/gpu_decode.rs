@@ -22,6 +22,7 @@ use std::sync::Arc;
 use cust::memory::{CopyDestination, DeviceBuffer, DeviceSlice};
 use kvpool::cuda::{
     CudaKvError, DecodeGraphs, DevicePagedAllocator, DeviceReqToToken, KvCacheView, KvDevice, LastLocs, ReqToTokenView,
+    Staging,
 };
 use kvpool::kv::reference::{decode_with_rows, extend_with_rows, RowTable};
 use kvpool::kv::{KvConfig, KvDtype, KvError, KvLayout};
@@ -181,16 +182,17 @@ struct Request {
 }
 
 /// The random walk for one page size: `steps` decode or extend steps.
-fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64) {
+fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Staging) {
     let mut rng = Rng::new(seed);
     let (n_rows, stride, size) = (48u32, 512u32, 1 << 15);
     let mut g = Path::new(size, ps, n_rows, stride);
     let mut e = Path::new(size, ps, n_rows, stride);
+    let whole = g.host.available_size();
     // A second view of the graph path's table, so that `g` stays usable for extends.
     // SAFETY: `g.table` is alive, in this context, until after `graphs` (declared
     // later) is dropped; its cells are written only by work on the device's stream.
     let g_table = unsafe { ReqToTokenView::from_raw(g.table.device_address(), n_rows, stride) }.unwrap();
-    let mut graphs = DecodeGraphs::new(dev, Arc::clone(&g.host), &g_table, 64).unwrap();
+    let mut graphs = DecodeGraphs::new(dev, Arc::clone(&g.host), &g_table, 64, staging).unwrap();
     let mut live: Vec<Request> = Vec::new();
     let mut evicted: Vec<Request> = Vec::new();
     let mut free_rows: Vec<u32> = (0..n_rows).rev().collect();
@@ -308,10 +310,10 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64) {
         g.finish(r.row, r.seq);
         e.finish(r.row, r.seq);
     }
-    assert_eq!(g.host.available_size(), size);
-    assert_eq!(e.host.available_size(), size);
+    assert_eq!(g.host.available_size(), whole);
+    assert_eq!(e.host.available_size(), whole);
     println!(
-        "page size {ps}: {decodes} decode and {extends} extend steps, {finished} finished, {evictions} evicted, \
+        "{staging:?} staging, page size {ps}: {decodes} decode and {extends} extend steps, {finished} finished, {evictions} evicted, \
          {padded} padding entries; graph and eager took the same pages: {same_pages}"
     );
 }
@@ -319,9 +321,11 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64) {
 #[test]
 fn graph_decode_matches_eager_and_the_host_reference() {
     let Some(dev) = device() else { return };
-    random_walk(&dev, 16, 1200, 1);
-    random_walk(&dev, 1, 300, 2);
-    random_walk(&dev, 5, 300, 3);
+    for staging in [Staging::Copy, Staging::Mapped] {
+        random_walk(&dev, 16, 1200, 1, staging);
+        random_walk(&dev, 1, 300, 2, staging);
+        random_walk(&dev, 5, 300, 3, staging);
+    }
 }
 
 extern "C" fn wait_for_gate(user: *mut core::ffi::c_void) {
@@ -336,6 +340,11 @@ extern "C" fn wait_for_gate(user: *mut core::ffi::c_void) {
 #[test]
 fn staging_is_not_overwritten_while_the_device_may_read_it() {
     let Some(dev) = device() else { return };
+    staging_guard(&dev, Staging::Copy);
+    staging_guard(&dev, Staging::Mapped);
+}
+
+fn staging_guard(dev: &KvDevice, staging: Staging) {
     let ps = 4;
     let host = Arc::new(PagedAllocator::new(4096, ps).unwrap());
     let table = DeviceReqToToken::new(8, 64).unwrap();
@@ -346,13 +355,13 @@ fn staging_is_not_overwritten_while_the_device_may_read_it() {
     let out = DeviceBuffer::<u32>::zeroed(16).unwrap();
     for (&r, &s) in rows.iter().zip(&seq) {
         let o = out.index(..s as usize);
-        let staged = eager.alloc_extend(&dev, &[0], &[s], LastLocs::FromRows, Some((table.view(), &[r])), &o).unwrap();
+        let staged = eager.alloc_extend(dev, &[0], &[s], LastLocs::FromRows, Some((table.view(), &[r])), &o).unwrap();
         let pages = eager.pages(&staged).unwrap().to_vec();
         let mut want = vec![0u32; s as usize];
         let rt = RowTable { cells: &mut mirror, stride: 64, rows: &[r] };
         extend_with_rows(ps, &[0], &[s], None, &pages, &mut want, Some(rt)).unwrap();
     }
-    let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), table.view(), 4).unwrap();
+    let mut graphs = DecodeGraphs::new(dev, Arc::clone(&host), table.view(), 4, staging).unwrap();
     dev.synchronize().unwrap();
     assert!(graphs.next_staging_free().unwrap());
 
@@ -396,7 +405,7 @@ fn staging_is_not_overwritten_while_the_device_may_read_it() {
         let rt = RowTable { cells: &mut mirror, stride: 64, rows: &rows };
         decode_with_rows(ps, s, None, p, &mut want, Some(rt)).unwrap();
     }
-    assert!(read_table(&dev, table.view()) == mirror, "rows differ from the reference");
+    assert!(read_table(dev, table.view()) == mirror, "rows differ from the reference");
 }
 
 #[test]
@@ -404,7 +413,7 @@ fn a_decode_step_does_not_allocate() {
     let Some(dev) = device() else { return };
     let host = Arc::new(PagedAllocator::new(1 << 20, 16).unwrap());
     let table = DeviceReqToToken::new(1024, 2048).unwrap();
-    let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), table.view(), 1024).unwrap();
+    let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), table.view(), 1024, Staging::Mapped).unwrap();
     let mut eager = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1024).unwrap();
     let out = DeviceBuffer::<u32>::zeroed(1024).unwrap();
     let rows: Vec<u32> = (0..1000).collect();

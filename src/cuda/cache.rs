@@ -123,13 +123,19 @@ fn extent(what: &'static str, rows: Dense, n: usize, layers: usize, row_bytes: u
     Ok(())
 }
 
-/// The widest vector width of `store` that divides every row size and alignment.
-fn pick_vec(store: StoreKind, row_bytes: &[usize], aligns: &[u64]) -> Result<u32, KvError> {
+/// The widest vector width of `store` that divides every source row size and
+/// alignment in `aligns`, and whose stored width divides `dst_align` (the pool's base
+/// addresses or-ed together; 0 when the pool is not the destination).
+fn pick_vec(store: StoreKind, row_bytes: &[usize], aligns: &[u64], dst_align: u64) -> Result<u32, KvError> {
     store
         .widths()
         .iter()
         .copied()
-        .find(|&w| row_bytes.iter().all(|&b| b % w as usize == 0) && aligns.iter().all(|&a| a % w as u64 == 0))
+        .find(|&w| {
+            row_bytes.iter().all(|&b| b % w as usize == 0)
+                && aligns.iter().all(|&a| a % w as u64 == 0)
+                && dst_align % store.stored(w) as u64 == 0
+        })
         .ok_or(KvError::Format { what: "source rows or pointers are not aligned to the source element size" })
 }
 
@@ -414,8 +420,8 @@ impl KvCacheView {
         let (k, v) = (k.bytes()?, v.bytes()?);
         extent("k", k, slots.len(), n_layers as usize, src_row)?;
         extent("v", v, slots.len(), n_layers as usize, src_row)?;
-        let aligns = [k.0, v.0, k.2 as u64, v.2 as u64, k.3 as u64, v.3 as u64, self.align];
-        let vec = pick_vec(store, &[src_row], &aligns)?;
+        let aligns = [k.0, v.0, k.2 as u64, v.2 as u64, k.3 as u64, v.3 as u64];
+        let vec = pick_vec(store, &[src_row], &aligns, self.align)?;
         if k.2 != v.2 || k.3 != v.3 {
             return Err(KvError::Format { what: "K and V sources must share their strides" }.into());
         }
@@ -480,8 +486,8 @@ impl KvCacheView {
         let (nope, rope) = (nope.bytes()?, rope.bytes()?);
         extent("nope", nope, slots.len(), n_layers as usize, nope_row)?;
         extent("rope", rope, slots.len(), n_layers as usize, rope_row)?;
-        let aligns = [nope.0, rope.0, nope.2 as u64, rope.2 as u64, nope.3 as u64, rope.3 as u64, self.align];
-        let vec = pick_vec(store, &[nope_row, rope_row], &aligns)?;
+        let aligns = [nope.0, rope.0, nope.2 as u64, rope.2 as u64, nope.3 as u64, rope.3 as u64];
+        let vec = pick_vec(store, &[nope_row, rope_row], &aligns, self.align)?;
         for i in 0..self.span_count(n_layers) {
             let (l0, count, kd, _, stride) = self.span(first, n_layers, i);
             let (no, ro) = ((l0 - first) as u64 * nope.3 as u64, (l0 - first) as u64 * rope.3 as u64);
@@ -546,7 +552,7 @@ impl KvCacheView {
             }
             None => 0,
         };
-        let vec = pick_vec(StoreKind::Copy, &[row], &aligns)?;
+        let vec = pick_vec(StoreKind::Copy, &[row], &aligns, 0)?;
         let buffers = self.cfg.layout.buffers() as u32;
         for i in 0..self.span_count(n_layers) {
             let (l0, count, ks, vs, stride) = self.span(first, n_layers, i);
@@ -594,7 +600,7 @@ impl KvCacheView {
         }
         let n = Self::count("src_slots", src_slots.len())?;
         let row = self.cfg.row_bytes();
-        let vec = pick_vec(StoreKind::Copy, &[row], &[self.align])?;
+        let vec = pick_vec(StoreKind::Copy, &[row], &[self.align], 0)?;
         let buffers = self.cfg.layout.buffers() as u32;
         let layers = self.cfg.layer_num;
         for i in 0..self.span_count(layers) {
@@ -703,16 +709,21 @@ mod tests {
 
     #[test]
     fn vector_width_is_the_widest_that_divides_everything() {
-        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2048, 0]), Ok(16));
-        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2056, 0]), Ok(8));
-        assert_eq!(pick_vec(StoreKind::Copy, &[6], &[256]), Ok(2));
-        assert_eq!(pick_vec(StoreKind::Copy, &[7], &[256]), Ok(1));
-        assert_eq!(pick_vec(StoreKind::Copy, &[1024, 128], &[258]), Ok(2));
+        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2048, 0], 0), Ok(16));
+        assert_eq!(pick_vec(StoreKind::Copy, &[2048], &[256, 2056, 0], 0), Ok(8));
+        assert_eq!(pick_vec(StoreKind::Copy, &[6], &[256], 0), Ok(2));
+        assert_eq!(pick_vec(StoreKind::Copy, &[7], &[256], 0), Ok(1));
+        assert_eq!(pick_vec(StoreKind::Copy, &[1024, 128], &[258], 0), Ok(2));
         // fp8 from bf16: 16 bytes, else one element; a misaligned source is refused.
-        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[1024], &[256]), Ok(16));
-        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[256]), Ok(2));
-        assert!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[257]).is_err());
-        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::F32), &[12], &[256]), Ok(4));
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[1024], &[256], 0), Ok(16));
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[256], 0), Ok(2));
+        assert!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[6], &[257], 0).is_err());
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::F32), &[12], &[256], 0), Ok(4));
+        // The pool's alignment bounds the stored width, not the source width: fp8 from
+        // bf16 stores 8 bytes per 16 read.
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[1024], &[256], 8), Ok(16));
+        assert_eq!(pick_vec(StoreKind::Fp8(SrcFloat::Bf16), &[1024], &[256], 3), Ok(2));
+        assert_eq!(pick_vec(StoreKind::Copy, &[1024], &[256], 4), Ok(4));
     }
 
     #[test]

@@ -28,8 +28,9 @@ use std::sync::Arc;
 use cust::memory::{DeviceBuffer, DevicePointer, DeviceSlice, LockedBuffer};
 use cust::stream::{Stream, StreamFlags};
 use cust::sys::{
-    cuGraphDestroy, cuGraphExecDestroy, cuGraphInstantiateWithFlags, cuGraphLaunch, cuMemcpyHtoDAsync_v2,
-    cuStreamBeginCapture_v2, cuStreamEndCapture, CUgraph, CUgraphExec, CUstream, CUstreamCaptureMode,
+    cuGraphDestroy, cuGraphExecDestroy, cuGraphInstantiateWithFlags, cuGraphLaunch, cuMemHostGetDevicePointer_v2,
+    cuMemcpyHtoDAsync_v2, cuStreamBeginCapture_v2, cuStreamEndCapture, CUgraph, CUgraphExec, CUstream,
+    CUstreamCaptureMode,
 };
 
 use super::launch::{check, AllocArgs, KvKernels};
@@ -42,6 +43,19 @@ use crate::{KvAllocator, PagedAllocator};
 
 /// The largest batch-size bucket (buckets are the powers of two up to it).
 pub const MAX_BUCKET: usize = 1024;
+
+/// How a captured step's records reach the allocation kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// The graph copies the staging block to device memory (a memcpy node), then the
+    /// kernel reads it there.
+    Copy,
+    /// The kernel reads the pinned staging block directly, through its device mapping
+    /// (`cuMemHostGetDevicePointer`): no copy node, a few reads across the host link
+    /// instead. Usually faster for blocks above a few hundred bytes, where a copy
+    /// node's DMA set-up dominates (see `BENCHMARKS.md`).
+    Mapped,
+}
 
 /// An instantiated graph.
 #[derive(Debug)]
@@ -144,13 +158,13 @@ impl DecodeStep {
 ///
 /// ```no_run
 /// use std::sync::Arc;
-/// use kvpool::cuda::{DecodeGraphs, DeviceReqToToken, KvDevice};
+/// use kvpool::cuda::{DecodeGraphs, DeviceReqToToken, KvDevice, Staging};
 /// use kvpool::PagedAllocator;
 ///
 /// let dev = KvDevice::new(0)?;
 /// let host = Arc::new(PagedAllocator::new(1 << 20, 16)?);
 /// let table = DeviceReqToToken::new(1024, 8192)?;
-/// let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), &table, 1024)?;
+/// let mut graphs = DecodeGraphs::new(&dev, Arc::clone(&host), &table, 1024, Staging::Mapped)?;
 /// // Rows 3 and 9 hold 40 and 16 tokens (written by their prefill); each gets one more.
 /// let step = graphs.step(dev.stream(), &[41, 17], &[3, 9])?;
 /// let slots = graphs.slots(&step); // the forward pass, queued after, reads these
@@ -186,7 +200,8 @@ impl core::fmt::Debug for DecodeGraphs<'_> {
 
 impl<'t> DecodeGraphs<'t> {
     /// Capture the graphs for batches of up to `max_batch` requests over `table`
-    /// (borrowed for as long as the graphs exist: they write into it).
+    /// (borrowed for as long as the graphs exist: they write into it), with the records
+    /// reaching the kernel as `staging` says.
     ///
     /// # Errors
     ///
@@ -198,6 +213,7 @@ impl<'t> DecodeGraphs<'t> {
         host: Arc<PagedAllocator>,
         table: &'t ReqToTokenView,
         max_batch: usize,
+        staging: Staging,
     ) -> Result<DecodeGraphs<'t>, CudaKvError> {
         if max_batch == 0 {
             return Err(crate::error::ConfigError::Zero("max_batch").into());
@@ -207,8 +223,10 @@ impl<'t> DecodeGraphs<'t> {
         }
         let max_bucket = bucket_for(max_batch);
         let words = decode_block_bytes(max_bucket) / 4;
+        let mode = staging;
         let staging = [LockedBuffer::new(&0u32, words)?, LockedBuffer::new(&0u32, words)?];
         let meta = DeviceBuffer::<u32>::zeroed(words)?;
+        let mapped = [mapped_address(&staging[0])?, mapped_address(&staging[1])?];
         let out = DeviceBuffer::<u32>::zeroed(max_bucket)?;
         let capture_stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
         let mut graphs = Vec::new();
@@ -216,7 +234,11 @@ impl<'t> DecodeGraphs<'t> {
         while bucket <= max_bucket {
             let one = |half: usize| {
                 capture(&capture_stream, |s| {
-                    Self::queue_step(dev.kernels(), s, &staging[half], &meta, &out, table, host.page_size(), bucket)
+                    let src = match mode {
+                        Staging::Copy => Source::Copy(&staging[half], &meta),
+                        Staging::Mapped => Source::Mapped(mapped[half]),
+                    };
+                    Self::queue_step(dev.kernels(), s, src, &out, table, host.page_size(), bucket)
                 })
             };
             graphs.push([one(0)?, one(1)?]);
@@ -238,40 +260,47 @@ impl<'t> DecodeGraphs<'t> {
         })
     }
 
-    /// Queue (here: capture) one step of `bucket` requests from `staging`.
-    #[allow(clippy::too_many_arguments)]
+    /// Queue (here: capture) one step of `bucket` requests whose records come from
+    /// `src`.
     fn queue_step(
         kernels: &KvKernels,
         stream: CUstream,
-        staging: &LockedBuffer<u32>,
-        meta: &DeviceBuffer<u32>,
+        src: Source<'_>,
         out: &DeviceBuffer<u32>,
         table: &ReqToTokenView,
         page_size: u32,
         bucket: usize,
     ) -> Result<(), CudaKvError> {
-        let bytes = decode_block_bytes(bucket);
-        let meta_ptr = meta.as_device_ptr();
-        // SAFETY: `staging` is pinned and `meta` is device memory, both of
-        // `decode_block_bytes(max_bucket) >= bytes` bytes and owned by the
-        // `DecodeGraphs` that owns (and destroys first) the graphs this is captured into.
-        unsafe { copy_htod(meta_ptr.as_raw(), staging.as_ptr(), bytes, stream) }?;
+        let meta = match src {
+            Source::Copy(staging, meta) => {
+                // SAFETY: `staging` is pinned and `meta` is device memory, both of
+                // `decode_block_bytes(max_bucket) >= bytes` bytes and owned by the
+                // `DecodeGraphs` that owns (and destroys first) the graphs this is
+                // captured into.
+                let bytes = decode_block_bytes(bucket);
+                unsafe { copy_htod(meta.as_device_ptr().as_raw(), staging.as_ptr(), bytes, stream) }?;
+                meta.as_device_ptr().as_raw()
+            }
+            Source::Mapped(addr) => addr,
+        };
         let a = AllocArgs {
-            meta: meta_ptr,
+            meta: DevicePointer::from_raw(meta),
             batch: bucket as u32,
-            pages: DevicePointer::from_raw(meta_ptr.as_raw() + bucket as u64 * RECORD_BYTES as u64),
+            pages: DevicePointer::from_raw(meta + bucket as u64 * RECORD_BYTES as u64),
             out: out.as_device_ptr(),
             table: table.device_ptr(),
             table_stride: table.max_context_len(),
             page_size,
             flags: FLAG_WRITE_ROWS | FLAG_LAST_LOC_FROM_ROWS,
         };
-        // SAFETY: every launch of the graph follows the copy above of a block that
-        // `stage_decode` wrote for exactly `bucket` records: prefix sums of the plan it
-        // reserved the pages for, rows below `table.rows()` and `seq_len <=
-        // max_context_len` (checked there), padding records with `PAD_ROW`; `out` has
-        // `max_bucket >= bucket` slots; `table` outlives the graphs (`'t`), the other
-        // buffers are owned alongside them.
+        // SAFETY: every launch of the graph reads a block that `stage_decode` wrote for
+        // exactly `bucket` records before the launch (copied to `meta` by the node
+        // above, or read in place through the pinned buffer's device mapping): prefix
+        // sums of the plan it reserved the pages for, rows below `table.rows()` and
+        // `seq_len <= max_context_len` (checked there), padding records with
+        // `PAD_ROW`; `out` has `max_bucket >= bucket` slots; `table` outlives the
+        // graphs (`'t`), the other buffers are owned alongside them; the host does not
+        // rewrite a staging block before the event recorded after its launch completes.
         unsafe { kernels.alloc(stream, true, &a) }
     }
 
@@ -374,6 +403,25 @@ impl Drop for DecodeGraphs<'_> {
     }
 }
 
+/// Where a captured step reads its records.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Copied from this pinned buffer into this device buffer by the graph.
+    Copy(&'a LockedBuffer<u32>, &'a DeviceBuffer<u32>),
+    /// Read in place at this device address (a pinned buffer's mapping).
+    Mapped(u64),
+}
+
+/// The device address of pinned host memory (`cuMemAllocHost` memory is mapped into
+/// the device's address space).
+fn mapped_address(buf: &LockedBuffer<u32>) -> Result<u64, CudaKvError> {
+    let mut d: u64 = 0;
+    // SAFETY: an out-parameter and the start of a live pinned allocation; flags 0.
+    let r = unsafe { cuMemHostGetDevicePointer_v2(&mut d, buf.as_ptr() as *mut _, 0) };
+    check(r, "cuMemHostGetDevicePointer")?;
+    Ok(d)
+}
+
 fn free_pages(host: &PagedAllocator, pages: &[u32]) -> Result<(), crate::error::FreeError> {
     let ps = host.page_size();
     let mut group = host.free_group();
@@ -399,7 +447,8 @@ impl core::fmt::Debug for FloorGraph {
 }
 
 impl FloorGraph {
-    /// Capture a copy of `bytes` bytes (rounded up to 4) and `noop<<<1, 128>>>`.
+    /// Capture a copy of `bytes` bytes (rounded up to 4; none for 0) and
+    /// `noop<<<1, 128>>>`.
     ///
     /// # Errors
     ///
@@ -410,9 +459,11 @@ impl FloorGraph {
         let meta = DeviceBuffer::<u32>::zeroed(words)?;
         let stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
         let graph = capture(&stream, |s| {
-            // SAFETY: pinned and device buffers of `words` u32, owned by the returned
-            // `FloorGraph` together with (and dropped after) the graph.
-            unsafe { copy_htod(meta.as_device_ptr().as_raw(), staging.as_ptr(), words * 4, s) }?;
+            if bytes > 0 {
+                // SAFETY: pinned and device buffers of `words` u32, owned by the
+                // returned `FloorGraph` together with (and dropped after) the graph.
+                unsafe { copy_htod(meta.as_device_ptr().as_raw(), staging.as_ptr(), words * 4, s) }?;
+            }
             dev.kernels().noop(s, 1, 128)
         })?;
         Ok(FloorGraph { graph, _staging: staging, _meta: meta })

@@ -111,6 +111,14 @@ impl StoreKind {
         }
     }
 
+    /// Bytes stored per `w` source bytes.
+    pub(crate) fn stored(self, w: u32) -> u32 {
+        match self {
+            StoreKind::Copy => w,
+            StoreKind::Fp8(f) => w / f.bytes() as u32,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             StoreKind::Copy => "copy",

@@ -50,7 +50,7 @@ mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};
 pub use cache::{DeviceKvCache, KvCacheView, Layers, Rows, RowsMut};
-pub use graph::{DecodeGraphs, DecodeStep, FloorGraph, MAX_BUCKET};
+pub use graph::{DecodeGraphs, DecodeStep, FloorGraph, Staging, MAX_BUCKET};
 pub use stream::{KvStream, StreamRef};
 pub use table::{DeviceReqToToken, ReqToTokenView};
 
