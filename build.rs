@@ -51,7 +51,8 @@ fn main() {
          /// `flags` bit: write the slots into the request rows too.\npub const FLAG_WRITE_ROWS: u32 = {};\n\
          /// `flags` bit: read `last_loc` from the request rows.\npub const FLAG_LAST_LOC_FROM_ROWS: u32 = {};\n\
          /// Bytes per allocation record (`kernels_build::kernels::RECORD_BYTES`).\npub const RECORD_BYTES: u32 = {};\n\
-         /// The `row` of a padding decode record: slot 0, no row access.\npub const PAD_ROW: u32 = {:#x};\n",
+         /// The `row` of a padding decode record: slot 0, no row access.\npub const PAD_ROW: u32 = {:#x};\n\
+         /// Bytes per `decode_step_*` record.\npub const STEP_RECORD_BYTES: u32 = {};\n",
         k::ALLOC_EXTEND_THREADS,
         k::ALLOC_DECODE_THREADS,
         k::ROW_BLOCK_THREADS,
@@ -62,6 +63,7 @@ fn main() {
         k::FLAG_LAST_LOC_FROM_ROWS,
         k::RECORD_BYTES,
         k::PAD_ROW,
+        k::STEP_RECORD_BYTES,
     );
     std::fs::write(out.join("kernels.rs"), rs).expect("write kernels.rs");
 }

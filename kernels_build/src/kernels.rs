@@ -7,6 +7,7 @@
 //! | `noop` | any | any | nothing (the launch floor) |
 //! | `alloc_extend_*` | `(batch)` | [`ALLOC_EXTEND_THREADS`] | tokens `tid, tid+ntid, ...` of request `ctaid.x` |
 //! | `alloc_decode_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` |
+//! | `decode_step_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` (compact records) |
 //! | `kv_*` row kernels | `(ceil(n/ROWS_PER_BLOCK), layers, buffers)` | [`ROW_BLOCK_THREADS`] | vectors `lane, lane+32, ...` of row `ctaid.x*8 + warp` |
 //!
 //! The paged-allocation kernels read one record per request from `meta` (an array of
@@ -35,8 +36,12 @@ pub const ROW_UNROLL: u32 = 4;
 pub const META_COLUMNS: [&str; 6] = ["prefix_len", "seq_len", "last_loc", "page_start", "out_start", "row"];
 /// Bytes per allocation record: six `u32` fields.
 pub const RECORD_BYTES: u32 = 4 * META_COLUMNS.len() as u32;
-/// The `row` of a padding record of `alloc_decode_*`: slot 0, no row access.
+/// The `row` of a padding record of `alloc_decode_*` and `decode_step_*`: slot 0, no
+/// row access.
 pub const PAD_ROW: u32 = u32::MAX;
+/// Bytes per record of `decode_step_*`: `seq_len`, `row`, `page`, one unused word (16
+/// bytes, so one vector load reads a record).
+pub const STEP_RECORD_BYTES: u32 = 16;
 /// `flags` bit of the allocation kernels: also write each slot into the request's row
 /// of the `req_to_token` table (columns `prefix_len..seq_len`).
 pub const FLAG_WRITE_ROWS: u32 = 1;
@@ -383,6 +388,73 @@ pub fn alloc_decode(page: PageSize) -> Kernel {
     let cell = k.mad_lo_u32(row, p.table_stride, pos);
     let t = k.mad_wide_u32(cell, 4u32, p.table);
     k.st_global_u32(t, 0, slot, Some((write_rows, true)));
+    k.ret();
+    k
+}
+
+/// The name of a decode-step kernel.
+pub fn decode_step_name(page: PageSize) -> String {
+    format!("decode_step_{}", page.suffix())
+}
+
+/// `decode_step`: the decode step of a captured graph, from compact records.
+///
+/// Parameters: `records` (u64: `batch` records of [`STEP_RECORD_BYTES`]: `seq_len`,
+/// `row`, `page`, unused), `batch` (u32), `out` (u64, `batch` slots), `table` (u64),
+/// `table_stride` (u32), `page_size` (u32, read only by `_psn`). One thread per
+/// request (block [`ALLOC_DECODE_THREADS`]): one 16-byte load of its record (the
+/// records may sit in mapped host memory: one round trip), then, when the new token
+/// (position `seq_len - 1`) starts a page, the slot `page * ps`; otherwise `last_loc +
+/// 1` with `last_loc` read from the row (column `seq_len - 2`). The slot goes to
+/// `out[i]` and to column `seq_len - 1` of the row. A [`PAD_ROW`] record writes slot 0
+/// to `out[i]` and nothing else. Same results as [`alloc_decode`] with both flags set,
+/// whose `page_start` indirection the host resolves here.
+pub fn decode_step(page: PageSize) -> Kernel {
+    if let PageSize::Const(c) = page {
+        assert!(c.is_power_of_two(), "constant page sizes must be powers of two");
+    }
+    let mut k = Kernel::new(decode_step_name(page));
+    let records = k.param_u64("records");
+    let batch = k.param_u32("batch");
+    let out = k.param_u64("out");
+    let table = k.param_u64("table");
+    let table_stride = k.param_u32("table_stride");
+    let page_size = k.param_u32("page_size");
+    let records = k.ld_param_u64(records);
+    let batch = k.ld_param_u32(batch);
+    let blk = k.special(Special::CtaidX);
+    let nt = k.special(Special::NtidX);
+    let tid = k.special(Special::TidX);
+    let i = k.mad_lo_u32(blk, nt, tid);
+    let past = k.setp_u32(Cmp::Ge, i, batch);
+    k.ret_if(past, true);
+    let out = k.ld_param_u64(out);
+    let o = k.mad_wide_u32(i, 4u32, out);
+    let rec = k.mad_wide_u32(i, STEP_RECORD_BYTES, records);
+    let words = k.ld_global(Width::B16, rec, 0, true, None);
+    let (seq, row, pg) = (words[0], words[1], words[2]);
+    k.comment("a padding record: the dummy slot 0, no row access");
+    let pad = k.setp_u32(Cmp::Eq, row, PAD_ROW);
+    k.st_global_u32(o, 0, 0u32, Some((pad, true)));
+    k.ret_if(pad, true);
+    let table = k.ld_param_u64(table);
+    let stride = k.ld_param_u32(table_stride);
+    let ps = k.ld_param_u32(page_size);
+    let pos = k.sub_u32(seq, 1u32);
+    let (_, r) = div_rem_page(&mut k, page, ps, pos);
+    let new_page = k.setp_u32(Cmp::Eq, r, 0u32);
+    let cell = k.mad_lo_u32(row, stride, pos);
+    let at = k.mad_wide_u32(cell, 4u32, table);
+    k.comment("last_loc: the previous column of the row, unless the token starts a page");
+    let prev_cell = k.sub_u32(cell, 1u32);
+    let prev_at = k.mad_wide_u32(prev_cell, 4u32, table);
+    let prev = k.ld_global(Width::B4, prev_at, 0, false, Some((new_page, false)))[0];
+    let old = k.add_u32(prev, 1u32);
+    let zero = k.mov_u32(0u32);
+    let fresh = page_slot(&mut k, page, ps, pg, zero);
+    let slot = k.selp_b32(fresh, old, new_page);
+    k.st_global_u32(o, 0, slot, None);
+    k.st_global_u32(at, 0, slot, None);
     k.ret();
     k
 }
@@ -841,6 +913,9 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
         for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
             alloc.push(if decode { alloc_decode(page) } else { alloc_extend(page) });
         }
+    }
+    for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
+        alloc.push(decode_step(page));
     }
     let mut scatter = Module::new(target);
     for op in [RowOp::Scatter, RowOp::ScatterMla] {

@@ -38,7 +38,7 @@ use kvpool::cuda::{
     DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
     Layers, Rows, Staging,
 };
-use kvpool::kv::staging::{bucket_for, decode_block_bytes};
+use kvpool::kv::staging::{bucket_for, decode_records_bytes};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
 use kvpool::{KvAllocator, PagedAllocator};
 
@@ -454,7 +454,7 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     }
     // The floor: a graph of one copy of the same bytes and one empty kernel; and a
     // graph of the empty kernel alone.
-    let floor_graph = FloorGraph::new(dev, decode_block_bytes(bucket_for(batch)))?;
+    let floor_graph = FloorGraph::new(dev, decode_records_bytes(bucket_for(batch)))?;
     let floor = per_step(dev, steps, || Ok(floor_graph.launch(dev.stream())?))?;
     let empty_graph = FloorGraph::new(dev, 0)?;
     let empty = per_step(dev, steps, || Ok(empty_graph.launch(dev.stream())?))?;

@@ -33,11 +33,10 @@ use cust::sys::{
     CUstreamCaptureMode,
 };
 
-use super::launch::{check, AllocArgs, KvKernels};
+use super::launch::{check, KvKernels, StepArgs};
 use super::stream::RawEvent;
 use super::{CudaKvError, KvDevice, ReqToTokenView, StreamRef};
-use crate::kv::ptx::{FLAG_LAST_LOC_FROM_ROWS, FLAG_WRITE_ROWS, RECORD_BYTES};
-use crate::kv::staging::{bucket_for, decode_block_bytes, stage_decode, RowLimits, StagedDecode};
+use crate::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits, StagedDecode};
 use crate::kv::KvError;
 use crate::{KvAllocator, PagedAllocator};
 
@@ -271,37 +270,35 @@ impl<'t> DecodeGraphs<'t> {
         page_size: u32,
         bucket: usize,
     ) -> Result<(), CudaKvError> {
-        let meta = match src {
+        let records = match src {
             Source::Copy(staging, meta) => {
                 // SAFETY: `staging` is pinned and `meta` is device memory, both of
                 // `decode_block_bytes(max_bucket) >= bytes` bytes and owned by the
                 // `DecodeGraphs` that owns (and destroys first) the graphs this is
                 // captured into.
-                let bytes = decode_block_bytes(bucket);
+                let bytes = decode_records_bytes(bucket);
                 unsafe { copy_htod(meta.as_device_ptr().as_raw(), staging.as_ptr(), bytes, stream) }?;
                 meta.as_device_ptr().as_raw()
             }
             Source::Mapped(addr) => addr,
         };
-        let a = AllocArgs {
-            meta: DevicePointer::from_raw(meta),
+        let a = StepArgs {
+            records: DevicePointer::from_raw(records),
             batch: bucket as u32,
-            pages: DevicePointer::from_raw(meta + bucket as u64 * RECORD_BYTES as u64),
             out: out.as_device_ptr(),
             table: table.device_ptr(),
             table_stride: table.max_context_len(),
             page_size,
-            flags: FLAG_WRITE_ROWS | FLAG_LAST_LOC_FROM_ROWS,
         };
-        // SAFETY: every launch of the graph reads a block that `stage_decode` wrote for
-        // exactly `bucket` records before the launch (copied to `meta` by the node
-        // above, or read in place through the pinned buffer's device mapping): prefix
-        // sums of the plan it reserved the pages for, rows below `table.rows()` and
-        // `seq_len <= max_context_len` (checked there), padding records with
-        // `PAD_ROW`; `out` has `max_bucket >= bucket` slots; `table` outlives the
+        // SAFETY: every launch of the graph reads `bucket` records that `stage_decode`
+        // wrote before the launch (copied to `meta` by the node above, or read in place
+        // through the pinned buffer's device mapping): rows below `table.rows()`,
+        // `1 <= seq_len <= max_context_len` (checked there), padding records with
+        // `PAD_ROW`; each request's row holds its earlier slots (the caller's contract
+        // of `step`); `out` has `max_bucket >= bucket` slots; `table` outlives the
         // graphs (`'t`), the other buffers are owned alongside them; the host does not
         // rewrite a staging block before the event recorded after its launch completes.
-        unsafe { kernels.alloc(stream, true, &a) }
+        unsafe { kernels.decode_step(stream, &a) }
     }
 
     /// Plan, stage and launch one decode step on `stream`: request `i` (row `rows[i]`)
@@ -340,7 +337,7 @@ impl<'t> DecodeGraphs<'t> {
         let staged = stage_decode(&self.host, seq_lens, rows, bucket, self.limits, bytemuck::cast_slice_mut(block))?;
         let graph = &self.graphs[bucket.trailing_zeros() as usize][half];
         if let Err(e) = graph.launch(stream).and_then(|()| self.done[half].record(stream)) {
-            let fresh = 6 * bucket..6 * bucket + staged.new_pages;
+            let fresh = 4 * bucket..4 * bucket + staged.new_pages;
             let _ = free_pages(&self.host, &self.staging[half][fresh]);
             return Err(e);
         }
@@ -372,7 +369,7 @@ impl<'t> DecodeGraphs<'t> {
         if self.held[step.half] != Some(*step) {
             return Err(CudaKvError::StaleBatch);
         }
-        let at = 6 * step.staged.bucket;
+        let at = 4 * step.staged.bucket;
         Ok(&self.staging[step.half][at..at + step.staged.new_pages])
     }
 

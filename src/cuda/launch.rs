@@ -138,6 +138,10 @@ pub(crate) enum KernelId {
         decode: bool,
         page_size: u32,
     },
+    /// `page_size` 0: the run-time page size kernel.
+    DecodeStep {
+        page_size: u32,
+    },
     Scatter {
         store: StoreKind,
         vec: u32,
@@ -166,6 +170,8 @@ impl KernelId {
                     ps => format!("{kind}_ps{ps}"),
                 }
             }
+            KernelId::DecodeStep { page_size: 0 } => "decode_step_psn".to_string(),
+            KernelId::DecodeStep { page_size } => format!("decode_step_ps{page_size}"),
             KernelId::Scatter { store, vec } => format!("kv_scatter_{}_v{vec}", store.name()),
             KernelId::ScatterMla { store, vec } => format!("kv_scatter_mla_{}_v{vec}", store.name()),
             KernelId::Gather { vec } => format!("kv_gather_v{vec}"),
@@ -186,6 +192,9 @@ impl KernelId {
             for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
                 ids.push(KernelId::Alloc { decode, page_size: ps });
             }
+        }
+        for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
+            ids.push(KernelId::DecodeStep { page_size: ps });
         }
         let stores = [
             StoreKind::Copy,
@@ -209,6 +218,7 @@ impl KernelId {
     /// The `.param` types its wrapper passes, in order.
     pub(crate) fn params(self) -> &'static [&'static str] {
         const ALLOC: &[&str] = &["U64", "U32", "U64", "U64", "U64", "U32", "U32", "U32"];
+        const STEP: &[&str] = &["U64", "U32", "U64", "U64", "U32", "U32"];
         const SCATTER: &[&str] =
             &["U64", "U64", "U64", "U64", "U64", "U64", "U64", "U64", "U32", "U32", "U32", "F32", "F32", "U64"];
         const MLA: &[&str] =
@@ -218,6 +228,7 @@ impl KernelId {
         match self {
             KernelId::Noop => &[],
             KernelId::Alloc { .. } => ALLOC,
+            KernelId::DecodeStep { .. } => STEP,
             KernelId::Scatter { .. } => SCATTER,
             KernelId::ScatterMla { .. } => MLA,
             KernelId::Gather { .. } => GATHER,
@@ -353,6 +364,36 @@ impl KvKernels {
         unsafe {
             launch_on!(f, grid, block, stream;
                 a.meta, a.batch, a.pages, a.out, a.table, a.table_stride, a.page_size, a.flags
+            )
+        }
+    }
+
+    /// Launch `decode_step_*`.
+    ///
+    /// # Safety
+    ///
+    /// `a.records` holds `a.batch` records of `STEP_RECORD_BYTES` (the layout of
+    /// `kvpool::kv::staging::StepRecord`) written by `stage_decode`: each non-padding
+    /// record has `1 <= seq_len <= table_stride`, `row < rows` of the table, and its
+    /// row holds the request's first `seq_len - 1` slots; `a.out` holds `a.batch`
+    /// slots; `a.table` holds `rows * table_stride` u32. All of it stays allocated
+    /// (and the records unchanged) until the stream has run the kernel.
+    pub(crate) unsafe fn decode_step(&self, stream: CUstream, a: &StepArgs) -> Result<(), CudaKvError> {
+        if a.batch == 0 {
+            return Ok(());
+        }
+        let ps = if CONST_PAGE_SIZES.contains(&a.page_size) { a.page_size } else { 0 };
+        let f = self.func(KernelId::DecodeStep { page_size: ps })?;
+        let grid = (a.batch.div_ceil(ALLOC_DECODE_THREADS), 1, 1);
+        // SAFETY: the arguments are, in order and type, the kernel's `.param` list
+        // (records u64, batch u32, out u64, table u64, table_stride u32, page_size u32;
+        // checked against the PTX at load). One thread per request, threads past
+        // `batch` return; thread `i` reads record `i`, writes `out[i]` and (unless
+        // padding) reads cell `seq - 2` and writes cell `seq - 1` of its row: all in
+        // bounds by the caller's contract.
+        unsafe {
+            launch_on!(f, grid, ALLOC_DECODE_THREADS, stream;
+                a.records, a.batch, a.out, a.table, a.table_stride, a.page_size
             )
         }
     }
@@ -500,6 +541,17 @@ pub(crate) struct AllocArgs {
     pub table_stride: u32,
     pub page_size: u32,
     pub flags: u32,
+}
+
+/// Arguments of `decode_step_*`, in `.param` order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepArgs {
+    pub records: DevicePointer<u32>,
+    pub batch: u32,
+    pub out: DevicePointer<u32>,
+    pub table: DevicePointer<u32>,
+    pub table_stride: u32,
+    pub page_size: u32,
 }
 
 /// Arguments of `kv_scatter_*`, in `.param` order.

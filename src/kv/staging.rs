@@ -2,16 +2,18 @@
 //!
 //! An allocation batch reaches the device as bytes: one [`AllocRecord`] per request
 //! (a `#[repr(C)]` [`Pod`] struct, the layout the generated kernels read), followed by
-//! the batch's fresh page numbers. [`stage_decode`] fills such a block for a decode
-//! step of a captured batch-size bucket: it plans the step, reserves its pages from
-//! the shared [`PagedAllocator`] (lock-free), writes one record per request and pads
-//! the bucket with [`AllocRecord::PAD`] records (slot 0, no row access). It never
+//! the batch's fresh page numbers. A decode step of a captured graph uses a compact
+//! record instead, [`StepRecord`] (16 bytes: one vector load, with the fresh page
+//! itself rather than its index): [`stage_decode`] plans the step, reserves its pages
+//! from the shared [`PagedAllocator`] (lock-free), writes one record per request,
+//! pads the bucket with [`StepRecord::PAD`] records (slot 0, no row access) and keeps
+//! the fresh pages, in request order, after the records for the host. It never
 //! allocates and never touches the device: the CUDA layer
 //! ([`DecodeGraphs`](crate::cuda)) uploads the block and launches the captured graph.
 
 use bytemuck::{Pod, Zeroable};
 
-use super::ptx::{PAD_ROW, RECORD_BYTES};
+use super::ptx::{PAD_ROW, RECORD_BYTES, STEP_RECORD_BYTES};
 use super::KvError;
 use crate::alloc::new_pages;
 use crate::error::InvalidInput;
@@ -50,10 +52,39 @@ impl AllocRecord {
         AllocRecord { prefix_len: 0, seq_len: 1, last_loc: 0, page_start: 0, out_start: 0, row: PAD_ROW };
 }
 
-/// Bytes of a decode block for a bucket of `bucket` requests: `bucket` records, then
-/// room for `bucket` page numbers (a decode request takes at most one fresh page).
+/// One request of a graph decode step, as `decode_step_*` reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct StepRecord {
+    /// Tokens the request has after the step (its new token is at `seq_len - 1`).
+    pub seq_len: u32,
+    /// Its row of the request table ([`PAD_ROW`] for padding).
+    pub row: u32,
+    /// The fresh page its new token starts (read only when `(seq_len - 1) % page_size
+    /// == 0`).
+    pub page: u32,
+    /// Unused (keeps records 16 bytes, one vector load).
+    pub unused: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<StepRecord>() == STEP_RECORD_BYTES as usize);
+
+impl StepRecord {
+    /// A padding record: its output is the dummy slot 0, and no row is touched.
+    pub const PAD: StepRecord = StepRecord { seq_len: 1, row: PAD_ROW, page: 0, unused: 0 };
+}
+
+/// Bytes of the records of a decode block for a bucket of `bucket` requests (what the
+/// device reads).
+pub const fn decode_records_bytes(bucket: usize) -> usize {
+    bucket * STEP_RECORD_BYTES as usize
+}
+
+/// Bytes of a decode block for a bucket of `bucket` requests: the records, then room
+/// for `bucket` page numbers (a decode request takes at most one fresh page; the host
+/// keeps them there to hand back, the device does not read them).
 pub const fn decode_block_bytes(bucket: usize) -> usize {
-    bucket * (RECORD_BYTES as usize + 4)
+    decode_records_bytes(bucket) + bucket * 4
 }
 
 /// What [`stage_decode`] wrote.
@@ -93,7 +124,7 @@ pub struct RowLimits {
 /// # Examples
 ///
 /// ```
-/// use kvpool::kv::staging::{decode_block_bytes, stage_decode, AllocRecord, RowLimits};
+/// use kvpool::kv::staging::{decode_block_bytes, stage_decode, RowLimits, StepRecord};
 /// use kvpool::PagedAllocator;
 /// let host = PagedAllocator::new(1024, 16)?;
 /// let mut block = vec![0u32; decode_block_bytes(4) / 4];
@@ -101,9 +132,10 @@ pub struct RowLimits {
 /// // Request in row 5 writes its 17th token: it starts a page.
 /// let staged = stage_decode(&host, &[17, 3], &[5, 6], 4, limits, bytemuck::cast_slice_mut(&mut block))?;
 /// assert_eq!((staged.batch, staged.bucket, staged.new_pages), (2, 4, 1));
-/// let records: &[AllocRecord] = bytemuck::cast_slice(&block[..4 * 6]);
-/// assert_eq!(records[0].row, 5);
-/// assert_eq!(records[3], AllocRecord::PAD);
+/// let records: &[StepRecord] = bytemuck::cast_slice(&block[..4 * 4]);
+/// assert_eq!((records[0].seq_len, records[0].row), (17, 5));
+/// assert_eq!(records[0].page, block[16]); // the fresh page, kept after the records too
+/// assert_eq!(records[3], StepRecord::PAD);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn stage_decode(
@@ -142,28 +174,22 @@ pub fn stage_decode(
         }
         fresh += new_pages(ps, seq - 1, seq) as usize;
     }
-    let (head, tail) = block.split_at_mut(bucket * RECORD_BYTES as usize);
-    let records: &mut [AllocRecord] = bytemuck::try_cast_slice_mut(head)
+    let (head, tail) = block.split_at_mut(decode_records_bytes(bucket));
+    let records: &mut [StepRecord] = bytemuck::try_cast_slice_mut(head)
         .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
     let pages: &mut [u32] = bytemuck::try_cast_slice_mut(tail)
         .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
     host.reserve_pages(&mut pages[..fresh])?;
-    let mut page_start = 0u32;
+    let mut next = 0;
     for (i, rec) in records.iter_mut().enumerate() {
         *rec = match (seq_lens.get(i), rows.get(i)) {
-            (Some(&seq), Some(&row)) => {
-                let r = AllocRecord {
-                    prefix_len: seq - 1,
-                    seq_len: seq,
-                    last_loc: 0,
-                    page_start,
-                    out_start: i as u32,
-                    row,
-                };
-                page_start += new_pages(ps, seq - 1, seq);
-                r
+            (Some(&seq_len), Some(&row)) => {
+                let starts = new_pages(ps, seq_len - 1, seq_len) == 1;
+                let page = if starts { pages[next] } else { 0 };
+                next += starts as usize;
+                StepRecord { seq_len, row, page, unused: 0 }
             }
-            _ => AllocRecord::PAD,
+            _ => StepRecord::PAD,
         };
     }
     Ok(StagedDecode { batch, bucket, new_pages: fresh })
@@ -188,16 +214,12 @@ mod tests {
         // seq 5 and 9 start pages (positions 4 and 8), seq 3 does not.
         let s = stage_decode(&host, &[5, 3, 9], &[0, 1, 2], 4, limits, b).unwrap();
         assert_eq!(s, StagedDecode { batch: 3, bucket: 4, new_pages: 2 });
-        let records: &[AllocRecord] = bytemuck::cast_slice(&block[..24]);
-        assert_eq!(
-            records[0],
-            AllocRecord { prefix_len: 4, seq_len: 5, last_loc: 0, page_start: 0, out_start: 0, row: 0 }
-        );
-        assert_eq!(records[1].page_start, 1);
-        assert_eq!(records[2].page_start, 1);
-        assert_eq!(records[2].out_start, 2);
-        assert_eq!(records[3], AllocRecord::PAD);
-        let pages = &block[24..26];
+        let records: &[StepRecord] = bytemuck::cast_slice(&block[..16]);
+        let pages = &block[16..18];
+        assert_eq!(records[0], StepRecord { seq_len: 5, row: 0, page: pages[0], unused: 0 });
+        assert_eq!(records[1], StepRecord { seq_len: 3, row: 1, page: 0, unused: 0 });
+        assert_eq!(records[2], StepRecord { seq_len: 9, row: 2, page: pages[1], unused: 0 });
+        assert_eq!(records[3], StepRecord::PAD);
         assert!(pages.iter().all(|&p| host.is_allocated(p * 4)));
         assert_eq!(host.available_pages(), 64 - 2);
     }
