@@ -38,7 +38,7 @@ use kvpool::cuda::{
     DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
     Layers, Rows, Staging,
 };
-use kvpool::kv::staging::{bucket_for, decode_records_bytes};
+use kvpool::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
 use kvpool::{KvAllocator, PagedAllocator};
 
@@ -452,6 +452,23 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
             Ok(())
         })?);
     }
+    // The host's share: the same planning, reservation and staging, no device work.
+    let host_only = {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let bucket = bucket_for(batch);
+        let mut block = vec![0u32; decode_block_bytes(bucket) / 4];
+        let limits = RowLimits { rows: table.rows(), max_context_len: table.max_context_len() };
+        per_step(dev, steps, || {
+            b.advance(&host)?;
+            let staged = stage_decode(&host, &b.seq, &b.rows, bucket, limits, bytemuck::cast_slice_mut(&mut block))?;
+            let at = decode_records_bytes(bucket) / 4;
+            b.took(ps, &block[at..at + staged.new_pages]);
+            Ok(())
+        })?
+        .0
+    };
     // The floor: a graph of one copy of the same bytes and one empty kernel; and a
     // graph of the empty kernel alone.
     let floor_graph = FloorGraph::new(dev, decode_records_bytes(bucket_for(batch)))?;
@@ -460,7 +477,7 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     let empty = per_step(dev, steps, || Ok(empty_graph.launch(dev.stream())?))?;
     let us = |(wall, issue): (f64, f64)| format!("{wall:.2} ({issue:.2})");
     out.line(format!(
-        "| {batch} | {} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
+        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
         bucket_for(batch),
         us((eager, eager_issue)),
         us(graph[0]),
@@ -612,8 +629,8 @@ fn main() -> Result<()> {
         out.line("");
         out.line("wall us per step (host issue us per step in brackets)");
         out.line("");
-        out.line("| requests | bucket | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor |");
-        out.line("|---|---|---|---|---|---|---|---|---|");
+        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|");
         for &batch in &[1usize, 8, 64, 256, 1024] {
             decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
         }
