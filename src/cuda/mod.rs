@@ -10,8 +10,17 @@
 //!   [`PagedAllocator`](crate::PagedAllocator); one kernel launch expands them into
 //!   per-token slots and (optionally) writes them into the request rows.
 //!
-//! All work is ordered on the [`KvDevice`]'s stream; methods that read device memory
-//! back to the host synchronize it first. Kernels never write outside their buffers:
+//! * [`KvCacheView`] / [`ReqToTokenView`] — the same over memory the caller owns
+//!   (`unsafe` constructors from raw addresses, everything checkable checked);
+//!   `DeviceKvCache` and `DeviceReqToToken` own their memory and one such view each;
+//! * [`DecodeGraphs`] — the decode step's allocation and row write from captured CUDA
+//!   graphs, double-buffered pinned staging, no host synchronization.
+//!
+//! Every launcher takes the stream to run on (`on`): `&KvDevice` for the device's own
+//! stream, [`KvDevice::on`] for any other stream of its primary context (a `cust`
+//! stream, a `cudarc` stream with the feature `cudarc`, or a raw handle through
+//! [`StreamRef::from_raw`]). Work is ordered on that stream; methods that read device
+//! memory back to the host synchronize it first. See [`guide`] (`docs/GPU.md`). Kernels never write outside their buffers:
 //! lengths are checked on the host, and slots (which live on the device) are checked
 //! by the kernels, which skip an out-of-range slot and raise a flag that
 //! [`DeviceKvCache::take_error`] reports.
@@ -35,7 +44,7 @@
 //! let k = DeviceBuffer::<u8>::zeroed(2 * cfg.row_bytes())?;
 //! let v = DeviceBuffer::<u8>::zeroed(2 * cfg.row_bytes())?;
 //! let slots = DeviceBuffer::from_slice(&[17u32, 18])?;
-//! let rows = |b| Rows { data: b, row_stride: cfg.row_bytes(), layer_stride: 0 };
+//! let rows = |b| Rows::new(b, cfg.row_bytes(), 0);
 //! cache.set_kv(&dev, Layers::One(0), &slots, rows(&k), rows(&v), None, (1.0, 1.0))?;
 //! cache.take_error(&dev)?;                      // syncs; Err if a slot was out of range
 //! # Ok::<(), Box<dyn std::error::Error>>(())
