@@ -15,7 +15,6 @@ use bytemuck::{Pod, Zeroable};
 
 use super::ptx::{PAD_ROW, RECORD_BYTES, STEP_RECORD_BYTES};
 use super::KvError;
-use crate::alloc::new_pages;
 use crate::error::InvalidInput;
 use crate::{KvAllocator, PagedAllocator};
 
@@ -157,6 +156,10 @@ pub fn stage_decode(
         return Err(KvError::Shape { what: "block", got: block.len(), expected: decode_block_bytes(bucket) });
     }
     let ps = host.page_size();
+    // Whether a request's new token (position `seq - 1`) starts a page: a mask for the
+    // usual power-of-two page sizes (this loop runs once per request per step).
+    let mask = if ps.is_power_of_two() { ps - 1 } else { 0 };
+    let starts = |seq: u32| if mask != 0 || ps == 1 { (seq - 1) & mask == 0 } else { (seq - 1) % ps == 0 };
     let mut fresh = 0usize;
     for (request, (&seq, &row)) in seq_lens.iter().zip(rows).enumerate() {
         if seq == 0 {
@@ -172,7 +175,7 @@ pub fn stage_decode(
                 expected: limits.max_context_len as usize,
             });
         }
-        fresh += new_pages(ps, seq - 1, seq) as usize;
+        fresh += starts(seq) as usize;
     }
     let (head, tail) = block.split_at_mut(decode_records_bytes(bucket));
     let records: &mut [StepRecord] = bytemuck::try_cast_slice_mut(head)
@@ -184,9 +187,9 @@ pub fn stage_decode(
     for (i, rec) in records.iter_mut().enumerate() {
         *rec = match (seq_lens.get(i), rows.get(i)) {
             (Some(&seq_len), Some(&row)) => {
-                let starts = new_pages(ps, seq_len - 1, seq_len) == 1;
-                let page = if starts { pages[next] } else { 0 };
-                next += starts as usize;
+                let start = starts(seq_len);
+                let page = if start { pages[next] } else { 0 };
+                next += start as usize;
                 StepRecord { seq_len, row, page, unused: 0 }
             }
             _ => StepRecord::PAD,
@@ -222,6 +225,23 @@ mod tests {
         assert_eq!(records[3], StepRecord::PAD);
         assert!(pages.iter().all(|&p| host.is_allocated(p * 4)));
         assert_eq!(host.available_pages(), 64 - 2);
+    }
+
+    #[test]
+    fn page_starts_agree_with_the_allocator_plan() {
+        for ps in [1u32, 2, 3, 5, 16, 64, 100] {
+            let host = PagedAllocator::new(1 << 14, ps).unwrap();
+            let seqs: Vec<u32> = (1..=300).collect();
+            let rows = vec![0u32; 300];
+            let mut block = vec![0u32; decode_block_bytes(512) / 4];
+            let limits = RowLimits { rows: 1, max_context_len: 300 };
+            let s = stage_decode(&host, &seqs, &rows, 512, limits, bytemuck::cast_slice_mut(&mut block)).unwrap();
+            assert_eq!(s.new_pages, crate::alloc::plan_decode(ps, &seqs).unwrap().new_pages, "page size {ps}");
+            let records: &[StepRecord] = bytemuck::cast_slice(&block[..4 * 512]);
+            for (r, &seq) in records.iter().zip(&seqs) {
+                assert_eq!(r.page != 0, crate::alloc::new_pages(ps, seq - 1, seq) == 1, "page size {ps} seq {seq}");
+            }
+        }
     }
 
     #[test]
