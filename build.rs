@@ -49,7 +49,10 @@ fn main() {
          /// Rows per block of the row kernels (one warp each).\npub const ROWS_PER_BLOCK: u32 = {};\n\
          /// Page sizes with their own specialized allocation kernels.\npub const CONST_PAGE_SIZES: [u32; {}] = {:?};\n\
          /// `flags` bit: write the slots into the request rows too.\npub const FLAG_WRITE_ROWS: u32 = {};\n\
-         /// `flags` bit: read `last_loc` from the request rows.\npub const FLAG_LAST_LOC_FROM_ROWS: u32 = {};\n",
+         /// `flags` bit: read `last_loc` from the request rows.\npub const FLAG_LAST_LOC_FROM_ROWS: u32 = {};\n\
+         /// Bytes per allocation record (`kernels_build::kernels::RECORD_BYTES`).\npub const RECORD_BYTES: u32 = {};\n\
+         /// The `row` of a padding decode record: slot 0, no row access.\npub const PAD_ROW: u32 = {:#x};\n\
+         /// Bytes per `decode_step_*` record.\npub const STEP_RECORD_BYTES: u32 = {};\n",
         k::ALLOC_EXTEND_THREADS,
         k::ALLOC_DECODE_THREADS,
         k::ROW_BLOCK_THREADS,
@@ -58,6 +61,9 @@ fn main() {
         k::CONST_PAGE_SIZES,
         k::FLAG_WRITE_ROWS,
         k::FLAG_LAST_LOC_FROM_ROWS,
+        k::RECORD_BYTES,
+        k::PAD_ROW,
+        k::STEP_RECORD_BYTES,
     );
     std::fs::write(out.join("kernels.rs"), rs).expect("write kernels.rs");
 }

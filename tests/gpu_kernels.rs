@@ -88,8 +88,8 @@ fn loads_every_module() {
         dev.ptx_target()
     );
     assert_eq!(dev.kernel_count(), kvpool::kv::ptx::KERNELS.len());
-    dev.launch_noop(1, 32).unwrap();
-    dev.launch_noop(1024, 256).unwrap();
+    dev.launch_noop(&dev, 1, 32).unwrap();
+    dev.launch_noop(&dev, 1024, 256).unwrap();
     dev.synchronize().unwrap();
 }
 
@@ -159,7 +159,7 @@ fn alloc_extend_matches_the_host_reference() {
             let from_rows = round % 2 == 1;
             let with_rows = from_rows || round % 4 == 0;
             let lasts = if from_rows { LastLocs::FromRows } else { LastLocs::Host(&last) };
-            let rows_arg = with_rows.then_some((&table, &rows[..]));
+            let rows_arg = with_rows.then_some((table.view(), &rows[..]));
             let staged = dalloc.alloc_extend(&dev, &prefix, &seq, lasts, rows_arg, &out).unwrap();
             let pages = dalloc.pages(&staged).unwrap().to_vec();
             let mut want = vec![0u32; n_out];
@@ -211,7 +211,7 @@ fn alloc_decode_matches_the_host_reference() {
             let from_rows = round % 2 == 0;
             let lasts = if from_rows { LastLocs::FromRows } else { LastLocs::Host(&last) };
             let with_rows = from_rows || round % 3 == 0;
-            let rows_arg = with_rows.then_some((&table, &rows[..]));
+            let rows_arg = with_rows.then_some((table.view(), &rows[..]));
             let staged = dalloc.alloc_decode(&dev, &seq, lasts, rows_arg, &out).unwrap();
             let pages = dalloc.pages(&staged).unwrap().to_vec();
             let mut want = vec![0u32; batch];
@@ -357,7 +357,7 @@ fn scatter_case(dev: &KvDevice, rng: &mut Rng, dtype: KvDtype, src: Option<SrcFl
     let k = DeviceBuffer::from_slice(&k_host).unwrap();
     let v = DeviceBuffer::from_slice(&v_host).unwrap();
     let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
-    let rows = |d| Rows { data: d, row_stride: stride, layer_stride };
+    let rows = |d| Rows::new(d, stride, layer_stride);
     cache.set_kv(dev, layers, &d_slots, rows(&k), rows(&v), src, scales).unwrap();
     cache.take_error(dev).unwrap();
     for (b, (data, scale)) in [(&k_host, scales.0), (&v_host, scales.1)].into_iter().enumerate() {
@@ -508,15 +508,7 @@ fn mla_scatter_matches_the_host_reference() {
         let rope = DeviceBuffer::from_slice(&rope_h).unwrap();
         let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
         cache
-            .set_mla_kv(
-                &dev,
-                layers,
-                &d_slots,
-                Rows { data: &nope, row_stride: ns, layer_stride: nls },
-                Rows { data: &rope, row_stride: rs, layer_stride: rls },
-                src,
-                scale,
-            )
+            .set_mla_kv(&dev, layers, &d_slots, Rows::new(&nope, ns, nls), Rows::new(&rope, rs, rls), src, scale)
             .unwrap();
         cache.take_error(&dev).unwrap();
         let store = src.map_or(RowStore::Copy, |f| RowStore::Fp8E4m3 { src: f, inv_scale: 1.0 / scale });
@@ -617,7 +609,7 @@ fn out_of_range_slots_are_skipped_and_reported() {
     let k = DeviceBuffer::from_slice(&src).unwrap();
     let slots = [5u32, cfg.rows() as u32, 9];
     let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
-    let rows = |d| Rows { data: d, row_stride: row, layer_stride: 0 };
+    let rows = |d| Rows::new(d, row, 0);
     cache.set_kv(&dev, Layers::One(1), &d_slots, rows(&k), rows(&k), None, (1.0, 1.0)).unwrap();
     assert!(matches!(cache.take_error(&dev), Err(CudaKvError::DeviceSlotOutOfRange)));
     cache.take_error(&dev).unwrap(); // cleared
@@ -662,7 +654,7 @@ fn large_pools_use_64_bit_offsets() {
     let v_host = rng.bytes(3 * n * row);
     let (k, v) = (DeviceBuffer::from_slice(&k_host).unwrap(), DeviceBuffer::from_slice(&v_host).unwrap());
     let d_slots = DeviceBuffer::from_slice(&slots).unwrap();
-    let rows = |d| Rows { data: d, row_stride: row, layer_stride: n * row };
+    let rows = |d| Rows::new(d, row, n * row);
     cache.set_kv(&dev, Layers::All, &d_slots, rows(&k), rows(&v), None, (1.0, 1.0)).unwrap();
     cache.take_error(&dev).unwrap();
     let mut k_out = DeviceBuffer::<u8>::zeroed(3 * n * row).unwrap();

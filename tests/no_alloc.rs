@@ -206,3 +206,28 @@ fn req_to_token_pool_hot_paths() {
     assert_no_alloc("ReqToTokenPool::free", || pool.free(row)).unwrap();
     assert_eq!(pool.available_size(), 8);
 }
+
+/// The host half of a graph decode step (`kvpool::kv::staging::stage_decode`: plan,
+/// reserve pages, write the records into the pinned block) touches no heap, full
+/// bucket or padded, and neither does a refused step.
+#[test]
+fn decode_step_staging() {
+    use kvpool::kv::staging::{bucket_for, decode_block_bytes, stage_decode, RowLimits};
+    let host = PagedAllocator::new(1 << 20, 16).unwrap();
+    let mut block = vec![0u32; decode_block_bytes(1024) / 4];
+    let limits = RowLimits { rows: 1024, max_context_len: 4096 };
+    let rows: Vec<u32> = (0..1024).collect();
+    let mut seq = vec![0u32; 1024];
+    assert_no_alloc("stage_decode", || {
+        for step in 0..300 {
+            let batch = [1024usize, 1000, 7, 1][step % 4];
+            seq[..batch].iter_mut().for_each(|s| *s += 1);
+            let bucket = bucket_for(batch);
+            let words = decode_block_bytes(bucket) / 4;
+            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..words]);
+            black_box(stage_decode(&host, &seq[..batch], &rows[..batch], bucket, limits, b).unwrap());
+        }
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
+        assert!(stage_decode(&host, &[1, 2, 3], &rows[..3], 2, limits, b).is_err());
+    });
+}

@@ -7,13 +7,18 @@
 //! | `noop` | any | any | nothing (the launch floor) |
 //! | `alloc_extend_*` | `(batch)` | [`ALLOC_EXTEND_THREADS`] | tokens `tid, tid+ntid, ...` of request `ctaid.x` |
 //! | `alloc_decode_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` |
+//! | `decode_step_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` (compact records) |
 //! | `kv_*` row kernels | `(ceil(n/ROWS_PER_BLOCK), layers, buffers)` | [`ROW_BLOCK_THREADS`] | vectors `lane, lane+32, ...` of row `ctaid.x*8 + warp` |
 //!
-//! The paged-allocation kernels read a per-request table `meta` of six `u32` columns
-//! of `batch` entries each (struct of arrays, see [`META_COLUMNS`]): `prefix_len`,
-//! `seq_len`, `last_loc`, `page_start`, `out_start`, `row`. `page_start` and
-//! `out_start` are the exclusive prefix sums of new pages and new tokens, computed by
-//! the host while it plans the batch.
+//! The paged-allocation kernels read one record per request from `meta` (an array of
+//! structs: [`RECORD_BYTES`] bytes each, six `u32` fields in the order of
+//! [`META_COLUMNS`]): `prefix_len`, `seq_len`, `last_loc`, `page_start`, `out_start`,
+//! `row`. `page_start` and `out_start` are the exclusive prefix sums of new pages and
+//! new tokens, computed by the host while it plans the batch. The host side is
+//! `kvpool::kv::staging::AllocRecord`, a `#[repr(C)]` `Pod` struct of the same fields.
+//! A decode record whose `row` is [`PAD_ROW`] is padding (a captured batch-size
+//! bucket larger than the batch): its slot is 0, the dummy slot, and no row is read or
+//! written.
 
 use crate::ptx::{Cmp, Kernel, Module, ParamRef, Pred, Special, Target, Width, F32, R32, R64};
 
@@ -27,8 +32,16 @@ pub const ROW_BLOCK_THREADS: u32 = 256;
 pub const ROWS_PER_BLOCK: u32 = ROW_BLOCK_THREADS / 32;
 /// Vectors each lane keeps in flight in the row kernels' main loop.
 pub const ROW_UNROLL: u32 = 4;
-/// The columns of the allocation kernels' `meta` table, in order.
+/// The fields of an allocation record (`meta`), in order.
 pub const META_COLUMNS: [&str; 6] = ["prefix_len", "seq_len", "last_loc", "page_start", "out_start", "row"];
+/// Bytes per allocation record: six `u32` fields.
+pub const RECORD_BYTES: u32 = 4 * META_COLUMNS.len() as u32;
+/// The `row` of a padding record of `alloc_decode_*` and `decode_step_*`: slot 0, no
+/// row access.
+pub const PAD_ROW: u32 = u32::MAX;
+/// Bytes per record of `decode_step_*`: `seq_len`, `row`, `page`, one unused word (16
+/// bytes, so one vector load reads a record).
+pub const STEP_RECORD_BYTES: u32 = 16;
 /// `flags` bit of the allocation kernels: also write each slot into the request's row
 /// of the `req_to_token` table (columns `prefix_len..seq_len`).
 pub const FLAG_WRITE_ROWS: u32 = 1;
@@ -199,10 +212,9 @@ fn alloc_params(k: &mut Kernel) -> AllocParams {
     }
 }
 
-/// Address of `meta[column][i]`.
-fn meta_at(k: &mut Kernel, p: &AllocParams, column: u32, i: R32) -> R64 {
-    let idx = k.mad_lo_u32(p.batch, column, i);
-    k.mad_wide_u32(idx, 4u32, p.meta)
+/// Field `column` of record `i` of `meta`.
+fn meta_field(k: &mut Kernel, rec: R64, column: u32) -> R32 {
+    k.ld_global_u32(rec, 4 * column, true)
 }
 
 /// `(q, r) = (x / ps, x % ps)`.
@@ -269,18 +281,13 @@ pub fn alloc_extend(page: PageSize) -> Kernel {
     let past = k.setp_u32(Cmp::Ge, i, p.batch);
     k.ret_if(past, true);
     k.comment("this block's request");
-    let at = meta_at(&mut k, &p, 0, i);
-    let prefix = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 1, i);
-    let seq = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 2, i);
-    let meta_last = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 3, i);
-    let page_start = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 4, i);
-    let out_start = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 5, i);
-    let row = k.ld_global_u32(at, 0, true);
+    let rec = k.mad_wide_u32(i, RECORD_BYTES, p.meta);
+    let prefix = meta_field(&mut k, rec, 0);
+    let seq = meta_field(&mut k, rec, 1);
+    let meta_last = meta_field(&mut k, rec, 2);
+    let page_start = meta_field(&mut k, rec, 3);
+    let out_start = meta_field(&mut k, rec, 4);
+    let row = meta_field(&mut k, rec, 5);
     let n = k.sub_u32(seq, prefix);
     let tid = k.special(Special::TidX);
     let none = k.setp_u32(Cmp::Ge, tid, n);
@@ -337,9 +344,10 @@ pub fn alloc_extend(page: PageSize) -> Kernel {
 /// `alloc_decode`: one slot per request, exactly `kvpool::alloc::expand_decode`,
 /// optionally written into column `seq_len - 1` of the request's row.
 ///
-/// Same parameters and `meta` table as [`alloc_extend`] (`prefix_len` and `out_start`
-/// are not read: a decode request's prefix is `seq_len - 1` and its output position is
-/// its index). A request whose new token starts a page (`(seq-1) % ps == 0`) takes
+/// Same parameters and `meta` records as [`alloc_extend`] (`prefix_len` and
+/// `out_start` are not read: a decode request's prefix is `seq_len - 1` and its output
+/// position is its index). A record whose `row` is [`PAD_ROW`] writes slot 0 to its
+/// output and nothing else. A request whose new token starts a page (`(seq-1) % ps == 0`) takes
 /// `pages[page_start]*ps`; the others take `last_loc + 1`.
 pub fn alloc_decode(page: PageSize) -> Kernel {
     if let PageSize::Const(c) = page {
@@ -353,14 +361,16 @@ pub fn alloc_decode(page: PageSize) -> Kernel {
     let i = k.mad_lo_u32(blk, nt, tid);
     let past = k.setp_u32(Cmp::Ge, i, p.batch);
     k.ret_if(past, true);
-    let at = meta_at(&mut k, &p, 1, i);
-    let seq = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 2, i);
-    let meta_last = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 3, i);
-    let page_start = k.ld_global_u32(at, 0, true);
-    let at = meta_at(&mut k, &p, 5, i);
-    let row = k.ld_global_u32(at, 0, true);
+    let rec = k.mad_wide_u32(i, RECORD_BYTES, p.meta);
+    let o = k.mad_wide_u32(i, 4u32, p.out);
+    let row = meta_field(&mut k, rec, 5);
+    k.comment("a padding record: the dummy slot 0, no row access");
+    let pad = k.setp_u32(Cmp::Eq, row, PAD_ROW);
+    k.st_global_u32(o, 0, 0u32, Some((pad, true)));
+    k.ret_if(pad, true);
+    let seq = meta_field(&mut k, rec, 1);
+    let meta_last = meta_field(&mut k, rec, 2);
+    let page_start = meta_field(&mut k, rec, 3);
     let pos = k.sub_u32(seq, 1u32);
     let (_, r) = div_rem_page(&mut k, page, p.page_size, pos);
     let new_page = k.setp_u32(Cmp::Eq, r, 0u32);
@@ -372,13 +382,79 @@ pub fn alloc_decode(page: PageSize) -> Kernel {
     let fresh = page_slot(&mut k, page, p.page_size, pg, zero);
     let old = k.add_u32(last, 1u32);
     let slot = k.selp_b32(fresh, old, new_page);
-    let o = k.mad_wide_u32(i, 4u32, p.out);
     k.st_global_u32(o, 0, slot, None);
     let wf = k.and_b32(p.flags, FLAG_WRITE_ROWS);
     let write_rows = k.setp_u32(Cmp::Ne, wf, 0u32);
     let cell = k.mad_lo_u32(row, p.table_stride, pos);
     let t = k.mad_wide_u32(cell, 4u32, p.table);
     k.st_global_u32(t, 0, slot, Some((write_rows, true)));
+    k.ret();
+    k
+}
+
+/// The name of a decode-step kernel.
+pub fn decode_step_name(page: PageSize) -> String {
+    format!("decode_step_{}", page.suffix())
+}
+
+/// `decode_step`: the decode step of a captured graph, from compact records.
+///
+/// Parameters: `records` (u64: `batch` records of [`STEP_RECORD_BYTES`]: `seq_len`,
+/// `row`, `page`, unused), `batch` (u32), `out` (u64, `batch` slots), `table` (u64),
+/// `table_stride` (u32), `page_size` (u32, read only by `_psn`). One thread per
+/// request (block [`ALLOC_DECODE_THREADS`]): one 16-byte load of its record (the
+/// records may sit in mapped host memory: one round trip), then, when the new token
+/// (position `seq_len - 1`) starts a page, the slot `page * ps`; otherwise `last_loc +
+/// 1` with `last_loc` read from the row (column `seq_len - 2`). The slot goes to
+/// `out[i]` and to column `seq_len - 1` of the row. A [`PAD_ROW`] record writes slot 0
+/// to `out[i]` and nothing else. Same results as [`alloc_decode`] with both flags set,
+/// whose `page_start` indirection the host resolves here.
+pub fn decode_step(page: PageSize) -> Kernel {
+    if let PageSize::Const(c) = page {
+        assert!(c.is_power_of_two(), "constant page sizes must be powers of two");
+    }
+    let mut k = Kernel::new(decode_step_name(page));
+    let records = k.param_u64("records");
+    let batch = k.param_u32("batch");
+    let out = k.param_u64("out");
+    let table = k.param_u64("table");
+    let table_stride = k.param_u32("table_stride");
+    let page_size = k.param_u32("page_size");
+    let records = k.ld_param_u64(records);
+    let batch = k.ld_param_u32(batch);
+    let blk = k.special(Special::CtaidX);
+    let nt = k.special(Special::NtidX);
+    let tid = k.special(Special::TidX);
+    let i = k.mad_lo_u32(blk, nt, tid);
+    let past = k.setp_u32(Cmp::Ge, i, batch);
+    k.ret_if(past, true);
+    let out = k.ld_param_u64(out);
+    let o = k.mad_wide_u32(i, 4u32, out);
+    let rec = k.mad_wide_u32(i, STEP_RECORD_BYTES, records);
+    let words = k.ld_global(Width::B16, rec, 0, true, None);
+    let (seq, row, pg) = (words[0], words[1], words[2]);
+    k.comment("a padding record: the dummy slot 0, no row access");
+    let pad = k.setp_u32(Cmp::Eq, row, PAD_ROW);
+    k.st_global_u32(o, 0, 0u32, Some((pad, true)));
+    k.ret_if(pad, true);
+    let table = k.ld_param_u64(table);
+    let stride = k.ld_param_u32(table_stride);
+    let ps = k.ld_param_u32(page_size);
+    let pos = k.sub_u32(seq, 1u32);
+    let (_, r) = div_rem_page(&mut k, page, ps, pos);
+    let new_page = k.setp_u32(Cmp::Eq, r, 0u32);
+    let cell = k.mad_lo_u32(row, stride, pos);
+    let at = k.mad_wide_u32(cell, 4u32, table);
+    k.comment("last_loc: the previous column of the row, unless the token starts a page");
+    let prev_cell = k.sub_u32(cell, 1u32);
+    let prev_at = k.mad_wide_u32(prev_cell, 4u32, table);
+    let prev = k.ld_global(Width::B4, prev_at, 0, false, Some((new_page, false)))[0];
+    let old = k.add_u32(prev, 1u32);
+    let zero = k.mov_u32(0u32);
+    let fresh = page_slot(&mut k, page, ps, pg, zero);
+    let slot = k.selp_b32(fresh, old, new_page);
+    k.st_global_u32(o, 0, slot, None);
+    k.st_global_u32(at, 0, slot, None);
     k.ret();
     k
 }
@@ -837,6 +913,9 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
         for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
             alloc.push(if decode { alloc_decode(page) } else { alloc_extend(page) });
         }
+    }
+    for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
+        alloc.push(decode_step(page));
     }
     let mut scatter = Module::new(target);
     for op in [RowOp::Scatter, RowOp::ScatterMla] {

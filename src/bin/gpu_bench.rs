@@ -16,6 +16,14 @@
 //!    launch).
 //! 3. The decode step end to end: `alloc_decode` with the fused row write, then one
 //!    layer of `kv_scatter` at the new slots.
+//! 4. The decode step's memory operations without host synchronization (section
+//!    `decode`): wall time per step over 10,000 steps for 1..1024 requests, eager
+//!    (`DevicePagedAllocator::alloc_decode`) and from captured graphs (`DecodeGraphs`),
+//!    against the floor graph (one copy of the same bytes and one empty kernel).
+//! 5. `kv_scatter` through kvpool's own cache and through a view of separately
+//!    allocated layers on another stream (the interop path), same run.
+//!
+//! `--section decode` (or `scatter`, `alloc`, `step`, `view`) runs one section only.
 //!
 //! Timing: CUDA events around `reps` back-to-back operations, after a warm-up, median
 //! of `samples` such measurements; inputs rotate among buffer sets larger than L2.
@@ -25,9 +33,14 @@ use std::time::Instant;
 
 use cust::event::{Event, EventFlags};
 use cust::memory::{AsyncCopyDestination, CopyDestination, DeviceBuffer, DeviceSlice};
-use kvpool::cuda::{DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, KvDevice, LastLocs, Layers, Rows};
+use cust::stream::{Stream, StreamFlags};
+use kvpool::cuda::{
+    DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
+    Layers, Rows, Staging,
+};
+use kvpool::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
-use kvpool::PagedAllocator;
+use kvpool::{KvAllocator, PagedAllocator};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -158,7 +171,7 @@ fn scatter_row(
     let reps = if quick { 5 } else { 20 };
     let scatter_us = t.per_op(dev, reps, |i| {
         let (k, v) = &srcs[i % sets];
-        let rows = |d| Rows { data: d, row_stride: row_bytes, layer_stride: tokens * row_bytes };
+        let rows = |d| Rows::new(d, row_bytes, tokens * row_bytes);
         let src = fp8.then_some(SrcFloat::Bf16);
         cache.set_kv(dev, layer_sel, &slot_sets[i % sets], rows(k), rows(v), src, (1.0, 1.0))?;
         Ok(())
@@ -232,8 +245,8 @@ fn alloc_rows(dev: &KvDevice, t: &Timer, out: &mut Out, rng: &mut Rng, batch: us
     let pages = dalloc.pages(&staged)?.to_vec();
     dalloc.free_pages(&pages)?;
     let noop_blocks = batch as u32; // the extend grid: one block per request
-    let noop_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(1, 128)?))?;
-    let noop_grid_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(noop_blocks, 128)?))?;
+    let noop_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(dev, 1, 128)?))?;
+    let noop_grid_us = t.per_op(dev, reps, |_| Ok(dev.launch_noop(dev, noop_blocks, 128)?))?;
     // The whole call: plan + reserve + pinned copy + launch (+ free, off the clock).
     let mut call = |decode: bool| -> Result<f64> {
         let mut times = Vec::new();
@@ -303,7 +316,7 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
         let t0 = Instant::now();
         start.record(dev.stream())?;
         dalloc.alloc_decode(dev, &seq, LastLocs::FromRows, Some((&table, &rows)), &slots)?;
-        let r = |d| Rows { data: d, row_stride: row_bytes, layer_stride: 0 };
+        let r = |d| Rows::new(d, row_bytes, 0);
         cache.set_kv(dev, Layers::One(0), &slots, r(&k), r(&v), None, (1.0, 1.0))?;
         stop.record(dev.stream())?;
         stop.synchronize()?;
@@ -322,9 +335,223 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
     Ok(())
 }
 
+/// Requests of the decode-step benchmark: rows, lengths and the pages each holds (to
+/// free them when a request reaches `LIMIT` tokens and starts over).
+struct Batch {
+    rows: Vec<u32>,
+    seq: Vec<u32>,
+    pages: Vec<Vec<u32>>,
+}
+
+const LIMIT: u32 = 4096;
+
+impl Batch {
+    /// `batch` requests in random rows, each with a prefill of 1..1000 tokens.
+    fn new(
+        dev: &KvDevice,
+        dalloc: &mut DevicePagedAllocator,
+        table: &DeviceReqToToken,
+        rng: &mut Rng,
+        batch: usize,
+    ) -> Result<Batch> {
+        let ps = dalloc.allocator().page_size();
+        let rows = shuffled(batch, table.rows() as usize, rng);
+        let seq: Vec<u32> = (0..batch).map(|_| 1 + rng.below(1000) as u32).collect();
+        let mut pages: Vec<Vec<u32>> = (0..batch).map(|_| Vec::with_capacity((LIMIT / ps + 2) as usize)).collect();
+        let out = DeviceBuffer::<u32>::zeroed(1000)?;
+        for i in 0..batch {
+            let o = out.index(..seq[i] as usize);
+            let staged =
+                dalloc.alloc_extend(dev, &[0], &[seq[i]], LastLocs::FromRows, Some((table, &rows[i..i + 1])), &o)?;
+            pages[i].extend_from_slice(dalloc.pages(&staged)?);
+        }
+        dev.synchronize()?;
+        Ok(Batch { rows, seq, pages })
+    }
+
+    /// Advance every request by one token (requests at `LIMIT` free their pages and
+    /// start over at one token).
+    fn advance(&mut self, host: &PagedAllocator) -> Result<()> {
+        let ps = host.page_size();
+        for (s, pages) in self.seq.iter_mut().zip(&mut self.pages) {
+            if *s >= LIMIT {
+                let mut group = host.free_group();
+                for &p in pages.iter() {
+                    group.free(&[p * ps])?;
+                }
+                group.end();
+                pages.clear();
+                *s = 0;
+            }
+            *s += 1;
+        }
+        Ok(())
+    }
+
+    /// Record the fresh pages a step took (in request order, one per request whose new
+    /// token starts a page).
+    fn took(&mut self, ps: u32, fresh: &[u32]) {
+        let mut it = fresh.iter();
+        for (s, pages) in self.seq.iter().zip(&mut self.pages) {
+            if (s - 1) % ps == 0 {
+                pages.push(*it.next().expect("one fresh page per page-starting request"));
+            }
+        }
+    }
+}
+
+/// Wall microseconds per step over `steps` steps of `op` with one synchronize at the
+/// end (after a warm-up), and the host's issue time per step (before that
+/// synchronize): the median of five such runs (by wall time).
+fn per_step(dev: &KvDevice, steps: usize, mut op: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..200 {
+        op()?;
+    }
+    dev.synchronize()?;
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            op()?;
+        }
+        let issued = t0.elapsed().as_secs_f64();
+        dev.synchronize()?;
+        let wall = t0.elapsed().as_secs_f64();
+        runs.push((wall * 1e6 / steps as f64, issued * 1e6 / steps as f64));
+    }
+    runs.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+    Ok(runs[2])
+}
+
+fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, steps: usize) -> Result<()> {
+    let ps = 16;
+    let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
+    // Eager.
+    let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+    let slots = DeviceBuffer::<u32>::zeroed(batch)?;
+    let (eager, eager_issue) = per_step(dev, steps, || {
+        b.advance(&host)?;
+        let staged = dalloc.alloc_decode(dev, &b.seq, LastLocs::FromRows, Some((&table, &b.rows)), &slots)?;
+        b.took(ps, dalloc.pages(&staged)?);
+        Ok(())
+    })?;
+    drop(b);
+    // Graphs, both stagings (a fresh allocator and requests each: the same work).
+    let mut graph = Vec::new();
+    for staging in [Staging::Copy, Staging::Mapped] {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let mut graphs = DecodeGraphs::new(dev, Arc::clone(&host), &table, batch, staging)?;
+        graph.push(per_step(dev, steps, || {
+            b.advance(&host)?;
+            let step = graphs.step(dev.stream(), &b.seq, &b.rows)?;
+            b.took(ps, graphs.pages(&step)?);
+            Ok(())
+        })?);
+    }
+    // The host's share: the same planning, reservation and staging, no device work.
+    let host_only = {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let bucket = bucket_for(batch);
+        let mut block = vec![0u32; decode_block_bytes(bucket) / 4];
+        let limits = RowLimits { rows: table.rows(), max_context_len: table.max_context_len() };
+        per_step(dev, steps, || {
+            b.advance(&host)?;
+            let staged = stage_decode(&host, &b.seq, &b.rows, bucket, limits, bytemuck::cast_slice_mut(&mut block))?;
+            let at = decode_records_bytes(bucket) / 4;
+            b.took(ps, &block[at..at + staged.new_pages]);
+            Ok(())
+        })?
+        .0
+    };
+    // The floor: a graph of one copy of the same bytes and one empty kernel; and a
+    // graph of the empty kernel alone.
+    let floor_graph = FloorGraph::new(dev, decode_records_bytes(bucket_for(batch)))?;
+    let floor = per_step(dev, steps, || Ok(floor_graph.launch(dev.stream())?))?;
+    let empty_graph = FloorGraph::new(dev, 0)?;
+    let empty = per_step(dev, steps, || Ok(empty_graph.launch(dev.stream())?))?;
+    let us = |(wall, issue): (f64, f64)| format!("{wall:.2} ({issue:.2})");
+    out.line(format!(
+        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
+        bucket_for(batch),
+        us((eager, eager_issue)),
+        us(graph[0]),
+        us(graph[1]),
+        us(floor),
+        us(empty),
+        graph[0].0 / floor.0,
+        graph[1].0 / floor.0,
+    ));
+    Ok(())
+}
+
+/// `set_kv` through kvpool's cache and through a view of separately allocated layers
+/// (not evenly spaced) on a second stream: the same kernels, so the same time.
+fn view_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, tokens: usize) -> Result<()> {
+    let cfg = KvConfig {
+        layout: KvLayout::Mha { head_num: 8, head_dim: 128 },
+        dtype: KvDtype::Bf16,
+        layer_num: 4,
+        size: 1 << 17,
+        page_size: 16,
+    };
+    let row = cfg.row_bytes();
+    let owned = DeviceKvCache::new(cfg)?;
+    // The engine's memory: K and V in one allocation each (evenly spaced layers), and
+    // K and V in one allocation per layer.
+    let (lb, layers) = (cfg.layer_bytes(), cfg.layer_num as usize);
+    let one_k = DeviceBuffer::<u8>::zeroed(layers * lb)?;
+    let one_v = DeviceBuffer::<u8>::zeroed(layers * lb)?;
+    let spaced = |b: &DeviceBuffer<u8>| -> Vec<u64> {
+        (0..layers).map(|l| b.as_device_ptr().as_raw() + (l * lb) as u64).collect()
+    };
+    let k_layers: Vec<DeviceBuffer<u8>> =
+        (0..layers).map(|_| DeviceBuffer::zeroed(lb)).collect::<std::result::Result<_, _>>()?;
+    let v_layers: Vec<DeviceBuffer<u8>> =
+        (0..layers).map(|_| DeviceBuffer::zeroed(lb)).collect::<std::result::Result<_, _>>()?;
+    let kp: Vec<u64> = k_layers.iter().map(|b| b.as_device_ptr().as_raw()).collect();
+    let vp: Vec<u64> = v_layers.iter().map(|b| b.as_device_ptr().as_raw()).collect();
+    // SAFETY: the layers are the buffers above, alive until the end of this function
+    // (after every launch was synchronized); only this benchmark uses them.
+    let view_one = unsafe { KvCacheView::from_raw(cfg, &spaced(&one_k), Some(&spaced(&one_v)), row) }?;
+    // SAFETY: as above.
+    let view = unsafe { KvCacheView::from_raw(cfg, &kp, Some(&vp), row) }?;
+    let stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
+    let on = dev.on(&stream)?;
+    let src = DeviceBuffer::from_slice(&random_bytes(4 * tokens * row, rng))?;
+    let slots = DeviceBuffer::from_slice(&shuffled(tokens, cfg.rows(), rng))?;
+    let rows = || Rows::new(&src, row, tokens * row);
+    let timed = |f: &dyn Fn() -> Result<()>, sync: &dyn Fn() -> Result<()>| -> Result<f64> {
+        sync()?;
+        let t0 = Instant::now();
+        for _ in 0..200 {
+            f()?;
+        }
+        sync()?;
+        Ok(t0.elapsed().as_secs_f64() * 1e6 / 200.0)
+    };
+    let on_sync = || -> Result<()> { Ok(stream.synchronize()?) };
+    let dev_sync = || -> Result<()> { Ok(dev.synchronize()?) };
+    let owned_us = timed(&|| Ok(owned.set_kv(dev, Layers::All, &slots, rows(), rows(), None, (1.0, 1.0))?), &dev_sync)?;
+    let one_us = timed(&|| Ok(view_one.set_kv(on, Layers::All, &slots, rows(), rows(), None, (1.0, 1.0))?), &on_sync)?;
+    let sep_us = timed(&|| Ok(view.set_kv(on, Layers::All, &slots, rows(), rows(), None, (1.0, 1.0))?), &on_sync)?;
+    view_one.take_error(on)?;
+    owned.take_error(dev)?;
+    view.take_error(on)?;
+    out.line(format!("| {tokens} | {owned_us:.1} | {one_us:.1} | {sep_us:.1} | {:.2}x |", one_us / owned_us));
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let section = args.iter().position(|a| a == "--section").and_then(|i| args.get(i + 1)).cloned();
+    let run = |name: &str| section.as_deref().map_or(true, |s| s == name);
     let out_path = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
     let target: u32 =
         args.iter().position(|a| a == "--target").and_then(|i| args.get(i + 1)).map_or(Ok(u32::MAX), |t| t.parse())?;
@@ -349,41 +576,76 @@ fn main() -> Result<()> {
         dev.ptx_target(),
         dev.kernel_count()
     ));
-    out.line("");
-    out.line("### kv_scatter vs device-to-device memcpy of the same bytes (bf16 rows; fp8 rows: bf16 in, e4m3 out)");
-    out.line("");
-    out.line("| slots | tokens | row bytes | layers | MiB moved | scatter us | scatter GB/s | memcpy us | memcpy GB/s | scatter/memcpy |");
-    out.line("|---|---|---|---|---|---|---|---|---|---|");
-    let token_counts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 4096, 16384, 65536] };
-    for &row in &[1024usize, 2048, 4096] {
+    if run("scatter") {
+        out.line("");
+        out.line(
+            "### kv_scatter vs device-to-device memcpy of the same bytes (bf16 rows; fp8 rows: bf16 in, e4m3 out)",
+        );
+        out.line("");
+        out.line("| slots | tokens | row bytes | layers | MiB moved | scatter us | scatter GB/s | memcpy us | memcpy GB/s | scatter/memcpy |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|");
+        let token_counts: &[usize] = if quick { &[1024, 16384] } else { &[1024, 4096, 16384, 65536] };
+        for &row in &[1024usize, 2048, 4096] {
+            for &tokens in token_counts {
+                scatter_row(&dev, &t, &mut out, &mut rng, tokens, row, 1, false, false, quick)?;
+            }
+        }
         for &tokens in token_counts {
-            scatter_row(&dev, &t, &mut out, &mut rng, tokens, row, 1, false, false, quick)?;
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, true, false, quick)?;
+        }
+        for &tokens in &[1024usize, 8192] {
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 8, false, false, quick)?;
+        }
+        for &tokens in token_counts {
+            scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, false, true, quick)?;
         }
     }
-    for &tokens in token_counts {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, true, false, quick)?;
+    if run("alloc") {
+        out.line("");
+        out.line("### alloc kernels vs an empty launch (page size 16, fused row write, last_loc from rows; extend: 64 new tokens per request)");
+        out.line("");
+        out.line("| requests | empty 1 block us | empty, extend's grid us | alloc_extend us | alloc_decode us | vs empty (ext / dec) | extend call us | decode call us |");
+        out.line("|---|---|---|---|---|---|---|---|");
+        for &batch in &[1usize, 8, 64, 256, 1024] {
+            alloc_rows(&dev, &t, &mut out, &mut rng, batch, quick)?;
+        }
     }
-    for &tokens in &[1024usize, 8192] {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 8, false, false, quick)?;
+    if run("step") {
+        out.line("");
+        out.line("### decode step: alloc_decode (fused row write) + one layer kv_scatter (8x128 bf16 K and V), synchronized per step");
+        out.line("");
+        out.line("| requests | device us | wall us (host + device) | pages left |");
+        out.line("|---|---|---|---|");
+        for &batch in &[1usize, 64, 256, 1024] {
+            decode_step(&dev, &mut out, &mut rng, batch, quick)?;
+        }
     }
-    for &tokens in token_counts {
-        scatter_row(&dev, &t, &mut out, &mut rng, tokens, 2048, 1, false, true, quick)?;
+    if run("decode") {
+        let steps = if quick { 2_000 } else { 10_000 };
+        out.line("");
+        out.line(format!(
+            "### decode step without host synchronization: alloc_decode + row write, {steps} steps, one synchronize at the end, median of 5 runs (page size 16, last_loc from rows)"
+        ));
+        out.line("");
+        out.line("wall us per step (host issue us per step in brackets)");
+        out.line("");
+        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|");
+        for &batch in &[1usize, 8, 64, 256, 1024] {
+            decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
+        }
     }
-    out.line("");
-    out.line("### alloc kernels vs an empty launch (page size 16, fused row write, last_loc from rows; extend: 64 new tokens per request)");
-    out.line("");
-    out.line("| requests | empty 1 block us | empty, extend's grid us | alloc_extend us | alloc_decode us | vs empty (ext / dec) | extend call us | decode call us |");
-    out.line("|---|---|---|---|---|---|---|---|");
-    for &batch in &[1usize, 8, 64, 256, 1024] {
-        alloc_rows(&dev, &t, &mut out, &mut rng, batch, quick)?;
-    }
-    out.line("");
-    out.line("### decode step: alloc_decode (fused row write) + one layer kv_scatter (8x128 bf16 K and V), synchronized per step");
-    out.line("");
-    out.line("| requests | device us | wall us (host + device) | pages left |");
-    out.line("|---|---|---|---|");
-    for &batch in &[1usize, 64, 256, 1024] {
-        decode_step(&dev, &mut out, &mut rng, batch, quick)?;
+    if run("view") {
+        out.line("");
+        out.line("### set_kv, all 4 layers (8x128 bf16): kvpool's cache vs a view of separate layer buffers on another stream");
+        out.line("");
+        out.line("us per call, 200 calls back to back, one synchronize");
+        out.line("");
+        out.line("| tokens | owned (device stream) | view, one allocation (other stream) | view, one allocation per layer (4 launches) | one-allocation view / owned |");
+        out.line("|---|---|---|---|---|");
+        for &tokens in &[64usize, 1024, 8192] {
+            view_row(&dev, &mut out, &mut rng, tokens)?;
+        }
     }
     if let Some(p) = out_path {
         std::fs::write(&p, &out.text)?;

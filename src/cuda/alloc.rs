@@ -2,14 +2,16 @@
 
 use std::sync::Arc;
 
-use cust::event::{Event, EventFlags};
-use cust::memory::{AsyncCopyDestination, DeviceBuffer, DevicePointer, DeviceSlice, LockedBuffer};
+use cust::memory::{DeviceBuffer, DevicePointer, DeviceSlice, LockedBuffer};
+use cust::sys::cuMemcpyHtoDAsync_v2;
 
-use super::launch::AllocArgs;
-use super::{CudaKvError, DeviceReqToToken, KvDevice};
+use super::launch::{check, AllocArgs};
+use super::stream::RawEvent;
+use super::{CudaKvError, KvStream, ReqToTokenView};
 use crate::alloc::{plan_decode, plan_extend, BatchPlan};
 use crate::error::{ConfigError, FreeError, InvalidInput};
 use crate::kv::ptx::{FLAG_LAST_LOC_FROM_ROWS, FLAG_WRITE_ROWS};
+use crate::kv::staging::AllocRecord;
 use crate::kv::KvError;
 use crate::{KvAllocator, PagedAllocator};
 
@@ -68,8 +70,14 @@ impl StagedBatch {
 /// free finished requests' pages meanwhile); the host plans the batch, reserves its
 /// pages all-or-nothing, writes a per-request table (prefix and sequence lengths,
 /// `last_loc`, the page and output offsets, the row) into pinned memory and queues
-/// one copy and one kernel launch: the kernel writes every token's slot into `out`
-/// and, with a row table, into the request rows. Nothing on this path allocates.
+/// one copy and one kernel launch on the stream the caller names: the kernel writes
+/// every token's slot into `out` and, with a row table (kvpool's
+/// [`DeviceReqToToken`](super::DeviceReqToToken) or any [`ReqToTokenView`]), into the
+/// request rows. Nothing on this path allocates.
+///
+/// This is the eager path: the host waits for the previous batch's metadata copy
+/// before it refills the (single) staging buffer. [`DecodeGraphs`](super::DecodeGraphs)
+/// runs decode steps from captured graphs with double-buffered staging instead.
 ///
 /// # Examples
 ///
@@ -95,7 +103,7 @@ pub struct DevicePagedAllocator {
     meta: DeviceBuffer<u32>,
     /// Recorded after each host-to-device copy of `staging`: the next batch waits for
     /// it before overwriting the pinned buffer.
-    copied: Event,
+    copied: RawEvent,
     max_batch: usize,
     max_pages: usize,
     generation: u64,
@@ -136,7 +144,7 @@ impl DevicePagedAllocator {
         Ok(DevicePagedAllocator {
             staging: LockedBuffer::new(&0u32, words)?,
             meta: DeviceBuffer::zeroed(words)?,
-            copied: Event::new(EventFlags::DISABLE_TIMING)?,
+            copied: RawEvent::new()?,
             host,
             max_batch,
             max_pages,
@@ -184,16 +192,16 @@ impl DevicePagedAllocator {
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
-    pub fn stage_extend(
+    pub fn stage_extend<'s>(
         &mut self,
-        dev: &KvDevice,
+        on: impl Into<KvStream<'s>>,
         prefix_lens: &[u32],
         seq_lens: &[u32],
         last_locs: LastLocs<'_>,
-        rows: Option<(&DeviceReqToToken, &[u32])>,
+        rows: Option<(&ReqToTokenView, &[u32])>,
     ) -> Result<StagedBatch, CudaKvError> {
         let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
-        self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, None)
+        self.stage(on.into(), false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, None)
     }
 
     /// Plan, check and reserve a decode batch and queue its metadata (see
@@ -202,27 +210,27 @@ impl DevicePagedAllocator {
     /// # Errors
     ///
     /// As [`alloc_decode`](Self::alloc_decode).
-    pub fn stage_decode(
+    pub fn stage_decode<'s>(
         &mut self,
-        dev: &KvDevice,
+        on: impl Into<KvStream<'s>>,
         seq_lens: &[u32],
         last_locs: LastLocs<'_>,
-        rows: Option<(&DeviceReqToToken, &[u32])>,
+        rows: Option<(&ReqToTokenView, &[u32])>,
     ) -> Result<StagedBatch, CudaKvError> {
         let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
-        self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, None)
+        self.stage(on.into(), true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, None)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn stage(
         &mut self,
-        dev: &KvDevice,
+        on: KvStream<'_>,
         decode: bool,
         plan: BatchPlan,
         seq_lens: &[u32],
         prefix: impl Fn(usize) -> u32,
         last_locs: LastLocs<'_>,
-        rows: Option<(&DeviceReqToToken, &[u32])>,
+        rows: Option<(&ReqToTokenView, &[u32])>,
         out_len: Option<usize>,
     ) -> Result<StagedBatch, CudaKvError> {
         let batch = seq_lens.len();
@@ -266,7 +274,7 @@ impl DevicePagedAllocator {
                 }
             }
             flags |= FLAG_WRITE_ROWS;
-            table = Some((t.device_ptr().as_raw(), t.max_context_len()));
+            table = Some((t.device_address(), t.max_context_len()));
         }
         match last_locs {
             LastLocs::Host(l) => {
@@ -299,33 +307,40 @@ impl DevicePagedAllocator {
         let words = META * batch + plan.new_pages;
         let (meta, pages) = self.staging[..words].split_at_mut(META * batch);
         self.host.reserve_pages(pages)?;
+        let records: &mut [AllocRecord] = bytemuck::cast_slice_mut(meta);
         let (mut page_start, mut out_start) = (0u32, 0u32);
-        for i in 0..batch {
+        for (i, rec) in records.iter_mut().enumerate() {
             let (p, s) = (prefix(i), seq_lens[i]);
-            meta[i] = p;
-            meta[batch + i] = s;
-            meta[2 * batch + i] = match last_locs {
-                LastLocs::Host(l) => l[i],
-                LastLocs::FromRows => 0,
+            *rec = AllocRecord {
+                prefix_len: p,
+                seq_len: s,
+                last_loc: match last_locs {
+                    LastLocs::Host(l) => l[i],
+                    LastLocs::FromRows => 0,
+                },
+                page_start,
+                out_start,
+                row: rows.map_or(0, |(_, r)| r[i]),
             };
-            meta[3 * batch + i] = page_start;
-            meta[4 * batch + i] = out_start;
-            meta[5 * batch + i] = rows.map_or(0, |(_, r)| r[i]);
             page_start += crate::alloc::new_pages(ps, p, s);
             out_start += s - p;
         }
-        let mut dst = self.meta.index(..words);
-        // SAFETY: `staging` is pinned memory owned by `self`; it is not written again
+        let dst = self.meta.as_device_ptr().as_raw();
+        // SAFETY: `staging` is pinned memory owned by `self` holding `words` u32, `meta`
+        // a device buffer of at least `words` u32; the staging is not written again
         // before `copied` (recorded right after this copy on the same stream) has
         // completed — every `stage` waits for it first — and it outlives the copy
-        // (dropping `self` drops the event first... and `LockedBuffer`'s free waits for
-        // the device).
-        let queued = unsafe { dst.async_copy_from(&self.staging[..words], dev.stream()) }
-            .and_then(|()| self.copied.record(dev.stream()));
+        // (dropping `self` frees it with `cuMemFreeHost`, after the event is destroyed;
+        // the driver finishes pending copies first).
+        let queued = check(
+            unsafe { cuMemcpyHtoDAsync_v2(dst, self.staging.as_ptr().cast(), words * 4, on.raw()) },
+            "cuMemcpyHtoDAsync",
+        )
+        .and_then(|()| self.copied.record(on.stream()));
         if let Err(e) = queued {
             let pages = self.staging[META * batch..words].to_vec();
             let _ = self.free_pages(&pages);
-            return Err(e.into());
+            return Err(e);
         }
         self.generation += 1;
         self.pages_at = (META * batch, plan.new_pages);
@@ -341,20 +356,21 @@ impl DevicePagedAllocator {
     /// [`CudaKvError::StaleBatch`] after a newer `stage_*`; [`CudaKvError::Kv`] when
     /// `out` has the wrong length or `table` is not the one the batch was staged with;
     /// [`CudaKvError::Cuda`] if the launch fails.
-    pub fn expand(
+    pub fn expand<'s>(
         &self,
-        dev: &KvDevice,
+        on: impl Into<KvStream<'s>>,
         batch: &StagedBatch,
         out: &DeviceSlice<u32>,
-        table: Option<&DeviceReqToToken>,
+        table: Option<&ReqToTokenView>,
     ) -> Result<(), CudaKvError> {
+        let on = on.into();
         if batch.generation != self.generation {
             return Err(CudaKvError::StaleBatch);
         }
         if out.len() != batch.plan.new_tokens {
             return Err(KvError::Shape { what: "out", got: out.len(), expected: batch.plan.new_tokens }.into());
         }
-        let given = table.map(|t| (t.device_ptr().as_raw(), t.max_context_len()));
+        let given = table.map(|t| (t.device_address(), t.max_context_len()));
         if given != batch.table {
             return Err(KvError::Format { what: "expand needs the row table the batch was staged with" }.into());
         }
@@ -376,7 +392,7 @@ impl DevicePagedAllocator {
         // with flags set, `table` is the table whose bounds `stage` checked every row
         // and `seq_len` against. The staging buffers belong to `self`, which the
         // borrow keeps alive for the call, and are freed only through `Drop`.
-        unsafe { dev.kernels().alloc(dev.stream(), batch.decode, &a) }
+        unsafe { on.kernels.alloc(on.raw(), batch.decode, &a) }
     }
 
     /// Allocate the new slots of an extend batch on the device: stage + expand.
@@ -392,18 +408,19 @@ impl DevicePagedAllocator {
     /// batch larger than the staging), [`CudaKvError::Alloc`] when pages run out;
     /// nothing is reserved then. [`CudaKvError::Cuda`] from the driver (the pages are
     /// given back).
-    pub fn alloc_extend(
+    pub fn alloc_extend<'s>(
         &mut self,
-        dev: &KvDevice,
+        on: impl Into<KvStream<'s>>,
         prefix_lens: &[u32],
         seq_lens: &[u32],
         last_locs: LastLocs<'_>,
-        rows: Option<(&DeviceReqToToken, &[u32])>,
+        rows: Option<(&ReqToTokenView, &[u32])>,
         out: &DeviceSlice<u32>,
     ) -> Result<StagedBatch, CudaKvError> {
+        let on = on.into();
         let plan = plan_extend(self.host.page_size(), prefix_lens, seq_lens).map_err(KvError::from)?;
-        let staged = self.stage(dev, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, Some(out.len()))?;
-        self.finish(dev, staged, out, rows.map(|(t, _)| t))
+        let staged = self.stage(on, false, plan, seq_lens, |i| prefix_lens[i], last_locs, rows, Some(out.len()))?;
+        self.finish(on, staged, out, rows.map(|(t, _)| t))
     }
 
     /// Allocate one slot per request of a decode batch on the device (the new token is
@@ -413,27 +430,28 @@ impl DevicePagedAllocator {
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
-    pub fn alloc_decode(
+    pub fn alloc_decode<'s>(
         &mut self,
-        dev: &KvDevice,
+        on: impl Into<KvStream<'s>>,
         seq_lens: &[u32],
         last_locs: LastLocs<'_>,
-        rows: Option<(&DeviceReqToToken, &[u32])>,
+        rows: Option<(&ReqToTokenView, &[u32])>,
         out: &DeviceSlice<u32>,
     ) -> Result<StagedBatch, CudaKvError> {
+        let on = on.into();
         let plan = plan_decode(self.host.page_size(), seq_lens).map_err(KvError::from)?;
-        let staged = self.stage(dev, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, Some(out.len()))?;
-        self.finish(dev, staged, out, rows.map(|(t, _)| t))
+        let staged = self.stage(on, true, plan, seq_lens, |i| seq_lens[i] - 1, last_locs, rows, Some(out.len()))?;
+        self.finish(on, staged, out, rows.map(|(t, _)| t))
     }
 
     fn finish(
         &mut self,
-        dev: &KvDevice,
+        on: KvStream<'_>,
         staged: StagedBatch,
         out: &DeviceSlice<u32>,
-        table: Option<&DeviceReqToToken>,
+        table: Option<&ReqToTokenView>,
     ) -> Result<StagedBatch, CudaKvError> {
-        if let Err(e) = self.expand(dev, &staged, out, table) {
+        if let Err(e) = self.expand(on, &staged, out, table) {
             let (at, n) = self.pages_at;
             for k in 0..n {
                 let page = self.staging[at + k];

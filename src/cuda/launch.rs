@@ -1,6 +1,8 @@
 //! The GPU boundary: loading the generated modules and the typed launch wrappers.
 //!
-//! This is the only module that calls [`cust::launch!`]. Each wrapper's arguments
+//! This is the only module that launches kernels (`cuLaunchKernel`, on a raw stream
+//! handle, so that any stream of the context will do: kvpool's, a `cust` stream, or one
+//! an engine created with another crate). Each wrapper's arguments
 //! mirror its kernel's `.param` list field for field (the load step compares the
 //! wrappers' declared parameter types with the PTX's and refuses a mismatch), derives
 //! the grid from the same constants the generator used, and states in its `# Safety`
@@ -8,11 +10,13 @@
 
 use std::collections::HashMap;
 
+use core::ffi::c_void;
+
+use cust::error::CudaError;
 use cust::function::Function;
-use cust::launch;
 use cust::memory::DevicePointer;
 use cust::module::Module;
-use cust::stream::Stream;
+use cust::sys::{cuLaunchKernel, cudaError_enum, CUstream};
 
 use super::CudaKvError;
 use crate::kv::ptx::{
@@ -20,6 +24,73 @@ use crate::kv::ptx::{
     ROW_BLOCK_THREADS,
 };
 use crate::kv::SrcFloat;
+
+/// Convert the status of a raw driver call into a `Result`: the codes `cust` names
+/// become [`CudaKvError::Cuda`], the others [`CudaKvError::Driver`].
+pub(crate) fn check(r: cudaError_enum, call: &'static str) -> Result<(), CudaKvError> {
+    use cudaError_enum as E;
+    let e = match r {
+        E::CUDA_SUCCESS => return Ok(()),
+        E::CUDA_ERROR_INVALID_VALUE => CudaError::InvalidValue,
+        E::CUDA_ERROR_OUT_OF_MEMORY => CudaError::OutOfMemory,
+        E::CUDA_ERROR_NOT_INITIALIZED => CudaError::NotInitialized,
+        E::CUDA_ERROR_NO_DEVICE => CudaError::NoDevice,
+        E::CUDA_ERROR_INVALID_CONTEXT => CudaError::InvalidContext,
+        E::CUDA_ERROR_INVALID_HANDLE => CudaError::InvalidHandle,
+        E::CUDA_ERROR_NOT_READY => CudaError::NotReady,
+        E::CUDA_ERROR_ILLEGAL_ADDRESS => CudaError::IllegalAddress,
+        E::CUDA_ERROR_LAUNCH_FAILED => CudaError::LaunchFailed,
+        E::CUDA_ERROR_NOT_FOUND => CudaError::NotFound,
+        other => return Err(CudaKvError::Driver { call, code: other as u32 }),
+    };
+    Err(CudaKvError::Cuda(e))
+}
+
+/// Launch `f` on `stream` with the given kernel arguments (each one's address).
+///
+/// # Safety
+///
+/// `args` are the addresses of values whose types are, in order, the kernel's
+/// `.param` list; every memory the kernel touches through them stays allocated until
+/// the stream has run it.
+unsafe fn launch_raw(
+    f: &Function<'_>,
+    grid: (u32, u32, u32),
+    block: u32,
+    stream: CUstream,
+    args: &mut [*mut c_void],
+) -> Result<(), CudaKvError> {
+    // SAFETY: `f` is a loaded function of the current context; the argument array
+    // matches its parameters (the caller's contract) and outlives the call (the driver
+    // copies the values before returning); no extra launch options.
+    let r = unsafe {
+        cuLaunchKernel(
+            f.to_raw(),
+            grid.0,
+            grid.1,
+            grid.2,
+            block,
+            1,
+            1,
+            0,
+            stream,
+            args.as_mut_ptr(),
+            core::ptr::null_mut(),
+        )
+    };
+    check(r, "cuLaunchKernel")
+}
+
+/// `launch_on!(f, grid, block, stream; a, b, ...)`: [`launch_raw`] with the addresses
+/// of the (already correctly typed) argument expressions.
+macro_rules! launch_on {
+    ($f:expr, $grid:expr, $block:expr, $stream:expr; $($arg:expr),* $(,)?) => {{
+        let mut args: [*mut c_void; 0 $(+ launch_on!(@one $arg))*] =
+            [$(&$arg as *const _ as *mut c_void),*];
+        launch_raw($f, $grid, $block, $stream, &mut args)
+    }};
+    (@one $arg:expr) => { 1 };
+}
 
 /// What a row kernel stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,6 +111,14 @@ impl StoreKind {
         }
     }
 
+    /// Bytes stored per `w` source bytes.
+    pub(crate) fn stored(self, w: u32) -> u32 {
+        match self {
+            StoreKind::Copy => w,
+            StoreKind::Fp8(f) => w / f.bytes() as u32,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             StoreKind::Copy => "copy",
@@ -57,6 +136,10 @@ pub(crate) enum KernelId {
     /// `page_size` 0: the run-time page size kernel (`_psn`).
     Alloc {
         decode: bool,
+        page_size: u32,
+    },
+    /// `page_size` 0: the run-time page size kernel.
+    DecodeStep {
         page_size: u32,
     },
     Scatter {
@@ -87,6 +170,8 @@ impl KernelId {
                     ps => format!("{kind}_ps{ps}"),
                 }
             }
+            KernelId::DecodeStep { page_size: 0 } => "decode_step_psn".to_string(),
+            KernelId::DecodeStep { page_size } => format!("decode_step_ps{page_size}"),
             KernelId::Scatter { store, vec } => format!("kv_scatter_{}_v{vec}", store.name()),
             KernelId::ScatterMla { store, vec } => format!("kv_scatter_mla_{}_v{vec}", store.name()),
             KernelId::Gather { vec } => format!("kv_gather_v{vec}"),
@@ -107,6 +192,9 @@ impl KernelId {
             for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
                 ids.push(KernelId::Alloc { decode, page_size: ps });
             }
+        }
+        for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
+            ids.push(KernelId::DecodeStep { page_size: ps });
         }
         let stores = [
             StoreKind::Copy,
@@ -130,6 +218,7 @@ impl KernelId {
     /// The `.param` types its wrapper passes, in order.
     pub(crate) fn params(self) -> &'static [&'static str] {
         const ALLOC: &[&str] = &["U64", "U32", "U64", "U64", "U64", "U32", "U32", "U32"];
+        const STEP: &[&str] = &["U64", "U32", "U64", "U64", "U32", "U32"];
         const SCATTER: &[&str] =
             &["U64", "U64", "U64", "U64", "U64", "U64", "U64", "U64", "U32", "U32", "U32", "F32", "F32", "U64"];
         const MLA: &[&str] =
@@ -139,6 +228,7 @@ impl KernelId {
         match self {
             KernelId::Noop => &[],
             KernelId::Alloc { .. } => ALLOC,
+            KernelId::DecodeStep { .. } => STEP,
             KernelId::Scatter { .. } => SCATTER,
             KernelId::ScatterMla { .. } => MLA,
             KernelId::Gather { .. } => GATHER,
@@ -235,33 +325,33 @@ impl KvKernels {
     }
 
     /// Launch the empty kernel on `blocks` blocks of `threads` threads.
-    pub(crate) fn noop(&self, stream: &Stream, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
+    pub(crate) fn noop(&self, stream: CUstream, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
         let f = self.func(KernelId::Noop)?;
         // SAFETY: `noop` has no parameters and touches no memory; any grid is valid.
-        unsafe { launch!(f<<<blocks, threads, 0, stream>>>()) }?;
-        Ok(())
+        unsafe { launch_on!(f, (blocks, 1, 1), threads, stream;) }
     }
 
     /// Launch `alloc_extend_*` / `alloc_decode_*`.
     ///
     /// # Safety
     ///
-    /// `a.meta` holds `6 * a.batch` u32 (the columns of `META_COLUMNS`) consistent with
-    /// a validated plan: `page_start` / `out_start` are the exclusive prefix sums of new
+    /// `a.meta` holds `a.batch` allocation records (`RECORD_BYTES` each, the layout of
+    /// `kvpool::kv::staging::AllocRecord`) consistent with a validated plan (a decode
+    /// record may be padding, `row == PAD_ROW`): `page_start` / `out_start` are the exclusive prefix sums of new
     /// pages / new tokens, `a.pages` holds the plan's `new_pages` page numbers, `a.out`
     /// the plan's `new_tokens` slots; with `FLAG_WRITE_ROWS` or
     /// `FLAG_LAST_LOC_FROM_ROWS`, `a.table` holds `rows * table_stride` u32, every
     /// `row < rows` and every `seq_len <= table_stride`. All buffers stay allocated
     /// until the stream has run the kernel.
-    pub(crate) unsafe fn alloc(&self, stream: &Stream, decode: bool, a: &AllocArgs) -> Result<(), CudaKvError> {
+    pub(crate) unsafe fn alloc(&self, stream: CUstream, decode: bool, a: &AllocArgs) -> Result<(), CudaKvError> {
         if a.batch == 0 {
             return Ok(());
         }
         let f = self.func(KernelId::alloc(decode, a.page_size))?;
         let (grid, block) = if decode {
-            (a.batch.div_ceil(ALLOC_DECODE_THREADS), ALLOC_DECODE_THREADS)
+            ((a.batch.div_ceil(ALLOC_DECODE_THREADS), 1, 1), ALLOC_DECODE_THREADS)
         } else {
-            (a.batch, ALLOC_EXTEND_THREADS)
+            ((a.batch, 1, 1), ALLOC_EXTEND_THREADS)
         };
         // SAFETY: the arguments are, in order and type, the kernel's `.param` list
         // (meta u64, batch u32, pages u64, out u64, table u64, table_stride u32,
@@ -272,11 +362,40 @@ impl KvKernels {
         // bounds by the caller's contract. The host reads none of these buffers until
         // it synchronizes the stream.
         unsafe {
-            launch!(f<<<grid, block, 0, stream>>>(
+            launch_on!(f, grid, block, stream;
                 a.meta, a.batch, a.pages, a.out, a.table, a.table_stride, a.page_size, a.flags
-            ))
-        }?;
-        Ok(())
+            )
+        }
+    }
+
+    /// Launch `decode_step_*`.
+    ///
+    /// # Safety
+    ///
+    /// `a.records` holds `a.batch` records of `STEP_RECORD_BYTES` (the layout of
+    /// `kvpool::kv::staging::StepRecord`) written by `stage_decode`: each non-padding
+    /// record has `1 <= seq_len <= table_stride`, `row < rows` of the table, and its
+    /// row holds the request's first `seq_len - 1` slots; `a.out` holds `a.batch`
+    /// slots; `a.table` holds `rows * table_stride` u32. All of it stays allocated
+    /// (and the records unchanged) until the stream has run the kernel.
+    pub(crate) unsafe fn decode_step(&self, stream: CUstream, a: &StepArgs) -> Result<(), CudaKvError> {
+        if a.batch == 0 {
+            return Ok(());
+        }
+        let ps = if CONST_PAGE_SIZES.contains(&a.page_size) { a.page_size } else { 0 };
+        let f = self.func(KernelId::DecodeStep { page_size: ps })?;
+        let grid = (a.batch.div_ceil(ALLOC_DECODE_THREADS), 1, 1);
+        // SAFETY: the arguments are, in order and type, the kernel's `.param` list
+        // (records u64, batch u32, out u64, table u64, table_stride u32, page_size u32;
+        // checked against the PTX at load). One thread per request, threads past
+        // `batch` return; thread `i` reads record `i`, writes `out[i]` and (unless
+        // padding) reads cell `seq - 2` and writes cell `seq - 1` of its row: all in
+        // bounds by the caller's contract.
+        unsafe {
+            launch_on!(f, grid, ALLOC_DECODE_THREADS, stream;
+                a.records, a.batch, a.out, a.table, a.table_stride, a.page_size
+            )
+        }
     }
 
     /// Launch `kv_scatter_*` over `layers` layers and `buffers` buffers (1: K only).
@@ -291,7 +410,7 @@ impl KvKernels {
     /// only the K pointers are used.
     pub(crate) unsafe fn scatter(
         &self,
-        stream: &Stream,
+        stream: CUstream,
         store: StoreKind,
         vec: u32,
         layers: u32,
@@ -310,12 +429,11 @@ impl KvKernels {
         // reads stay inside the caller-checked source extent. The host does not touch
         // the buffers before synchronizing the stream.
         unsafe {
-            launch!(f<<<grid, ROW_BLOCK_THREADS, 0, stream>>>(
+            launch_on!(f, grid, ROW_BLOCK_THREADS, stream;
                 a.k_src, a.v_src, a.src_row_stride, a.src_layer_stride, a.k_dst, a.v_dst, a.dst_layer_stride,
                 a.slots, a.n_tokens, a.vecs, a.num_rows, a.k_inv_scale, a.v_inv_scale, a.err
-            ))
-        }?;
-        Ok(())
+            )
+        }
     }
 
     /// Launch `kv_scatter_mla_*` over `layers` layers.
@@ -327,7 +445,7 @@ impl KvKernels {
     /// strides; pool rows are `(nope_vecs + rope_vecs) * stored(vec)` bytes.
     pub(crate) unsafe fn scatter_mla(
         &self,
-        stream: &Stream,
+        stream: CUstream,
         store: StoreKind,
         vec: u32,
         layers: u32,
@@ -342,13 +460,12 @@ impl KvKernels {
         // `n_tokens` return, out-of-range slots are skipped and flagged, reads are
         // inside the caller-checked extents, and the host waits for the stream.
         unsafe {
-            launch!(f<<<grid, ROW_BLOCK_THREADS, 0, stream>>>(
+            launch_on!(f, grid, ROW_BLOCK_THREADS, stream;
                 a.nope_src, a.nope_row_stride, a.nope_layer_stride, a.rope_src, a.rope_row_stride,
                 a.rope_layer_stride, a.dst, a.dst_layer_stride, a.slots, a.n_tokens, a.nope_vecs, a.rope_vecs,
                 a.num_rows, a.inv_scale, a.err
-            ))
-        }?;
-        Ok(())
+            )
+        }
     }
 
     /// Launch `kv_gather_*`.
@@ -360,7 +477,7 @@ impl KvKernels {
     /// i*dst_row_stride`, which must be writable.
     pub(crate) unsafe fn gather(
         &self,
-        stream: &Stream,
+        stream: CUstream,
         vec: u32,
         layers: u32,
         buffers: u32,
@@ -375,12 +492,11 @@ impl KvKernels {
         // `num_rows` before any read of the pool; dense writes stay inside the
         // caller-checked extent; the host waits for the stream.
         unsafe {
-            launch!(f<<<grid, ROW_BLOCK_THREADS, 0, stream>>>(
+            launch_on!(f, grid, ROW_BLOCK_THREADS, stream;
                 a.k_src, a.v_src, a.src_layer_stride, a.k_dst, a.v_dst, a.dst_row_stride, a.dst_layer_stride,
                 a.slots, a.n_tokens, a.vecs, a.num_rows, a.err
-            ))
-        }?;
-        Ok(())
+            )
+        }
     }
 
     /// Launch `kv_move_*`.
@@ -392,7 +508,7 @@ impl KvKernels {
     /// source and destination sets only make the copied contents unspecified.)
     pub(crate) unsafe fn move_rows(
         &self,
-        stream: &Stream,
+        stream: CUstream,
         vec: u32,
         layers: u32,
         buffers: u32,
@@ -407,11 +523,10 @@ impl KvKernels {
         // against `num_rows` before any access, so reads and writes stay in the layer;
         // the host waits for the stream.
         unsafe {
-            launch!(f<<<grid, ROW_BLOCK_THREADS, 0, stream>>>(
+            launch_on!(f, grid, ROW_BLOCK_THREADS, stream;
                 a.k, a.v, a.layer_stride, a.src_slots, a.dst_slots, a.n_pairs, a.vecs, a.num_rows, a.err
-            ))
-        }?;
-        Ok(())
+            )
+        }
     }
 }
 
@@ -426,6 +541,17 @@ pub(crate) struct AllocArgs {
     pub table_stride: u32,
     pub page_size: u32,
     pub flags: u32,
+}
+
+/// Arguments of `decode_step_*`, in `.param` order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepArgs {
+    pub records: DevicePointer<u32>,
+    pub batch: u32,
+    pub out: DevicePointer<u32>,
+    pub table: DevicePointer<u32>,
+    pub table_stride: u32,
+    pub page_size: u32,
 }
 
 /// Arguments of `kv_scatter_*`, in `.param` order.

@@ -10,8 +10,17 @@
 //!   [`PagedAllocator`](crate::PagedAllocator); one kernel launch expands them into
 //!   per-token slots and (optionally) writes them into the request rows.
 //!
-//! All work is ordered on the [`KvDevice`]'s stream; methods that read device memory
-//! back to the host synchronize it first. Kernels never write outside their buffers:
+//! * [`KvCacheView`] / [`ReqToTokenView`] — the same over memory the caller owns
+//!   (`unsafe` constructors from raw addresses, everything checkable checked);
+//!   `DeviceKvCache` and `DeviceReqToToken` own their memory and one such view each;
+//! * [`DecodeGraphs`] — the decode step's allocation and row write from captured CUDA
+//!   graphs, double-buffered pinned staging, no host synchronization.
+//!
+//! Every launcher takes the stream to run on (`on`): `&KvDevice` for the device's own
+//! stream, [`KvDevice::on`] for any other stream of its primary context (a `cust`
+//! stream, a `cudarc` stream with the feature `cudarc`, or a raw handle through
+//! [`StreamRef::from_raw`]). Work is ordered on that stream; methods that read device
+//! memory back to the host synchronize it first. See [`guide`] (`docs/GPU.md`). Kernels never write outside their buffers:
 //! lengths are checked on the host, and slots (which live on the device) are checked
 //! by the kernels, which skip an out-of-range slot and raise a flag that
 //! [`DeviceKvCache::take_error`] reports.
@@ -35,7 +44,7 @@
 //! let k = DeviceBuffer::<u8>::zeroed(2 * cfg.row_bytes())?;
 //! let v = DeviceBuffer::<u8>::zeroed(2 * cfg.row_bytes())?;
 //! let slots = DeviceBuffer::from_slice(&[17u32, 18])?;
-//! let rows = |b| Rows { data: b, row_stride: cfg.row_bytes(), layer_stride: 0 };
+//! let rows = |b| Rows::new(b, cfg.row_bytes(), 0);
 //! cache.set_kv(&dev, Layers::One(0), &slots, rows(&k), rows(&v), None, (1.0, 1.0))?;
 //! cache.take_error(&dev)?;                      // syncs; Err if a slot was out of range
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -43,13 +52,21 @@
 
 mod alloc;
 mod cache;
+mod graph;
 mod launch;
 pub mod mamba;
+mod stream;
 mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};
-pub use cache::{DeviceKvCache, Layers, Rows, RowsMut};
-pub use table::DeviceReqToToken;
+pub use cache::{DeviceKvCache, KvCacheView, Layers, Rows, RowsMut};
+pub use graph::{DecodeGraphs, DecodeStep, FloorGraph, Staging, MAX_BUCKET};
+pub use stream::{KvStream, StreamRef};
+pub use table::{DeviceReqToToken, ReqToTokenView};
+
+/// `docs/GPU.md`, whose examples compile as doctests.
+#[doc = include_str!("../../docs/GPU.md")]
+pub mod guide {}
 
 use core::fmt;
 
@@ -94,8 +111,26 @@ pub enum CudaKvError {
     /// A kernel met a slot past its buffer's rows: that row was skipped, the others
     /// were written.
     DeviceSlotOutOfRange,
-    /// A [`StagedBatch`] was expanded after a newer batch replaced its staging.
+    /// A [`StagedBatch`] was expanded after a newer batch replaced its staging (or a
+    /// [`DecodeStep`] was read after its staging buffer was reused).
     StaleBatch,
+    /// A driver call `cust` has no error name for failed (stream capture, graphs).
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// Its `CUresult`.
+        code: u32,
+    },
+    /// An address handed to a view is not device memory of the current context.
+    NotDeviceMemory {
+        /// Which argument.
+        what: &'static str,
+        /// The address.
+        address: u64,
+    },
+    /// A stream handed to [`KvDevice::on`] belongs to another context than the
+    /// device's primary context, where kvpool's kernels are loaded.
+    ForeignStream,
 }
 
 impl fmt::Display for CudaKvError {
@@ -120,6 +155,13 @@ impl fmt::Display for CudaKvError {
                 f.write_str("a kernel met a slot beyond its KV buffer; those rows were skipped")
             }
             CudaKvError::StaleBatch => f.write_str("this staged batch was replaced by a newer one"),
+            CudaKvError::Driver { call, code } => write!(f, "{call} failed with CUresult {code}"),
+            CudaKvError::NotDeviceMemory { what, address } => {
+                write!(f, "{what} at {address:#x} is not device memory of the current context")
+            }
+            CudaKvError::ForeignStream => {
+                f.write_str("the stream belongs to another context than the device's primary context")
+            }
         }
     }
 }
@@ -258,6 +300,23 @@ impl KvDevice {
         &self.stream
     }
 
+    /// Pair the device's kernels with another stream of its context: an engine's own
+    /// stream (a `cust` [`Stream`], a `cudarc` stream with the feature `cudarc`, or
+    /// [`StreamRef::from_raw`]). Every launcher takes the result.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::ForeignStream`] when the stream belongs to another context (the
+    /// kernels are loaded in the device's primary context only);
+    /// [`CudaKvError::Cuda`] for an invalid handle.
+    pub fn on<'a>(&'a self, stream: impl Into<StreamRef<'a>>) -> Result<KvStream<'a>, CudaKvError> {
+        let stream = stream.into();
+        if stream.context()? != self._context.as_raw() {
+            return Err(CudaKvError::ForeignStream);
+        }
+        Ok(KvStream { kernels: &self.kernels, stream })
+    }
+
     /// Wait until everything queued on the stream has run.
     ///
     /// # Errors
@@ -267,13 +326,14 @@ impl KvDevice {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Launch the empty kernel (the launch floor benchmarks compare against).
+    /// Launch the empty kernel on `on` (the launch floor benchmarks compare against).
     ///
     /// # Errors
     ///
     /// [`CudaKvError::Cuda`] if the launch is refused.
-    pub fn launch_noop(&self, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
-        self.kernels.noop(&self.stream, blocks, threads)
+    pub fn launch_noop<'s>(&self, on: impl Into<KvStream<'s>>, blocks: u32, threads: u32) -> Result<(), CudaKvError> {
+        let on = on.into();
+        on.kernels.noop(on.raw(), blocks, threads)
     }
 
     pub(crate) fn kernels(&self) -> &launch::KvKernels {

@@ -14,11 +14,13 @@
 //! [`reference`](mod@reference) holds the host versions of the kernels — paged allocation with the
 //! fused row write, scatter (plain and fp8, MHA and MLA), gather and move — written as
 //! plainly as possible; the GPU tests compare each kernel with them bit for bit.
-//! [`ptx`] holds the generated PTX, embedded at build time.
+//! [`ptx`] holds the generated PTX, embedded at build time; [`staging`] the records
+//! the allocation kernels read and the host half of a decode step.
 
 pub mod fp8;
 pub mod ptx;
 pub mod reference;
+pub mod staging;
 
 use core::fmt;
 

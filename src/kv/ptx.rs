@@ -6,7 +6,7 @@
 //! `tests/kernels_fresh.rs` fails when the committed copy differs from what the build
 //! embeds.
 //!
-//! Modules: `alloc` (`noop`, `alloc_extend_*`, `alloc_decode_*`), `kv_scatter`
+//! Modules: `alloc` (`noop`, `alloc_extend_*`, `alloc_decode_*`, `decode_step_*`), `kv_scatter`
 //! (`kv_scatter_*`, `kv_scatter_mla_*`), `kv_copy` (`kv_gather_*`, `kv_move_*`), each
 //! for `sm_80` (`.version 7.0`) and `sm_90` (`.version 7.8`).
 
