@@ -15,6 +15,12 @@
 //!   order (up to `max_running`) and allocates one decode slot per running request per
 //!   step, an output thread finishes completed requests concurrently, and router
 //!   threads match upcoming prompts read-only, as a KV-aware router would.
+//! * [`run_hybrid`] — a hybrid model ([`Model::Hybrid`]: KV plus one Mamba state per
+//!   request) through kvpool's `MambaRadixCache`, one request at a time: requests
+//!   resume from the deepest cached state, checkpoint at chunk and track-interval
+//!   boundaries, and cache their tokens up to their last checkpoint; the report adds a
+//!   [`HybridReport`] (KV hits against state hits, branching, state evictions,
+//!   tombstones, state-pool occupancy).
 //!
 //! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
 //! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
