@@ -2,33 +2,7 @@
 //! scheduler serving a hybrid model (a few full-attention layers with paged KV, the
 //! rest linear-attention / SSM layers with one fixed-size state per request) drives it.
 //!
-//! Each request, one at a time (sequential mode):
-//!
-//! 1. [`match_and_lock_checkpoint`](crate::radix::RadixCache::match_and_lock_checkpoint)
-//!    on its prompt: the KV may match `kv_len` tokens, but the request can resume only
-//!    from the deepest cached *state*, `lease.len()` tokens in (its **state hit**, the
-//!    effective reusable prefix: KV and state); everything past it is recomputed;
-//! 2. it takes its own running state slot (a fork of the matched state: slot accounting
-//!    only, no data is simulated) and, when it will save a checkpoint, a checkpoint slot
-//!    (SGLang's ping-pong track buffer), both with its row; when the pool is empty the
-//!    least recently used unlocked cached state is evicted for them
-//!    ([`evict_mamba`](crate::radix::RadixCache::evict_mamba));
-//! 3. KV for the rest of the prompt (`alloc_extend`) and one decode slot per output
-//!    token after the first (`alloc_decode`), evicting the KV shortfall first, exactly
-//!    as the attention replay ([`run_sequential`](super::run_sequential));
-//! 4. checkpoints: during prefill at the branching point
-//!    ([`MambaMatch::branching_len`](crate::radix::MambaMatch)) when the KV matched
-//!    further than the state, else at the last chunk boundary of the prompt; during
-//!    decode whenever the sequence reaches a multiple of the track interval;
-//! 5. at the finish it caches its tokens up to its last checkpoint with the checkpoint
-//!    state ([`cache_finished_req`](crate::radix::RadixCache::cache_finished_req) of
-//!    the Mamba cache: the tree keeps the state, or frees it when that checkpoint was
-//!    cached already), frees its KV past the checkpoint and its running state.
-//!
-//! At the end the accounting is checked as for the attention replay (every KV slot free
-//! or cached, every row free, `check_invariants`), and for states: every state slot is
-//! free or held by the tree, and the checkpoints the tree kept equal the states it
-//! still holds plus those evicted.
+//! See [`run_hybrid`] for the request protocol and the accounting.
 
 use std::fmt;
 use std::str::FromStr;
@@ -499,10 +473,38 @@ fn last_checkpoint(m: MambaConfig, first: usize, prompt: usize, kv_len: usize) -
     }
 }
 
-/// Replay `trace` through a Mamba cache one request at a time (see the
-/// [module docs](self)). The cache's request pool must have a row of at least
-/// [`Trace::max_kv_len_fitting`] the pool's capacity; its state pool at least
-/// [`MIN_MAMBA_STATES`] slots.
+/// Replay `trace` through a Mamba cache one request at a time ([`Model::Hybrid`]). The
+/// cache's request pool must have a row of at least [`Trace::max_kv_len_fitting`] the
+/// pool's capacity; its state pool at least [`MIN_MAMBA_STATES`] slots.
+///
+/// Each request, in trace order:
+///
+/// 1. [`match_and_lock_checkpoint`](crate::radix::RadixCache::match_and_lock_checkpoint)
+///    on its prompt: the KV may match `kv_len` tokens, but the request can resume only
+///    from the deepest cached *state*, `lease.len()` tokens in (its **state hit**, the
+///    effective reusable prefix: KV and state); everything past it is recomputed;
+/// 2. it takes its own running state slot (a fork of the matched state: slot accounting
+///    only, no data is simulated) and, when it will save a checkpoint past the prefix
+///    it resumed from, a checkpoint slot (SGLang's ping-pong track buffer), both with
+///    its row; when the pool is empty the
+///    least recently used unlocked cached state is evicted for them
+///    ([`evict_mamba`](crate::radix::RadixCache::evict_mamba));
+/// 3. KV for the rest of the prompt (`alloc_extend`) and one decode slot per output
+///    token after the first (`alloc_decode`), evicting the KV shortfall first, exactly
+///    as the attention replay ([`run_sequential`](super::run_sequential));
+/// 4. checkpoints: during prefill at the branching point
+///    ([`MambaMatch::branching_len`](crate::radix::MambaMatch)) when the KV matched
+///    further than the state, else at the last chunk boundary of the prompt; during
+///    decode whenever the sequence reaches a multiple of the track interval;
+/// 5. at the finish it caches its tokens up to its last checkpoint with the checkpoint
+///    state ([`cache_finished_req`](crate::radix::RadixCache::cache_finished_req) of
+///    the Mamba cache: the tree keeps the state, or frees it when that checkpoint was
+///    cached already), frees its KV past the checkpoint and its running state.
+///
+/// At the end the accounting is checked as for the attention replay (every KV slot free
+/// or cached, every row free, `check_invariants`), and for states: every state slot is
+/// free or held by the tree, and the checkpoints the tree kept equal the states it
+/// still holds plus those evicted.
 ///
 /// # Examples
 ///
