@@ -9,6 +9,7 @@ mod replay_common;
 use kvpool::replay::{replay, HybridConfig, Mode, Model, ReplayConfig, Report, Trace};
 use replay_common::{int, kvpool, replay_json, write_trace};
 use serde_json::Value;
+use std::process::{Command, Output};
 
 /// Page size 16, chunk 64, track interval 256 (the defaults); blocks of 512 tokens.
 ///
@@ -239,11 +240,47 @@ fn table_and_plot_show_the_states() {
     }
 }
 
+/// Stderr of a run that must fail cleanly: exit status 1, no panic, no stdout.
+fn clean_failure(out: Output, what: &str) -> String {
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{what}: {stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("memory allocation"), "{what}: {stderr}");
+    assert!(out.stdout.is_empty(), "{what} printed {}", String::from_utf8_lossy(&out.stdout));
+    stderr
+}
+
+/// Stderr of a run that must fail (exit status 1, or clap's 2 for what it parses).
 fn fails(args: &[&str]) -> String {
     let out = kvpool(args);
-    assert!(!out.status.success(), "{args:?} succeeded");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(matches!(out.status.code(), Some(1 | 2)), "{args:?}: {:?} {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     assert!(out.stdout.is_empty(), "{args:?} printed {}", String::from_utf8_lossy(&out.stdout));
-    String::from_utf8(out.stderr).unwrap()
+    stderr
+}
+
+/// A hybrid replay too large for the machine is a configuration error, as an attention
+/// one is (run under a 2 GiB address-space limit).
+#[test]
+fn hybrid_too_large_for_memory_is_a_config_error() {
+    let path = write_trace("huge-hybrid.jsonl", SCENARIO);
+    let limited = |args: &[&str]| {
+        Command::new("sh")
+            .args(["-c", "ulimit -v \"$1\" && shift && exec \"$@\"", "sh", &(2u64 << 20).to_string()])
+            .arg(env!("CARGO_BIN_EXE_kvpool"))
+            .args(args)
+            .output()
+            .expect("sh runs")
+    };
+    let p = path.to_str().unwrap();
+    let e = clean_failure(
+        limited(&["replay", "--trace", p, "--model", "hybrid", "--capacity-tokens", "4294967280"]),
+        "4 G tokens",
+    );
+    assert!(e.contains("bytes") && e.contains("more than this machine can allocate"), "{e}");
+    // The same limit is ample for the largest state pool over an ordinary KV pool.
+    let out = limited(&["replay", "--trace", p, "--model", "hybrid", "--mamba-states", "16777216"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
