@@ -501,6 +501,10 @@ fn last_checkpoint(m: MambaConfig, first: usize, prompt: usize, kv_len: usize) -
 ///    the Mamba cache: the tree keeps the state, or frees it when that checkpoint was
 ///    cached already), frees its KV past the checkpoint and its running state.
 ///
+/// `--policy` orders the KV eviction (whole leaves, their states with them, then any
+/// parent left a childless tombstone); states are evicted for states least recently
+/// used first whatever the policy (SGLang's Mamba LRU list).
+///
 /// At the end the accounting is checked as for the attention replay (every KV slot free
 /// or cached, every row free, `check_invariants`), and for states: every state slot is
 /// free or held by the tree, and the checkpoints the tree kept equal the states it
