@@ -102,7 +102,7 @@ fn cache_ops_mamba(
     slots: &mut [u32],
 ) -> (usize, usize) {
     let ps = cache.page_size() as u32;
-    let m = cache.mamba_config();
+    let m = cache.checkpoint_config();
     let (mut kv_hits, mut hits) = (0, 0);
     for r in 0..trace.len() {
         let req = trace.request(r);

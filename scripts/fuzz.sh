@@ -5,19 +5,22 @@
 #   scripts/fuzz.sh                      # all targets, 60 s each
 #   FUZZ_SECONDS=600 scripts/fuzz.sh     # longer
 #   FUZZ_TARGETS="trace_parse" scripts/fuzz.sh   # some targets only
+#   FUZZ_DIRS=examples/fuzz-scheduler scripts/fuzz.sh   # the downstream example only
 #   FUZZ_SANITIZER=address scripts/fuzz.sh   # with AddressSanitizer (slower)
 #   FUZZ_TRACE_COMPARES=1 scripts/fuzz.sh    # with -trace-compares instrumentation
 #
-# Each target starts from its checked-in seeds (fuzz/seeds/<target>/, read only) and
-# the git-ignored working corpus fuzz/corpus/<target>/ (new inputs go there), with the
-# flags in fuzz/options/<target>.options and the dictionary fuzz/dicts/<target>.dict
+# Two fuzz projects (FUZZ_DIRS): kvpool's own, fuzz/, and the downstream example
+# examples/fuzz-scheduler/ (a user's wrapper fuzzed with kvpool's op models). In each
+# DIR, a target starts from its checked-in seeds (DIR/seeds/<target>/, read only) and
+# the git-ignored working corpus DIR/corpus/<target>/ (new inputs go there), with the
+# flags in DIR/options/<target>.options and the dictionary DIR/dicts/<target>.dict
 # when there is one. One process per target (-jobs=1): CI machines are small.
 #
-# The committed fuzz/Cargo.lock must be current: `cargo fuzz` has no --locked, so the
+# The committed DIR/Cargo.lock must be current: `cargo fuzz` has no --locked, so the
 # script checks with `cargo fetch --locked` first and fails on drift. Refresh it from
 # the main lock, so that shared packages keep the main lock's versions (checked by
 # scripts/fuzz_lock_check.sh):
-#   cp Cargo.lock fuzz/Cargo.lock && (cd fuzz && cargo +nightly metadata --format-version 1 >/dev/null)
+#   cp Cargo.lock DIR/Cargo.lock && (cd DIR && cargo +nightly metadata --format-version 1 >/dev/null)
 #
 # Needs the nightly toolchain; installs cargo-fuzz if it is missing.
 set -euo pipefail
@@ -41,40 +44,50 @@ if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked
 fi
 
-echo "fuzz: checking fuzz/Cargo.lock"
-if ! cargo +nightly fetch --locked --quiet --manifest-path fuzz/Cargo.toml; then
-    echo "fuzz: fuzz/Cargo.lock is stale (see the comment at the top of scripts/fuzz.sh)"
-    exit 1
-fi
-bash scripts/fuzz_lock_check.sh
-
-targets="${FUZZ_TARGETS:-$(cargo +nightly fuzz list)}"
-lock_before=$(cksum <fuzz/Cargo.lock)
-cargo +nightly fuzz build "${flags[@]}"
-# Belt and braces: the build must not have rewritten the lock either.
-if [ "$(cksum <fuzz/Cargo.lock)" != "$lock_before" ]; then
-    echo "fuzz: the build changed fuzz/Cargo.lock (commit a refreshed lock)"
-    exit 1
-fi
-
-mkdir -p target/fuzz-logs
+# The fuzz projects: kvpool's own targets (fuzz/) and the downstream example
+# (examples/fuzz-scheduler/: a user's allocator wrapper fuzzed with kvpool's op models).
+dirs="${FUZZ_DIRS:-fuzz examples/fuzz-scheduler}"
 status=0
-for target in $targets; do
-    log="target/fuzz-logs/$target.log"
-    mkdir -p "fuzz/corpus/$target"
-    corpora=("fuzz/corpus/$target")
-    [ -d "fuzz/seeds/$target" ] && corpora+=("fuzz/seeds/$target")
-    mapfile -t extra < <(fuzz_args fuzz "$target")
-    echo "fuzz: $target for ${secs}s (sanitizer: $sanitizer; ${extra[*]})"
-    if cargo +nightly fuzz run "${flags[@]}" "$target" "${corpora[@]}" -- \
-        -max_total_time="$secs" -print_final_stats=1 "${extra[@]}" >"$log" 2>&1; then
-        grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n1 || true
-        grep -E 'stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" || true
-        echo "fuzz: $target passed"
-    else
-        status=1
-        tail -n 60 "$log"
-        echo "fuzz: $target FAILED (log: $log; crash input in fuzz/artifacts/$target/)"
+mkdir -p target/fuzz-logs
+for dir in $dirs; do
+    echo "fuzz: checking $dir/Cargo.lock"
+    if ! cargo +nightly fetch --locked --quiet --manifest-path "$dir/Cargo.toml"; then
+        echo "fuzz: $dir/Cargo.lock is stale (see the comment at the top of scripts/fuzz.sh)"
+        exit 1
     fi
+    bash scripts/fuzz_lock_check.sh "$dir/Cargo.lock"
+
+    all=$(cargo +nightly fuzz list --fuzz-dir "$dir")
+    targets=$all
+    if [ -n "${FUZZ_TARGETS:-}" ]; then
+        targets=$(for t in $FUZZ_TARGETS; do echo "$all" | grep -qx "$t" && echo "$t"; done || true)
+    fi
+    [ -n "$targets" ] || continue
+    lock_before=$(cksum <"$dir/Cargo.lock")
+    cargo +nightly fuzz build --fuzz-dir "$dir" "${flags[@]}"
+    # Belt and braces: the build must not have rewritten the lock either.
+    if [ "$(cksum <"$dir/Cargo.lock")" != "$lock_before" ]; then
+        echo "fuzz: the build changed $dir/Cargo.lock (commit a refreshed lock)"
+        exit 1
+    fi
+
+    for target in $targets; do
+        log="target/fuzz-logs/$target.log"
+        mkdir -p "$dir/corpus/$target"
+        corpora=("$dir/corpus/$target")
+        [ -d "$dir/seeds/$target" ] && corpora+=("$dir/seeds/$target")
+        mapfile -t extra < <(fuzz_args "$dir" "$target")
+        echo "fuzz: $target ($dir) for ${secs}s (sanitizer: $sanitizer; ${extra[*]})"
+        if cargo +nightly fuzz run --fuzz-dir "$dir" "${flags[@]}" "$target" "${corpora[@]}" -- \
+            -max_total_time="$secs" -print_final_stats=1 "${extra[@]}" >"$log" 2>&1; then
+            grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n1 || true
+            grep -E 'stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" || true
+            echo "fuzz: $target passed"
+        else
+            status=1
+            tail -n 60 "$log"
+            echo "fuzz: $target FAILED (log: $log; crash input in $dir/artifacts/$target/)"
+        fi
+    done
 done
 exit "$status"

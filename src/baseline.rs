@@ -24,7 +24,9 @@
 //! `RadixAllocator`: per-node token and page vectors, a `BTreeSet` LRU of leaves that
 //! eviction trims, and a `Vec` free list of pages.
 
+pub mod mamba_ref;
 pub mod vec_trie;
+pub use mamba_ref::ReferenceMambaCache;
 pub use vec_trie::VecTrieCache;
 
 use std::collections::{BinaryHeap, HashMap};

@@ -23,6 +23,8 @@ pub enum Unit {
     Rows,
     /// Bare indices of a [`SlotPool`](crate::SlotPool).
     Indices,
+    /// Mamba state slots of a [`MambaPool`](crate::mamba::MambaPool).
+    MambaSlots,
 }
 
 impl Unit {
@@ -32,6 +34,7 @@ impl Unit {
             Unit::Pages => "pages",
             Unit::Rows => "request rows",
             Unit::Indices => "indices",
+            Unit::MambaSlots => "mamba state slots",
         }
     }
 }
@@ -78,6 +81,10 @@ pub enum FreeErrorKind {
     },
     /// The index is already free: a double free, or an index that was never handed out.
     NotAllocated,
+    /// The index is allocated but may not be freed by number now: a Mamba state slot
+    /// held through a handle, or one that a reader has pinned (see
+    /// [`MambaPool::free`](crate::mamba::MambaPool::free)).
+    InUse,
 }
 
 /// A free named an index that it may not free.
@@ -107,6 +114,11 @@ impl fmt::Display for FreeError {
             FreeErrorKind::NotAllocated => write!(
                 f,
                 "cannot free index {}: it is not allocated (double free, or never handed out)",
+                self.index
+            )?,
+            FreeErrorKind::InUse => write!(
+                f,
+                "cannot free index {}: it is in use (held through a handle, or pinned by a reader)",
                 self.index
             )?,
         }

@@ -6,7 +6,9 @@
 //! * [`SlotPool`] — the one primitive: a lock-free arena of `u32` indices;
 //! * [`TokenAllocator`] and [`PagedAllocator`] — KV slot allocators with SGLang's slot
 //!   and page numbering, `alloc_extend` / `alloc_decode`, free groups;
-//! * [`ReqToTokenPool`] — request rows mapping token positions to KV slots.
+//! * [`ReqToTokenPool`] — request rows mapping token positions to KV slots;
+//! * [`mamba`] — hybrid models: [`MambaPool`] (state slots), [`HybridReqToTokenPool`]
+//!   (rows that own a state) and [`HybridLayerMap`].
 //!
 //! Every operation takes `&self`, never blocks, and never touches the heap after
 //! construction: an overlap scheduler can allocate batch N+1 on one thread while
@@ -34,10 +36,23 @@
 //! ## Model-checking your own code
 //!
 //! Built with `RUSTFLAGS="--cfg loom"`, kvpool's atomics are loom's, so a scheduler
-//! that uses kvpool types can be model-checked with loom as it is.
+//! that uses kvpool types can be model-checked with loom as it is. The module
+//! `kvpool::loom` (present only in such a build) is the loom kvpool was built with
+//! (0.7) plus `run_model`, which counts the executions a model explored;
+//! `examples/loom-scheduler/` in the repository is a crate that model-checks a
+//! scheduler protocol this way.
+//!
+//! ## Fuzzing your own code
+//!
+//! With feature `models`, `kvpool::models` has kvpool's `Arbitrary` operation
+//! sequences and sequential reference models; `models::run_allocator_observed` drives
+//! your own [`KvAllocator`] wrapper with them and checks it against the model
+//! (`examples/fuzz-scheduler/` is a cargo-fuzz target doing that).
 //!
 //! ## Features
 //!
+//! * `models` (alias `testing`) — `kvpool::models`: op sequences and
+//!   sequential models for fuzzing and model tests.
 //! * `debug-invariants` — run `check_invariants()` after every mutating operation
 //!   and panic on a violation (SGLang's `SGLANG_DEBUG_MEMORY_POOL`). O(capacity) per
 //!   operation and exact only single-threaded: for tests and debugging.
@@ -51,13 +66,19 @@ mod arena;
 pub mod baseline;
 pub mod error;
 pub mod kv;
+#[cfg(all(loom, not(shuttle)))]
+pub mod loom;
+pub mod mamba;
+#[cfg(feature = "models")]
+pub mod models;
 pub mod radix;
 #[cfg(all(feature = "replay", not(loom)))]
 pub mod replay;
 pub mod req_to_token;
 pub mod slots;
-#[cfg(feature = "testing")]
-pub mod testing;
+/// The old name of [`models`] (feature `testing`, now an alias of feature `models`).
+#[cfg(feature = "models")]
+pub use models as testing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -66,6 +87,7 @@ pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, RowError, Unit,
 };
+pub use mamba::{HybridLayerMap, HybridReqToTokenPool, HybridRow, MambaConfig, MambaPool, MambaSlot};
 pub use req_to_token::{ReqRow, ReqToTokenPool};
 pub use slots::{FreeGroup, SlotPool};
 

@@ -1,9 +1,9 @@
 #![cfg(not(loom))]
 //! `TokenAllocator` and `PagedAllocator` against the sequential reference model
-//! (`kvpool::testing`), plus DESIGN.md's worked examples and the edge cases of issue 2.
+//! (`kvpool::models`), plus DESIGN.md's worked examples and the edge cases of issue 2.
 
 use kvpool::alloc::{expand_decode, expand_extend};
-use kvpool::testing::{ops_from_bytes, run, run_allocator, AllocModel, Scenario};
+use kvpool::models::{ops_from_bytes, run, run_allocator, AllocModel, Scenario};
 use kvpool::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, KvAllocator, OutOfMemory, PagedAllocator,
     TokenAllocator, Unit,
@@ -88,9 +88,9 @@ proptest! {
     /// input) agree with the model too.
     #[test]
     fn fuzz_scenarios_match_model(bytes in vec(any::<u8>(), 0..512)) {
-        let s = Scenario::from_fuzz_input(&bytes, kvpool::testing::MAX_FUZZ_OPS);
+        let s = Scenario::from_fuzz_input(&bytes, kvpool::models::MAX_FUZZ_OPS);
         check(s.run_fuzz())?;
-        check(s.run_with(kvpool::testing::Checks::Touched))?;
+        check(s.run_with(kvpool::models::Checks::Touched))?;
     }
 }
 
@@ -400,7 +400,7 @@ fn constructor_errors() {
 /// model distinguishes occurs, for a token allocator and for a paged one.
 #[test]
 fn op_mix_reaches_every_outcome() {
-    use kvpool::testing::Stats;
+    use kvpool::models::Stats;
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
     let mut bytes = || {
         (0..1500)

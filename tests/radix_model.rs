@@ -1,8 +1,8 @@
 //! Model-based test: the concurrent RadixCache against the simple reference tree on
-//! random operation sequences (see `kvpool::testing::radix`).
-#![cfg(all(not(loom), feature = "testing"))]
+//! random operation sequences (see `kvpool::models::radix`).
+#![cfg(all(not(loom), feature = "models"))]
 
-use kvpool::testing::radix::{run, RadixOp};
+use kvpool::models::radix::{run, RadixOp};
 use proptest::prelude::*;
 
 fn key() -> impl Strategy<Value = Vec<u8>> {
@@ -44,7 +44,7 @@ proptest! {
     /// The fuzz target's reading of its input and its check schedule.
     #[test]
     fn fuzz_inputs_match_reference(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
-        use kvpool::testing::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+        use kvpool::models::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
         let (ps, pages, policy, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);
         if let Err(e) = run_with(ps, pages, policy, &ops, FUZZ_FULL_CHECK_EVERY) {
             return Err(TestCaseError::fail(e));

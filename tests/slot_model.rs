@@ -1,9 +1,9 @@
 #![cfg(not(loom))]
-//! `SlotPool` against the sequential reference model (`kvpool::testing`), plus its
+//! `SlotPool` against the sequential reference model (`kvpool::models`), plus its
 //! edge cases: word boundaries, double and out-of-range frees, duplicates inside a
 //! batch, free groups, `clear`.
 
-use kvpool::testing::{
+use kvpool::models::{
     ops_from_bytes, run_slot_pool, run_slot_pool_with_magazines, run_slot_pool_without_magazines, AllocModel, Stats,
 };
 use kvpool::{FreeError, FreeErrorKind, OutOfMemory, SlotPool, Unit};

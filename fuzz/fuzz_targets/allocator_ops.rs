@@ -1,6 +1,6 @@
 //! Random operation sequences on the token and paged allocators (or a bare
 //! `SlotPool`), checked step by step against the sequential reference model of
-//! `kvpool::testing`. The input (`Scenario::from_fuzz_input`) picks the page size (1,
+//! `kvpool::models`. The input (`Scenario::from_fuzz_input`) picks the page size (1,
 //! 2, 3, 4, 5, 16, 64), the pool size (up to 130 pages and at most `MAX_FUZZ_SLOTS`
 //! slots, plus an unused remainder), which structure runs, and at most `MAX_FUZZ_OPS`
 //! ops. After each step the step's result, the counts and the pages the step touched are
@@ -12,7 +12,7 @@
 //! after every step).
 #![no_main]
 
-use kvpool::testing::{Scenario, MAX_FUZZ_OPS};
+use kvpool::models::{Scenario, MAX_FUZZ_OPS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,6 +1,6 @@
 //! Random operation sequences on the radix cache (requests that start, chunk, finish
 //! and abort; inserts, matches, lock-free lookups, evictions), checked against the
-//! simple reference tree by `kvpool::testing::radix::run_with`. The input picks the
+//! simple reference tree by `kvpool::models::radix::run_with`. The input picks the
 //! page size (1, 2, 4), the pool size (4..32 pages), the eviction policy and at most
 //! `MAX_FUZZ_OPS` ops. Every step compares the op's result, sizes and free space; the
 //! full comparison (leaf paths, invariants, page owners) runs every
@@ -11,7 +11,7 @@
 //! `run(ps, pages, policy, &ops)` (full comparison after every step).
 #![no_main]
 
-use kvpool::testing::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+use kvpool::models::radix::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

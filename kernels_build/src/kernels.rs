@@ -859,7 +859,7 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
 pub fn generate_all() -> Vec<(String, String)> {
     let mut files = Vec::new();
     for target in Target::ALL {
-        for (stem, module) in modules(target) {
+        for (stem, module) in modules(target).into_iter().chain(crate::mamba::modules(target)) {
             files.push((format!("{}/{stem}.ptx", target.sm()), module.to_ptx()));
         }
     }

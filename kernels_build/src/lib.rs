@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod kernels;
+pub mod mamba;
 pub mod ptx;
 
 pub use kernels::generate_all;

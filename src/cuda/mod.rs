@@ -44,6 +44,7 @@
 mod alloc;
 mod cache;
 mod launch;
+pub mod mamba;
 mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};

@@ -56,7 +56,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use core::fmt::Write as _;
+use core::fmt::{self, Write as _};
 use std::sync::Arc;
 
 use super::heap::{self, Heap, Slot};
@@ -65,6 +65,7 @@ use super::writer::Writer;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
+use crate::mamba::{HybridReqToTokenPool, HybridRow, MambaPool, MambaSlot};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
 use crate::sync::atomic::{AtomicUsize, Ordering};
@@ -131,7 +132,7 @@ impl<P: StatePool> StatePool for Arc<P> {
 /// Where a hybrid model can checkpoint its recurrent state (SGLang's
 /// `FLA_CHUNK_SIZE` and `mamba_track_interval`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MambaConfig {
+pub struct CheckpointConfig {
     /// Prefill checkpoints lie at multiples of this (64: the linear-attention kernels'
     /// chunk). A whole number of pages.
     pub chunk_size: usize,
@@ -139,13 +140,13 @@ pub struct MambaConfig {
     pub track_interval: usize,
 }
 
-impl Default for MambaConfig {
+impl Default for CheckpointConfig {
     fn default() -> Self {
-        MambaConfig { chunk_size: 64, track_interval: 256 }
+        CheckpointConfig { chunk_size: 64, track_interval: 256 }
     }
 }
 
-impl MambaConfig {
+impl CheckpointConfig {
     /// The checkpoint a request whose prompt matched `kv_len` tokens of KV but only
     /// `prefix_len` tokens up to a cached state should save during prefill: the last
     /// chunk boundary of the KV match (SGLang's `mamba_branching_seqlen`), so that the
@@ -192,7 +193,7 @@ impl MambaConfig {
 #[derive(Debug)]
 pub struct Mamba<P: StatePool> {
     pool: P,
-    config: MambaConfig,
+    config: CheckpointConfig,
 
     evictable: AtomicUsize,
     protected: AtomicUsize,
@@ -430,13 +431,13 @@ pub struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
     /// only `lease.len()` of them are locked).
     pub kv_len: usize,
     /// Where the request should checkpoint during prefill so that the next request on
-    /// this branch can resume further ([`MambaConfig::branching_len`]).
+    /// this branch can resume further ([`CheckpointConfig::branching_len`]).
     pub branching_len: Option<usize>,
 }
 
 impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// A Mamba-aware cache over `alloc` (KV pages), `req_pool` (request rows) and
-    /// `states` (the state slots it holds and frees), with `MambaConfig::default()`.
+    /// `states` (the state slots it holds and frees), with `CheckpointConfig::default()`.
     ///
     /// # Errors
     ///
@@ -449,7 +450,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         states: P,
         config: RadixConfig,
     ) -> Result<Self, ConfigError> {
-        Self::with_mamba_config(alloc, req_pool, states, config, MambaConfig::default())
+        Self::with_checkpoints(alloc, req_pool, states, config, CheckpointConfig::default())
     }
 
     /// [`with_states`](Self::with_states) with checkpoint positions of `mamba`.
@@ -459,12 +460,12 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// As [`with_states`](Self::with_states); [`ConfigError::Zero`] or
     /// [`ConfigError::NotAMultiple`] when the chunk is not a positive whole number of
     /// pages or the track interval not a whole number of chunks.
-    pub fn with_mamba_config(
+    pub fn with_checkpoints(
         alloc: A,
         req_pool: ReqToTokenPool,
         states: P,
         config: RadixConfig,
-        mamba: MambaConfig,
+        mamba: CheckpointConfig,
     ) -> Result<Self, ConfigError> {
         if alloc.page_size() == 0 {
             return Err(ConfigError::ZeroPageSize);
@@ -476,7 +477,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     }
 
     /// Where checkpoints lie.
-    pub fn mamba_config(&self) -> MambaConfig {
+    pub fn checkpoint_config(&self) -> CheckpointConfig {
         self.variant.config
     }
 
@@ -675,6 +676,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         state: u32,
     ) -> Result<bool, CacheError> {
         self.unfinished_with(
+            &self.req_pool,
             namespace,
             token_ids,
             row,
@@ -683,5 +685,171 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             |w| Self::check_state(w, state),
             |w, end| Self::adopt_state(w, end, state),
         )
+    }
+}
+
+/// kvpool's [`MambaPool`](crate::mamba::MambaPool) as the tree's state pool: the tree
+/// holds *cached* states by number (a request hands one over with
+/// [`MambaPool::cache`](crate::mamba::MambaPool::cache)); `alloc_one` hands out a
+/// zeroed state already cached, and `free` takes cached states back.
+impl StatePool for crate::mamba::MambaPool {
+    fn capacity(&self) -> u32 {
+        self.size() as u32
+    }
+    fn available(&self) -> usize {
+        crate::mamba::MambaPool::available(self)
+    }
+    fn alloc_one(&self) -> Result<u32, OutOfMemory> {
+        self.alloc().map(|slot| self.cache(slot))
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        crate::mamba::MambaPool::free(self, slots)
+    }
+    fn is_allocated(&self, slot: u32) -> bool {
+        self.is_cached(slot)
+    }
+}
+
+/// A hybrid request that could not be cached: everything comes back unchanged.
+pub struct HybridUnfinished<'c, A: KvAllocator> {
+    /// Why.
+    pub error: CacheError,
+    /// The request's row, with every state it still owns.
+    pub row: HybridRow,
+    /// The request's lease, still held.
+    pub lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
+    /// The checkpoint that was to be cached, still the caller's.
+    pub state: MambaSlot,
+}
+
+impl<A: KvAllocator> fmt::Debug for HybridUnfinished<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HybridUnfinished").field("error", &self.error).finish_non_exhaustive()
+    }
+}
+
+/// The request helpers of a hybrid engine whose rows come from a
+/// [`HybridReqToTokenPool`] over the cache's [`MambaPool`]: the checkpoint goes to the
+/// tree as a [`MambaSlot`] handle (cached by number on the way in, so the request can
+/// no longer write it), and the row is freed with every state it still owns.
+impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
+    /// A cache for requests whose rows come from `rows`: its states are `rows`' Mamba
+    /// pool, and the request helpers are [`cache_finished_hybrid`](Self::cache_finished_hybrid)
+    /// and [`cache_unfinished_hybrid`](Self::cache_unfinished_hybrid) (the cache's own
+    /// request rows, [`req_pool`](RadixCache::req_pool), are a single unused row).
+    ///
+    /// # Errors
+    ///
+    /// As [`with_checkpoints`](Self::with_checkpoints).
+    pub fn for_hybrid_rows(
+        alloc: A,
+        rows: &HybridReqToTokenPool,
+        config: RadixConfig,
+        checkpoints: CheckpointConfig,
+    ) -> Result<Self, ConfigError> {
+        let own_rows = ReqToTokenPool::new(1, 1)?;
+        Self::with_checkpoints(alloc, own_rows, Arc::clone(rows.mamba_pool()), config, checkpoints)
+    }
+
+    fn check_hybrid(&self, rows: &HybridReqToTokenPool, state: &MambaSlot) -> Result<(), CacheError> {
+        if !Arc::ptr_eq(rows.mamba_pool(), &self.variant.pool) || self.variant.pool.own(state).is_err() {
+            return Err(CacheError::ForeignRows);
+        }
+        Ok(())
+    }
+
+    /// [`cache_finished_req`](RadixCache::cache_finished_req) for a hybrid row:
+    /// `token_ids` are the tokens up to the request's checkpoint (the row holds their
+    /// KV slots; the caller frees its slots past the checkpoint), `state` the state
+    /// there (the working state, or a track buffer taken with
+    /// [`HybridReqToTokenPool::take_checkpoint`]). The tree takes the state (keeps it or
+    /// frees it, see [`StateInsert`]); the row is freed with the states it still owns.
+    ///
+    /// # Errors
+    ///
+    /// [`HybridUnfinished`] hands everything back with the reason, nothing changed:
+    /// [`CacheError::ForeignRows`] for rows or a state of another pool, and the errors
+    /// of [`cache_finished_req`](RadixCache::cache_finished_req).
+    #[allow(clippy::result_large_err)]
+    pub fn cache_finished_hybrid<'c>(
+        &'c self,
+        rows: &HybridReqToTokenPool,
+        namespace: u64,
+        token_ids: &[u32],
+        row: HybridRow,
+        lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
+        state: MambaSlot,
+    ) -> Result<StateInsert, HybridUnfinished<'c, A>> {
+        if let Err(error) = self.check_hybrid(rows, &state) {
+            return Err(HybridUnfinished { error, row, lease, state });
+        }
+        let mut held = Some(state);
+        let pool = &self.variant.pool;
+        let r = self.finish(
+            rows.tokens(),
+            namespace,
+            token_ids,
+            row.req_row(),
+            &lease,
+            0,
+            |_| Ok(()),
+            |w, end| {
+                let slot = pool.cache(held.take().expect("the state is handed over once"));
+                Self::adopt_state(w, end, slot)
+            },
+        );
+        match r {
+            Ok((cached, state_kept)) => {
+                core::mem::forget(lease); // its lock was released by `finish`
+                                          // The row is the pool's (its tokens were read above): freeing it cannot fail.
+                let freed = rows.free(row);
+                debug_assert!(freed.is_ok(), "a checked hybrid row failed to free: {freed:?}");
+                Ok(StateInsert { cached, state_kept })
+            }
+            Err(error) => {
+                let state = held.take().expect("a refused request keeps its state");
+                Err(HybridUnfinished { error, row, lease, state })
+            }
+        }
+    }
+
+    /// [`cache_unfinished_req`](RadixCache::cache_unfinished_req) for a hybrid row
+    /// (chunked prefill): `state` is a copy of the request's state after the
+    /// page-aligned part of `token_ids` (SGLang donates a copy: take it with
+    /// [`HybridReqToTokenPool::checkpoint`] and
+    /// [`take_checkpoint`](HybridReqToTokenPool::take_checkpoint)), which the tree
+    /// takes. Returns whether the tree kept it.
+    ///
+    /// # Errors
+    ///
+    /// The reason and the state, nothing changed.
+    pub fn cache_unfinished_hybrid(
+        &self,
+        rows: &HybridReqToTokenPool,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut HybridRow,
+        lease: &mut Lease<'_, A, Mamba<Arc<MambaPool>>>,
+        state: MambaSlot,
+    ) -> Result<bool, (CacheError, MambaSlot)> {
+        if let Err(e) = self.check_hybrid(rows, &state) {
+            return Err((e, state));
+        }
+        let mut held = Some(state);
+        let pool = &self.variant.pool;
+        let r = self.unfinished_with(
+            rows.tokens(),
+            namespace,
+            token_ids,
+            row.req_row_mut(),
+            lease,
+            0,
+            |_| Ok(()),
+            |w, end| {
+                let slot = pool.cache(held.take().expect("the state is handed over once"));
+                Self::adopt_state(w, end, slot)
+            },
+        );
+        r.map_err(|e| (e, held.take().expect("a refused request keeps its state")))
     }
 }

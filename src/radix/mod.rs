@@ -164,7 +164,7 @@ mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
-pub use mamba::{Mamba, MambaConfig, MambaMatch, MambaRadixCache, StateInsert, StatePool};
+pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use variant::{Plain, Variant};
 
@@ -225,6 +225,8 @@ pub enum CacheError {
         /// The slot.
         state: u32,
     },
+    /// Hybrid request rows (or a state handle) of another Mamba pool than the cache's.
+    ForeignRows,
 }
 
 impl fmt::Display for CacheError {
@@ -238,6 +240,9 @@ impl fmt::Display for CacheError {
             CacheError::Free(e) => e.fmt(f),
             CacheError::StaleMatch => {
                 f.write_str("the matched node was evicted, or the lease belongs to another cache")
+            }
+            CacheError::ForeignRows => {
+                f.write_str("the hybrid request rows or the state belong to another Mamba pool than the cache's")
             }
             CacheError::StateNotOwned { state } => write!(
                 f,
@@ -1173,7 +1178,7 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &mut Lease<'_, A>,
         priority: i64,
     ) -> Result<(), CacheError> {
-        self.unfinished_with(namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ())
+        self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ())
     }
 }
 
@@ -1191,7 +1196,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
         then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
     ) -> Result<(usize, R), Unfinished<'c, A, V>> {
-        match self.finish(namespace, token_ids, &row, &lease, priority, check, then) {
+        match self.finish(&self.req_pool, namespace, token_ids, &row, &lease, priority, check, then) {
             Ok(r) => {
                 core::mem::forget(lease); // its lock was released by `finish`
                                           // The row is ours: freeing it cannot fail.
@@ -1203,8 +1208,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn finish<R>(
+    /// Cache a finished request whose row is in `rows` (the cache's own request rows,
+    /// or a hybrid pool's).
+    pub(crate) fn finish<R>(
         &self,
+        rows: &ReqToTokenPool,
         namespace: u64,
         token_ids: &[u32],
         row: &ReqRow,
@@ -1214,7 +1222,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
     ) -> Result<(usize, R), CacheError> {
         let (aligned, _) = self.request_lengths(token_ids, lease)?;
-        let kv = self.req_pool.read(row, 0..token_ids.len())?;
+        let kv = rows.read(row, 0..token_ids.len())?;
         let r = self.write(|w| {
             // Everything is checked (the variant's part, the leased prefix against the
             // tree, the pages to insert, the duplicates and the tail to free) before
@@ -1235,8 +1243,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn unfinished_with<R>(
+    pub(crate) fn unfinished_with<R>(
         &self,
+        rows: &ReqToTokenPool,
         namespace: u64,
         token_ids: &[u32],
         row: &mut ReqRow,
@@ -1246,7 +1255,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
     ) -> Result<R, CacheError> {
         let (aligned, _) = self.request_lengths(token_ids, lease)?;
-        let kv = self.req_pool.read_mut(row, 0..token_ids.len())?;
+        let kv = rows.read_mut(row, 0..token_ids.len())?;
         let (m, r) = self.write(|w| {
             check(w)?;
             let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, false)?;

@@ -88,7 +88,7 @@ fn seed_scenarios_r1_to_r8() {
             let m = c.match_and_lock_checkpoint(0, &prompt, &mut out);
             let prefix = m.lease.len();
             assert_eq!(m.state.is_some(), prefix > 0);
-            let checkpoint = m.branching_len.unwrap_or(c.mamba_config().prefill_checkpoint(prompt.len()));
+            let checkpoint = m.branching_len.unwrap_or(c.checkpoint_config().prefill_checkpoint(prompt.len()));
             let mut row = c.req_pool().alloc().unwrap();
             let mut slots = out[..prefix].to_vec();
             let mut fresh = vec![0u32; prompt.len() - prefix];
@@ -116,8 +116,8 @@ fn seed_scenarios_r1_to_r8() {
 
 #[test]
 fn checkpoints_must_be_whole_pages() {
-    let make = |ps: u32, mamba: MambaConfig| {
-        MambaRadixCache::with_mamba_config(
+    let make = |ps: u32, mamba: CheckpointConfig| {
+        MambaRadixCache::with_checkpoints(
             PagedAllocator::new(256, ps).unwrap(),
             ReqToTokenPool::new(1, 8).unwrap(),
             SlotPool::without_magazines(2),
@@ -126,15 +126,18 @@ fn checkpoints_must_be_whole_pages() {
         )
         .map(|_| ())
     };
-    assert!(make(64, MambaConfig::default()).is_ok());
-    assert!(matches!(make(128, MambaConfig::default()), Err(ConfigError::NotAMultiple { value: 64, unit: 128, .. })));
-    let odd = MambaConfig { chunk_size: 64, track_interval: 100 };
+    assert!(make(64, CheckpointConfig::default()).is_ok());
+    assert!(matches!(
+        make(128, CheckpointConfig::default()),
+        Err(ConfigError::NotAMultiple { value: 64, unit: 128, .. })
+    ));
+    let odd = CheckpointConfig { chunk_size: 64, track_interval: 100 };
     assert!(matches!(make(16, odd), Err(ConfigError::NotAMultiple { value: 100, unit: 64, .. })));
     assert_eq!(
-        make(16, MambaConfig { chunk_size: 0, track_interval: 256 }),
+        make(16, CheckpointConfig { chunk_size: 0, track_interval: 256 }),
         Err(ConfigError::Zero("the Mamba chunk size"))
     );
-    let cfg = MambaConfig::default();
+    let cfg = CheckpointConfig::default();
     assert_eq!(
         (cfg.branching_len(300, 0), cfg.branching_len(300, 300), cfg.branching_len(40, 0)),
         (Some(256), None, None)
@@ -342,4 +345,120 @@ proptest! {
         prop_assert_eq!((c.total_size(), c.states().available()), (0, 6));
         c.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
+}
+
+/// The tree over kvpool's `MambaPool`: a request hands its checkpoint over by number
+/// (`MambaPool::cache`), a later request forks the cached state copy-on-write into its
+/// own slot (exactly the node's bytes), and the lease keeps the cached state from being
+/// freed while the fork reads it.
+#[test]
+fn over_a_mamba_pool_fork_copies_the_nodes_state() {
+    use crate::mamba::{Component, MambaConfig, MambaPool, StateDtype, StateShape};
+    use std::sync::Arc;
+
+    let cfg = MambaConfig {
+        layers: 2,
+        conv: vec![StateShape::new(&[4, 3], StateDtype::F32)],
+        temporal: StateShape::new(&[2, 4], StateDtype::F32),
+    };
+    let pool = Arc::new(MambaPool::new(4, cfg).unwrap());
+    let c = MambaRadixCache::with_states(
+        TokenAllocator::new(64).unwrap(),
+        ReqToTokenPool::new(2, 64).unwrap(),
+        Arc::clone(&pool),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    // Request 1 computes 8 tokens; its state after them is its checkpoint.
+    let mut mine = pool.alloc().unwrap();
+    for (i, x) in pool.component_mut::<f32>(&mut mine, 1, Component::Temporal).unwrap().iter_mut().enumerate() {
+        *x = i as f32 + 0.5;
+    }
+    let checkpoint = pool.cache(mine);
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    let kv_slots = kv(&c, 8);
+    assert!(c.insert(0, &tokens, &kv_slots, checkpoint).unwrap().state_kept);
+    // Request 2 shares the prefix: it resumes from a copy of that state.
+    let mut out = [0u32; 8];
+    let m = c.match_and_lock_checkpoint(0, &tokens, &mut out);
+    assert_eq!((m.lease.len(), m.state), (8, Some(checkpoint)));
+    let fork = pool.fork_from(m.state.unwrap()).unwrap();
+    let expect: Vec<f32> = (0..8).map(|i| i as f32 + 0.5).collect();
+    assert_eq!(pool.component::<f32>(&fork, 1, Component::Temporal).unwrap(), &expect[..]);
+    assert!(pool.component::<f32>(&fork, 0, Component::Temporal).unwrap().iter().all(|&x| x == 0.0));
+    // Locked: the state cannot be evicted while the request holds the lease.
+    assert_eq!(c.evict_mamba(1), 0);
+    drop(m.lease);
+    assert_eq!(c.evict_mamba(1), 1);
+    assert!(!pool.is_allocated(checkpoint));
+    pool.free_slot(fork).unwrap();
+    assert_eq!(pool.available(), 4);
+    c.check_invariants().unwrap();
+}
+
+/// Hybrid rows: a refused finish hands the row, the lease and the state back unchanged;
+/// rows of another Mamba pool are refused; a chunked prefill caches a copy of the state.
+#[test]
+fn hybrid_rows_hand_everything_back_on_refusal() {
+    use crate::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+    use std::sync::Arc;
+
+    let layout = || MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+    let states = Arc::new(MambaPool::new(6, layout()).unwrap());
+    let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&states), 2).unwrap();
+    let other = HybridReqToTokenPool::new(2, 64, Arc::new(MambaPool::new(6, layout()).unwrap()), 2).unwrap();
+    let c = MambaRadixCache::for_hybrid_rows(
+        TokenAllocator::new(64).unwrap(),
+        &rows,
+        RadixConfig::default(),
+        CheckpointConfig { chunk_size: 4, track_interval: 8 },
+    )
+    .unwrap();
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    let mut out = [0u32; 8];
+    let mut lease = c.match_and_lock(0, &tokens, &mut out);
+    let mut req = rows.alloc().unwrap();
+    let kv_slots = kv(&c, 8);
+    rows.tokens().write(req.req_row_mut(), 0, &kv_slots).unwrap();
+    // Chunked prefill: cache the first 4 tokens with a copy of the state there.
+    rows.checkpoint(&mut req).unwrap();
+    let copy = rows.take_checkpoint(&mut req).unwrap();
+    assert!(c.cache_unfinished_hybrid(&rows, 0, &tokens[..4], &mut req, &mut lease, copy).unwrap());
+    assert_eq!((lease.len(), c.mamba_protected_size()), (4, 1));
+    // A state of another pool is refused, and comes back.
+    let mut foreign_req = other.alloc().unwrap();
+    let foreign = other.take_mamba(&mut foreign_req).unwrap();
+    let state = rows.take_mamba(&mut req).unwrap();
+    let before = c.pretty_print();
+    let u = c.cache_finished_hybrid(&rows, 0, &tokens, req, lease, foreign).unwrap_err();
+    assert_eq!(u.error, CacheError::ForeignRows);
+    assert_eq!(c.pretty_print(), before);
+    let (req, lease) = (u.row, u.lease);
+    other.mamba_pool().free_slot(u.state).unwrap();
+    other.free(foreign_req).unwrap();
+    // A row that disagrees with its lease is refused before anything changes.
+    let mut bad = req;
+    rows.tokens().write(bad.req_row_mut(), 0, &[kv_slots[1]]).unwrap();
+    let u = c.cache_finished_hybrid(&rows, 0, &tokens, bad, lease, state).unwrap_err();
+    assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
+    let (mut req, lease, state) = (u.row, u.lease, u.state);
+    let mut fixed = [0u32; 8];
+    fixed[..4].copy_from_slice(&c_slots(&c, &tokens[..4]));
+    fixed[4..].copy_from_slice(&kv_slots[4..]);
+    rows.tokens().write(req.req_row_mut(), 0, &fixed).unwrap();
+    let r = c.cache_finished_hybrid(&rows, 0, &tokens, req, lease, state).unwrap();
+    assert_eq!((r.cached, r.state_kept), (4, true));
+    assert_eq!((c.mamba_evictable_size(), c.mamba_protected_size(), c.protected_size()), (2, 0, 0));
+    // The row went back with its remaining track buffer: only the two cached states are out.
+    assert_eq!(states.available(), 4);
+    assert_eq!(rows.available_size(), 2);
+    c.check_invariants().unwrap();
+}
+
+/// The cached slots of `key` (a lookup).
+fn c_slots<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, key: &[u32]) -> Vec<u32> {
+    let mut out = vec![0u32; key.len()];
+    let n = c.peek_prefix(0, key, &mut out);
+    out.truncate(n);
+    out
 }

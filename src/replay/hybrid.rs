@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::alloc::new_pages;
 use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::{Lease, Mamba, MambaConfig, MambaRadixCache, RadixConfig};
+use crate::radix::{CheckpointConfig, Lease, Mamba, MambaRadixCache, RadixConfig};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator, SlotPool};
 
@@ -93,7 +93,7 @@ pub struct HybridConfig {
 
 impl Default for HybridConfig {
     fn default() -> Self {
-        let m = MambaConfig::default();
+        let m = CheckpointConfig::default();
         HybridConfig {
             states: None,
             state_bytes: DEFAULT_MAMBA_STATE_BYTES,
@@ -130,8 +130,8 @@ impl HybridConfig {
     }
 
     /// The checkpoint positions.
-    pub fn mamba_config(&self) -> MambaConfig {
-        MambaConfig { chunk_size: self.chunk_size, track_interval: self.track_interval }
+    pub fn checkpoint_config(&self) -> CheckpointConfig {
+        CheckpointConfig { chunk_size: self.chunk_size, track_interval: self.track_interval }
     }
 
     /// Check the options against the KV pool, naming the offending flag.
@@ -311,12 +311,12 @@ pub(crate) fn replay_hybrid(
     let states = u32::try_from(slots)
         .map_err(|_| ReplayError::Config(format!("--mamba-states {slots} is too many: at most {MAX_MAMBA_STATES}")))?;
     let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
-    let cache: Cache = MambaRadixCache::with_mamba_config(
+    let cache: Cache = MambaRadixCache::with_checkpoints(
         alloc,
         req_pool,
         SlotPool::without_magazines(states),
         radix,
-        config.hybrid.mamba_config(),
+        config.hybrid.checkpoint_config(),
     )?;
     run_hybrid(&cache, trace, config, progress)
 }
@@ -464,7 +464,7 @@ fn free_states<A: KvAllocator>(
 
 /// The last checkpoint of a request: its prefill checkpoint (`first`), or the last
 /// decode checkpoint in `prompt + 1 ..= kv_len`, whichever is later.
-fn last_checkpoint(m: MambaConfig, first: usize, prompt: usize, kv_len: usize) -> usize {
+fn last_checkpoint(m: CheckpointConfig, first: usize, prompt: usize, kv_len: usize) -> usize {
     let decode = kv_len / m.track_interval * m.track_interval;
     if decode > prompt && m.is_decode_checkpoint(decode) {
         decode.max(first)
@@ -545,7 +545,7 @@ pub fn run_hybrid<A: KvAllocator>(
 ) -> Result<Report, ReplayError> {
     let kv = Kv(cache);
     let capacity = kv.capacity_tokens();
-    let mamba = cache.mamba_config();
+    let mamba = cache.checkpoint_config();
     let max_kv = trace.max_kv_len_fitting(capacity);
     if cache.req_pool().max_context_len() < max_kv || cache.req_pool().size() == 0 {
         return Err(ReplayError::Config(format!(
@@ -722,8 +722,8 @@ fn check_states<A: KvAllocator>(
     Ok(HybridReport {
         mamba_states: pool.capacity() as u64,
         mamba_state_bytes: if config.hybrid.states.is_some() { 0 } else { config.hybrid.state_bytes },
-        chunk_size: cache.mamba_config().chunk_size,
-        track_interval: cache.mamba_config().track_interval,
+        chunk_size: cache.checkpoint_config().chunk_size,
+        track_interval: cache.checkpoint_config().track_interval,
         kv_hit_tokens: st.kv_hit_tokens,
         kv_hit_rate: rate(st.kv_hit_tokens),
         state_hit_tokens: totals.hit_tokens,

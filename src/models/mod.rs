@@ -1,5 +1,15 @@
-//! Shared operation sequences and a sequential reference model for kvpool's allocators
-//! (feature `testing`).
+//! Operation sequences and sequential reference models for kvpool's allocators
+//! (feature `models`; the older name `testing` still works, as does `kvpool::testing`).
+//!
+//! This is a supported API for users: kvpool's own proptest suites and cargo-fuzz
+//! targets use it, and so can yours. A scheduler that wraps a kvpool allocator (to meter
+//! it, tag pages, add quotas, log) can implement [`KvAllocator`] on the wrapper and run
+//! kvpool's [`Arbitrary`] op sequences through it with [`run_allocator_observed`]: every
+//! step is compared with the sequential model, and your own closure checks the wrapper's
+//! state against the model after every step. `examples/fuzz-scheduler/` in the
+//! repository is such a cargo-fuzz target, ready to copy. The models cost memory and
+//! time (they are plain sequential code with `Vec`s and a `BTreeMap` of counters): use
+//! them in tests and fuzz targets, not on a serving path.
 //!
 //! The proptest model tests and the cargo-fuzz targets use the same pieces:
 //!
@@ -43,7 +53,7 @@
 //! # Examples
 //!
 //! ```
-//! use kvpool::testing::{run, ops_from_bytes};
+//! use kvpool::models::{run, ops_from_bytes};
 //!
 //! // Any bytes make a valid op sequence; every page size must agree with the model.
 //! let ops = ops_from_bytes(b"any bytes at all become an op sequence: 0123456789abcdef");
@@ -54,6 +64,10 @@
 //! ```
 
 pub mod radix;
+
+/// The `arbitrary` crate kvpool's ops implement [`Arbitrary`] with, re-exported so a
+/// fuzz target uses the same version (`kvpool::models::arbitrary::Unstructured`).
+pub use arbitrary;
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -129,7 +143,7 @@ impl RawSlot {
     /// # Examples
     ///
     /// ```
-    /// use kvpool::testing::RawSlot;
+    /// use kvpool::models::RawSlot;
     /// assert_eq!(RawSlot::Last.resolve(4, 10), 43);
     /// assert_eq!(RawSlot::PastEnd.resolve(4, 10), 44);
     /// assert_eq!(RawSlot::ReservedPage(6).resolve(4, 10), 2);
@@ -345,9 +359,9 @@ pub enum Op {
 /// # Examples
 ///
 /// ```
-/// let ops = kvpool::testing::ops_from_bytes(&[3, 1, 4, 1, 5, 9, 2, 6]);
+/// let ops = kvpool::models::ops_from_bytes(&[3, 1, 4, 1, 5, 9, 2, 6]);
 /// assert!(!ops.is_empty());
-/// assert!(kvpool::testing::ops_from_bytes(&[]).is_empty());
+/// assert!(kvpool::models::ops_from_bytes(&[]).is_empty());
 /// ```
 pub fn ops_from_bytes(bytes: &[u8]) -> Vec<Op> {
     let mut u = Unstructured::new(bytes);
@@ -381,6 +395,19 @@ impl Scenario {
         SCENARIO_PAGE_SIZES[self.page_size as usize % SCENARIO_PAGE_SIZES.len()]
     }
 
+    /// Pages of the pool this scenario describes (`pages % 131`).
+    pub fn num_pages(&self) -> u32 {
+        self.pages as u32 % 131
+    }
+
+    /// Token size of the allocator this scenario describes: [`num_pages`](Self::num_pages)
+    /// whole pages plus `extra % page_size` unused tokens (what
+    /// `PagedAllocator::new(size, page_size)` is given).
+    pub fn pool_size(&self) -> usize {
+        let ps = self.page_size() as usize;
+        self.num_pages() as usize * ps + self.extra as usize % ps
+    }
+
     /// Run the ops on the allocator this scenario describes, then on a [`SlotPool`]
     /// with one index per page; both against the model.
     ///
@@ -393,7 +420,7 @@ impl Scenario {
     /// ```
     /// use arbitrary::{Arbitrary, Unstructured};
     /// let bytes = [2u8, 40, 0, 7, 7, 7, 1, 0, 0, 0, 3, 3, 3];
-    /// let scenario = kvpool::testing::Scenario::arbitrary(&mut Unstructured::new(&bytes)).unwrap();
+    /// let scenario = kvpool::models::Scenario::arbitrary(&mut Unstructured::new(&bytes)).unwrap();
     /// scenario.run()?;
     /// # Ok::<(), String>(())
     /// ```
@@ -434,8 +461,7 @@ impl Scenario {
 
     fn run_allocator(&self, checks: Checks) -> Result<(), String> {
         let ps = self.page_size();
-        let pages = self.pages as u32 % 131;
-        let size = pages as usize * ps as usize + self.extra as usize % ps as usize;
+        let size = self.pool_size();
         let r = if ps == 1 && self.extra & 0x80 == 0 {
             run_allocator_with(TokenAllocator::new(size).map_err(|e| e.to_string())?, &self.ops, checks)
         } else {
@@ -456,7 +482,7 @@ impl Scenario {
     /// # Examples
     ///
     /// ```
-    /// use kvpool::testing::{Checks, Scenario};
+    /// use kvpool::models::{Checks, Scenario};
     /// let s = Scenario::from_fuzz_input(&[2, 40, 0, 7, 7, 7, 1, 0, 0, 0, 3, 3, 3], 4);
     /// assert!(s.ops.len() <= 4);
     /// s.run_with(Checks::Touched)?;
@@ -500,7 +526,7 @@ impl ExpectedFreeError {
     /// # Examples
     ///
     /// ```
-    /// use kvpool::testing::ExpectedFreeError;
+    /// use kvpool::models::ExpectedFreeError;
     /// use kvpool::{FreeError, FreeErrorKind};
     /// let want = ExpectedFreeError { kind: FreeErrorKind::NotAllocated, rest_freed: true, index_any_of: vec![3, 5] };
     /// assert!(want.matches(&FreeError { index: 5, kind: FreeErrorKind::NotAllocated, rest_freed: true }));
@@ -529,7 +555,7 @@ pub struct Allocated {
 /// DESIGN.md's worked example, on the model:
 ///
 /// ```
-/// use kvpool::testing::AllocModel;
+/// use kvpool::models::AllocModel;
 /// let mut m = AllocModel::paged(256, 4);
 /// assert_eq!(m.alloc(8).unwrap().slots, [4, 5, 6, 7, 8, 9, 10, 11]);
 /// let got = m.alloc_extend(&[1, 3], &[6, 7], &[4, 10], 9).unwrap();
@@ -1134,7 +1160,7 @@ fn free_outcome(r: &Result<(), ExpectedFreeError>) -> &'static str {
 /// # Examples
 ///
 /// ```
-/// use kvpool::testing::{run, Misalign, Op};
+/// use kvpool::models::{run, Misalign, Op};
 /// let ops = [Op::Alloc { pages: 3, misalign: Misalign(0) }, Op::FreeLive { handle: 0 }];
 /// run(&ops, 16)?;
 /// # Ok::<(), String>(())
@@ -1159,7 +1185,7 @@ pub fn run(ops: &[Op], page_size: u32) -> Result<(), String> {
 /// # Examples
 ///
 /// ```
-/// use kvpool::testing::{run_allocator, Misalign, Op};
+/// use kvpool::models::{run_allocator, Misalign, Op};
 /// let ops = [Op::Alloc { pages: 7, misalign: Misalign(0) }, Op::Alloc { pages: 1, misalign: Misalign(0) }];
 /// let stats = run_allocator(kvpool::PagedAllocator::new(20, 3).unwrap(), &ops)?;
 /// assert_eq!(stats.get("alloc: out of memory"), 1); // 7 pages of 6
@@ -1179,7 +1205,7 @@ pub fn run_allocator<A: KvAllocator>(alloc: A, ops: &[Op]) -> Result<Stats, Stri
 /// # Examples
 ///
 /// ```
-/// use kvpool::testing::{run_allocator_with, Checks, Misalign, Op};
+/// use kvpool::models::{run_allocator_with, Checks, Misalign, Op};
 /// let ops = [Op::Alloc { pages: 2, misalign: Misalign(0) }, Op::FreeLive { handle: 0 }];
 /// let stats = run_allocator_with(kvpool::PagedAllocator::new(20, 3).unwrap(), &ops, Checks::Touched)?;
 /// assert_eq!(stats.get("free: ok"), 1);
@@ -1194,7 +1220,83 @@ pub fn run_allocator_with<A: KvAllocator>(alloc: A, ops: &[Op], checks: Checks) 
             model.available()
         ));
     }
-    drive(Kv(alloc), model, ops, checks)
+    drive(Kv(alloc), model, ops, checks, &mut |_, _| Ok(()))
+}
+
+/// [`run_allocator_with`] for *your* allocator: after every step (and every free-group
+/// end and `clear`), once kvpool's own comparison with the model passed, `observe` gets
+/// the allocator and the model and may compare anything of its own with the model; an
+/// `Err` stops the run with the step named.
+///
+/// This is how a wrapper around a kvpool allocator is fuzzed: implement
+/// [`KvAllocator`] on the wrapper (delegating to the allocator inside, adding whatever
+/// the wrapper does), and check the wrapper's own state in `observe`. The model's
+/// allocated pages are [`AllocModel::is_page_allocated`]; `available`, `pending` and the
+/// page geometry are there too. `examples/fuzz-scheduler/` is a complete cargo-fuzz
+/// target built this way.
+///
+/// # Errors
+///
+/// The first disagreement with the model, or the first `Err` of `observe`, as a message
+/// naming the step and the op.
+///
+/// # Examples
+///
+/// A wrapper that counts the calls that handed out slots, checked against the model's
+/// count of allocated pages (every successful allocation of fresh pages takes at least one):
+///
+/// ```
+/// use kvpool::models::{run_allocator_observed, Checks, Misalign, Op};
+/// use kvpool::{AllocError, FreeError, InvariantViolation, KvAllocator, KvFreeGroup, PagedAllocator};
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+///
+/// struct Counting(PagedAllocator, AtomicUsize);
+///
+/// impl KvAllocator for Counting {
+///     fn page_size(&self) -> u32 { self.0.page_size() }
+///     fn size(&self) -> usize { KvAllocator::size(&self.0) }
+///     fn available_size(&self) -> usize { self.0.available_size() }
+///     fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+///         self.0.alloc(out)?;
+///         if !out.is_empty() { self.1.fetch_add(1, Ordering::Relaxed); }
+///         Ok(())
+///     }
+///     fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+///         self.0.alloc_extend(p, s, l, out)
+///     }
+///     fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+///         self.0.alloc_decode(s, l, out)
+///     }
+///     fn free(&self, slots: &[u32]) -> Result<(), FreeError> { self.0.free(slots) }
+///     fn free_group(&self) -> KvFreeGroup<'_> { self.0.free_group() }
+///     fn is_allocated(&self, slot: u32) -> bool { self.0.is_allocated(slot) }
+///     fn clear(&mut self) { self.0.clear() }
+///     fn check_invariants(&self) -> Result<(), InvariantViolation> { self.0.check_invariants() }
+/// }
+///
+/// let ops = [Op::Alloc { pages: 2, misalign: Misalign(0) }, Op::Alloc { pages: 1, misalign: Misalign(0) }];
+/// let wrapper = Counting(PagedAllocator::new(64, 4).unwrap(), AtomicUsize::new(0));
+/// run_allocator_observed(wrapper, &ops, Checks::EveryPage, |w, model| {
+///     let pages = (1..=model.num_pages()).filter(|&p| model.is_page_allocated(p)).count();
+///     let calls = w.1.load(Ordering::Relaxed);
+///     if calls > pages { Err(format!("{calls} allocations but {pages} pages allocated")) } else { Ok(()) }
+/// })?;
+/// # Ok::<(), String>(())
+/// ```
+pub fn run_allocator_observed<A, F>(alloc: A, ops: &[Op], checks: Checks, mut observe: F) -> Result<Stats, String>
+where
+    A: KvAllocator,
+    F: FnMut(&A, &AllocModel) -> Result<(), String>,
+{
+    let model = AllocModel::paged(alloc.size(), alloc.page_size());
+    if alloc.available_size() != model.available() {
+        return Err(format!(
+            "a fresh allocator has {} available, expected {}",
+            alloc.available_size(),
+            model.available()
+        ));
+    }
+    drive(Kv(alloc), model, ops, checks, &mut |kv: &Kv<A>, m: &AllocModel| observe(&kv.0, m))
 }
 
 /// Drive `ops` on a fresh `SlotPool::new(capacity)` against the model.
@@ -1206,7 +1308,7 @@ pub fn run_allocator_with<A: KvAllocator>(alloc: A, ops: &[Op], checks: Checks) 
 /// # Examples
 ///
 /// ```
-/// use kvpool::testing::{run_slot_pool, Control, FreeOp, Op, RawSlot};
+/// use kvpool::models::{run_slot_pool, Control, FreeOp, Op, RawSlot};
 /// let ops = [Op::Control(Control::GroupBegin), Op::Free(FreeOp::Forged { slots: vec![RawSlot::PastEnd] })];
 /// let stats = run_slot_pool(&ops, 66)?;
 /// assert_eq!(stats.get("group free: out of range"), 1);
@@ -1222,7 +1324,7 @@ pub fn run_slot_pool(ops: &[Op], capacity: u32) -> Result<Stats, String> {
 ///
 /// The first disagreement, as a message naming the step and the op.
 pub fn run_slot_pool_with(ops: &[Op], capacity: u32, checks: Checks) -> Result<Stats, String> {
-    drive(Slots(SlotPool::new(capacity)), AllocModel::slot_pool(capacity), ops, checks)
+    drive(Slots(SlotPool::new(capacity)), AllocModel::slot_pool(capacity), ops, checks, &mut |_, _| Ok(()))
 }
 
 /// Drive `ops` on a fresh `SlotPool::with_magazines(capacity, entries)` against the
@@ -1233,7 +1335,7 @@ pub fn run_slot_pool_with(ops: &[Op], capacity: u32, checks: Checks) -> Result<S
 /// The first disagreement, as a message naming the step and the op.
 pub fn run_slot_pool_with_magazines(ops: &[Op], capacity: u32, entries: usize) -> Result<Stats, String> {
     let model = AllocModel::slot_pool_with_magazines(capacity, entries);
-    drive(Slots(SlotPool::with_magazines(capacity, entries)), model, ops, Checks::EveryPage)
+    drive(Slots(SlotPool::with_magazines(capacity, entries)), model, ops, Checks::EveryPage, &mut |_, _| Ok(()))
 }
 
 /// Drive `ops` on a fresh `SlotPool::without_magazines(capacity)` against the model
@@ -1248,6 +1350,7 @@ pub fn run_slot_pool_without_magazines(ops: &[Op], capacity: u32) -> Result<Stat
         AllocModel::slot_pool_without_magazines(capacity),
         ops,
         Checks::EveryPage,
+        &mut |_, _| Ok(()),
     )
 }
 
@@ -1321,7 +1424,16 @@ impl Runner {
     }
 }
 
-fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op], checks: Checks) -> Result<Stats, String> {
+/// What [`drive`] calls after every step: the subject and the model, both settled.
+type Observer<'o, S> = &'o mut dyn FnMut(&S, &AllocModel) -> Result<(), String>;
+
+fn drive<S: Subject>(
+    mut subject: S,
+    mut model: AllocModel,
+    ops: &[Op],
+    checks: Checks,
+    observe: Observer<'_, S>,
+) -> Result<Stats, String> {
     let mut runner = Runner::default();
     let mut i = 0;
     loop {
@@ -1337,7 +1449,8 @@ fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op], checks: 
                             Checks::EveryPage => None,
                             Checks::Touched => Some(&runner.touched[..]),
                         };
-                        check_state(s, &group, &model, pages)
+                        check_state(s, &group, &model, pages)?;
+                        observe(s, &model)
                     })
                     .map_err(|e| format!("step {i} ({:?}): {e}", ops[i]))?;
                 runner.touched.clear();
@@ -1349,7 +1462,9 @@ fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op], checks: 
             }
             // Every page at the end of each segment: with `Checks::Touched` this is where
             // a change to a page no step named shows up (before `clear` erases it).
-            check_state(s, &None, &model, None).map_err(|e| format!("end of the segment before step {i}: {e}"))?;
+            check_state(s, &None, &model, None)
+                .and_then(|()| observe(s, &model))
+                .map_err(|e| format!("end of the segment before step {i}: {e}"))?;
         }
         if i == ops.len() {
             break;
@@ -1360,7 +1475,9 @@ fn drive<S: Subject>(mut subject: S, mut model: AllocModel, ops: &[Op], checks: 
             runner.retire(h);
         }
         runner.stats.record("clear", "ok");
-        check_state(&subject, &None, &model, None).map_err(|e| format!("step {i} (clear): {e}"))?;
+        check_state(&subject, &None, &model, None)
+            .and_then(|()| observe(&subject, &model))
+            .map_err(|e| format!("step {i} (clear): {e}"))?;
         i += 1;
     }
     Ok(runner.stats)

@@ -134,7 +134,7 @@ pub fn run(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp]) -> Result<(), 
 /// # Examples
 ///
 /// ```
-/// use kvpool::testing::radix::{from_fuzz_input, run};
+/// use kvpool::models::radix::{from_fuzz_input, run};
 /// let (ps, pages, policy, ops) = from_fuzz_input(b"any bytes at all: 0123456789abcdef", 8);
 /// assert!(ops.len() <= 8);
 /// run(ps, pages, policy, &ops)?;

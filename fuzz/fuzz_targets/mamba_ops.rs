@@ -1,0 +1,24 @@
+//! Random operation sequences on the Mamba radix cache (requests that start, chunk,
+//! finish at a checkpoint and abort; inserts, inserts of foreign states, matches and
+//! later locks, leases, lock-free peeks, evictions of KV and of states, state-pool
+//! pressure), checked against the simple `ReferenceMambaCache` by
+//! `kvpool::baseline::mamba_ref::driver::run_with`. The input picks the page size (1,
+//! 2, 4), the KV pool (3..18 pages), the state pool (1..8 slots), the leaf eviction
+//! policy and at most `MAX_FUZZ_OPS` ops. Every step compares the op's result and the
+//! sizes; the full comparison (leaf paths, state slots, invariants, page owners) runs
+//! every `FUZZ_FULL_CHECK_EVERY` steps and at the end.
+//!
+//! Replay a crash: `cargo +nightly fuzz run mamba_ops <crash-file>`, or in a test
+//! `let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);` then `run(shape, &ops)`
+//! (full comparison after every step).
+#![no_main]
+
+use kvpool::baseline::mamba_ref::driver::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let (shape, ops) = from_fuzz_input(data, MAX_FUZZ_OPS);
+    if let Err(e) = run_with(shape, &ops, FUZZ_FULL_CHECK_EVERY) {
+        panic!("MambaRadixCache disagrees with the reference: {e}\n{shape:?}\n{ops:#?}");
+    }
+});

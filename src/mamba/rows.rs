@@ -1,0 +1,368 @@
+//! [`HybridReqToTokenPool`]: request rows that also own a Mamba state.
+
+use std::sync::Arc;
+
+use crate::error::{ConfigError, InvariantViolation};
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::sync::atomic::{AtomicU32, Ordering};
+
+use super::{MambaError, MambaPool, MambaSlot};
+
+/// A hybrid request row: a [`ReqRow`] plus the Mamba slots it owns — the working state
+/// and up to two ping-pong track buffers for decode-time checkpoints.
+///
+/// Unique (neither `Clone` nor `Copy`); give it back with
+/// [`HybridReqToTokenPool::free`], which frees every slot still in it. A slot taken out
+/// ([`take_mamba`](HybridReqToTokenPool::take_mamba),
+/// [`take_checkpoint`](HybridReqToTokenPool::take_checkpoint)) is no longer the row's:
+/// it cannot be both freed with the row and kept by the tree.
+#[derive(Debug)]
+#[must_use = "a request row is held until it is freed"]
+pub struct HybridRow {
+    row: ReqRow,
+    mamba: Option<MambaSlot>,
+    track: [Option<MambaSlot>; 2],
+    /// The track buffer the next checkpoint goes to (SGLang's `mamba_next_track_idx`).
+    next_track: u8,
+}
+
+impl HybridRow {
+    /// The row number, `0..size` (SGLang's `req_pool_idx`).
+    pub fn index(&self) -> usize {
+        self.row.index()
+    }
+
+    /// The token row, for [`ReqToTokenPool::read`].
+    pub fn req_row(&self) -> &ReqRow {
+        &self.row
+    }
+
+    /// The token row, for [`ReqToTokenPool::write`].
+    pub fn req_row_mut(&mut self) -> &mut ReqRow {
+        &mut self.row
+    }
+
+    /// The working Mamba state, unless it was taken.
+    pub fn mamba(&self) -> Option<&MambaSlot> {
+        self.mamba.as_ref()
+    }
+
+    /// The working Mamba state, writable.
+    pub fn mamba_mut(&mut self) -> Option<&mut MambaSlot> {
+        self.mamba.as_mut()
+    }
+
+    /// Track buffer `i` (0 or 1), unless absent or taken.
+    pub fn track(&self, i: usize) -> Option<&MambaSlot> {
+        self.track.get(i).and_then(Option::as_ref)
+    }
+
+    /// The track buffer the next checkpoint is written to.
+    pub fn next_track(&self) -> usize {
+        self.next_track as usize
+    }
+}
+
+/// Why [`HybridReqToTokenPool::alloc`] failed: nothing was allocated, and a state
+/// passed to [`alloc_with`](HybridReqToTokenPool::alloc_with) comes back in `returned`.
+#[derive(Debug)]
+pub struct HybridAllocError {
+    /// What went wrong (out of rows or of Mamba slots, or a foreign state handle).
+    pub error: MambaError,
+    /// The state handed to `alloc_with`, given back.
+    pub returned: Option<MambaSlot>,
+}
+
+impl core::fmt::Display for HybridAllocError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for HybridAllocError {}
+
+/// SGLang's `HybridReqToTokenPool`: a [`ReqToTokenPool`] whose rows also own a Mamba
+/// slot (`req_index_to_mamba_index`) and `track_buffers` ping-pong track buffers
+/// (2, or 1 with speculative decoding, or 0 without SGLang's extra buffer).
+///
+/// A row and its slots are allocated together, all or nothing. The tables
+/// ([`mamba_index`](Self::mamba_index), [`track_indices`](Self::track_indices)) are
+/// atomics any thread may read (to build a batch's index tensor); only the row's
+/// holder changes its entries.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+///
+/// let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// let mamba = Arc::new(MambaPool::new(3, cfg)?);
+/// let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 0)?;
+/// let mut a = rows.alloc()?;
+/// rows.tokens().write(a.req_row_mut(), 0, &[5, 6, 7])?;
+/// let b = rows.alloc()?;
+/// let err = rows.alloc().unwrap_err();                 // out of rows
+/// assert_eq!(mamba.available(), 1);                     // nothing leaked
+/// let state = rows.take_mamba(&mut a).unwrap();         // the tree takes the state
+/// rows.free(a)?;
+/// assert!(mamba.is_allocated(state.index()));           // not freed with the row
+/// mamba.free_slot(state)?;
+/// rows.free(b)?;
+/// # let _ = err;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct HybridReqToTokenPool {
+    tokens: ReqToTokenPool,
+    mamba: Arc<MambaPool>,
+    /// `req_index_to_mamba_index_mapping`: row -> working slot (0: none).
+    mamba_index: Box<[AtomicU32]>,
+    /// `req_index_to_mamba_ping_pong_track_buffer_mapping`: row -> 2 slots (0: none).
+    track_index: Box<[AtomicU32]>,
+    track_buffers: usize,
+}
+
+impl HybridReqToTokenPool {
+    /// `size` rows of `max_context_len` KV slots, whose states come from `mamba`, with
+    /// `track_buffers` (0, 1 or 2) track buffers per row.
+    ///
+    /// # Errors
+    ///
+    /// As [`ReqToTokenPool::new`]; [`ConfigError::TooLarge`] for more than 2 track
+    /// buffers.
+    pub fn new(
+        size: u32,
+        max_context_len: usize,
+        mamba: Arc<MambaPool>,
+        track_buffers: usize,
+    ) -> Result<Self, ConfigError> {
+        if track_buffers > 2 {
+            return Err(ConfigError::TooLarge { size: track_buffers as u64, page_size: 1 });
+        }
+        let tokens = ReqToTokenPool::new(size, max_context_len)?;
+        Ok(HybridReqToTokenPool {
+            tokens,
+            mamba,
+            mamba_index: (0..size).map(|_| AtomicU32::new(0)).collect(),
+            track_index: (0..2 * size as usize).map(|_| AtomicU32::new(0)).collect(),
+            track_buffers,
+        })
+    }
+
+    /// SGLang's track buffer count: 2 (ping-pong), 1 with speculative decoding.
+    pub fn track_buffers_for(speculative: bool) -> usize {
+        if speculative {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// The token table (write and read rows through [`HybridRow::req_row_mut`]).
+    pub fn tokens(&self) -> &ReqToTokenPool {
+        &self.tokens
+    }
+
+    /// The Mamba pool the states come from.
+    pub fn mamba_pool(&self) -> &Arc<MambaPool> {
+        &self.mamba
+    }
+
+    /// Number of rows.
+    pub fn size(&self) -> usize {
+        self.tokens.size()
+    }
+
+    /// Free rows now.
+    pub fn available_size(&self) -> usize {
+        self.tokens.available_size()
+    }
+
+    /// Track buffers per row.
+    pub fn track_buffers(&self) -> usize {
+        self.track_buffers
+    }
+
+    /// The other track buffer (`1 - i` with two, `i` itself with one).
+    pub fn other_track(&self, i: usize) -> usize {
+        if self.track_buffers == 2 {
+            1 - i
+        } else {
+            i
+        }
+    }
+
+    /// A row with a fresh (zeroed) working state and its track buffers, all or nothing.
+    /// Lock-free; does not allocate.
+    ///
+    /// # Errors
+    ///
+    /// [`MambaError::OutOfMemory`] in rows or in Mamba slots; nothing allocated.
+    pub fn alloc(&self) -> Result<HybridRow, HybridAllocError> {
+        self.alloc_inner(None)
+    }
+
+    /// A row whose working state is `state` (e.g. forked from the tree with
+    /// [`MambaPool::fork_from`]: SGLang's `req.mamba_pool_idx` already set), plus fresh
+    /// track buffers, all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](Self::alloc), and [`MambaError::ForeignSlot`]; `state` comes back
+    /// in the error.
+    pub fn alloc_with(&self, state: MambaSlot) -> Result<HybridRow, HybridAllocError> {
+        self.alloc_inner(Some(state))
+    }
+
+    fn alloc_inner(&self, state: Option<MambaSlot>) -> Result<HybridRow, HybridAllocError> {
+        if let Some(s) = &state {
+            if let Err(error) = self.mamba.own(s) {
+                return Err(HybridAllocError { error, returned: state });
+            }
+        }
+        let row = match self.tokens.alloc() {
+            Ok(r) => r,
+            Err(e) => return Err(HybridAllocError { error: e.into(), returned: state }),
+        };
+        let need = usize::from(state.is_none()) + self.track_buffers;
+        let mut got = [0u32; 3];
+        if let Err(e) = self.mamba.alloc_raw(&mut got[..need], true) {
+            // The row is ours and unique: giving it back cannot fail.
+            let _ = self.tokens.free(row);
+            return Err(HybridAllocError { error: e.into(), returned: state });
+        }
+        let mut fresh = got[..need].iter().map(|&s| self.mamba.handle(s));
+        let mamba = state.or_else(|| fresh.next());
+        let track = [fresh.next(), fresh.next()];
+        let r = row.index();
+        self.mamba_index[r].store(mamba.as_ref().map_or(0, MambaSlot::index), Ordering::Relaxed);
+        for (i, t) in track.iter().enumerate() {
+            self.track_index[2 * r + i].store(t.as_ref().map_or(0, MambaSlot::index), Ordering::Relaxed);
+        }
+        Ok(HybridRow { row, mamba, track, next_track: 0 })
+    }
+
+    /// Give the row back with every Mamba slot still in it.
+    ///
+    /// # Errors
+    ///
+    /// [`MambaError::Row`] / [`MambaError::ForeignSlot`] for another pool's row; the
+    /// handle is consumed either way.
+    pub fn free(&self, row: HybridRow) -> Result<(), MambaError> {
+        let HybridRow { row, mamba, track, .. } = row;
+        let r = row.index();
+        self.tokens.free(row)?;
+        if let Some(e) = self.mamba_index.get(r) {
+            e.store(0, Ordering::Relaxed);
+            self.track_index[2 * r].store(0, Ordering::Relaxed);
+            self.track_index[2 * r + 1].store(0, Ordering::Relaxed);
+        }
+        for s in mamba.into_iter().chain(track.into_iter().flatten()) {
+            self.mamba.free_slot(s)?;
+        }
+        Ok(())
+    }
+
+    /// Detach the working state from the row (chunked prefill keeps it for the next
+    /// chunk; the tree caches it): the row no longer owns it, so
+    /// [`free`](Self::free) will not free it.
+    pub fn take_mamba(&self, row: &mut HybridRow) -> Option<MambaSlot> {
+        let s = row.mamba.take()?;
+        self.mamba_index[row.index()].store(0, Ordering::Relaxed);
+        Some(s)
+    }
+
+    /// Detach track buffer `i` (SGLang's `mamba_ping_pong_track_buffer_to_keep`).
+    pub fn take_track(&self, row: &mut HybridRow, i: usize) -> Option<MambaSlot> {
+        let s = row.track.get_mut(i)?.take()?;
+        self.track_index[2 * row.index() + i].store(0, Ordering::Relaxed);
+        Some(s)
+    }
+
+    /// Detach the track buffer holding the newest checkpoint (the one before
+    /// [`HybridRow::next_track`]).
+    pub fn take_checkpoint(&self, row: &mut HybridRow) -> Option<MambaSlot> {
+        let i = self.other_track(row.next_track());
+        self.take_track(row, i)
+    }
+
+    /// A decode-time checkpoint on the host: copy the working state into track buffer
+    /// [`next_track`](HybridRow::next_track), then switch to the other one. Returns the
+    /// slot written.
+    ///
+    /// # Errors
+    ///
+    /// [`MambaError::NoTrackBuffers`] if that track buffer (or the working state) is
+    /// absent or was taken.
+    pub fn checkpoint(&self, row: &mut HybridRow) -> Result<u32, MambaError> {
+        let i = row.next_track();
+        let (Some(src), Some(dst)) = (row.mamba.as_ref(), row.track[i].as_mut()) else {
+            return Err(MambaError::NoTrackBuffers);
+        };
+        self.mamba.copy_slot(src, dst)?;
+        let written = dst.index();
+        row.next_track = self.other_track(i) as u8;
+        Ok(written)
+    }
+
+    /// `req_index_to_mamba_index[req_index]`: the row's working slot, 0 when none.
+    ///
+    /// # Panics
+    ///
+    /// If `req_index >= size`.
+    pub fn mamba_index(&self, req_index: usize) -> u32 {
+        self.mamba_index[req_index].load(Ordering::Relaxed)
+    }
+
+    /// The row's track buffer slots (0 where none).
+    ///
+    /// # Panics
+    ///
+    /// If `req_index >= size`.
+    pub fn track_indices(&self, req_index: usize) -> [u32; 2] {
+        [
+            self.track_index[2 * req_index].load(Ordering::Relaxed),
+            self.track_index[2 * req_index + 1].load(Ordering::Relaxed),
+        ]
+    }
+
+    /// `out[i] = mamba_index(req_indices[i])`: a batch's state indices (SGLang's
+    /// `get_mamba_indices`). Does not allocate.
+    ///
+    /// # Errors
+    ///
+    /// [`MambaError::LengthMismatch`], or [`MambaError::BadRow`] for a row past
+    /// `size`; nothing written.
+    pub fn mamba_indices(&self, req_indices: &[usize], out: &mut [u32]) -> Result<(), MambaError> {
+        if out.len() != req_indices.len() {
+            return Err(MambaError::LengthMismatch { src: req_indices.len(), dst: out.len() });
+        }
+        if let Some(&row) = req_indices.iter().find(|&&r| r >= self.size()) {
+            return Err(MambaError::BadRow { row, rows: self.size() });
+        }
+        for (o, &r) in out.iter_mut().zip(req_indices) {
+            *o = self.mamba_index(r);
+        }
+        Ok(())
+    }
+
+    /// Check both arenas (O(size)); exact at quiescence.
+    ///
+    /// # Errors
+    ///
+    /// [`InvariantViolation`] on a kvpool bug.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.tokens.check_invariants()?;
+        self.mamba.check_invariants()
+    }
+}
+
+impl core::fmt::Debug for HybridReqToTokenPool {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("HybridReqToTokenPool")
+            .field("tokens", &self.tokens)
+            .field("mamba", &self.mamba)
+            .field("track_buffers", &self.track_buffers)
+            .finish()
+    }
+}
