@@ -15,6 +15,18 @@
 //! here once per configuration); the vec trie trims leaves instead of evicting them
 //! whole, so its hits may differ slightly: all three are printed.
 //!
+//! `cache_ops/kvpool_mamba` is the same work for a hybrid model through kvpool's
+//! `MambaRadixCache` (issue 9): match to the deepest cached state, a running state and
+//! a checkpoint state from the state pool (evicting the least recently used state when
+//! it is empty), the request's tokens cached up to its last checkpoint (prefill: the
+//! branching point or the prompt's last 64-token chunk; decode: every 256 tokens) with
+//! its checkpoint state. The state pool is `kvpool replay --model hybrid`'s default
+//! (300 states at 1 M tokens). Its hits (KV matched, state resumable) are printed too.
+//!
+//! `KVPOOL_BENCH_CLOCK=cpu` times every run by the thread's CPU time instead of wall
+//! time (Linux): steadier on a shared machine, where a descheduled run would count the
+//! time other processes took.
+//!
 //! Each benchmark is 10 samples of one run each (flat sampling; a run at page size 1
 //! takes seconds). A criterion filter runs a subset, e.g.
 //! `cargo bench --bench radix_replay -- --noplot ps16_1M` or `-- cache_ops/vectrie`
@@ -25,9 +37,12 @@ use std::time::{Duration, Instant};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode};
 use kvpool::alloc::plan_extend;
-use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-use kvpool::replay::{run_sequential, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache};
-use kvpool::{PagedAllocator, ReqToTokenPool};
+use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::replay::{
+    run_sequential, HybridConfig, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache,
+    MAX_MAMBA_STATES, MIN_MAMBA_STATES,
+};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool};
 
 /// One pool configuration.
 #[derive(Clone, Copy)]
@@ -75,6 +90,72 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots
     hits
 }
 
+/// [`cache_ops`] for a hybrid model through a `MambaRadixCache`: a request resumes from
+/// the deepest cached state (`lease.len()` tokens), allocates KV for the rest, holds a
+/// running state and a checkpoint state, and caches its tokens up to its last
+/// checkpoint with the checkpoint state (as `kvpool replay --model hybrid`, without the
+/// decode steps). Returns the (KV, state) hit tokens.
+fn cache_ops_mamba(
+    cache: &MambaRadixCache<PagedAllocator>,
+    trace: &Trace,
+    tokens: &mut [u32],
+    slots: &mut [u32],
+) -> (usize, usize) {
+    let ps = cache.page_size() as u32;
+    let m = cache.checkpoint_config();
+    let (mut kv_hits, mut hits) = (0, 0);
+    for r in 0..trace.len() {
+        let req = trace.request(r);
+        let kv = req.kv_len();
+        trace.write_kv_tokens(r, &mut tokens[..kv]);
+        let prompt = req.input_length as usize;
+        let matched = cache.match_and_lock_checkpoint(0, &tokens[..prompt], &mut slots[..prompt]);
+        let hit = matched.lease.len();
+        kv_hits += matched.kv_len;
+        hits += hit;
+        // The last checkpoint: the prefill one, or a later decode one.
+        let first = matched.branching_len.unwrap_or_else(|| m.prefill_checkpoint(prompt));
+        let decode = kv / m.track_interval * m.track_interval;
+        let checkpoint = if decode > prompt { decode.max(first) } else { first };
+        let running = cache.alloc_state().unwrap();
+        let saved = (checkpoint > hit).then(|| cache.alloc_state().unwrap());
+        let last = if hit > 0 { slots[hit - 1] } else { 0 };
+        let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
+        let avail = cache.allocator().available_size();
+        if avail < need {
+            cache.evict(need - avail);
+        }
+        if cache.allocator().alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+            drop(matched.lease);
+            cache.states().free(&[running]).unwrap();
+            if let Some(s) = saved {
+                cache.states().free(&[s]).unwrap();
+            }
+            continue;
+        }
+        if kv > checkpoint {
+            cache.allocator().free(&slots[checkpoint..kv]).unwrap();
+        }
+        if let Some(state) = saved {
+            let mut row = cache.req_pool().alloc().unwrap();
+            cache.req_pool().write(&mut row, 0, &slots[..checkpoint]).unwrap();
+            cache.cache_finished_req(0, &tokens[..checkpoint], row, matched.lease, state).unwrap();
+        } else {
+            drop(matched.lease);
+        }
+        cache.states().free(&[running]).unwrap();
+    }
+    (kv_hits, hits)
+}
+
+fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
+    let states = HybridConfig::default().state_slots(s.capacity).clamp(MIN_MAMBA_STATES, MAX_MAMBA_STATES);
+    let pool = SlotPool::without_magazines(states as u32);
+    MambaRadixCache::with_states(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), pool, config).unwrap()
+}
+
 fn kvpool_cache(s: Setup, max_kv: usize) -> RadixCache<PagedAllocator> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
@@ -98,20 +179,57 @@ fn replay_config(s: Setup) -> ReplayConfig {
     }
 }
 
+/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), on 64-bit Linux.
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn thread_cpu_time() -> Option<Duration> {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut ts = Timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable `struct timespec` (two 64-bit fields on 64-bit
+    // Linux), the only memory `clock_gettime` writes.
+    let ok = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    ok.then(|| Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn thread_cpu_time() -> Option<Duration> {
+    None
+}
+
+/// Whether runs are timed by thread CPU time (`KVPOOL_BENCH_CLOCK=cpu`, where
+/// available) rather than wall time.
+fn cpu_clock() -> bool {
+    std::env::var("KVPOOL_BENCH_CLOCK").is_ok_and(|v| v == "cpu") && thread_cpu_time().is_some()
+}
+
 /// Time `work` on a fresh cache per run; building and dropping the cache is not timed.
 fn timed<C, M, W>(group: &mut BenchmarkGroup<'_, WallTime>, id: BenchmarkId, make: M, mut work: W)
 where
     M: Fn() -> C,
     W: FnMut(&C),
 {
+    let cpu = cpu_clock();
     group.bench_function(id, |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 let cache = make();
-                let t = Instant::now();
-                work(&cache);
-                total += t.elapsed();
+                if cpu {
+                    let t = thread_cpu_time().unwrap_or_default();
+                    work(&cache);
+                    total += thread_cpu_time().unwrap_or_default().saturating_sub(t);
+                } else {
+                    let t = Instant::now();
+                    work(&cache);
+                    total += t.elapsed();
+                }
                 drop(cache);
             }
             total
@@ -132,6 +250,8 @@ fn bench(c: &mut Criterion) {
         let b = cache_ops(&reference_cache(s, max_kv), &trace, &mut tokens, &mut slots);
         let v = cache_ops(&vectrie_cache(s, max_kv), &trace, &mut tokens, &mut slots);
         assert_eq!(a, b, "{}: kvpool and the reference disagree on hits", s.label);
+        let (mkv, mstate) = cache_ops_mamba(&mamba_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        assert!(mstate <= mkv, "{}: state hits beyond the KV hits", s.label);
         let config = replay_config(s);
         let seq = |r: Result<kvpool::replay::Report, _>| r.expect("sequential replay").hit_tokens;
         let sa = seq(run_sequential(&kvpool_cache(s, max_kv), &trace, &config, &|_| {}));
@@ -145,6 +265,10 @@ fn bench(c: &mut Criterion) {
             v as i64 - a as i64,
             sv as i64 - sa as i64
         );
+        println!("{}: hit tokens cache_ops kvpool_mamba: KV {mkv}, state (resumable) {mstate}", s.label);
+        if cpu_clock() {
+            println!("{}: timing by thread CPU time (KVPOOL_BENCH_CLOCK=cpu)", s.label);
+        }
 
         group.measurement_time(s.measure);
         let id = |what: &str, who: &str| BenchmarkId::new(format!("{what}/{who}"), s.label);
@@ -155,6 +279,14 @@ fn bench(c: &mut Criterion) {
             || kvpool_cache(s, max_kv),
             |c| {
                 cache_ops(c, trace, tokens, slots);
+            },
+        );
+        timed(
+            &mut group,
+            id("cache_ops", "kvpool_mamba"),
+            || mamba_cache(s, max_kv),
+            |c| {
+                cache_ops_mamba(c, trace, tokens, slots);
             },
         );
         timed(

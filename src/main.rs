@@ -15,7 +15,7 @@ mod cli {
     use clap::{Args, Parser, Subcommand};
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use kvpool::radix::EvictionPolicy;
-    use kvpool::replay::{self, CacheKind, Mode, ReplayConfig, ReplayError, Trace};
+    use kvpool::replay::{self, CacheKind, HybridConfig, Mode, Model, ReplayConfig, ReplayError, Trace};
 
     #[derive(Parser)]
     #[command(name = "kvpool", version, about = "Lock-free KV-cache memory management for LLM inference engines")]
@@ -48,9 +48,10 @@ mod cli {
         #[arg(long, default_value = "lru")]
         policy: EvictionPolicy,
         /// sequential (one request at a time, deterministic) or overlap (scheduler,
-        /// output and router threads at once).
-        #[arg(long, default_value = "overlap")]
-        mode: Mode,
+        /// output and router threads at once). Default: overlap; sequential with
+        /// --model hybrid (its only mode).
+        #[arg(long)]
+        mode: Option<Mode>,
         /// Requests running at once (overlap mode).
         #[arg(long, value_name = "R", default_value_t = replay::DEFAULT_MAX_RUNNING)]
         max_running: usize,
@@ -62,6 +63,35 @@ mod cli {
         /// trie behind a mutex).
         #[arg(long, default_value = "kvpool")]
         cache: CacheKind,
+        /// attention (KV only, the default) or hybrid (a Mamba hybrid such as
+        /// Qwen3-Next: KV plus one recurrent state per request, cached at checkpoints
+        /// in kvpool's MambaRadixCache; sequential mode).
+        #[arg(long, default_value = "attention")]
+        model: Model,
+        /// State slots in the hybrid model's Mamba pool. Default: as much state memory
+        /// as --mamba-memory-ratio times the KV memory (300 at the default capacity).
+        #[arg(long, value_name = "N", conflicts_with_all = ["mamba_state_bytes", "kv_bytes_per_token", "mamba_memory_ratio"])]
+        mamba_states: Option<u64>,
+        /// Bytes of one request's Mamba state, to size the pool [default: 77266944,
+        /// Qwen3-Next-80B-A3B's 36 Gated-DeltaNet layers].
+        #[arg(long, value_name = "BYTES")]
+        mamba_state_bytes: Option<u64>,
+        /// KV bytes per token, to size the state pool [default: 24576, Qwen3-Next's 12
+        /// full-attention layers].
+        #[arg(long, value_name = "BYTES")]
+        kv_bytes_per_token: Option<u64>,
+        /// State memory per KV memory, to size the state pool [default: 0.9, SGLang's
+        /// --mamba-full-memory-ratio].
+        #[arg(long, value_name = "RATIO")]
+        mamba_memory_ratio: Option<f64>,
+        /// Hybrid prefill checkpoints at multiples of this many tokens (a whole number
+        /// of pages) [default: 64].
+        #[arg(long, value_name = "TOKENS")]
+        mamba_chunk: Option<usize>,
+        /// Hybrid decode checkpoints every this many tokens (a whole number of chunks)
+        /// [default: 256].
+        #[arg(long, value_name = "TOKENS")]
+        mamba_track_interval: Option<usize>,
         /// Print one JSON object on stdout instead of the table.
         #[arg(long)]
         json: bool,
@@ -156,19 +186,59 @@ mod cli {
         }
     }
 
+    /// The hybrid options; any of them without `--model hybrid` is an error (it
+    /// would be silently ignored).
+    fn hybrid_config(args: &ReplayArgs) -> Result<HybridConfig, ReplayError> {
+        let given = [
+            ("--mamba-states", args.mamba_states.is_some()),
+            ("--mamba-state-bytes", args.mamba_state_bytes.is_some()),
+            ("--kv-bytes-per-token", args.kv_bytes_per_token.is_some()),
+            ("--mamba-memory-ratio", args.mamba_memory_ratio.is_some()),
+            ("--mamba-chunk", args.mamba_chunk.is_some()),
+            ("--mamba-track-interval", args.mamba_track_interval.is_some()),
+        ];
+        if args.model != Model::Hybrid {
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                return Err(ReplayError::Config(format!("{flag} is an option of --model hybrid")));
+            }
+        }
+        let d = HybridConfig::default();
+        let memory_ratio_permille = match args.mamba_memory_ratio {
+            None => d.memory_ratio_permille,
+            Some(r) if r.is_finite() && (0.001..=1000.0).contains(&r) => (r * 1000.0).round() as u32,
+            Some(r) => {
+                return Err(ReplayError::Config(format!(
+                    "--mamba-memory-ratio must be between 0.001 and 1000, not {r}"
+                )))
+            }
+        };
+        Ok(HybridConfig {
+            states: args.mamba_states,
+            state_bytes: args.mamba_state_bytes.unwrap_or(d.state_bytes),
+            kv_bytes_per_token: args.kv_bytes_per_token.unwrap_or(d.kv_bytes_per_token),
+            memory_ratio_permille,
+            chunk_size: args.mamba_chunk.unwrap_or(d.chunk_size),
+            track_interval: args.mamba_track_interval.unwrap_or(d.track_interval),
+        })
+    }
+
     fn run_replay(args: ReplayArgs) -> Result<(), Failure> {
         if args.limit == Some(0) {
             return Err(ReplayError::Config("--limit must be at least 1".into()).into());
         }
+        let hybrid = hybrid_config(&args)?;
+        let default_mode = if args.model == Model::Hybrid { Mode::Sequential } else { Mode::Overlap };
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,
             policy: args.policy,
-            mode: args.mode,
+            mode: args.mode.unwrap_or(default_mode),
             cache: args.cache,
             max_running: args.max_running,
             routers: args.routers,
             timeline: args.plot.is_some(),
+            model: args.model,
+            hybrid,
         };
         let mut trace = match &args.trace {
             Some(path) => Trace::from_path(path).map_err(ReplayError::from)?,

@@ -11,9 +11,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use kvpool::radix::{RadixCache, RadixConfig};
-use kvpool::replay::{run_overlap, run_sequential, Mode, ReplayConfig, Trace};
-use kvpool::{PagedAllocator, ReqToTokenPool};
+use kvpool::radix::{MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::replay::{run_hybrid, run_overlap, run_sequential, Mode, ReplayConfig, Trace};
+use kvpool::{PagedAllocator, ReqToTokenPool, SlotPool};
 
 struct Counting;
 
@@ -82,13 +82,30 @@ fn allocations(config: &ReplayConfig, trace: &Trace) -> (u64, u64) {
     (ALLOCATIONS.load(Ordering::SeqCst), report.evicted_tokens)
 }
 
+/// Allocations made while replaying `trace` as a hybrid model (`--model hybrid`) with
+/// `states` state slots; also the tokens and states evicted.
+fn hybrid_allocations(config: &ReplayConfig, trace: &Trace, states: u32) -> (u64, u64, u64) {
+    let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).unwrap();
+    let rows = ReqToTokenPool::new(1, trace.max_kv_len()).unwrap();
+    let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
+    let cache = MambaRadixCache::with_states(alloc, rows, SlotPool::without_magazines(states), radix).unwrap();
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let report = run_hybrid(&cache, trace, config, &|_| {});
+    COUNTING.store(false, Ordering::SeqCst);
+    let report = report.unwrap();
+    let h = report.hybrid.unwrap();
+    (ALLOCATIONS.load(Ordering::SeqCst), report.evicted_tokens, h.states_evicted_for_states + h.states_evicted_with_kv)
+}
+
 #[cfg(loom)]
 fn main() {}
 
 #[cfg(not(loom))]
 fn main() {
     replay_allocations_do_not_grow_with_the_trace();
-    println!("replay_alloc: the replay's allocations do not grow with the trace (both modes)");
+    hybrid_replay_allocations_do_not_grow_with_the_trace();
+    println!("replay_alloc: the replay's allocations do not grow with the trace (both modes, and --model hybrid)");
 }
 
 fn replay_allocations_do_not_grow_with_the_trace() {
@@ -112,4 +129,18 @@ fn replay_allocations_do_not_grow_with_the_trace() {
     let (a, _) = allocations(&ovl, &short);
     let (b, _) = allocations(&ovl, &long);
     assert!(b <= a + 16, "overlap: {a} allocations for 200 requests, {b} for 800");
+}
+
+fn hybrid_replay_allocations_do_not_grow_with_the_trace() {
+    let (short, long) = (trace(200), trace(800));
+    let seq = ReplayConfig { mode: Mode::Sequential, capacity_tokens: 8192, page_size: 16, ..ReplayConfig::default() };
+    let (a, evicted, _) = hybrid_allocations(&seq, &short, 64);
+    let (b, _, _) = hybrid_allocations(&seq, &long, 64);
+    assert!(evicted > 0, "the capacity is meant to force eviction");
+    assert_eq!(a, b, "hybrid: {a} allocations for 200 requests, {b} for 800");
+    // A state pool small enough that states are evicted for states.
+    let (a, _, states) = hybrid_allocations(&seq, &short, 4);
+    let (b, _, _) = hybrid_allocations(&seq, &long, 4);
+    assert!(states > 0, "4 state slots are meant to force state eviction");
+    assert_eq!(a, b, "hybrid, 4 states: {a} allocations for 200 requests, {b} for 800");
 }

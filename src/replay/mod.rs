@@ -15,6 +15,12 @@
 //!   order (up to `max_running`) and allocates one decode slot per running request per
 //!   step, an output thread finishes completed requests concurrently, and router
 //!   threads match upcoming prompts read-only, as a KV-aware router would.
+//! * [`run_hybrid`] — a hybrid model ([`Model::Hybrid`]: KV plus one Mamba state per
+//!   request) through kvpool's `MambaRadixCache`, one request at a time: requests
+//!   resume from the deepest cached state, checkpoint at chunk and track-interval
+//!   boundaries, and cache their tokens up to their last checkpoint; the report adds a
+//!   [`HybridReport`] (KV hits against state hits, branching, state evictions,
+//!   tombstones, state-pool occupancy).
 //!
 //! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
 //! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
@@ -36,6 +42,7 @@
 //! ```
 
 mod cache;
+mod hybrid;
 mod overlap;
 mod plot;
 mod sequential;
@@ -47,6 +54,10 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use cache::{RefLease, ReferenceCache, ReplayCache};
+pub use hybrid::{
+    run_hybrid, HybridConfig, HybridPoint, HybridReport, Model, DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_MAMBA_MEMORY_RATIO_PERMILLE, DEFAULT_MAMBA_STATE_BYTES, MAX_MAMBA_STATES, MIN_MAMBA_STATES,
+};
 pub use overlap::run_overlap;
 pub use plot::write_plot;
 pub use sequential::run_sequential;
@@ -167,6 +178,10 @@ pub struct ReplayConfig {
     pub routers: usize,
     /// Record a per-request [`TimelinePoint`] (for `--plot`).
     pub timeline: bool,
+    /// Which model's memory to simulate (default attention: KV only).
+    pub model: Model,
+    /// The state pool and checkpoints of [`Model::Hybrid`] (ignored otherwise).
+    pub hybrid: HybridConfig,
 }
 
 impl Default for ReplayConfig {
@@ -180,6 +195,8 @@ impl Default for ReplayConfig {
             max_running: DEFAULT_MAX_RUNNING,
             routers: DEFAULT_ROUTERS,
             timeline: false,
+            model: Model::Attention,
+            hybrid: HybridConfig::default(),
         }
     }
 }
@@ -250,6 +267,22 @@ impl ReplayConfig {
         if self.routers > MAX_ROUTERS {
             return bad(format!("--routers must be at most {MAX_ROUTERS}, not {}", self.routers));
         }
+        if self.model == Model::Hybrid {
+            if self.mode != Mode::Sequential {
+                return bad(format!(
+                    "--model hybrid runs in sequential mode only (the hybrid overlap scheduler is not built yet); \
+                     use --mode sequential, not --mode {}",
+                    self.mode.name()
+                ));
+            }
+            if self.cache != CacheKind::Kvpool {
+                return bad(format!(
+                    "--model hybrid needs --cache kvpool (only kvpool has a Mamba-aware cache), not --cache {}",
+                    self.cache.name()
+                ));
+            }
+            self.hybrid.validate(capacity, self.page_size)?;
+        }
         let max_kv = trace.max_kv_len_fitting(capacity);
         if max_kv == 0 && !trace.is_empty() {
             let shortest = trace.requests().iter().map(|q| q.kv_len().div_ceil(ps).saturating_mul(ps)).min();
@@ -306,7 +339,16 @@ impl ReplayConfig {
         };
         let timeline =
             if self.timeline { trace.len() as u128 * core::mem::size_of::<TimelinePoint>() as u128 } else { 0 };
-        u64::try_from(bitmap + rows + cache + buffers + timeline).unwrap_or(u64::MAX)
+        let hybrid = match self.model {
+            Model::Attention => 0,
+            // The state order (4 bytes a node), the state pool and owners, the timeline.
+            Model::Hybrid => {
+                4 * (pages + 3)
+                    + self.hybrid.memory_bytes(self.capacity_tokens)
+                    + if self.timeline { trace.len() as u128 * core::mem::size_of::<HybridPoint>() as u128 } else { 0 }
+            }
+        };
+        u64::try_from(bitmap + rows + cache + buffers + timeline + hybrid).unwrap_or(u64::MAX)
     }
 }
 
@@ -394,6 +436,9 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
         "the replay (KV allocator, request rows, prefix cache and buffers)",
     )
     .map_err(too_large)?;
+    if config.model == Model::Hybrid {
+        return hybrid::replay_hybrid(trace, config, progress);
+    }
     let rows = config.rows() as u32;
     let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
     match config.cache {
@@ -531,6 +576,7 @@ pub(crate) fn finish_report<C: ReplayCache>(
         router_hit_tokens: totals.router_hit_tokens,
         invariants_ok: true,
         timeline,
+        hybrid: None,
     })
 }
 

@@ -52,9 +52,13 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     let k = |t: u64| t as f64 / 1000.0;
     let y_max = k(report.capacity_tokens.max(report.peak_used_tokens).max(1)) * 1.05;
 
-    let root = SVGBackend::new(path, (1000, 720)).into_drawing_area();
+    // A hybrid replay adds a third panel: the Mamba state pool.
+    let hybrid = report.hybrid.as_ref().filter(|h| h.timeline.len() == timeline.len());
+    let height = if hybrid.is_some() { 1040 } else { 720 };
+    let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(400);
+    let (bottom, states) = bottom.split_vertically(320);
     let title = format!(
         "kvpool replay: {} mode, {} cache, {}, page size {}",
         report.mode, report.cache, report.policy, report.page_size
@@ -100,8 +104,18 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
             100.0 * p.hit_tokens as f64 / p.prompt_tokens as f64
         }
     };
+    let kv_rate = |(p, h): (&TimelinePoint, &super::HybridPoint)| {
+        if p.prompt_tokens == 0 {
+            0.0
+        } else {
+            100.0 * h.kv_hit_tokens as f64 / p.prompt_tokens as f64
+        }
+    };
     // Scale to the rates seen (a 5% hit rate is a flat line on a 0-100 axis).
-    let rate_max = timeline.iter().map(rate).fold(0.0, f64::max);
+    let mut rate_max = timeline.iter().map(rate).fold(0.0, f64::max);
+    if let Some(h) = hybrid {
+        rate_max = timeline.iter().zip(&h.timeline).map(kv_rate).fold(rate_max, f64::max);
+    }
     let y_max = (rate_max * 1.25).clamp(1.0, 100.0).ceil();
     let mut chart = ChartBuilder::on(&bottom)
         .margin(12)
@@ -114,16 +128,86 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .y_desc("cumulative hit rate, %")
         .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()?;
+    let label = if hybrid.is_some() { "state hit rate: resumable" } else { "hit rate" };
     chart
         .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, rate(p))), &GREEN))?
-        .label(format!("hit rate (final {:.2}%)", report.hit_rate * 100.0))
+        .label(format!("{label} (final {:.2}%)", report.hit_rate * 100.0))
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], GREEN));
+    if let Some(h) = hybrid {
+        let points: Vec<(f64, f64)> =
+            thin_pairs(timeline, &h.timeline).map(|(p, q)| (p.requests_done as f64, kv_rate((p, q)))).collect();
+        chart
+            .draw_series(LineSeries::new(points, &MAGENTA))?
+            .label(format!("KV hit rate (final {:.2}%)", h.kv_hit_rate * 100.0))
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], MAGENTA));
+    }
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()?;
+    if let Some(h) = hybrid {
+        draw_states(&states, x_max, timeline, h)?;
+    }
     root.present()?;
+    Ok(())
+}
+
+/// [`thin`] over the timeline and the hybrid timeline together.
+fn thin_pairs<'a>(
+    timeline: &'a [TimelinePoint],
+    hybrid: &'a [super::HybridPoint],
+) -> impl Iterator<Item = (&'a TimelinePoint, &'a super::HybridPoint)> {
+    let step = timeline.len().div_ceil(MAX_POINTS).max(1);
+    let last = timeline.len().saturating_sub(1);
+    timeline.iter().zip(hybrid).enumerate().filter(move |(i, _)| i % step == 0 || *i == last).map(|(_, p)| p)
+}
+
+/// The hybrid panel: Mamba state slots in use and cached, against the pool's size.
+fn draw_states<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    x_max: f64,
+    timeline: &[TimelinePoint],
+    h: &super::HybridReport,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    let capacity = h.mamba_states as f64;
+    let y_max = capacity.max(h.peak_states_in_use as f64).max(1.0) * 1.05;
+    let mut chart = ChartBuilder::on(area)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("Mamba state slots")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
+        .label("state pool")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.5)));
+    let series = |f: fn(&super::HybridPoint) -> u64| {
+        thin_pairs(timeline, &h.timeline).map(move |(p, q)| (p.requests_done as f64, f(q) as f64))
+    };
+    chart
+        .draw_series(LineSeries::new(series(|q| q.states_in_use), &RED))?
+        .label("states in use")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RED));
+    chart
+        .draw_series(LineSeries::new(series(|q| q.states_cached), &BLUE))?
+        .label(format!("states cached ({} tombstones at the end)", h.final_tombstones))
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }

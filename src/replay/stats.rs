@@ -234,6 +234,9 @@ pub struct Report {
     /// Per-request points for `--plot` (not serialized).
     #[serde(skip)]
     pub timeline: Vec<TimelinePoint>,
+    /// `--model hybrid`: the Mamba-state figures (absent for attention models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<super::HybridReport>,
 }
 
 impl Report {
@@ -243,7 +246,7 @@ impl Report {
     }
 }
 
-fn thousands(n: u64) -> String {
+pub(crate) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::with_capacity(s.len() + s.len() / 3);
     for (i, c) in s.chars().enumerate() {
@@ -279,6 +282,9 @@ impl fmt::Display for Report {
         if self.mode == "overlap" {
             writeln!(f, "  (max running {}, {} router threads)", self.max_running, self.routers)?;
         }
+        if let Some(h) = &self.hybrid {
+            h.header(f)?;
+        }
         row(f, "requests", thousands(self.requests))?;
         row(f, "rejected", thousands(self.rejected))?;
         if self.mode == "overlap" {
@@ -291,6 +297,9 @@ impl fmt::Display for Report {
         row(f, "evicted tokens", thousands(self.evicted_tokens))?;
         row(f, "peak used tokens", thousands(self.peak_used_tokens))?;
         row(f, "final cached tokens", thousands(self.final_cached_tokens))?;
+        if let Some(h) = &self.hybrid {
+            h.rows(f, self.prompt_tokens)?;
+        }
         if self.routers > 0 {
             row(
                 f,
@@ -318,7 +327,9 @@ impl fmt::Display for Report {
         write!(
             f,
             "  invariants: {}",
-            if self.invariants_ok {
+            if self.invariants_ok && self.hybrid.is_some() {
+                "hold; every KV slot and state slot is free or cached, every request row is free"
+            } else if self.invariants_ok {
                 "hold; every KV slot is free or cached, every request row is free"
             } else {
                 "NOT checked"
