@@ -45,7 +45,7 @@ LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ca
 step "GPU tests (must skip without a device)"
 log="$(mktemp)"
 LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --features cuda --test gpu_kernels --test gpu_decode -- --nocapture --test-threads 1 2>&1 | tee "$log"
+    cargo test --features cuda --test gpu_kernels --test gpu_decode --test gpu_mamba -- --nocapture --test-threads 1 2>&1 | tee "$log"
 LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --features cudarc --test gpu_cudarc -- --nocapture 2>&1 | tee -a "$log"
 if ! grep -q "no CUDA device" "$log" && ! grep -q "^device: " "$log"; then
