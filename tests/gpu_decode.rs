@@ -14,8 +14,6 @@
 //! (`KVPOOL_REQUIRE_GPU=1` makes that a failure).
 #![cfg(feature = "cuda")]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -28,84 +26,13 @@ use kvpool::kv::reference::{decode_with_rows, extend_with_rows, RowTable};
 use kvpool::kv::{KvConfig, KvDtype, KvError, KvLayout};
 use kvpool::{KvAllocator, PagedAllocator};
 
-struct Counting;
+mod alloc_common;
 
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-}
+use alloc_common::allocations;
 
-fn note() {
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
-        }
-    });
-}
+mod kernel_common;
 
-// SAFETY: every method forwards to `System` unchanged; the counting touches only
-// `const`-initialised thread-locals, which never allocate.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: forwarded from our caller, who upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: as in `alloc`.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note();
-        // SAFETY: `ptr` came from this allocator (hence from `System`) with `layout`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator (hence from `System`) with `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Heap allocations `f` makes on this thread.
-fn allocations<R>(f: impl FnOnce() -> R) -> (usize, R) {
-    COUNT.with(|c| c.set(0));
-    COUNTING.with(|on| on.set(true));
-    let r = f();
-    COUNTING.with(|on| on.set(false));
-    (COUNT.with(|c| c.get()), r)
-}
-
-fn device() -> Option<KvDevice> {
-    let required = std::env::var_os("KVPOOL_REQUIRE_GPU").is_some();
-    match KvDevice::count() {
-        Ok(n) if n > 0 => Some(KvDevice::new(0).expect("open CUDA device 0 and load kvpool's modules")),
-        other => {
-            assert!(!required, "KVPOOL_REQUIRE_GPU is set but there is no CUDA device: {other:?}");
-            println!("no CUDA device ({other:?}): skipping");
-            None
-        }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use kernel_common::{device, Rng};
 
 fn to_host(d: &DeviceSlice<u32>) -> Vec<u32> {
     let mut v = vec![0u32; d.len()];

@@ -26,45 +26,9 @@ use kvpool::{KvAllocator, PagedAllocator};
 const POISON32: u32 = 0xDEAD_BEEF;
 const POISON8: u8 = 0xA5;
 
-fn device() -> Option<KvDevice> {
-    let required = std::env::var_os("KVPOOL_REQUIRE_GPU").is_some();
-    match KvDevice::count() {
-        Ok(n) if n > 0 => Some(KvDevice::new(0).expect("open CUDA device 0 and load kvpool's modules")),
-        other => {
-            assert!(!required, "KVPOOL_REQUIRE_GPU is set but there is no CUDA device: {other:?}");
-            println!("no CUDA device ({other:?}): skipping");
-            None
-        }
-    }
-}
+mod kernel_common;
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// `n` distinct values below `m`, shuffled.
-    fn distinct(&mut self, n: usize, m: usize) -> Vec<u32> {
-        let mut v: Vec<u32> = (0..m as u32).collect();
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i as u64 + 1) as usize);
-        }
-        v.truncate(n);
-        v
-    }
-}
+use kernel_common::{device, Rng};
 
 fn to_host<T: cust::memory::DeviceCopy + Default + Clone>(d: &DeviceSlice<T>) -> Vec<T> {
     let mut v = vec![T::default(); d.len()];

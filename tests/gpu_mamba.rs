@@ -13,30 +13,9 @@ use kvpool::cuda::mamba::{check_mamba_signatures, DeviceMambaState};
 use kvpool::cuda::{CudaKvError, KvDevice};
 use kvpool::mamba::{reference_copy, MambaConfig, StateDtype, StateShape};
 
-fn device(max_target: u32) -> Option<KvDevice> {
-    let required = std::env::var_os("KVPOOL_REQUIRE_GPU").is_some();
-    match KvDevice::count() {
-        Ok(n) if n > 0 => Some(KvDevice::with_target(0, max_target).expect("open CUDA device 0")),
-        other => {
-            assert!(!required, "KVPOOL_REQUIRE_GPU is set but there is no CUDA device: {other:?}");
-            println!("no CUDA device ({other:?}): skipping");
-            None
-        }
-    }
-}
+mod kernel_common;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use kernel_common::{device_with_target as device, Rng};
 
 /// Layouts whose rows select vector widths 16, 8, 4 and 2.
 fn configs() -> Vec<(MambaConfig, u32)> {

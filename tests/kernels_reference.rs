@@ -10,18 +10,9 @@ use kvpool::kv::reference::{
 use kvpool::kv::{KvError, RowStore, SrcFloat};
 use kvpool::PagedAllocator;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+mod kernel_common;
+
+use kernel_common::Rng;
 
 /// The e4m3 code nearest to `y` (ties to the even code), saturating at 448.
 fn nearest_e4m3(y: f32) -> u8 {

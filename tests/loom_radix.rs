@@ -51,6 +51,12 @@ fn cache(size: usize) -> RadixCache<TokenAllocator> {
         .unwrap()
 }
 
+/// A Mamba cache of 4 KV slots and 2 state slots.
+fn mamba_cache() -> MambaRadixCache<TokenAllocator> {
+    let (kv, rows) = (TokenAllocator::new(4).unwrap(), ReqToTokenPool::new(1, 4).unwrap());
+    MambaRadixCache::with_states(kv, rows, SlotPool::without_magazines(2), RadixConfig::default()).unwrap()
+}
+
 fn insert_fresh(c: &RadixCache<TokenAllocator>, key: &[u32]) -> Vec<u32> {
     let mut s = vec![0u32; key.len()];
     c.allocator().alloc(&mut s).unwrap();
@@ -366,15 +372,7 @@ fn lock_racing_evict_mamba() {
     let seen = Outcomes::new(&["locked_first", "evicted_first"]);
     let s = seen.clone();
     loom_common::model("lock_racing_evict_mamba", move || {
-        let c = Arc::new(
-            MambaRadixCache::with_states(
-                TokenAllocator::new(4).unwrap(),
-                ReqToTokenPool::new(1, 4).unwrap(),
-                SlotPool::without_magazines(2),
-                RadixConfig::default(),
-            )
-            .unwrap(),
-        );
+        let c = Arc::new(mamba_cache());
         let mut kv = [0u32; 2];
         c.allocator().alloc(&mut kv).unwrap();
         let state = c.alloc_state().unwrap();
@@ -409,15 +407,7 @@ fn peek_racing_mamba_eviction() {
     let seen = Outcomes::new(&["whole", "none", "upper_only"]);
     let s = seen.clone();
     loom_common::model("peek_racing_mamba_eviction", move || {
-        let c = Arc::new(
-            MambaRadixCache::with_states(
-                TokenAllocator::new(4).unwrap(),
-                ReqToTokenPool::new(1, 4).unwrap(),
-                SlotPool::without_magazines(2),
-                RadixConfig::default(),
-            )
-            .unwrap(),
-        );
+        let c = Arc::new(mamba_cache());
         let mut kv = [0u32; 4];
         c.allocator().alloc(&mut kv).unwrap();
         let (s1, s2) = (c.alloc_state().unwrap(), c.alloc_state().unwrap());

@@ -1,11 +1,9 @@
 //! Model-based test: `MambaRadixCache` against the simple `ReferenceMambaCache` on random
-//! operation sequences (see `kvpool::baseline::mamba_ref::driver`): every op's result,
+//! operation sequences (see `kvpool::models::mamba`): every op's result,
 //! the sizes, the leaf paths, the state slots and the invariants agree after every step.
 #![cfg(all(not(loom), feature = "models"))]
 
-use kvpool::baseline::mamba_ref::driver::{
-    from_fuzz_input, run, run_with, MambaOp, Shape, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS,
-};
+use kvpool::models::mamba::{from_fuzz_input, run, run_with, MambaOp, Shape, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
 use proptest::prelude::*;
 
 /// Mostly prefixes of the driver's four shared sequences (keys that are prefixes of

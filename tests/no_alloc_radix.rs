@@ -1,58 +1,17 @@
 //! Zero heap allocations in the radix cache's hot paths: match, peek, match-and-lock,
 //! unlock, insert (with splits), evict, allocation with eviction, and the request
-//! helpers. A counting global allocator counts this thread's allocations while armed.
+//! helpers. The counting global allocator of `tests/alloc_common` counts this thread's allocations.
 #![cfg(not(loom))]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+mod alloc_common;
 
+use alloc_common::allocations;
 use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig};
 use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
 
-struct Counting;
-
-thread_local! {
-    static ARMED: Cell<bool> = const { Cell::new(false) };
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to the system allocator; the bookkeeping touches only thread-locals
-// that do not allocate (const-initialized Cells).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if ARMED.with(Cell::get) {
-            COUNT.with(|c| c.set(c.get() + 1));
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if ARMED.with(Cell::get) {
-            COUNT.with(|c| c.set(c.get() + 1));
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn allocations(f: impl FnOnce()) -> usize {
-    COUNT.with(|c| c.set(0));
-    ARMED.with(|a| a.set(true));
-    f();
-    ARMED.with(|a| a.set(false));
-    COUNT.with(Cell::get)
-}
-
 #[test]
 fn the_counter_counts() {
-    assert_eq!(allocations(|| drop(std::hint::black_box(vec![1u8; 10]))), 1);
+    assert_eq!(allocations(|| drop(std::hint::black_box(vec![1u8; 10]))).0, 1);
 }
 
 fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
@@ -65,7 +24,7 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
     let mut row = cache.req_pool().alloc().unwrap();
     let mut row2 = cache.req_pool().alloc().unwrap();
 
-    let n = allocations(|| {
+    let (n, ()) = allocations(|| {
         for round in 0..3 {
             for key in [&prompt, &other] {
                 let row = if round % 2 == 0 { &mut row } else { &mut row2 };
@@ -96,7 +55,7 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
     cache.alloc_extend(&[h as u32], &[prompt.len() as u32], &[last], out).unwrap();
     cache.req_pool().write(&mut row, h, out).unwrap();
     cache.cache_unfinished_req(0, &prompt, &mut row, &mut lease, 0).unwrap();
-    let n = allocations(|| {
+    let (n, ()) = allocations(|| {
         cache.cache_finished_req(0, &prompt, row, lease, 1).unwrap();
         cache.evict(usize::MAX);
     });
@@ -135,7 +94,7 @@ fn mamba_hot_paths_do_not_allocate() {
     let mut kv = vec![0u32; 32];
     let mut hit = vec![0u32; 32];
     let mut row = cache.req_pool().alloc().unwrap();
-    let n = allocations(|| {
+    let (n, ()) = allocations(|| {
         for _ in 0..4 {
             for key in [&a, &b] {
                 cache.alloc(&mut kv).unwrap();
@@ -167,7 +126,7 @@ fn mamba_hot_paths_do_not_allocate() {
     cache.alloc(&mut kv[..16 - h]).unwrap();
     cache.req_pool().write(&mut row, h, &kv[..16 - h]).unwrap();
     let state = cache.alloc_state().unwrap();
-    let n = allocations(|| {
+    let (n, ()) = allocations(|| {
         cache.cache_finished_req(0, &a[..16], row, lease, state).unwrap();
         cache.evict(usize::MAX);
     });

@@ -2,7 +2,7 @@
 //! finish at a checkpoint and abort; inserts, inserts of foreign states, matches and
 //! later locks, leases, lock-free peeks, evictions of KV and of states, state-pool
 //! pressure), checked against the simple `ReferenceMambaCache` by
-//! `kvpool::baseline::mamba_ref::driver::run_with`. The input picks the page size (1,
+//! `kvpool::models::mamba::run_with`. The input picks the page size (1,
 //! 2, 4), the KV pool (3..18 pages), the state pool (1..8 slots), the leaf eviction
 //! policy and at most `MAX_FUZZ_OPS` ops. Every step compares the op's result and the
 //! sizes; the full comparison (leaf paths, state slots, invariants, page owners) runs
@@ -13,7 +13,7 @@
 //! (full comparison after every step).
 #![no_main]
 
-use kvpool::baseline::mamba_ref::driver::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+use kvpool::models::mamba::{from_fuzz_input, run_with, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -7,7 +7,7 @@
 //! nodes on every call instead of being kept up to date. It favours being obviously
 //! right over being fast: it allocates freely and takes `&mut self`. It is what
 //! `MambaRadixCache` is tested against (`tests/mamba_model.rs`, the `mamba_ops` fuzz
-//! target, both through [`driver`] with feature `testing`).
+//! target, both through `kvpool::models::mamba` with feature `models`).
 //!
 //! Semantics (SGLang's, with a logical clock for its two LRU lists):
 //!
@@ -40,9 +40,6 @@
 //!   tombstone (its KV stays), a leaf is removed whole as by `evict`;
 //! * every touch and every creation is one tick of the clock, so timestamps are
 //!   distinct and both eviction orders are deterministic.
-
-#[cfg(feature = "models")]
-pub mod driver;
 
 use std::collections::HashMap;
 

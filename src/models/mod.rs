@@ -63,6 +63,7 @@
 //! # Ok::<(), String>(())
 //! ```
 
+pub mod mamba;
 pub mod radix;
 
 /// The `arbitrary` crate kvpool's ops implement [`Arbitrary`] with, re-exported so a

@@ -751,6 +751,13 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
         Self::with_checkpoints(alloc, own_rows, Arc::clone(rows.mamba_pool()), config, checkpoints)
     }
 
+    /// Cache the handle in `held` by number and give it to node `end` (see
+    /// [`adopt_state`](Self::adopt_state)); `held` is empty afterwards.
+    fn adopt_handle(w: &mut Writer<'_, A, Mamba<Arc<MambaPool>>>, end: u32, held: &mut Option<MambaSlot>) -> bool {
+        let slot = w.c.variant.pool.cache(held.take().expect("the state is handed over once"));
+        Self::adopt_state(w, end, slot)
+    }
+
     fn check_hybrid(&self, rows: &HybridReqToTokenPool, state: &MambaSlot) -> Result<(), CacheError> {
         if !Arc::ptr_eq(rows.mamba_pool(), &self.variant.pool) || self.variant.pool.own(state).is_err() {
             return Err(CacheError::ForeignRows);
@@ -784,7 +791,6 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             return Err(HybridUnfinished { error, row, lease, state });
         }
         let mut held = Some(state);
-        let pool = &self.variant.pool;
         let r = self.finish(
             rows.tokens(),
             namespace,
@@ -793,10 +799,7 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             &lease,
             0,
             |_| Ok(()),
-            |w, end| {
-                let slot = pool.cache(held.take().expect("the state is handed over once"));
-                Self::adopt_state(w, end, slot)
-            },
+            |w, end| Self::adopt_handle(w, end, &mut held),
         );
         match r {
             Ok((cached, state_kept)) => {
@@ -836,7 +839,6 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             return Err((e, state));
         }
         let mut held = Some(state);
-        let pool = &self.variant.pool;
         let r = self.unfinished_with(
             rows.tokens(),
             namespace,
@@ -845,10 +847,7 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             lease,
             0,
             |_| Ok(()),
-            |w, end| {
-                let slot = pool.cache(held.take().expect("the state is handed over once"));
-                Self::adopt_state(w, end, slot)
-            },
+            |w, end| Self::adopt_handle(w, end, &mut held),
         );
         r.map_err(|e| (e, held.take().expect("a refused request keeps its state")))
     }

@@ -10,16 +10,15 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::alloc::new_pages;
 use crate::error::{AllocError, FreeError, InvariantViolation};
 use crate::radix::{CheckpointConfig, Lease, Mamba, MambaRadixCache, RadixConfig};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator, SlotPool};
 
-use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
+use super::sequential::{release, serve, PROGRESS_EVERY};
 use super::{
-    buffer, decode_need, finish_report, fits_in_pool, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError,
-    Report, TimelinePoint, Totals, Trace, NAMESPACE,
+    buffer, finish_report, fits_in_pool, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError, Report,
+    TimelinePoint, Totals, Trace, NAMESPACE,
 };
 
 /// Default size of one request's Mamba state: Qwen3-Next-80B-A3B at tensor parallelism
@@ -608,8 +607,10 @@ pub fn run_hybrid<A: KvAllocator>(
             } else {
                 let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
                 write_row(&kv, &mut row, 0, &slots[..prefix])?;
-                let outcome =
-                    serve(cache, &mut row, prefix, prompt, kv_len, &mut slots, &mut totals, &mut st, &mut hist)?;
+                let outcome = {
+                    let mut room = |need: usize, totals: &mut Totals| make_room_counted(cache, need, totals, &mut st);
+                    serve(&kv, &mut row, prefix, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room)?
+                };
                 in_use = states_in_use(cache);
                 if let Some(held_end) = outcome {
                     release(&kv, row, prefix..held_end)?;
@@ -739,72 +740,6 @@ fn check_states<A: KvAllocator>(
         final_tombstones: nodes - held,
         timeline,
     })
-}
-
-/// Allocate the request's prefill and decode KV into its row, as the attention
-/// replay's sequential driver does. `None`: every slot was allocated; `Some(end)`: an
-/// allocation failed even after eviction, and the request holds row positions
-/// `prefix..end`.
-#[allow(clippy::too_many_arguments)]
-fn serve<A: KvAllocator>(
-    cache: &MambaRadixCache<A, SlotPool>,
-    row: &mut ReqRow,
-    prefix: usize,
-    prompt: usize,
-    kv_len: usize,
-    slots: &mut [u32],
-    totals: &mut Totals,
-    st: &mut StateTotals,
-    hist: &mut Histograms,
-) -> Result<Option<usize>, ReplayError> {
-    let kv = Kv(cache);
-    let ps = kv.page_size();
-    let capacity = kv.capacity_tokens();
-    let peak = |totals: &mut Totals| {
-        let used = (capacity - kv.available_tokens()) as u64;
-        totals.peak_used_tokens = totals.peak_used_tokens.max(used);
-    };
-
-    let last_loc = if prefix > 0 { slots[prefix - 1] } else { 0 };
-    let need = new_pages(ps, prefix as u32, prompt as u32) as usize * ps as usize;
-    make_room_counted(cache, need, totals, st);
-    let t = Instant::now();
-    let res = kv.alloc_extend(&[prefix as u32], &[prompt as u32], &[last_loc], &mut slots[..prompt - prefix]);
-    hist.alloc_extend.record_since(t);
-    if let Err(e) = res {
-        out_of_memory(&e, "alloc_extend")?;
-        return Ok(Some(prefix));
-    }
-    write_row(&kv, row, prefix, &slots[..prompt - prefix])?;
-    peak(totals);
-
-    let mut last_loc = if prompt > prefix {
-        slots[prompt - prefix - 1]
-    } else if prefix > 0 {
-        slots[prefix - 1]
-    } else {
-        0
-    };
-    let mut one = [0u32];
-    for seq in prompt + 1..=kv_len {
-        let need = decode_need(ps, seq as u32);
-        if need > 0 {
-            make_room_counted(cache, need, totals, st);
-        }
-        let t = Instant::now();
-        let res = kv.alloc_decode(&[seq as u32], &[last_loc], &mut one);
-        hist.alloc_decode.record_since(t);
-        if let Err(e) = res {
-            out_of_memory(&e, "alloc_decode")?;
-            return Ok(Some(seq - 1));
-        }
-        write_row(&kv, row, seq - 1, &one)?;
-        last_loc = one[0];
-        if need > 0 {
-            peak(totals);
-        }
-    }
-    Ok(None)
 }
 
 fn write_row<C: ReplayCache>(cache: &C, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {

@@ -106,7 +106,8 @@ pub fn run_sequential<C: ReplayCache>(
         let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
         write_row(cache, &mut row, 0, &slots[..hit])?;
 
-        let outcome = serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist)?;
+        let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
+        let outcome = serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room)?;
         // For the timeline: the slots in use with this request's all allocated.
         let used_before_finish = if config.timeline { capacity - cache.available_tokens() } else { 0 };
         if let Some(held_end) = outcome {
@@ -147,9 +148,11 @@ pub fn run_sequential<C: ReplayCache>(
 /// Allocate the request's prefill and decode slots into its row. Returns `None` when
 /// every slot was allocated, or `Some(end)` when an allocation failed even after
 /// eviction: the request is rejected, and it holds the slots at row positions
-/// `hit..end`.
+/// `hit..end`. Before each allocation that needs `need` more tokens, `room(need,
+/// totals)` evicts the shortfall and counts it ([`make_room`] for the attention
+/// replay; the hybrid replay also counts the states that went).
 #[allow(clippy::too_many_arguments)]
-fn serve<C: ReplayCache>(
+pub(crate) fn serve<C: ReplayCache>(
     cache: &C,
     row: &mut ReqRow,
     hit: usize,
@@ -158,6 +161,7 @@ fn serve<C: ReplayCache>(
     slots: &mut [u32],
     totals: &mut Totals,
     hist: &mut Histograms,
+    room: &mut dyn FnMut(usize, &mut Totals),
 ) -> Result<Option<usize>, ReplayError> {
     let ps = cache.page_size();
     let capacity = cache.capacity_tokens();
@@ -170,7 +174,7 @@ fn serve<C: ReplayCache>(
     // `last_loc` is never read for a partial page; pass the real one anyway.
     let last_loc = if hit > 0 { slots[hit - 1] } else { 0 };
     let need = new_pages(ps, hit as u32, prompt as u32) as usize * ps as usize;
-    totals.evicted_tokens += make_room(cache, need);
+    room(need, totals);
     let t = Instant::now();
     let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut slots[..prompt - hit]);
     hist.alloc_extend.record_since(t);
@@ -195,7 +199,7 @@ fn serve<C: ReplayCache>(
     for seq in prompt + 1..=kv_len {
         let need = decode_need(ps, seq as u32);
         if need > 0 {
-            totals.evicted_tokens += make_room(cache, need);
+            room(need, totals);
         }
         let t = Instant::now();
         let res = cache.alloc_decode(&[seq as u32], &[last_loc], &mut one);

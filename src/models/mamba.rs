@@ -1,5 +1,5 @@
 //! [`MambaRadixCache`] against [`ReferenceMambaCache`], operation by operation (feature
-//! `testing`): the shared driver of `tests/mamba_model.rs` and the `mamba_ops` fuzz
+//! `models`): the shared driver of `tests/mamba_tree_model.rs` and the `mamba_ops` fuzz
 //! target.
 //!
 //! Each side has its own KV allocator and its own state pool of the same shape; both
@@ -20,7 +20,7 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use super::{RefMambaMatch, ReferenceMambaCache};
+use crate::baseline::mamba_ref::{RefMambaMatch, ReferenceMambaCache};
 use crate::baseline::RefNodeId;
 use crate::radix::{EvictionPolicy, Lease, Mamba, MambaRadixCache, MatchResult, RadixConfig};
 use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool, SlotPool};
@@ -223,7 +223,7 @@ fn check<T: PartialEq + std::fmt::Debug>(what: &str, step: usize, got: T, want: 
 /// # Examples
 ///
 /// ```
-/// use kvpool::baseline::mamba_ref::driver::{from_fuzz_input, run};
+/// use kvpool::models::mamba::{from_fuzz_input, run};
 /// let (shape, ops) = from_fuzz_input(b"any bytes at all: 0123456789abcdef", 16);
 /// assert!(ops.len() <= 16);
 /// run(shape, &ops)?;
