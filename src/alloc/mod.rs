@@ -98,10 +98,10 @@ pub trait KvAllocator: Send + Sync {
     fn decode_need(&self, seq_lens: &[u32]) -> Result<usize, InvalidInput> {
         Ok(plan_decode(self.page_size(), seq_lens)?.new_pages * self.page_size() as usize)
     }
-    /// The window half of a dual allocator ([`SwaAllocator`]); `None` for every other.
+    /// This allocator as a dual allocator ([`SwaAllocator`]); `None` for every other.
     /// The sliding-window prefix cache reaches its window pool through this.
     #[doc(hidden)]
-    fn sliding_window(&self) -> Option<&SwaWindow> {
+    fn as_swa(&self) -> Option<&SwaAllocator> {
         None
     }
     /// Free everything (exclusive access, so no operation is in flight).

@@ -469,8 +469,8 @@ impl KvAllocator for SwaAllocator {
     fn pages_allocated(&self, first_page: u32, pages: u32) -> bool {
         self.full.pages.all_allocated(first_page, pages)
     }
-    fn sliding_window(&self) -> Option<&SwaWindow> {
-        Some(&self.window)
+    fn as_swa(&self) -> Option<&SwaAllocator> {
+        Some(self)
     }
     fn clear(&mut self) {
         self.full.clear();

@@ -160,12 +160,14 @@ mod events;
 mod heap;
 mod mamba;
 mod policy;
+mod swa;
 mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
+pub use swa::{Swa, SwaInsert, SwaRadixCache};
 pub use variant::{Plain, Variant};
 
 use writer::Writer;

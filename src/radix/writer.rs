@@ -95,7 +95,7 @@ impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
     }
 
     /// The pages of node `id`, in order (introspection and checks).
-    fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
+    pub(super) fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
         self.runs(id).flat_map(|(start, len)| start..start + len)
     }
 }
@@ -141,7 +141,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         V::touched(self, id);
     }
 
-    fn span(&self, id: u32) -> (u32, u32) {
+    pub(super) fn span(&self, id: u32) -> (u32, u32) {
         span_of(self.c.records[id as usize].span.load(Ordering::Relaxed))
     }
 
@@ -164,7 +164,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         &self.s.meta[self.s.page_owner[page as usize] as usize]
     }
 
-    fn in_tree(&self, page: u32) -> bool {
+    pub(super) fn in_tree(&self, page: u32) -> bool {
         self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
@@ -174,7 +174,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Set or clear the in-tree bits of pages `start..start + len`, a word at a time.
-    fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
+    pub(super) fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
         for (w, mask) in bit_words(start as usize, len as usize) {
             if on {
                 self.s.in_tree[w] |= mask;
@@ -385,7 +385,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Cut node `id` after `m` pages; returns the new upper node.
-    fn split(&mut self, id: u32, m: usize) -> u32 {
+    pub(super) fn split(&mut self, id: u32, m: usize) -> u32 {
         let (first, n) = self.span(id);
         let r = &self.c.records[id as usize];
         let (parent_page, namespace, key_hash) = (
@@ -748,7 +748,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.page_owner[pp as usize]
     }
 
-    fn len_of(&self, id: u32) -> usize {
+    pub(super) fn len_of(&self, id: u32) -> usize {
         self.span(id).1 as usize * self.c.ps
     }
 
