@@ -681,9 +681,9 @@ impl RadixCache<SwaAllocator, Swa> {
     }
 
     /// Free the window KV of a request's tokens that fell out of its window: the whole
-    /// pages of its row from the end of its lease up to token `upto` (SGLang's
-    /// `free_swa` of `req_to_token[req, swa_evicted_seqlen:new_evicted_seqlen]`, the
-    /// lease's end being where `swa_evicted_seqlen` starts). The full KV stays; caching
+    /// pages of its row within `range` (token positions) past the end of its lease
+    /// (SGLang's `free_swa` of `req_to_token[req, swa_evicted_seqlen:new_evicted_seqlen]`;
+    /// the lease's end is where `swa_evicted_seqlen` starts). The full KV stays; caching
     /// the request later makes those pages tombstones. Pages freed already are
     /// skipped. Returns the window tokens freed.
     ///
@@ -697,13 +697,13 @@ impl RadixCache<SwaAllocator, Swa> {
         &self,
         row: &ReqRow,
         lease: &Lease<'_, SwaAllocator, Swa>,
-        upto: usize,
+        range: core::ops::Range<usize>,
     ) -> Result<usize, CacheError> {
         if lease.key.cache_id != self.id || !core::ptr::eq(lease.cache, self) {
             return Err(CacheError::StaleMatch);
         }
         let ps = self.ps;
-        let (from, to) = (lease.len(), upto / ps * ps);
+        let (from, to) = (range.start.max(lease.len()).div_ceil(ps) * ps, range.end / ps * ps);
         if to <= from {
             return Ok(0);
         }
@@ -720,6 +720,24 @@ impl RadixCache<SwaAllocator, Swa> {
         });
         crate::debug_check(self);
         r
+    }
+
+    /// [`match_and_lock`](RadixCache::match_and_lock) that also says how far the full
+    /// KV matched (`>=` the lease's length, which the window rule may end earlier; `out`
+    /// holds slots up to there, but only the lease's are locked).
+    pub fn match_and_lock_kv(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        out: &mut [u32],
+    ) -> (Lease<'_, SwaAllocator, Swa>, usize) {
+        let key = self.aligned(key, out.len());
+        let (key, kv_len) = self.write(|w| {
+            let (m, _, kv_len, _) = w.match_path(namespace, key, out);
+            (w.lease_of(&m), kv_len)
+        });
+        crate::debug_check(self);
+        (Lease { cache: self, key }, kv_len)
     }
 }
 

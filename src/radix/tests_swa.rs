@@ -262,8 +262,8 @@ fn released_window_kv_becomes_a_tombstone_above_a_live_leaf() {
         let lease = c.match_and_lock(0, &tokens, &mut out);
         // The request decoded on: its first 5 pages fell out of its window.
         let upto = 5 * ps as usize + (ps as usize - 1);
-        assert_eq!(c.release_window(&row, &lease, upto).unwrap(), 5 * ps as usize);
-        assert_eq!(c.release_window(&row, &lease, upto).unwrap(), 0, "released already");
+        assert_eq!(c.release_window(&row, &lease, 0..upto).unwrap(), 5 * ps as usize);
+        assert_eq!(c.release_window(&row, &lease, 0..upto).unwrap(), 0, "released already");
         c.cache_finished_req(0, &tokens, row, lease).unwrap();
         assert_eq!((c.total_size(), c.tombstone_size()), (n, 5 * ps as usize));
         assert_eq!(matched(&c, &tokens[..5 * ps as usize]), 0);
@@ -280,7 +280,7 @@ fn a_request_without_window_kv_at_its_end_is_not_cached() {
     let slots = kv(&c, 6);
     c.req_pool().write(&mut row, 0, &slots).unwrap();
     let lease = c.match_and_lock(0, &tokens, &mut [0u32; 6]);
-    c.release_window(&row, &lease, 6).unwrap();
+    c.release_window(&row, &lease, 0..6).unwrap();
     c.cache_finished_req(0, &tokens, row, lease).unwrap();
     assert_eq!(c.total_size(), 0);
     assert_eq!((c.allocator().full_available_size(), c.allocator().window_available_size()), (64, 64));
@@ -297,10 +297,10 @@ fn release_window_refuses_pages_the_tree_holds() {
     c.req_pool().write(&mut row, 0, &out).unwrap();
     // Pretend the lease covers less: the tree's slots follow it in the row.
     let empty = c.match_and_lock(0, &[], &mut []);
-    let e = c.release_window(&row, &empty, 4).unwrap_err();
+    let e = c.release_window(&row, &empty, 0..4).unwrap_err();
     assert!(matches!(e, CacheError::RowMismatch { index: 0, .. }), "{e:?}");
     // Within the lease: nothing to do.
-    assert_eq!(c.release_window(&row, &lease, 4).unwrap(), 0);
+    assert_eq!(c.release_window(&row, &lease, 0..4).unwrap(), 0);
     c.check_invariants().unwrap();
     drop((lease, empty));
     c.req_pool().free(row).unwrap();
@@ -319,7 +319,7 @@ fn chunked_prefill_keeps_its_window_locked() {
     assert_eq!((c.protected_size(), c.swa_protected_size()), (6, 6));
     let rest = kv(&c, 4);
     c.req_pool().write(&mut row, 6, &rest).unwrap();
-    c.release_window(&row, &lease, 7).unwrap(); // token 6 fell out of the window
+    c.release_window(&row, &lease, 0..7).unwrap(); // token 6 fell out of the window
     c.cache_finished_req(0, &tokens, row, lease).unwrap();
     assert_eq!((c.protected_size(), c.swa_protected_size()), (0, 0));
     assert_eq!((c.total_size(), c.tombstone_size()), (10, 1));
