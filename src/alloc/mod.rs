@@ -527,9 +527,7 @@ impl KvFreeGroup<'_> {
             // (their mapping must be clear by then), and only once the whole batch is
             // known to be freeable, so a refused free changes nothing.
             if slots.iter().all(|&s| a.is_allocated(s)) {
-                for &s in slots {
-                    w.window.release_pages(a.page_of(s), 1, &mut w.group);
-                }
+                w.window.release_slots(slots.iter().map(|&s| a.page_of(s)), &mut w.group);
             }
         }
         let r = if a.page_size == 1 {

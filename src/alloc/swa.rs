@@ -335,9 +335,20 @@ impl SwaWindow {
     /// Release the window part of full pages `first..first + pages` into `wgroup`;
     /// returns the window pages freed.
     pub(crate) fn release_pages(&self, first: u32, pages: u32, wgroup: &mut FreeGroup<'_>) -> usize {
+        self.release_slots(first..first + pages, wgroup)
+    }
+
+    /// Release the window part of the full pages `pages` (repeats allowed) into
+    /// `wgroup`, a chunk of window pages at a time; returns the window pages freed.
+    pub(crate) fn release_slots(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
         let mut buf = WindowBuf::new();
         let mut n = 0;
-        for p in first..first + pages {
+        for p in pages {
+            // A plain load first: pages without window KV (tombstones, released tails)
+            // cost no read-modify-write.
+            if !self.is_mapped(p) {
+                continue;
+            }
             if let Some(w) = self.unmap(p) {
                 buf.push(w, wgroup);
                 n += 1;
