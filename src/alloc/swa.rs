@@ -525,7 +525,10 @@ impl KvAllocator for SwaAllocator {
             }
             mapped += 1;
         }
-        let held = wpages - self.window.pages.available_pages();
+        // Allocated window pages by their bits, not `num_pages - available`: a window
+        // page freed inside a still-open free group is free (its mapping is gone) but not
+        // yet counted as available.
+        let held = (1..=wpages as u32).filter(|&w| self.window.pages.pages.is_allocated(w)).count();
         if mapped != held {
             return bad(format!("{held} window pages are allocated but {mapped} are mapped"));
         }
