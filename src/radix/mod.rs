@@ -158,7 +158,9 @@
 
 mod events;
 mod heap;
+mod hints;
 mod mamba;
+mod partial;
 mod policy;
 mod tokens;
 mod variant;
@@ -419,6 +421,10 @@ struct Meta<N = ()> {
     hit_count: u64,
     priority: i64,
     alive: bool,
+    /// [`EvictionPolicy::Hinted`]: the greedy-dual score (see `hints`).
+    score: u64,
+    /// [`EvictionPolicy::Hinted`]: the admission this node is wanted by (0: none).
+    want: u64,
     /// The variant's payload.
     ext: N,
 }
@@ -467,6 +473,8 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     total: AtomicUsize,
     events: Option<EventQueue>,
     id: u64,
+    /// Router hints, the admission clock and the eviction options of issue 13.
+    hints: hints::Hints,
 }
 
 /// A boxed arena of `n` cells, reserved fallibly (see `crate::arena`).
@@ -600,6 +608,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             total: AtomicUsize::new(0),
             events,
             id: cache_id(),
+            hints: hints::Hints::new(nrec)?,
         };
         cache.write(|w| w.init());
         Ok(cache)
@@ -912,6 +921,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// a prefix cache from several threads). The lease protects the matched path until
     /// dropped; `lease.len()` tokens of `out` hold the matched slots.
     pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
+        self.hints.admit();
         let key = self.aligned(key, out.len());
         let raw = self.write(|w| {
             let (m, ..) = w.match_path(namespace, key, out);
