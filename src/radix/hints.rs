@@ -62,6 +62,27 @@ use crate::error::ConfigError;
 use crate::sync::atomic::{fence, AtomicU64, Ordering};
 use crate::sync::Backoff;
 
+/// The protections in force, soonest expiry first, as (`want`, node): each time a node
+/// becomes protected, an entry; eviction first clears every protection that has expired
+/// (`want <= admissions`), so an expired protection never outlives its admission even
+/// on a node nobody touched. An entry whose node changed since (evicted, reused,
+/// protected longer) is harmless: only a `want` that has expired is ever cleared.
+/// Capacity: one entry per node record, reserved at construction; when full (more
+/// protections in force than nodes, which hints far in the future could cause), a new
+/// protection gets no entry and expires when the node is next touched or popped.
+pub(super) struct Expiry(std::collections::BinaryHeap<core::cmp::Reverse<(u64, u32)>>);
+
+impl Expiry {
+    pub(super) fn new(records: usize) -> Result<Self, ConfigError> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(records).map_err(|_| ConfigError::TooLargeForMemory {
+            what: "radix hint expiry order",
+            bytes: crate::arena::bytes_of::<(u64, u32)>(records),
+        })?;
+        Ok(Expiry(std::collections::BinaryHeap::from(v)))
+    }
+}
+
 /// The hint words, the admission clock and the eviction options.
 pub(super) struct Hints {
     /// Per node record: `gen << 32 | stamp` (both cut to 32 bits), 0 for none.
@@ -127,7 +148,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             if (word >> 32) as u32 == gen {
                 if let Some(stamp) = live_stamp(word as u32, now) {
                     let m = &mut self.s.meta[id as usize];
-                    m.want = m.want.max(stamp);
+                    if stamp > m.want {
+                        m.want = stamp;
+                        let e = &mut self.s.hint_expiry.0;
+                        // Within the capacity reserved at construction: no reallocation.
+                        if e.len() < e.capacity() {
+                            e.push(core::cmp::Reverse((stamp, id)));
+                        }
+                    }
                 }
             }
         }
@@ -149,6 +177,26 @@ pub(super) fn touched<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: 
     let l = w.c.hints.inflation.load(Ordering::Relaxed);
     let m = &mut w.s.meta[id as usize];
     m.score = l.saturating_add(1).saturating_add(m.hit_count);
+}
+
+/// Before an eviction: clear every protection that has expired, re-sorting the node.
+#[inline]
+pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
+    if w.c.policy != EvictionPolicy::Hinted {
+        return;
+    }
+    let now = w.c.hints.now();
+    while let Some(&core::cmp::Reverse((want, id))) = w.s.hint_expiry.0.peek() {
+        if want > now {
+            break;
+        }
+        w.s.hint_expiry.0.pop();
+        let m = &mut w.s.meta[id as usize];
+        if m.want != 0 && m.want <= now {
+            m.want = 0;
+            w.heap().update(id);
+        }
+    }
 }
 
 /// Leaf `x` came out of the eviction heap. Returns `true` when it goes back instead

@@ -445,6 +445,8 @@ struct Inner<V: Variant> {
     clock: u64,
     /// The variant's orders.
     ext: V::State,
+    /// [`EvictionPolicy::Hinted`]: protections by expiry (see `hints`).
+    hint_expiry: hints::Expiry,
 }
 
 /// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
@@ -586,6 +588,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             digests: if events.is_some() { boxed("radix page digests", pages, |_| [0u8; 32])? } else { Box::new([]) },
             clock: 0,
             ext: variant.new_state(nrec)?,
+            hint_expiry: hints::Expiry::new(nrec)?,
         };
         let cache = RadixCache {
             alloc,

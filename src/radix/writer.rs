@@ -780,6 +780,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     pub(super) fn evict(&mut self, num_tokens: usize) -> usize {
         let mut freed = 0usize;
         let mut group = self.c.alloc.free_group();
+        super::hints::expire(self);
         while freed < num_tokens {
             let Some(x) = self.heap().pop() else { break };
             if super::hints::deferred(self, x) {

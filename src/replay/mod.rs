@@ -96,7 +96,7 @@ pub const MAX_LOOKAHEAD: usize = 4096;
 pub const MAX_ROW_TABLE_SLOTS: usize = 1 << 30;
 /// What kvpool's [`RadixCache`] allocates per page, besides 4 bytes per slot (its
 /// constructor's estimate; it allocates infallibly, so the replay checks first).
-const RADIX_BYTES_PER_PAGE: u128 = 150;
+const RADIX_BYTES_PER_PAGE: u128 = 190;
 
 /// How requests are scheduled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
