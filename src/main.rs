@@ -263,8 +263,7 @@ mod cli {
             )
             .into());
         }
-        let default_mode =
-            if args.model == Model::Hybrid || optimal { Mode::Sequential } else { Mode::Overlap };
+        let default_mode = if args.model == Model::Hybrid || optimal { Mode::Sequential } else { Mode::Overlap };
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,

@@ -72,11 +72,8 @@ fn radix_hot_paths_do_not_allocate() {
     for policy in EvictionPolicy::ALL.into_iter().chain(EvictionPolicy::KVPOOL_ONLY) {
         for partial in [false, true] {
             let config = RadixConfig { policy, event_capacity: Some(4096) };
-            let tok = RadixCache::new(
-                TokenAllocator::new(120).unwrap(),
-                ReqToTokenPool::new(2, 64).unwrap(),
-                config.clone(),
-            );
+            let tok =
+                RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
             exercise(&tok.unwrap().with_partial_eviction(partial));
             let paged =
                 RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
