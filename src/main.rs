@@ -31,6 +31,20 @@ mod cli {
         Replay(ReplayArgs),
     }
 
+    /// `--policy`: one of the cache's policies, or the offline optimum.
+    #[derive(Clone, Copy, Debug)]
+    enum PolicyArg {
+        Cache(EvictionPolicy),
+        Optimal,
+    }
+
+    fn parse_policy(s: &str) -> Result<PolicyArg, String> {
+        if s.eq_ignore_ascii_case("optimal") {
+            return Ok(PolicyArg::Optimal);
+        }
+        s.parse::<EvictionPolicy>().map(PolicyArg::Cache).map_err(|e| format!("{e}, optimal"))
+    }
+
     #[derive(Args)]
     struct ReplayArgs {
         /// JSON-lines trace in the Mooncake format (plain or gzip); default: the
@@ -44,9 +58,24 @@ mod cli {
         /// Tokens per page.
         #[arg(long, value_name = "P", default_value_t = replay::DEFAULT_PAGE_SIZE)]
         page_size: u32,
-        /// Eviction policy: lru, lfu, fifo, mru, filo or priority.
-        #[arg(long, default_value = "lru")]
-        policy: EvictionPolicy,
+        /// Eviction policy: lru, lfu, fifo, mru, filo, priority (SGLang's), hinted
+        /// (kvpool's: leaves the waiting queue or the routers' look-ups want soon go
+        /// last, the others least frequently used with dynamic aging), or optimal (the
+        /// offline optimum, Belady's rule on the whole trace's future, computed by a
+        /// model of the sequential replay: a ceiling, not a policy a server can run;
+        /// sequential mode, the default with it).
+        #[arg(long, default_value = "lru", value_parser = parse_policy)]
+        policy: PolicyArg,
+        /// Upcoming requests the scheduler tells the cache about under --policy
+        /// hinted: the waiting queue in sequential mode, the routers' window in overlap
+        /// mode [default: --max-running].
+        #[arg(long, value_name = "N")]
+        lookahead: Option<usize>,
+        /// Evict only the pages a shortfall needs, from a leaf's tail, instead of
+        /// whole leaves (SGLang's semantics, the default). kvpool's cache and
+        /// --policy optimal.
+        #[arg(long)]
+        partial_evict: bool,
         /// sequential (one request at a time, deterministic) or overlap (scheduler,
         /// output and router threads at once). Default: overlap; sequential with
         /// --model hybrid (its only mode).
@@ -275,11 +304,25 @@ mod cli {
         let model = model_of(&args)?;
         let hybrid = hybrid_config(&args, model)?;
         let swa = swa_config(&args)?;
-        let default_mode = if matches!(model, Model::Hybrid | Model::Swa) { Mode::Sequential } else { Mode::Overlap };
+        let optimal = matches!(args.policy, PolicyArg::Optimal);
+        if optimal && args.plot.is_some() {
+            return Err(ReplayError::Config(
+                "--plot is not available with --policy optimal (the offline model keeps no timeline)".into(),
+            )
+            .into());
+        }
+        let default_mode =
+            if matches!(model, Model::Hybrid | Model::Swa) || optimal { Mode::Sequential } else { Mode::Overlap };
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,
-            policy: args.policy,
+            policy: match args.policy {
+                PolicyArg::Cache(p) => p,
+                PolicyArg::Optimal => EvictionPolicy::Lru,
+            },
+            lookahead: args.lookahead,
+            partial_evict: args.partial_evict,
+            optimal,
             mode: args.mode.unwrap_or(default_mode),
             cache: args.cache,
             max_running: args.max_running,

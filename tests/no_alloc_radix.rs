@@ -38,6 +38,8 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
                 cache.cache_unfinished_req(0, key, row, &mut lease, 0).unwrap();
                 drop(lease);
                 let _ = cache.peek_prefix(0, key, &mut hit);
+                // A router's or the queue's hint (folded by the evictions below).
+                let _ = cache.hint_prefix(0, &key[..25 * ps], &mut hit, 2);
                 let m = cache.match_prefix(0, &key[..30 * ps], &mut hit);
                 assert!(!m.is_empty());
                 cache.evict(5 * ps);
@@ -65,14 +67,18 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
 
 #[test]
 fn radix_hot_paths_do_not_allocate() {
-    for policy in EvictionPolicy::ALL {
-        let config = RadixConfig { policy, event_capacity: Some(4096) };
-        let tok =
-            RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
-        exercise(&tok.unwrap());
-        let paged =
-            RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
-        exercise(&paged.unwrap());
+    // Every policy, kvpool's hinted one too, with whole and partial-leaf eviction
+    // (a partial eviction splits the victim and removes its tail).
+    for policy in EvictionPolicy::ALL.into_iter().chain(EvictionPolicy::KVPOOL_ONLY) {
+        for partial in [false, true] {
+            let config = RadixConfig { policy, event_capacity: Some(4096) };
+            let tok =
+                RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
+            exercise(&tok.unwrap().with_partial_eviction(partial));
+            let paged =
+                RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
+            exercise(&paged.unwrap().with_partial_eviction(partial));
+        }
     }
 }
 

@@ -12,7 +12,7 @@ pub(crate) trait Slot<N> {
     fn pos(m: &Meta<N>) -> u32;
     fn set_pos(m: &mut Meta<N>, pos: u32);
     fn key(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
-        policy.key(m.last_access, m.created, m.hit_count, m.priority)
+        super::hints::node_key(policy, m)
     }
 }
 

@@ -158,7 +158,9 @@
 
 mod events;
 mod heap;
+mod hints;
 mod mamba;
+mod partial;
 mod policy;
 mod swa;
 mod tokens;
@@ -425,6 +427,10 @@ struct Meta<N = ()> {
     hit_count: u64,
     priority: i64,
     alive: bool,
+    /// [`EvictionPolicy::Hinted`]: the greedy-dual score (see `hints`).
+    score: u64,
+    /// [`EvictionPolicy::Hinted`]: the admission this node is wanted by (0: none).
+    want: u64,
     /// The variant's payload.
     ext: N,
 }
@@ -445,6 +451,8 @@ struct Inner<V: Variant> {
     clock: u64,
     /// The variant's orders.
     ext: V::State,
+    /// [`EvictionPolicy::Hinted`]: protections by expiry (see `hints`).
+    hint_expiry: hints::Expiry,
 }
 
 /// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
@@ -473,6 +481,8 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     total: AtomicUsize,
     events: Option<EventQueue>,
     id: u64,
+    /// Router hints, the admission clock and the eviction options of issue 13.
+    hints: hints::Hints,
 }
 
 /// A boxed arena of `n` cells, reserved fallibly (see `crate::arena`).
@@ -585,6 +595,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             digests: if events.is_some() { boxed("radix page digests", pages, |_| [0u8; 32])? } else { Box::new([]) },
             clock: 0,
             ext: variant.new_state(nrec)?,
+            hint_expiry: hints::Expiry::new(nrec)?,
         };
         let cache = RadixCache {
             alloc,
@@ -607,6 +618,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             total: AtomicUsize::new(0),
             events,
             id: cache_id(),
+            hints: hints::Hints::new(nrec)?,
         };
         cache.write(|w| w.init());
         Ok(cache)
@@ -924,6 +936,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// a prefix cache from several threads). The lease protects the matched path until
     /// dropped; `lease.len()` tokens of `out` hold the matched slots.
     pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
+        self.hints.admit();
         let key = self.aligned(key, out.len());
         let key = self.write(|w| {
             let (m, ..) = w.match_path(namespace, key, out);

@@ -22,6 +22,13 @@ pub enum EvictionPolicy {
     Filo,
     /// Lowest priority first, then least recently used.
     Priority,
+    /// kvpool's scheduler-aware policy (not in SGLang): leaves that a queued request or
+    /// a router look-up marked as wanted soon ([`RadixCache::hint_prefix`]) go last;
+    /// the others go by least frequently used with dynamic aging (greedy-dual). See
+    /// the `hints` module docs.
+    ///
+    /// [`RadixCache::hint_prefix`]: super::RadixCache::hint_prefix
+    Hinted,
 }
 
 impl EvictionPolicy {
@@ -35,6 +42,9 @@ impl EvictionPolicy {
         EvictionPolicy::Priority,
     ];
 
+    /// Policies kvpool has beyond SGLang's (the simple reference tree does not run them).
+    pub const KVPOOL_ONLY: [EvictionPolicy; 1] = [EvictionPolicy::Hinted];
+
     /// The policy's name as SGLang spells it (`lru`, `lfu`, ...).
     pub fn name(self) -> &'static str {
         match self {
@@ -44,11 +54,14 @@ impl EvictionPolicy {
             EvictionPolicy::Mru => "mru",
             EvictionPolicy::Filo => "filo",
             EvictionPolicy::Priority => "priority",
+            EvictionPolicy::Hinted => "hinted",
         }
     }
 
     /// The eviction key of a node: smaller keys are evicted first. Timestamps are
-    /// distinct ticks of one logical clock, so keys never tie.
+    /// distinct ticks of one logical clock, so keys never tie. [`Hinted`](Self::Hinted)
+    /// keys on per-node state these fields do not carry: here it is LRU (kvpool's tree
+    /// computes its real key itself).
     #[inline]
     pub fn key(self, last_access: u64, created: u64, hit_count: u64, priority: i64) -> (i64, u64) {
         match self {
@@ -58,6 +71,7 @@ impl EvictionPolicy {
             EvictionPolicy::Mru => (0, u64::MAX - last_access),
             EvictionPolicy::Filo => (0, u64::MAX - created),
             EvictionPolicy::Priority => (priority, last_access),
+            EvictionPolicy::Hinted => (0, last_access),
         }
     }
 }
@@ -74,7 +88,7 @@ pub struct UnknownPolicy(pub String);
 
 impl fmt::Display for UnknownPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority", self.0)
+        write!(f, "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority, hinted", self.0)
     }
 }
 
@@ -85,6 +99,7 @@ impl FromStr for EvictionPolicy {
     fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
         EvictionPolicy::ALL
             .into_iter()
+            .chain(EvictionPolicy::KVPOOL_ONLY)
             .find(|p| p.name().eq_ignore_ascii_case(s))
             .ok_or_else(|| UnknownPolicy(s.to_string()))
     }

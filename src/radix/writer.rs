@@ -36,6 +36,8 @@ fn empty<N: Default>() -> Meta<N> {
         hit_count: 0,
         priority: 0,
         alive: false,
+        score: 0,
+        want: 0,
         ext: N::default(),
     }
 }
@@ -119,7 +121,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.event(KvEvent::AllBlocksCleared);
     }
 
-    fn heap(&mut self) -> Heap<'_, V::Node, Leaves> {
+    pub(super) fn heap(&mut self) -> Heap<'_, V::Node, Leaves> {
         Heap::new(&mut self.s.heap, &mut self.s.meta, self.c.policy)
     }
 
@@ -137,6 +139,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     pub(super) fn touch(&mut self, id: u32) {
         let t = self.tick();
         self.s.meta[id as usize].last_access = t;
+        super::hints::touched(self, id);
         self.heap().update(id);
         V::touched(self, id);
     }
@@ -374,6 +377,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let (mut x, mut t) = (id, newest);
         loop {
             self.s.meta[x as usize].last_access = t;
+            super::hints::touched(self, x);
             self.heap().update(x);
             V::touched(self, x);
             if x == ROOT {
@@ -737,6 +741,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let parent = self.s.page_owner[parent_page as usize];
         self.s.meta[parent as usize].children += 1;
         self.heap().remove(parent);
+        super::hints::touched(self, id);
         self.heap().push(id);
         self.c.evictable.fetch_add(key.len(), Ordering::Release);
         self.c.total.fetch_add(key.len(), Ordering::Release);
@@ -805,9 +810,13 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     pub(super) fn evict(&mut self, num_tokens: usize) -> usize {
         let mut freed = 0usize;
         let mut group = self.c.alloc.free_group();
+        super::hints::expire(self);
         while freed < num_tokens {
             let Some(x) = self.heap().pop() else { break };
-            freed += self.remove_leaf(x, &mut group);
+            if super::hints::deferred(self, x) {
+                continue;
+            }
+            freed += self.evict_leaf(x, num_tokens - freed, &mut group);
         }
         group.end();
         freed

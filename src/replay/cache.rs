@@ -67,6 +67,13 @@ pub trait ReplayCache: Sync {
     fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>);
     /// Match without locking (a router's look-up); returns the hit length.
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize;
+    /// [`peek_prefix`](Self::peek_prefix), telling the cache the prefix is wanted by
+    /// the `position`-th admission from now (kvpool's
+    /// [`RadixCache::hint_prefix`]); caches without hints just look up.
+    fn hint_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32], position: u32) -> usize {
+        let _ = position;
+        self.peek_prefix(namespace, key, out)
+    }
     /// Evict at least `num_tokens` unlocked tokens if there are that many; returns the
     /// tokens freed.
     fn evict(&self, num_tokens: usize) -> usize;
@@ -338,6 +345,9 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         RadixCache::peek_prefix(self, namespace, key, out)
+    }
+    fn hint_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32], position: u32) -> usize {
+        RadixCache::hint_prefix(self, namespace, key, out, position)
     }
     fn evict(&self, num_tokens: usize) -> usize {
         RadixCache::evict(self, num_tokens)

@@ -43,6 +43,8 @@
 
 mod cache;
 mod hybrid;
+mod lookahead;
+mod optimal;
 mod overlap;
 mod plot;
 mod sequential;
@@ -59,6 +61,7 @@ pub use hybrid::{
     run_hybrid, HybridConfig, HybridPoint, HybridReport, Model, DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_MAMBA_MEMORY_RATIO_PERMILLE, DEFAULT_MAMBA_STATE_BYTES, MAX_MAMBA_STATES, MIN_MAMBA_STATES,
 };
+pub use optimal::run_optimal;
 pub use overlap::run_overlap;
 pub use plot::write_plot;
 pub use sequential::run_sequential;
@@ -88,12 +91,14 @@ pub const DEFAULT_ROUTERS: usize = 2;
 pub const MAX_RUNNING_LIMIT: usize = 4096;
 /// The most router threads.
 pub const MAX_ROUTERS: usize = 64;
+/// The longest lookahead (`--lookahead`).
+pub const MAX_LOOKAHEAD: usize = 4096;
 /// The largest request-row table the replay builds (`rows * max_context_len` slots,
 /// 4 bytes each): 4 GiB.
 pub const MAX_ROW_TABLE_SLOTS: usize = 1 << 30;
 /// What kvpool's [`RadixCache`] allocates per page, besides 4 bytes per slot (its
 /// constructor's estimate; it allocates infallibly, so the replay checks first).
-const RADIX_BYTES_PER_PAGE: u128 = 150;
+const RADIX_BYTES_PER_PAGE: u128 = 190;
 
 /// How requests are scheduled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -186,6 +191,16 @@ pub struct ReplayConfig {
     pub hybrid: HybridConfig,
     /// The window and window pool of [`Model::Swa`] (ignored otherwise).
     pub swa: SwaConfig,
+    /// Upcoming requests the scheduler tells the cache about
+    /// ([`RadixCache::hint_prefix`], for [`EvictionPolicy::Hinted`]): in sequential
+    /// mode the next `lookahead` requests of the trace (the waiting queue), in overlap
+    /// mode the routers' window. `None`: `max_running`.
+    pub lookahead: Option<usize>,
+    /// Evict only the pages the shortfall needs, from a leaf's tail
+    /// ([`RadixCache::with_partial_eviction`]; kvpool's cache and the optimum only).
+    pub partial_evict: bool,
+    /// Replay the offline optimum instead of a policy ([`run_optimal`]; sequential).
+    pub optimal: bool,
 }
 
 impl Default for ReplayConfig {
@@ -202,11 +217,37 @@ impl Default for ReplayConfig {
             model: Model::Attention,
             hybrid: HybridConfig::default(),
             swa: SwaConfig::default(),
+            lookahead: None,
+            partial_evict: false,
+            optimal: false,
         }
     }
 }
 
 impl ReplayConfig {
+    /// The lookahead in effect: [`lookahead`](Self::lookahead), or `max_running`.
+    pub fn lookahead(&self) -> usize {
+        self.lookahead.unwrap_or(self.max_running)
+    }
+
+    /// The policy's name in reports: the policy (or `optimal`), and `partial leaves`
+    /// with partial eviction.
+    pub fn policy_name(&self) -> &'static str {
+        use EvictionPolicy as P;
+        match (self.optimal, self.policy, self.partial_evict) {
+            (true, _, false) => "optimal",
+            (true, _, true) => "optimal, partial leaves",
+            (false, p, false) => p.name(),
+            (false, P::Lru, true) => "lru, partial leaves",
+            (false, P::Lfu, true) => "lfu, partial leaves",
+            (false, P::Fifo, true) => "fifo, partial leaves",
+            (false, P::Mru, true) => "mru, partial leaves",
+            (false, P::Filo, true) => "filo, partial leaves",
+            (false, P::Priority, true) => "priority, partial leaves",
+            (false, P::Hinted, true) => "hinted, partial leaves",
+        }
+    }
+
     /// Request rows the replay needs: one in sequential mode; in overlap mode the
     /// running requests plus as many waiting for the output thread.
     pub fn rows(&self) -> usize {
@@ -271,6 +312,45 @@ impl ReplayConfig {
         }
         if self.routers > MAX_ROUTERS {
             return bad(format!("--routers must be at most {MAX_ROUTERS}, not {}", self.routers));
+        }
+        if let Some(n) = self.lookahead {
+            if n > MAX_LOOKAHEAD {
+                return bad(format!("--lookahead must be at most {MAX_LOOKAHEAD}, not {n}"));
+            }
+        }
+        if self.cache != CacheKind::Kvpool
+            && (self.partial_evict || self.policy == EvictionPolicy::Hinted)
+            && !self.optimal
+        {
+            return bad(format!(
+                "--policy hinted and --partial-evict need --cache kvpool (the baselines have SGLang's policies and \
+                 whole-leaf eviction only), not --cache {}",
+                self.cache.name()
+            ));
+        }
+        if self.optimal {
+            if self.mode != Mode::Sequential {
+                return bad(format!(
+                    "--policy optimal is an offline model of the sequential replay: use --mode sequential, not \
+                     --mode {}",
+                    self.mode.name()
+                ));
+            }
+            if self.model != Model::Attention {
+                return bad(format!(
+                    "--policy optimal models the attention replay only (not --model {})",
+                    self.model.name()
+                ));
+            }
+            if BLOCK_TOKENS as usize % ps != 0 {
+                return bad(format!(
+                    "--policy optimal needs a --page-size that divides the trace's {BLOCK_TOKENS}-token blocks \
+                     (1, 2, 4, ... 512), not {ps}"
+                ));
+            }
+        }
+        if self.model != Model::Attention && (self.partial_evict || self.policy == EvictionPolicy::Hinted) {
+            return bad(format!("--policy hinted and --partial-evict are not built for --model {}", self.model.name()));
         }
         if self.model == Model::Hybrid {
             if self.mode != Mode::Sequential {
@@ -353,6 +433,10 @@ impl ReplayConfig {
             CacheKind::Reference | CacheKind::VecTrie => 0,
         };
         let buffers = match self.mode {
+            // The lookahead's prompts (only under the hinted policy).
+            Mode::Sequential if self.policy == EvictionPolicy::Hinted => {
+                2 * max_kv * slot + (self.lookahead() as u128 + 1) * max_input * slot
+            }
             Mode::Sequential => 2 * max_kv * slot,
             // Scheduler and routers: a prompt and its slots each; the output thread: KV tokens.
             Mode::Overlap => (2 + 2 * self.routers as u128) * max_input * slot + max_kv * slot,
@@ -465,6 +549,11 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
     if config.model == Model::Swa {
         return swa::replay_swa(trace, config, progress);
     }
+    if config.optimal {
+        let report = run_optimal(trace, config)?;
+        progress(trace.len() as u64);
+        return Ok(report);
+    }
     let rows = config.rows() as u32;
     let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
     match config.cache {
@@ -472,7 +561,7 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
             let alloc = crate::PagedAllocator::new(config.capacity_tokens, config.page_size).map_err(too_large)?;
             let req_pool = crate::ReqToTokenPool::new(rows, max_context_len).map_err(too_large)?;
             let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
-            let cache = RadixCache::new(alloc, req_pool, radix)?;
+            let cache = RadixCache::new(alloc, req_pool, radix)?.with_partial_eviction(config.partial_evict);
             run(&cache, trace, config, progress)
         }
         CacheKind::Reference => {
@@ -592,7 +681,7 @@ pub(crate) fn finish_report<C: ReplayCache>(
         },
         mode: config.mode.name(),
         cache: cache.name(),
-        policy: config.policy.name(),
+        policy: config.policy_name(),
         page_size: cache.page_size(),
         capacity_tokens: cache.capacity_tokens() as u64,
         max_running: if overlap { config.max_running as u64 } else { 1 },

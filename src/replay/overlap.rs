@@ -296,7 +296,7 @@ fn scheduler<'c, C: ReplayCache>(
         shared,
         tx,
         routers,
-        window: max_running,
+        window: router_window(config),
         ps: cache.page_size(),
         capacity: cache.capacity_tokens(),
         prompt,
@@ -612,6 +612,16 @@ fn output_loop<'c, C: ReplayCache>(
     Ok(out)
 }
 
+/// How far ahead of admission the routers look: `max_running`, or under the hinted
+/// policy the lookahead (the requests whose prefixes the cache is told about).
+fn router_window(config: &ReplayConfig) -> usize {
+    if config.policy == crate::radix::EvictionPolicy::Hinted {
+        config.lookahead().max(1)
+    } else {
+        config.max_running
+    }
+}
+
 fn router_thread<C: ReplayCache>(
     cache: &C,
     trace: &Trace,
@@ -621,7 +631,8 @@ fn router_thread<C: ReplayCache>(
     (mut prompt, mut slots): (Vec<u32>, Vec<u32>),
 ) -> RouterResult {
     let mut res = RouterResult::default();
-    let window = config.max_running;
+    let hinted = config.policy == crate::radix::EvictionPolicy::Hinted;
+    let window = router_window(config);
     let mut r = k;
     while r < trace.len() {
         let next = shared.next_admit.load(Ordering::Acquire);
@@ -647,7 +658,15 @@ fn router_thread<C: ReplayCache>(
         let len = trace.request(r).input_length as usize;
         trace.write_prompt(r, &mut prompt);
         let t = Instant::now();
-        let hit = cache.peek_prefix(NAMESPACE, &prompt[..len], &mut slots[..len]);
+        // Under the hinted policy the look-up also tells the cache the prefix is wanted
+        // by the admission `r - next + 1` from now (an estimate: admissions go on
+        // meanwhile, and a late hint only protects a little longer).
+        let hit = if hinted {
+            let position = (r + 1).saturating_sub(next).min(u32::MAX as usize) as u32;
+            cache.hint_prefix(NAMESPACE, &prompt[..len], &mut slots[..len], position)
+        } else {
+            cache.peek_prefix(NAMESPACE, &prompt[..len], &mut slots[..len])
+        };
         res.route.record_since(t);
         res.matches += 1;
         res.hit_tokens += hit as u64;

@@ -67,6 +67,9 @@ pub fn run_sequential<C: ReplayCache>(
         )));
     }
     let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
+    // The waiting queue, told to the cache under the hinted policy.
+    let queue = if config.policy == crate::radix::EvictionPolicy::Hinted { config.lookahead() } else { 0 };
+    let mut queue = super::lookahead::Lookahead::new(queue, trace.max_input_length_fitting(capacity))?;
     let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
     let mut totals = Totals::default();
     let mut hist = Histograms::default();
@@ -103,6 +106,7 @@ pub fn run_sequential<C: ReplayCache>(
         let t = Instant::now();
         let (hit, lease) = cache.match_and_lock(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
         hist.match_.record_since(t);
+        queue.hint(cache, trace, r);
         let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
         write_row(cache, &mut row, 0, &slots[..hit])?;
 

@@ -1,0 +1,349 @@
+//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`].
+//!
+//! # Hints: "this prefix is wanted soon"
+//!
+//! A scheduler knows its waiting queue, and a KV-aware router looks a prompt up before
+//! the request is admitted. Either can tell the cache that the prefix it found is
+//! wanted by an upcoming admission, with [`RadixCache::hint_prefix`]: a read-only
+//! look-up (as [`peek_prefix`](RadixCache::peek_prefix): lock-free, no latch, no
+//! split, no recency update) that then records on the deepest matched node the
+//! admission it is wanted by, `stamp = admissions so far + position`. The cache counts
+//! admissions itself: every [`match_and_lock`](RadixCache::match_and_lock) is one.
+//!
+//! The record is one atomic word per node record, `gen << 32 | stamp` (both cut to 32
+//! bits), written with a compare-and-swap loop that keeps the later stamp for the same
+//! incarnation: a router never waits, and a failed CAS means another router (or the
+//! writer) changed the word. The word carries no data anyone dereferences — it is
+//! advice — so `Relaxed` is enough everywhere. `gen` is the record's generation when
+//! the look-up validated it: a hint that lands after the node was evicted and its
+//! record reused carries the old `gen` and is ignored (a 32-bit `gen` repeats only
+//! after 2^31 reuses of one record between a look-up and the writer's next read of the
+//! word). Stamps are compared with the admission clock by wrapping distance (a stamp at
+//! most 2^31 admissions ahead is live), so the 32-bit cut never matters.
+//!
+//! The latch holder *folds* a word into the node's metadata (`want`, a 64-bit
+//! admission number) when it touches the node (every node a match or an insert walks,
+//! before any split copies the metadata to both halves) and when the node comes out of
+//! the eviction heap. A node is **protected** while `want > admissions`: the admission
+//! that wanted it has not happened yet. When that admission happens, its match touches
+//! the node and the expired `want` is cleared; a `want` that expires on a node nobody
+//! touched is cleared when the node next comes out of the heap.
+//!
+//! # The order: protected last, then least frequently used with dynamic aging
+//!
+//! Evictable leaves are keyed by (class, then):
+//!
+//! * unprotected leaves: the greedy-dual score `H = L + 1 + hits` (GDSF with the cost
+//!   of a miss proportional to the tokens lost, so cost over size is constant: this is
+//!   LFU with dynamic aging, Arlitt et al. 2000), then least recently used. `hits` is
+//!   the node's hit count (matches through it); `L` is the cache's *inflation*, the
+//!   score of the last leaf evicted, so a node hit long ago ages out: its score was
+//!   fixed when it was last touched, and `L` rises past it as the cache turns over.
+//!   Nothing is tuned: the only unit is "one hit", and `L` calibrates itself;
+//! * protected leaves, after every unprotected one: the one wanted furthest in the
+//!   future first (Belady's rule on what the queue tells).
+//!
+//! A key changes only when the latch holder writes the node's metadata (a touch, a
+//! fold, an expiry), and it re-sorts the node then, so the heap stays a heap: O(log n)
+//! per touch and per eviction; a leaf that comes out of the heap with a new hint or an
+//! expired one is re-keyed and pushed back (once per hint or expiry), never evicted.
+//! Nothing here allocates after construction.
+//!
+//! Without [`EvictionPolicy::Hinted`], hints are ignored ([`hint_prefix`] is then a
+//! plain [`peek_prefix`](RadixCache::peek_prefix)) and nothing here costs anything
+//! beyond one counter increment per admission.
+//!
+//! [`hint_prefix`]: RadixCache::hint_prefix
+
+use super::writer::Writer;
+use super::{EvictionPolicy, Lookup, Meta, RadixCache, Variant};
+use crate::alloc::KvAllocator;
+use crate::error::ConfigError;
+use crate::sync::atomic::{fence, AtomicU64, Ordering};
+use crate::sync::Backoff;
+
+/// The protections in force, soonest expiry first, as (`want`, node): each time a node
+/// becomes protected, an entry; eviction first clears every protection that has expired
+/// (`want <= admissions`), so an expired protection never outlives its admission even
+/// on a node nobody touched. An entry whose node changed since (evicted, reused,
+/// protected longer) is harmless: only a `want` that has expired is ever cleared.
+/// Capacity: one entry per node record, reserved at construction; when full (more
+/// protections in force than nodes, which hints far in the future could cause), a new
+/// protection gets no entry and expires when the node is next touched or popped.
+pub(super) struct Expiry(std::collections::BinaryHeap<core::cmp::Reverse<(u64, u32)>>);
+
+impl Expiry {
+    pub(super) fn new(records: usize) -> Result<Self, ConfigError> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(records).map_err(|_| ConfigError::TooLargeForMemory {
+            what: "radix hint expiry order",
+            bytes: crate::arena::bytes_of::<(u64, u32)>(records),
+        })?;
+        Ok(Expiry(std::collections::BinaryHeap::from(v)))
+    }
+}
+
+/// The hint words, the admission clock and the eviction options.
+pub(super) struct Hints {
+    /// Per node record: `gen << 32 | stamp` (both cut to 32 bits), 0 for none.
+    words: Box<[AtomicU64]>,
+    /// Admissions so far (`match_and_lock` calls).
+    now: AtomicU64,
+    /// The greedy-dual inflation `L`. Only the latch holder reads or writes it (an
+    /// atomic only so that it can live beside the shared words).
+    inflation: AtomicU64,
+    /// Evict only the pages the shortfall needs, from a leaf's tail (see `partial`).
+    pub(super) partial: bool,
+}
+
+impl Hints {
+    pub(super) fn new(records: usize) -> Result<Self, ConfigError> {
+        let words = crate::arena::try_vec_with(records, "radix hint words", |_| AtomicU64::new(0))?;
+        Ok(Hints {
+            words: words.into_boxed_slice(),
+            now: AtomicU64::new(0),
+            inflation: AtomicU64::new(0),
+            partial: false,
+        })
+    }
+
+    /// One more admission.
+    #[inline]
+    pub(super) fn admit(&self) {
+        self.now.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn now(&self) -> u64 {
+        self.now.load(Ordering::Relaxed)
+    }
+}
+
+/// Whether the 32-bit stamp `s` lies strictly ahead of the clock `now` (by wrapping
+/// distance), and if so, the 64-bit admission number it stands for.
+#[inline]
+fn live_stamp(s: u32, now: u64) -> Option<u64> {
+    let d = s.wrapping_sub(now as u32);
+    (d != 0 && d < 1 << 31).then(|| now + d as u64)
+}
+
+/// The eviction key of a node under `policy` (smaller first).
+#[inline]
+pub(super) fn node_key<N>(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
+    match policy {
+        EvictionPolicy::Hinted if m.want != 0 => (i64::MAX, u64::MAX - m.want),
+        EvictionPolicy::Hinted => (m.score.min(i64::MAX as u64 - 1) as i64, m.last_access),
+        _ => policy.key(m.last_access, m.created, m.hit_count, m.priority),
+    }
+}
+
+impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
+    /// Fold node `id`'s hint word into its `want` and clear an expired `want`.
+    fn fold_hint(&mut self, id: u32) {
+        let hints = &self.c.hints;
+        let now = hints.now();
+        let cell = &hints.words[id as usize];
+        if cell.load(Ordering::Relaxed) != 0 {
+            let word = cell.swap(0, Ordering::Relaxed);
+            let gen = self.c.records[id as usize].gen.load(Ordering::Relaxed) as u32;
+            if (word >> 32) as u32 == gen {
+                if let Some(stamp) = live_stamp(word as u32, now) {
+                    let m = &mut self.s.meta[id as usize];
+                    if stamp > m.want {
+                        m.want = stamp;
+                        let e = &mut self.s.hint_expiry.0;
+                        // Within the capacity reserved at construction: no reallocation.
+                        if e.len() < e.capacity() {
+                            e.push(core::cmp::Reverse((stamp, id)));
+                        }
+                    }
+                }
+            }
+        }
+        let m = &mut self.s.meta[id as usize];
+        if m.want != 0 && m.want <= now {
+            m.want = 0;
+        }
+    }
+}
+
+/// Node `id` was touched or created (its core order is re-sorted right after): fold its
+/// hint and give it its greedy-dual score.
+#[inline]
+pub(super) fn touched<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: u32) {
+    if w.c.policy != EvictionPolicy::Hinted {
+        return;
+    }
+    w.fold_hint(id);
+    let l = w.c.hints.inflation.load(Ordering::Relaxed);
+    let m = &mut w.s.meta[id as usize];
+    m.score = l.saturating_add(1).saturating_add(m.hit_count);
+}
+
+/// Before an eviction: clear every protection that has expired, re-sorting the node.
+#[inline]
+pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
+    if w.c.policy != EvictionPolicy::Hinted {
+        return;
+    }
+    let now = w.c.hints.now();
+    while let Some(&core::cmp::Reverse((want, id))) = w.s.hint_expiry.0.peek() {
+        if want > now {
+            break;
+        }
+        w.s.hint_expiry.0.pop();
+        let m = &mut w.s.meta[id as usize];
+        if m.want != 0 && m.want <= now {
+            m.want = 0;
+            w.heap().update(id);
+        }
+    }
+}
+
+/// Leaf `x` came out of the eviction heap. Returns `true` when it goes back instead
+/// (a hint arrived or its protection expired: its key changed, and it is pushed back
+/// under the new one); otherwise it is the victim, and the inflation rises to its score.
+#[inline]
+pub(super) fn deferred<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, x: u32) -> bool {
+    if w.c.policy != EvictionPolicy::Hinted {
+        return false;
+    }
+    let before = node_key(w.c.policy, &w.s.meta[x as usize]);
+    w.fold_hint(x);
+    let m = &w.s.meta[x as usize];
+    if node_key(w.c.policy, m) != before {
+        w.heap().push(x);
+        return true;
+    }
+    if m.want == 0 {
+        let l = &w.c.hints.inflation;
+        l.store(l.load(Ordering::Relaxed).max(m.score), Ordering::Relaxed);
+    }
+    false
+}
+
+impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
+    /// Admissions so far: how many [`match_and_lock`](Self::match_and_lock) calls
+    /// this cache has served (the clock of [`hint_prefix`](Self::hint_prefix)).
+    pub fn admissions(&self) -> u64 {
+        self.hints.now()
+    }
+
+    /// [`peek_prefix`](Self::peek_prefix), and mark the prefix found as wanted by an
+    /// upcoming admission: the `position`-th [`match_and_lock`](Self::match_and_lock)
+    /// from now (1: the next one; 0 counts as 1). Under
+    /// [`EvictionPolicy::Hinted`] the deepest matched node (hence its whole path) is
+    /// evicted only after every unprotected leaf until that admission has happened;
+    /// under the other policies this is [`peek_prefix`](Self::peek_prefix).
+    ///
+    /// Lock-free like `peek_prefix`: it never takes the writer latch, and the mark is
+    /// one compare-and-swap loop on a word of the node (see the `hints` module docs).
+    /// It does not lock anything: the prefix may still be evicted (last), and a
+    /// request must still [`match_and_lock`](Self::match_and_lock) it to use it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
+    /// # use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+    /// let config = RadixConfig { policy: EvictionPolicy::Hinted, ..RadixConfig::default() };
+    /// let cache = RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, config)?;
+    /// let (mut a, mut b) = ([0u32; 2], [0u32; 2]);
+    /// cache.allocator().alloc(&mut a)?;
+    /// cache.insert(0, &[1, 2], &a, 0)?;
+    /// cache.allocator().alloc(&mut b)?;
+    /// cache.insert(0, &[3, 4], &b, 0)?;
+    /// // [3, 4] is newer and as frequent, but the queue wants [1, 2]: [3, 4] goes.
+    /// assert_eq!(cache.hint_prefix(0, &[1, 2], &mut [0; 2], 1), 2);
+    /// assert_eq!(cache.evict(1), 2);
+    /// assert_eq!(cache.peek_prefix(0, &[1, 2], &mut [0; 2]), 2);
+    /// assert_eq!(cache.peek_prefix(0, &[3, 4], &mut [0; 2]), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn hint_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32], position: u32) -> usize {
+        if self.policy != EvictionPolicy::Hinted {
+            return self.peek_prefix(namespace, key, out);
+        }
+        let (len, deepest) = self.peek_deepest(namespace, key, out);
+        if let Some((id, gen)) = deepest {
+            self.post_hint(id, gen, position.max(1));
+        }
+        len
+    }
+
+    /// Record that node `id` in incarnation `gen` is wanted by the `position`-th
+    /// admission from now, keeping a later stamp already there for the same incarnation.
+    fn post_hint(&self, id: u32, gen: u64, position: u32) {
+        let now = self.hints.now();
+        let stamp = (now as u32).wrapping_add(position);
+        let word = (gen as u32 as u64) << 32 | stamp as u64;
+        let cell = &self.hints.words[id as usize];
+        let mut cur = cell.load(Ordering::Relaxed);
+        loop {
+            if cur >> 32 == word >> 32 {
+                // The same incarnation: keep whichever stamp lies further ahead.
+                let ahead = |s: u32| s.wrapping_sub(now as u32) as i32;
+                if ahead(cur as u32) >= ahead(stamp) {
+                    return;
+                }
+            }
+            // Relaxed: the word is advice, nothing is published through it. A failure
+            // means another router or the writer changed it: look again.
+            match cell.compare_exchange_weak(cur, word, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+
+    /// [`peek_prefix`](Self::peek_prefix)'s walk, also returning the deepest matched
+    /// record and the `gen` it was validated in (none for an empty match). The same
+    /// validation: every record read is re-checked after an `Acquire` fence, a miss
+    /// re-checks its bucket's removal version, and the deepest record is checked last.
+    fn peek_deepest(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Option<(u32, u64)>) {
+        let key = self.aligned(key, out.len());
+        let ps = self.ps;
+        let mut backoff = Backoff::new();
+        'retry: loop {
+            let (mut pos, mut cur) = (0usize, 0u32);
+            let mut deepest: Option<(u32, u64)> = None;
+            while pos < key.len() {
+                match self.find_child(cur, namespace, &key[pos..pos + ps]) {
+                    Lookup::Conflict => {
+                        backoff.spin();
+                        continue 'retry;
+                    }
+                    Lookup::Miss { bucket, word } => {
+                        fence(Ordering::Acquire);
+                        if self.buckets[bucket].load(Ordering::Relaxed) >> 32 != word >> 32 {
+                            backoff.spin();
+                            continue 'retry;
+                        }
+                        break;
+                    }
+                    Lookup::Found { id, gen } => {
+                        let (m, last, n) = self.match_in_node::<false>(id, &key[pos..], &mut out[pos..]);
+                        fence(Ordering::Acquire);
+                        if self.records[id as usize].gen.load(Ordering::SeqCst) != gen || m == 0 {
+                            backoff.spin();
+                            continue 'retry;
+                        }
+                        deepest = Some((id, gen));
+                        pos += m * ps;
+                        if m < n {
+                            break;
+                        }
+                        cur = last;
+                    }
+                }
+            }
+            if let Some((id, gen)) = deepest {
+                fence(Ordering::Acquire);
+                if self.records[id as usize].gen.load(Ordering::SeqCst) != gen {
+                    backoff.spin();
+                    continue 'retry;
+                }
+            }
+            return (pos, deepest);
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! The offline optimum (issue 13): Belady's MIN adapted to a prefix tree, as a ceiling
+//! for the eviction policies (`kvpool replay --policy optimal`, sequential mode).
+//!
+//! # What it computes
+//!
+//! The sequential replay with every eviction decided by the future: when the pool is
+//! short, the evictable leaf whose next use lies furthest ahead goes first, and a leaf
+//! no later request uses goes before any other. The next use of a cached page is the
+//! first later request whose prompt's whole pages include it (as a prefix: its tokens
+//! and all tokens before it equal); it is precomputed from the whole trace, per prompt
+//! block chain (the hash ids up to a block), the list of requests using it.
+//!
+//! * **Whole leaves** (SGLang's semantics, the default): a leaf's next use is its first
+//!   page's (any use of a leaf uses its first page). Belady's rule is a heuristic here:
+//!   leaves differ in size and go whole, and no polynomial rule is known to be exact.
+//! * **Partial** (`--partial-evict`): pages go one at a time from a leaf's tail, keyed
+//!   by the tail page's next use. Every prefix of a cached path is a cached path, a
+//!   page's next use is never later than its descendants', and eviction is lazy
+//!   (exactly the shortfall): this is classic paging with forced loads, where MIN is
+//!   optimal — and it bounds every policy of either granularity from above, since any
+//!   whole-leaf schedule is also a page schedule. The tests check both against brute
+//!   force over every eviction choice on small traces.
+//!
+//! # How
+//!
+//! kvpool's tree is built for an online policy; this is a separate page-level model of
+//! the same replay (match with splits, locks along the path, `alloc_extend` then one
+//! decode page at a time, evicting the shortfall first, `cache_finished_req`), with the
+//! same logical clock. Run with LRU or LFU it reproduces kvpool's sequential replay
+//! exactly — hit tokens, evicted tokens, peak and final occupancy (tested) — so the
+//! optimum differs from them only by its eviction choices. It needs a page size that
+//! divides the trace's 512-token blocks (pages then never straddle two blocks, and a
+//! page is named by its block chain and its place in the block).
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use super::{Histograms, ReplayConfig, ReplayError, Report, Trace, BLOCK_TOKENS};
+#[cfg(test)]
+use crate::radix::EvictionPolicy;
+
+/// Which leaf the model evicts first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))] // LRU and LFU: the tests' checks against kvpool
+pub(crate) enum SimPolicy {
+    /// kvpool's LRU (to check the model against the real replay).
+    Lru,
+    /// kvpool's LFU.
+    Lfu,
+    /// Belady: furthest next use first.
+    Optimal,
+}
+
+const NEVER: u64 = u64::MAX;
+const ROOT: u32 = 0;
+/// Page ids with this bit are private to one request (they hold output tokens).
+const PRIVATE: u64 = 1 << 63;
+
+/// For each prompt block chain, the requests whose prompt reaches it, in order, with
+/// how many whole pages of the block each one's prompt covers.
+struct Uses {
+    ps: usize,
+    pages_per_block: usize,
+    /// `chain_of[r]`: the block chain ids of request `r`'s prompt blocks.
+    chain_start: Vec<usize>,
+    chains: Vec<u32>,
+    /// Per chain: (request, whole pages of the block in its prompt).
+    uses: Vec<Vec<(u32, u16)>>,
+}
+
+impl Uses {
+    fn new(trace: &Trace, ps: usize) -> Self {
+        let pages_per_block = BLOCK_TOKENS as usize / ps;
+        let mut intern: HashMap<(u32, u32), u32> = HashMap::new();
+        let (mut chain_start, mut chains, mut uses) = (Vec::with_capacity(trace.len() + 1), Vec::new(), Vec::new());
+        for r in 0..trace.len() {
+            chain_start.push(chains.len());
+            let len = trace.request(r).input_length as usize;
+            let mut parent = u32::MAX;
+            for (b, &h) in trace.hash_ids(r).iter().enumerate() {
+                let next = intern.len() as u32;
+                let id = *intern.entry((parent, h)).or_insert(next);
+                if id as usize == uses.len() {
+                    uses.push(Vec::new());
+                }
+                let covered = (len - b * BLOCK_TOKENS as usize).min(BLOCK_TOKENS as usize) / ps;
+                uses[id as usize].push((r as u32, covered as u16));
+                chains.push(id);
+                parent = id;
+            }
+        }
+        chain_start.push(chains.len());
+        Uses { ps, pages_per_block, chain_start, chains, uses }
+    }
+
+    /// The id of whole prompt page `i` of request `r`.
+    fn page(&self, r: usize, i: usize) -> u64 {
+        let chain = self.chains[self.chain_start[r] + i / self.pages_per_block];
+        (chain as u64) * self.pages_per_block as u64 + (i % self.pages_per_block) as u64
+    }
+
+    /// The first request after `r` whose prompt's whole pages include `page`.
+    fn next_use(&self, page: u64, r: usize) -> u64 {
+        if page & PRIVATE != 0 {
+            return NEVER;
+        }
+        let (chain, k) = ((page / self.pages_per_block as u64) as usize, (page % self.pages_per_block as u64) as u16);
+        let list = &self.uses[chain];
+        let from = list.partition_point(|&(s, _)| s as usize <= r);
+        list[from..].iter().find(|&&(_, covered)| covered > k).map_or(NEVER, |&(s, _)| s as u64)
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct Node {
+    parent: u32,
+    pages: Vec<u64>,
+    children: u32,
+    lock: u32,
+    last_access: u64,
+    hit_count: u64,
+    /// The key it is in the eviction set under, when it is there.
+    key: Option<(u64, u64)>,
+}
+
+/// Counters of a model run, in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SimTotals {
+    pub served: u64,
+    pub rejected: u64,
+    pub prompt_tokens: u64,
+    pub hit_tokens: u64,
+    pub output_tokens: u64,
+    pub evicted_tokens: u64,
+    pub peak_used_tokens: u64,
+    pub final_cached_tokens: u64,
+}
+
+/// The page-level model of the sequential replay.
+#[derive(Clone)]
+pub(crate) struct Sim<'u> {
+    uses: &'u Uses,
+    policy: SimPolicy,
+    partial: bool,
+    capacity_pages: usize,
+    free_pages: usize,
+    evictable_pages: usize,
+    cached_pages: usize,
+    nodes: Vec<Node>,
+    free_ids: Vec<u32>,
+    children: HashMap<(u32, u64), u32>,
+    order: BTreeSet<(u64, u64, u32)>,
+    clock: u64,
+    now: usize,
+    private_next: u64,
+    totals: SimTotals,
+}
+
+/// Picks the victim among the `n` evictable leaves (in the policy's order); `None`
+/// means the policy's first.
+pub(crate) type Chooser<'a> = &'a mut dyn FnMut(usize) -> usize;
+
+impl<'u> Sim<'u> {
+    fn new(uses: &'u Uses, capacity_tokens: usize, policy: SimPolicy, partial: bool) -> Self {
+        let root = Node { lock: 1, ..Node::default() };
+        let capacity_pages = capacity_tokens / uses.ps;
+        Sim {
+            uses,
+            policy,
+            partial,
+            capacity_pages,
+            free_pages: capacity_pages,
+            evictable_pages: 0,
+            cached_pages: 0,
+            nodes: vec![root],
+            free_ids: Vec::new(),
+            children: HashMap::new(),
+            order: BTreeSet::new(),
+            clock: 0,
+            now: 0,
+            private_next: 0,
+            totals: SimTotals::default(),
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn key(&self, id: u32) -> (u64, u64) {
+        let n = &self.nodes[id as usize];
+        match self.policy {
+            SimPolicy::Lru => (0, n.last_access),
+            SimPolicy::Lfu => (n.hit_count, n.last_access),
+            SimPolicy::Optimal => {
+                // Partial: pages go from the tail, so the tail page's next use counts.
+                let page = if self.partial { *n.pages.last().unwrap_or(&PRIVATE) } else { n.pages[0] };
+                (NEVER - self.uses.next_use(page, self.now), n.last_access)
+            }
+        }
+    }
+
+    fn push(&mut self, id: u32) {
+        let k = self.key(id);
+        self.nodes[id as usize].key = Some(k);
+        self.order.insert((k.0, k.1, id));
+    }
+
+    fn remove(&mut self, id: u32) {
+        if let Some(k) = self.nodes[id as usize].key.take() {
+            self.order.remove(&(k.0, k.1, id));
+        }
+    }
+
+    /// Re-sort `id` after its recency changed (only leaves are in the order).
+    fn touch(&mut self, id: u32) {
+        let t = self.tick();
+        self.nodes[id as usize].last_access = t;
+        if self.nodes[id as usize].key.is_some() {
+            self.remove(id);
+            self.push(id);
+        }
+    }
+
+    fn new_node(&mut self, node: Node) -> u32 {
+        match self.free_ids.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                self.nodes.len() as u32 - 1
+            }
+        }
+    }
+
+    /// Cut `id` after `m` pages; returns the new upper node (`id` stays the lower).
+    fn split(&mut self, id: u32, m: usize) -> u32 {
+        let t = self.tick();
+        let old = &self.nodes[id as usize];
+        let upper = Node {
+            parent: old.parent,
+            pages: old.pages[..m].to_vec(),
+            children: 1,
+            lock: old.lock,
+            last_access: t,
+            hit_count: old.hit_count,
+            key: None,
+        };
+        let (parent, first) = (old.parent, old.pages[0]);
+        let u = self.new_node(upper);
+        let lower = &mut self.nodes[id as usize];
+        lower.pages.drain(..m);
+        lower.parent = u;
+        let lower_first = lower.pages[0];
+        self.children.insert((parent, first), u);
+        self.children.insert((u, lower_first), id);
+        if self.nodes[id as usize].key.is_some() {
+            // A leaf's key may depend on its pages.
+            self.remove(id);
+            self.push(id);
+        }
+        u
+    }
+
+    /// Match request `r`'s whole prompt pages, splitting at the end, as kvpool's
+    /// `match_path`; returns (pages matched, last node).
+    fn match_prompt(&mut self, r: usize, pages: usize) -> (usize, u32) {
+        if pages == 0 {
+            return (0, ROOT);
+        }
+        self.touch(ROOT);
+        let (mut pos, mut cur) = (0usize, ROOT);
+        while pos < pages {
+            let Some(&id) = self.children.get(&(cur, self.uses.page(r, pos))) else { break };
+            self.nodes[id as usize].hit_count += 1;
+            self.touch(id);
+            let n = self.nodes[id as usize].pages.len();
+            let mut m = 1;
+            while m < n && pos + m < pages && self.nodes[id as usize].pages[m] == self.uses.page(r, pos + m) {
+                m += 1;
+            }
+            pos += m;
+            if m < n {
+                cur = self.split(id, m);
+                break;
+            }
+            cur = id;
+        }
+        (pos, cur)
+    }
+
+    fn lock(&mut self, mut id: u32, inc: bool) {
+        while id != ROOT {
+            let len = self.nodes[id as usize].pages.len();
+            let n = &mut self.nodes[id as usize];
+            if inc {
+                if n.lock == 0 {
+                    self.evictable_pages -= len;
+                    self.remove(id);
+                }
+                self.nodes[id as usize].lock += 1;
+            } else {
+                n.lock -= 1;
+                if n.lock == 0 {
+                    self.evictable_pages += len;
+                    if n.children == 0 {
+                        self.push(id);
+                    }
+                }
+            }
+            id = self.nodes[id as usize].parent;
+        }
+    }
+
+    /// Free at least `need` pages (exactly `need` when partial) from unlocked leaves.
+    fn evict(&mut self, need: usize, choose: &mut Option<Chooser<'_>>) -> usize {
+        let mut freed = 0;
+        while freed < need && !self.order.is_empty() {
+            let pick = match choose {
+                Some(f) => f(self.order.len()),
+                None => 0,
+            };
+            let &(.., x) = self.order.iter().nth(pick).expect("the chooser picks an evictable leaf");
+            self.remove(x);
+            let len = self.nodes[x as usize].pages.len();
+            // Partial: the optimum takes one page at a time (and re-sorts the leaf by
+            // its new tail); the others cut the whole shortfall at once, as kvpool.
+            let cut = if !self.partial {
+                len
+            } else if self.policy == SimPolicy::Optimal || choose.is_some() {
+                1
+            } else {
+                (need - freed).min(len)
+            };
+            freed += cut;
+            self.free_pages += cut;
+            self.evictable_pages -= cut;
+            self.cached_pages -= cut;
+            if cut < len {
+                let n = &mut self.nodes[x as usize];
+                n.pages.truncate(len - cut);
+                // The shortened leaf keeps its order fields (kvpool's split ticks once).
+                self.tick();
+                self.push(x);
+                continue;
+            }
+            let n = std::mem::take(&mut self.nodes[x as usize]);
+            self.children.remove(&(n.parent, n.pages[0]));
+            self.free_ids.push(x);
+            let p = n.parent;
+            self.nodes[p as usize].children -= 1;
+            let pn = &self.nodes[p as usize];
+            if p != ROOT && pn.children == 0 && pn.lock == 0 {
+                self.push(p);
+            }
+        }
+        self.totals.evicted_tokens += (freed * self.uses.ps) as u64;
+        freed
+    }
+
+    fn make_room(&mut self, need: usize, choose: &mut Option<Chooser<'_>>) {
+        if need > self.free_pages && need - self.free_pages <= self.evictable_pages {
+            self.evict(need - self.free_pages, choose);
+        }
+    }
+
+    fn alloc(&mut self, pages: usize) -> bool {
+        if pages > self.free_pages {
+            return false;
+        }
+        self.free_pages -= pages;
+        let used = (self.capacity_pages - self.free_pages) * self.uses.ps;
+        self.totals.peak_used_tokens = self.totals.peak_used_tokens.max(used as u64);
+        true
+    }
+
+    /// Serve request `r` as the sequential driver does.
+    fn request(&mut self, trace: &Trace, r: usize, choose: &mut Option<Chooser<'_>>) {
+        let ps = self.uses.ps;
+        let q = trace.request(r);
+        let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
+        self.now = r;
+        if kv_len.div_ceil(ps) > self.capacity_pages {
+            self.totals.rejected += 1;
+            return;
+        }
+        let (hit, end) = self.match_prompt(r, prompt / ps);
+        self.lock(end, true);
+        let mut held = 0;
+        let mut ok = true;
+        let need = prompt.div_ceil(ps) - hit;
+        self.make_room(need, choose);
+        if self.alloc(need) {
+            held += need;
+            for seq in prompt + 1..=kv_len {
+                if (seq - 1) % ps == 0 {
+                    self.make_room(1, choose);
+                    if !self.alloc(1) {
+                        ok = false;
+                        break;
+                    }
+                    held += 1;
+                }
+            }
+        } else {
+            ok = false;
+        }
+        if !ok {
+            self.free_pages += held;
+            self.lock(end, false);
+            self.totals.rejected += 1;
+            return;
+        }
+        // cache_finished_req: touch the cached path, add the new leaf, free the tail.
+        let aligned = kv_len / ps;
+        self.touch(ROOT);
+        let mut path = Vec::new();
+        let mut x = end;
+        while x != ROOT {
+            path.push(x);
+            x = self.nodes[x as usize].parent;
+        }
+        for &id in path.iter().rev() {
+            self.touch(id);
+        }
+        if aligned > hit {
+            let whole_prompt = prompt / ps;
+            let pages: Vec<u64> = (hit..aligned)
+                .map(|i| {
+                    if i < whole_prompt {
+                        self.uses.page(r, i)
+                    } else {
+                        self.private_next += 1;
+                        PRIVATE | self.private_next
+                    }
+                })
+                .collect();
+            let t = self.tick();
+            let first = pages[0];
+            let id = self.new_node(Node {
+                parent: end,
+                pages,
+                children: 0,
+                lock: 0,
+                last_access: t,
+                hit_count: 0,
+                key: None,
+            });
+            self.children.insert((end, first), id);
+            self.nodes[end as usize].children += 1;
+            self.remove(end);
+            self.evictable_pages += aligned - hit;
+            self.cached_pages += aligned - hit;
+            // The new leaf's next use is after this request.
+            self.push(id);
+        }
+        self.free_pages += held - (aligned - hit);
+        self.lock(end, false);
+        self.totals.served += 1;
+        self.totals.prompt_tokens += prompt as u64;
+        self.totals.hit_tokens += (hit * ps) as u64;
+        self.totals.output_tokens += q.output_length as u64;
+    }
+
+    fn run(mut self, trace: &Trace, choose: &mut Option<Chooser<'_>>) -> SimTotals {
+        for r in 0..trace.len() {
+            self.request(trace, r, choose);
+        }
+        self.totals.final_cached_tokens = (self.cached_pages * self.uses.ps) as u64;
+        self.totals
+    }
+}
+
+/// Check that the model can run `config` on `trace`: a page size dividing the blocks.
+fn check(config: &ReplayConfig) -> Result<usize, ReplayError> {
+    let ps = config.page_size as usize;
+    if ps == 0 || BLOCK_TOKENS as usize % ps != 0 {
+        return Err(ReplayError::Config(format!(
+            "--policy optimal needs a --page-size that divides the trace's {BLOCK_TOKENS}-token blocks \
+             (1, 2, 4, ... 512), not {ps}"
+        )));
+    }
+    Ok(ps)
+}
+
+/// Run the page-level model of the sequential replay under `policy`.
+pub(crate) fn simulate(
+    trace: &Trace,
+    config: &ReplayConfig,
+    policy: SimPolicy,
+    choose: &mut Option<Chooser<'_>>,
+) -> Result<SimTotals, ReplayError> {
+    let ps = check(config)?;
+    let uses = Uses::new(trace, ps);
+    Ok(Sim::new(&uses, config.capacity_tokens, policy, config.partial_evict).run(trace, choose))
+}
+
+/// `kvpool replay --policy optimal`: the offline optimum of the sequential replay (see
+/// the module docs), as a [`Report`] (no latencies: nothing is timed but the whole).
+///
+/// # Errors
+///
+/// [`ReplayError::Config`] for a page size that does not divide 512.
+pub fn run_optimal(trace: &Trace, config: &ReplayConfig) -> Result<Report, ReplayError> {
+    config.validate(trace)?;
+    let start = Instant::now();
+    let t = simulate(trace, config, SimPolicy::Optimal, &mut None)?;
+    let wall = start.elapsed().as_secs_f64();
+    let hist = Histograms::default();
+    let requests = t.served + t.rejected;
+    let rate = |x: f64| if wall > 0.0 { x / wall } else { 0.0 };
+    Ok(Report {
+        requests,
+        rejected: t.rejected,
+        prompt_tokens: t.prompt_tokens,
+        hit_tokens: t.hit_tokens,
+        hit_rate: if t.prompt_tokens > 0 { t.hit_tokens as f64 / t.prompt_tokens as f64 } else { 0.0 },
+        computed_tokens: t.prompt_tokens - t.hit_tokens,
+        output_tokens: t.output_tokens,
+        evicted_tokens: t.evicted_tokens,
+        peak_used_tokens: t.peak_used_tokens,
+        final_cached_tokens: t.final_cached_tokens,
+        wall_seconds: wall,
+        requests_per_second: rate(requests as f64),
+        tokens_per_second: rate((t.prompt_tokens + t.output_tokens) as f64),
+        latency_ns: super::Latencies {
+            match_: hist.match_.summary(),
+            alloc_extend: hist.alloc_extend.summary(),
+            alloc_decode: hist.alloc_decode.summary(),
+            finish: hist.finish.summary(),
+            route: None,
+        },
+        mode: "sequential",
+        cache: "optimal (offline model)",
+        policy: if config.partial_evict { "optimal, partial leaves" } else { "optimal" },
+        page_size: config.page_size,
+        capacity_tokens: config.capacity_tokens as u64,
+        max_running: 1,
+        routers: 0,
+        retracted: 0,
+        router_matches: 0,
+        router_hit_tokens: 0,
+        invariants_ok: true,
+        timeline: Vec::new(),
+        hybrid: None,
+        swa: None,
+    })
+}
+
+/// The model's counterpart of a kvpool policy, for the checks against the real replay.
+#[cfg(test)]
+pub(crate) fn sim_policy(p: EvictionPolicy) -> Option<SimPolicy> {
+    match p {
+        EvictionPolicy::Lru => Some(SimPolicy::Lru),
+        EvictionPolicy::Lfu => Some(SimPolicy::Lfu),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests;

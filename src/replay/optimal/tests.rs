@@ -1,0 +1,210 @@
+//! The model against kvpool's replay, and the optimum against brute force.
+
+use super::*;
+use crate::radix::{RadixCache, RadixConfig};
+use crate::replay::{run_sequential, Mode};
+
+/// A trace of requests `(blocks, extra prompt tokens, output tokens)`.
+fn trace_of(reqs: &[(&[u32], u32, u32)]) -> Trace {
+    let mut text = String::new();
+    for (blocks, extra, out) in reqs {
+        let input = blocks.len() as u32 * BLOCK_TOKENS - if *extra > 0 { BLOCK_TOKENS - extra } else { 0 };
+        text += &format!("{{\"input_length\": {input}, \"output_length\": {out}, \"hash_ids\": {blocks:?}}}\n");
+    }
+    Trace::from_jsonl_str(&text, "test").unwrap()
+}
+
+fn config(capacity: usize, ps: u32, partial: bool) -> ReplayConfig {
+    ReplayConfig {
+        capacity_tokens: capacity,
+        page_size: ps,
+        mode: Mode::Sequential,
+        partial_evict: partial,
+        ..ReplayConfig::default()
+    }
+}
+
+/// kvpool's sequential replay of `trace`.
+fn kvpool(trace: &Trace, c: &ReplayConfig, policy: EvictionPolicy) -> SimTotals {
+    let alloc = crate::PagedAllocator::new(c.capacity_tokens, c.page_size).unwrap();
+    let rows = crate::ReqToTokenPool::new(1, trace.max_kv_len_fitting(c.capacity_tokens).max(1)).unwrap();
+    let cache = RadixCache::new(alloc, rows, RadixConfig { policy, ..RadixConfig::default() })
+        .unwrap()
+        .with_partial_eviction(c.partial_evict);
+    let c = ReplayConfig { policy, ..c.clone() };
+    let r = run_sequential(&cache, trace, &c, &|_| {}).unwrap();
+    SimTotals {
+        served: r.requests - r.rejected,
+        rejected: r.rejected,
+        prompt_tokens: r.prompt_tokens,
+        hit_tokens: r.hit_tokens,
+        output_tokens: r.output_tokens,
+        evicted_tokens: r.evicted_tokens,
+        peak_used_tokens: r.peak_used_tokens,
+        final_cached_tokens: r.final_cached_tokens,
+    }
+}
+
+/// The model is the replay: with kvpool's policies it gives kvpool's exact counts, on
+/// the head of the bundled trace, whole and partial leaves, at two page sizes.
+#[test]
+fn model_reproduces_kvpool_replay() {
+    let mut trace = Trace::bundled().unwrap();
+    trace.truncate(if cfg!(debug_assertions) { 300 } else { 3000 });
+    for (capacity, ps) in [(1 << 18, 16u32), (1 << 17, 64)] {
+        for partial in [false, true] {
+            for policy in [EvictionPolicy::Lru, EvictionPolicy::Lfu] {
+                let c = config(capacity, ps, partial);
+                let model = simulate(&trace, &c, sim_policy(policy).unwrap(), &mut None).unwrap();
+                let real = kvpool(&trace, &c, policy);
+                assert_eq!(model, real, "{policy:?} capacity {capacity} page {ps} partial {partial}");
+                assert!(real.evicted_tokens > 0, "the check must evict");
+            }
+        }
+    }
+}
+
+/// The best hit count over every sequence of eviction choices (each choice: one of the
+/// evictable leaves; with `partial`, one page off a leaf's tail).
+fn brute_force(trace: &Trace, c: &ReplayConfig) -> u64 {
+    let mut best = 0;
+    let mut stack: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut runs = 0;
+    while let Some(prefix) = stack.pop() {
+        runs += 1;
+        assert!(runs < 2_000_000, "the brute force is too large for a test");
+        let mut k = 0;
+        let mut seen: Vec<usize> = Vec::new();
+        let mut chooser = |n: usize| {
+            let pick = if k < prefix.len() { prefix[k] } else { 0 };
+            seen.push(n);
+            k += 1;
+            pick
+        };
+        let mut choose: Option<Chooser<'_>> = Some(&mut chooser);
+        let t = simulate(trace, c, SimPolicy::Lru, &mut choose).unwrap();
+        best = best.max(t.hit_tokens);
+        for (i, &n) in seen.iter().enumerate().skip(prefix.len()) {
+            for alt in 1..n {
+                let mut p: Vec<usize> = prefix.clone();
+                p.resize(i, 0);
+                p.push(alt);
+                stack.push(p);
+            }
+        }
+    }
+    best
+}
+
+fn optimal(trace: &Trace, c: &ReplayConfig) -> u64 {
+    simulate(trace, c, SimPolicy::Optimal, &mut None).unwrap().hit_tokens
+}
+
+/// A tiny deterministic generator (xorshift), so the cases are reproducible.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Random small traces: a few requests over a few blocks, pages of a whole block, so
+/// each request is a handful of pages and the brute force stays small.
+fn random_trace(rng: &mut Rng) -> Trace {
+    let n = 3 + rng.next(3) as usize;
+    let mut reqs: Vec<(Vec<u32>, u32, u32)> = Vec::new();
+    for _ in 0..n {
+        // Extend an earlier prompt (a conversation) or start from a shared root.
+        let mut blocks: Vec<u32> = match rng.next(3) {
+            0 if !reqs.is_empty() => reqs[rng.next(reqs.len() as u64) as usize].0.clone(),
+            _ => vec![1 + rng.next(2) as u32],
+        };
+        for _ in 0..rng.next(3) {
+            blocks.push(10 + rng.next(6) as u32);
+        }
+        blocks.truncate(4);
+        let out = [1, 2, 513][rng.next(3) as usize];
+        reqs.push((blocks, 0, out));
+    }
+    let refs: Vec<(&[u32], u32, u32)> = reqs.iter().map(|(b, e, o)| (b.as_slice(), *e, *o)).collect();
+    trace_of(&refs)
+}
+
+/// Page-granular Belady is the optimum: equal to the brute force on random small
+/// traces, and at least every whole-leaf schedule's best.
+#[test]
+fn partial_optimum_equals_brute_force() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let cases = if cfg!(debug_assertions) { 60 } else { 300 };
+    let mut evicting = 0;
+    for case in 0..cases {
+        let trace = random_trace(&mut rng);
+        let pages = 4 + rng.next(3) as usize;
+        let (whole, partial) = (config(pages * 512, 512, false), config(pages * 512, 512, true));
+        let best = brute_force(&trace, &partial);
+        assert_eq!(optimal(&trace, &partial), best, "case {case}: {trace:?} at {pages} pages");
+        assert!(brute_force(&trace, &whole) <= best, "case {case}");
+        evicting += usize::from(simulate(&trace, &partial, SimPolicy::Lru, &mut None).unwrap().evicted_tokens > 0);
+    }
+    assert!(evicting > cases / 3, "too few cases evict: {evicting} of {cases}");
+}
+
+/// Whole-leaf Belady is a heuristic (leaves differ in size and go whole), but it is
+/// never below LRU or LFU on these traces, and on most it is the whole-leaf optimum.
+#[test]
+fn whole_leaf_optimum_against_brute_force() {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let cases = if cfg!(debug_assertions) { 60 } else { 300 };
+    let mut exact = 0;
+    for case in 0..cases {
+        let trace = random_trace(&mut rng);
+        let pages = 4 + rng.next(3) as usize;
+        let c = config(pages * 512, 512, false);
+        let (opt, best) = (optimal(&trace, &c), brute_force(&trace, &c));
+        assert!(opt <= best, "case {case}: the model's optimum beats every schedule?");
+        for p in [SimPolicy::Lru, SimPolicy::Lfu] {
+            let h = simulate(&trace, &c, p, &mut None).unwrap().hit_tokens;
+            assert!(h <= best, "case {case}: {p:?} beats the brute force");
+        }
+        exact += usize::from(opt == best);
+    }
+    assert!(exact * 10 >= cases * 9, "whole-leaf Belady is the optimum on only {exact} of {cases} cases");
+}
+
+/// Hand-made: room for two prompts. LRU evicts the older one, which comes back; the
+/// optimum evicts the one never used again, so the last request hits its first prompt.
+#[test]
+fn optimum_keeps_what_comes_back() {
+    // Pages of one block, a pool of 4 pages; every request caches its prompt's pages.
+    let trace = trace_of(&[(&[1, 2], 0, 1), (&[7, 8], 0, 1), (&[9, 10], 0, 1), (&[1, 2, 3], 0, 1)]);
+    let c = config(4 * 512, 512, false);
+    let lru = simulate(&trace, &c, SimPolicy::Lru, &mut None).unwrap().hit_tokens;
+    assert_eq!(lru, 0);
+    assert_eq!(optimal(&trace, &c), 2 * 512);
+    assert_eq!(brute_force(&trace, &c), 2 * 512);
+    // The replay's report says the same.
+    let report = run_optimal(&trace, &c).unwrap();
+    assert_eq!((report.hit_tokens, report.policy), (1024, "optimal"));
+}
+
+/// A page used by no later request goes first, even when it is the most recent.
+#[test]
+fn unused_pages_go_first() {
+    // Request 0 caches [1, 2, 3] (3 pages); request 1 caches [4] + private; request 2
+    // wants [1, 2, 3] again. A pool of 5 pages: request 1 needs 2 pages with 2 free
+    // (3 cached); nothing must go. Request 2 (4 pages kv) needs 1 more with [4, p] cached.
+    let trace = trace_of(&[(&[1, 2, 3], 0, 1), (&[4], 0, 513), (&[1, 2, 3, 5], 0, 1)]);
+    let c = config(5 * 512, 512, true);
+    assert_eq!(optimal(&trace, &c), 3 * 512);
+    assert_eq!(brute_force(&trace, &c), 3 * 512);
+}
+
+#[test]
+fn page_size_must_divide_blocks() {
+    let trace = trace_of(&[(&[1], 0, 1)]);
+    let c = config(48 * 10, 48, false);
+    assert!(matches!(run_optimal(&trace, &c), Err(ReplayError::Config(_))));
+}

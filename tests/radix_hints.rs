@@ -1,0 +1,158 @@
+//! Issue 13: the hinted policy's protection rules and order, and partial-leaf eviction,
+//! through the public API.
+#![cfg(not(loom))]
+
+use kvpool::radix::{EvictionPolicy, KvEvent, RadixCache, RadixConfig};
+use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+
+fn cache(policy: EvictionPolicy, size: usize) -> RadixCache<TokenAllocator> {
+    let config = RadixConfig { policy, event_capacity: Some(1024) };
+    RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config).unwrap()
+}
+
+fn put(c: &RadixCache<TokenAllocator>, key: &[u32]) {
+    let mut s = vec![0u32; key.len()];
+    c.allocator().alloc(&mut s).unwrap();
+    let cached = c.insert(0, key, &s, 0).unwrap();
+    c.allocator().free(&s[..cached]).unwrap();
+}
+
+fn cached(c: &RadixCache<TokenAllocator>, key: &[u32]) -> usize {
+    c.peek_prefix(0, key, &mut vec![0; key.len()])
+}
+
+/// Admit (match and lock, then unlock) `key`: one tick of the admission clock.
+fn admit(c: &RadixCache<TokenAllocator>, key: &[u32]) {
+    drop(c.match_and_lock(0, key, &mut vec![0; key.len()]));
+}
+
+#[test]
+fn a_hinted_prefix_goes_after_every_other_leaf() {
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    put(&c, &[5, 6]);
+    // [1, 2] is the oldest and as frequent as the others: it would go first.
+    assert_eq!(c.hint_prefix(0, &[1, 2, 9], &mut [0; 3], 3), 2);
+    assert_eq!(c.evict(2), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4]), cached(&c, &[5, 6])), (2, 0, 2));
+    assert_eq!(c.evict(2), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[5, 6])), (2, 0));
+    // Only the protected leaf is left: protection is not a lock, it goes last.
+    assert_eq!(c.evict(2), 2);
+    assert_eq!(c.total_size(), 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn protection_ends_with_the_admission_it_was_for() {
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    put(&c, &[7, 8]);
+    // Wanted by the second admission from now.
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 2);
+    admit(&c, &[7, 8]); // the first: [1, 2] still wanted
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (2, 0));
+    admit(&c, &[9]); // the second: the protection is over
+    assert_eq!(c.admissions(), 2);
+    // [1, 2] is older and less frequent than [7, 8] (hit once): it goes now.
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[7, 8])), (0, 2));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn among_protected_leaves_the_one_wanted_last_goes_first() {
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 5);
+    c.hint_prefix(0, &[3, 4], &mut [0; 2], 2);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (0, 2));
+    // A later hint of the same node keeps the later stamp.
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 6);
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 1);
+    c.hint_prefix(0, &[3, 4], &mut [0; 2], 3);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (0, 2));
+}
+
+#[test]
+fn frequency_with_aging_orders_unprotected_leaves() {
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    admit(&c, &[1, 2]); // [1, 2]: one hit
+    put(&c, &[5, 6]);
+    // [3, 4] (no hit, older than [5, 6]) goes first, then [5, 6], then [1, 2].
+    assert_eq!(c.evict(1), 2);
+    assert_eq!(cached(&c, &[3, 4]), 0);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[5, 6]), cached(&c, &[1, 2])), (0, 2));
+    // Aging: evictions raised the inflation to [5, 6]'s score, so a new leaf scores
+    // above [1, 2]'s old score: [1, 2], hit once long ago, now goes before it.
+    put(&c, &[7, 8]);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[7, 8])), (0, 2));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn hints_are_ignored_by_the_other_policies() {
+    let c = cache(EvictionPolicy::Lru, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    assert_eq!(c.hint_prefix(0, &[1, 2], &mut [0; 2], 3), 2);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!(cached(&c, &[1, 2]), 0);
+}
+
+#[test]
+fn partial_eviction_cuts_the_tail_and_keeps_the_order() {
+    let c = cache(EvictionPolicy::Lru, 64).with_partial_eviction(true);
+    assert!(c.partial_eviction());
+    put(&c, &[1, 2, 3, 4, 5, 6]);
+    put(&c, &[7, 8, 9, 10]);
+    while c.events().unwrap().pop().is_some() {}
+    assert_eq!(c.evict(2), 2);
+    assert_eq!((cached(&c, &[1, 2, 3, 4, 5, 6]), cached(&c, &[7, 8, 9, 10])), (4, 4));
+    // The removed pages are announced (page size 1: slots are pages).
+    let mut removed = 0;
+    while let Some(e) = c.events().unwrap().pop() {
+        removed += usize::from(matches!(e, KvEvent::BlockRemoved { .. }));
+    }
+    assert_eq!(removed, 2);
+    // The head keeps the leaf's place: it is still the least recently used.
+    assert_eq!(c.evict(3), 3);
+    assert_eq!((cached(&c, &[1, 2, 3, 4, 5, 6]), cached(&c, &[7, 8, 9, 10])), (1, 4));
+    // A whole leaf and the next one's tail.
+    assert_eq!(c.evict(2), 2);
+    assert_eq!((cached(&c, &[1]), cached(&c, &[7, 8, 9, 10])), (0, 3));
+    assert_eq!(c.evictable_size() + c.protected_size(), c.total_size());
+    c.check_invariants().unwrap();
+    // Whole leaves by default.
+    let w = cache(EvictionPolicy::Lru, 64);
+    put(&w, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(w.evict(2), 6);
+}
+
+#[test]
+fn partial_eviction_never_cuts_a_locked_path() {
+    let c = cache(EvictionPolicy::Lru, 64).with_partial_eviction(true);
+    put(&c, &[1, 2, 3, 4]);
+    put(&c, &[1, 2, 7, 8]);
+    let lease = c.match_and_lock(0, &[1, 2, 3, 4], &mut [0; 4]);
+    // Only [7, 8] is evictable; asking for more than it frees all of it and stops.
+    assert_eq!(c.evict(3), 2);
+    assert_eq!(cached(&c, &[1, 2, 3, 4]), 4);
+    drop(lease);
+    assert_eq!(c.evict(1), 1);
+    assert_eq!(cached(&c, &[1, 2, 3, 4]), 3);
+    c.check_invariants().unwrap();
+}
