@@ -612,7 +612,7 @@ mod tests {
     fn scatter_maps_window_layers_and_skips_unmapped_tokens() {
         let mut kv = SwaHostKv::new(small()).unwrap();
         // Full page 2 (slots 4, 5) -> window page 1 (2, 3); full page 3 unmapped.
-        let mut map = vec![0u32; 10];
+        let mut map = [0u32; 10];
         map[4] = 2;
         map[5] = 3;
         // 3 layers x 2 tokens x 2 f16, tokens 2 elements apart, layers 4 apart.
@@ -624,7 +624,7 @@ mod tests {
         let le = |xs: &[u16]| -> Vec<u8> { xs.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let row_at = |buf: &[u8], r: usize| buf[r * 4..r * 4 + 4].to_vec();
         // Layer 0 (window): token 0 (full slot 5) at window slot 3; token 1 skipped.
-        let mut l0 = vec![0u8; 6 * 4];
+        let mut l0 = [0u8; 6 * 4];
         l0[12..16].copy_from_slice(&le(&[100, 101]));
         assert_eq!(kv.layer(0, false).unwrap(), &l0[..]);
         // Layer 1 (full): both tokens at 5 and 6.
