@@ -23,6 +23,12 @@
 //! its checkpoint state. The state pool is `kvpool replay --model hybrid`'s default
 //! (300 states at 1 M tokens). Its hits (KV matched, state resumable) are printed too.
 //!
+//! `cache_ops/kvpool_swa` is the `cache_ops` work through kvpool's `SwaRadixCache`
+//! (issue 10) over an `SwaAllocator` whose window pool is as large as the full pool and
+//! a 128-token window: the same requests, hits and evictions as `cache_ops/kvpool`, plus
+//! the window bookkeeping (the mapping written on allocation and cleared on free, the
+//! window order, window locks, the window rule of the match). Its hits are printed.
+//!
 //! `KVPOOL_BENCH_CLOCK=cpu` times every run by the thread's CPU time instead of wall
 //! time (Linux): steadier on a shared machine, where a descheduled run would count the
 //! time other processes took.
@@ -36,8 +42,8 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode};
-use kvpool::alloc::plan_extend;
-use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::alloc::{plan_extend, SwaAllocator};
+use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig, SwaRadixCache};
 use kvpool::replay::{
     run_sequential, HybridConfig, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache,
     MAX_MAMBA_STATES, MIN_MAMBA_STATES,
@@ -146,6 +152,35 @@ fn cache_ops_mamba(
         cache.states().free(&[running]).unwrap();
     }
     (kv_hits, hits)
+}
+
+/// [`cache_ops`] through an `SwaRadixCache` (its allocation helpers evict both pools'
+/// shortfall). Returns the hit tokens.
+fn cache_ops_swa(cache: &SwaRadixCache, trace: &Trace, tokens: &mut [u32], slots: &mut [u32]) -> usize {
+    let mut hits = 0;
+    for r in 0..trace.len() {
+        let req = trace.request(r);
+        let kv = req.kv_len();
+        trace.write_kv_tokens(r, &mut tokens[..kv]);
+        let prompt = req.input_length as usize;
+        let lease = cache.match_and_lock(0, &tokens[..prompt], &mut slots[..prompt]);
+        let hit = lease.len();
+        hits += hit;
+        let last = if hit > 0 { slots[hit - 1] } else { 0 };
+        if cache.alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+            continue;
+        }
+        let mut row = cache.req_pool().alloc().unwrap();
+        cache.req_pool().write(&mut row, 0, &slots[..kv]).unwrap();
+        cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
+    }
+    hits
+}
+
+fn swa_cache(s: Setup, max_kv: usize) -> SwaRadixCache {
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let alloc = SwaAllocator::new(s.capacity, s.capacity, s.page_size).unwrap();
+    SwaRadixCache::with_window(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, 128).unwrap()
 }
 
 fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
@@ -266,6 +301,8 @@ fn bench(c: &mut Criterion) {
             sv as i64 - sa as i64
         );
         println!("{}: hit tokens cache_ops kvpool_mamba: KV {mkv}, state (resumable) {mstate}", s.label);
+        let w = cache_ops_swa(&swa_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        println!("{}: hit tokens cache_ops kvpool_swa: {w} (kvpool {a})", s.label);
         if cpu_clock() {
             println!("{}: timing by thread CPU time (KVPOOL_BENCH_CLOCK=cpu)", s.label);
         }
@@ -287,6 +324,14 @@ fn bench(c: &mut Criterion) {
             || mamba_cache(s, max_kv),
             |c| {
                 cache_ops_mamba(c, trace, tokens, slots);
+            },
+        );
+        timed(
+            &mut group,
+            id("cache_ops", "kvpool_swa"),
+            || swa_cache(s, max_kv),
+            |c| {
+                cache_ops_swa(c, trace, tokens, slots);
             },
         );
         timed(

@@ -25,6 +25,9 @@ pub enum Unit {
     Indices,
     /// Mamba state slots of a [`MambaPool`](crate::mamba::MambaPool).
     MambaSlots,
+    /// Token slots of the sliding-window layers' pool of a
+    /// [`SwaAllocator`](crate::alloc::SwaAllocator).
+    WindowTokens,
 }
 
 impl Unit {
@@ -35,6 +38,7 @@ impl Unit {
             Unit::Rows => "request rows",
             Unit::Indices => "indices",
             Unit::MambaSlots => "mamba state slots",
+            Unit::WindowTokens => "sliding-window tokens",
         }
     }
 }
@@ -196,6 +200,15 @@ pub enum InvalidInput {
         /// The request's position in the batch.
         request: usize,
     },
+    /// A range passes the end of what it indexes.
+    OutOfBounds {
+        /// What is indexed.
+        what: &'static str,
+        /// Where the range ends (saturated at `usize::MAX`).
+        end: usize,
+        /// Its length.
+        len: usize,
+    },
 }
 
 impl fmt::Display for InvalidInput {
@@ -225,6 +238,9 @@ impl fmt::Display for InvalidInput {
             }
             InvalidInput::EmptyDecode { request } => {
                 write!(f, "request {request}: decode needs seq_len >= 1 (the new token is counted)")
+            }
+            InvalidInput::OutOfBounds { what, end, len } => {
+                write!(f, "range of {what} ends at {end}, past its length {len}")
             }
         }
     }

@@ -15,7 +15,7 @@ mod cli {
     use clap::{Args, Parser, Subcommand};
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use kvpool::radix::EvictionPolicy;
-    use kvpool::replay::{self, CacheKind, HybridConfig, Mode, Model, ReplayConfig, ReplayError, Trace};
+    use kvpool::replay::{self, CacheKind, HybridConfig, Mode, Model, ReplayConfig, ReplayError, SwaConfig, Trace};
 
     #[derive(Parser)]
     #[command(name = "kvpool", version, about = "Lock-free KV-cache memory management for LLM inference engines")]
@@ -63,11 +63,26 @@ mod cli {
         /// trie behind a mutex).
         #[arg(long, default_value = "kvpool")]
         cache: CacheKind,
-        /// attention (KV only, the default) or hybrid (a Mamba hybrid such as
+        /// attention (KV only, the default), hybrid (a Mamba hybrid such as
         /// Qwen3-Next: KV plus one recurrent state per request, cached at checkpoints
-        /// in kvpool's MambaRadixCache; sequential mode).
-        #[arg(long, default_value = "attention")]
-        model: Model,
+        /// in kvpool's MambaRadixCache; sequential mode) or swa (sliding-window and
+        /// full-attention layers such as gpt-oss: a full and a window KV pool, kvpool's
+        /// SwaRadixCache; sequential mode; implied by --swa-window / --swa-ratio).
+        #[arg(long)]
+        model: Option<Model>,
+        /// Tokens a sliding-window layer attends to [default: 128, gpt-oss's
+        /// sliding_window]. Implies --model swa.
+        #[arg(long, value_name = "TOKENS")]
+        swa_window: Option<usize>,
+        /// The window pool's size as a fraction of the full pool [default: 0.8, SGLang's
+        /// --swa-full-tokens-ratio]. Implies --model swa.
+        #[arg(long, value_name = "RATIO")]
+        swa_ratio: Option<f64>,
+        /// Requests keep the window KV of tokens that fell out of their window until
+        /// they finish (by default they release it as they decode, as SGLang does).
+        /// Implies --model swa.
+        #[arg(long)]
+        swa_keep_window: bool,
         /// State slots in the hybrid model's Mamba pool. Default: as much state memory
         /// as --mamba-memory-ratio times the KV memory (300 at the default capacity).
         #[arg(long, value_name = "N", conflicts_with_all = ["mamba_state_bytes", "kv_bytes_per_token", "mamba_memory_ratio"])]
@@ -188,7 +203,7 @@ mod cli {
 
     /// The hybrid options; any of them without `--model hybrid` is an error (it
     /// would be silently ignored).
-    fn hybrid_config(args: &ReplayArgs) -> Result<HybridConfig, ReplayError> {
+    fn hybrid_config(args: &ReplayArgs, model: Model) -> Result<HybridConfig, ReplayError> {
         let given = [
             ("--mamba-states", args.mamba_states.is_some()),
             ("--mamba-state-bytes", args.mamba_state_bytes.is_some()),
@@ -197,7 +212,7 @@ mod cli {
             ("--mamba-chunk", args.mamba_chunk.is_some()),
             ("--mamba-track-interval", args.mamba_track_interval.is_some()),
         ];
-        if args.model != Model::Hybrid {
+        if model != Model::Hybrid {
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
                 return Err(ReplayError::Config(format!("{flag} is an option of --model hybrid")));
             }
@@ -222,12 +237,45 @@ mod cli {
         })
     }
 
+    /// The model: `--model`, or swa when an SWA option is given without it; SWA
+    /// options with another model are an error.
+    fn model_of(args: &ReplayArgs) -> Result<Model, ReplayError> {
+        let swa_flag = [
+            ("--swa-window", args.swa_window.is_some()),
+            ("--swa-ratio", args.swa_ratio.is_some()),
+            ("--swa-keep-window", args.swa_keep_window),
+        ]
+        .into_iter()
+        .find(|(_, g)| *g)
+        .map(|(f, _)| f);
+        match (args.model, swa_flag) {
+            (None, Some(_)) => Ok(Model::Swa),
+            (Some(m), Some(flag)) if m != Model::Swa => {
+                Err(ReplayError::Config(format!("{flag} is an option of --model swa, not --model {}", m.name())))
+            }
+            (m, _) => Ok(m.unwrap_or_default()),
+        }
+    }
+
+    /// The SWA options (see [`model_of`] for when they apply).
+    fn swa_config(args: &ReplayArgs) -> Result<SwaConfig, ReplayError> {
+        let d = SwaConfig::default();
+        let ratio_permille = match args.swa_ratio {
+            None => d.ratio_permille,
+            Some(r) if r.is_finite() && (0.001..=1.0).contains(&r) => (r * 1000.0).round() as u32,
+            Some(r) => return Err(ReplayError::Config(format!("--swa-ratio must be between 0.001 and 1, not {r}"))),
+        };
+        Ok(SwaConfig { window: args.swa_window.unwrap_or(d.window), ratio_permille, release: !args.swa_keep_window })
+    }
+
     fn run_replay(args: ReplayArgs) -> Result<(), Failure> {
         if args.limit == Some(0) {
             return Err(ReplayError::Config("--limit must be at least 1".into()).into());
         }
-        let hybrid = hybrid_config(&args)?;
-        let default_mode = if args.model == Model::Hybrid { Mode::Sequential } else { Mode::Overlap };
+        let model = model_of(&args)?;
+        let hybrid = hybrid_config(&args, model)?;
+        let swa = swa_config(&args)?;
+        let default_mode = if matches!(model, Model::Hybrid | Model::Swa) { Mode::Sequential } else { Mode::Overlap };
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,
@@ -237,8 +285,9 @@ mod cli {
             max_running: args.max_running,
             routers: args.routers,
             timeline: args.plot.is_some(),
-            model: args.model,
+            model,
             hybrid,
+            swa,
         };
         let mut trace = match &args.trace {
             Some(path) => Trace::from_path(path).map_err(ReplayError::from)?,

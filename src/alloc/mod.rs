@@ -17,8 +17,10 @@
 //! batch allocation touches no memory but the pool's bitmap and the caller's buffer.
 
 mod expand;
+mod swa;
 
 pub use expand::{expand_decode, expand_extend, new_pages, plan_decode, plan_extend, BatchPlan};
+pub use swa::{SwaAllocator, SwaWindow};
 
 use crate::error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, Unit,
@@ -95,6 +97,12 @@ pub trait KvAllocator: Send + Sync {
     /// [`InvalidInput`] for a malformed batch.
     fn decode_need(&self, seq_lens: &[u32]) -> Result<usize, InvalidInput> {
         Ok(plan_decode(self.page_size(), seq_lens)?.new_pages * self.page_size() as usize)
+    }
+    /// This allocator as a dual allocator ([`SwaAllocator`]); `None` for every other.
+    /// The sliding-window prefix cache reaches its window pool through this.
+    #[doc(hidden)]
+    fn as_swa(&self) -> Option<&SwaAllocator> {
+        None
     }
     /// Free everything (exclusive access, so no operation is in flight).
     fn clear(&mut self);
@@ -397,7 +405,7 @@ impl PagedAllocator {
     /// Open a free group (SGLang's `free_group_begin`/`free_group_end`).
     pub fn free_group(&self) -> KvFreeGroup<'_> {
         let group = if self.page_size == 1 { self.pages.free_group() } else { FreeGroup::merging(&self.pages) };
-        KvFreeGroup { group, alloc: self }
+        KvFreeGroup { window: None, group, alloc: self }
     }
 
     /// Whether `slot`'s page is allocated.
@@ -499,6 +507,9 @@ impl core::fmt::Debug for PagedAllocator {
 /// ```
 #[must_use = "a free group publishes its frees when it ends"]
 pub struct KvFreeGroup<'a> {
+    /// A dual allocator's window pool: freeing a full page releases its window page
+    /// (declared first, so it is published first when the group drops).
+    window: Option<swa::WindowFrees<'a>>,
     group: FreeGroup<'a>,
     alloc: &'a PagedAllocator,
 }
@@ -511,6 +522,16 @@ impl KvFreeGroup<'_> {
     /// As [`KvAllocator::free`]; nothing is freed on error.
     pub fn free(&mut self, slots: &[u32]) -> Result<(), FreeError> {
         let a = self.alloc;
+        if let Some(w) = &mut self.window {
+            // Release the window pages before the full pages can be handed out again
+            // (their mapping must be clear by then), and only once the whole batch is
+            // known to be freeable, so a refused free changes nothing.
+            if slots.iter().all(|&s| a.is_allocated(s)) {
+                for &s in slots {
+                    w.window.release_pages(a.page_of(s), 1, &mut w.group);
+                }
+            }
+        }
         let r = if a.page_size == 1 {
             self.group.free(slots)
         } else {
@@ -528,6 +549,12 @@ impl KvFreeGroup<'_> {
     /// allocated; nothing is freed then.
     pub fn free_pages(&mut self, first_page: u32, pages: u32) -> Result<(), FreeError> {
         let a = self.alloc;
+        if let Some(w) = &mut self.window {
+            let in_range = first_page >= 1 && first_page.checked_add(pages).is_some_and(|e| e <= a.num_pages() + 1);
+            if in_range && a.pages.all_allocated(first_page, pages) {
+                w.window.release_pages(first_page, pages, &mut w.group);
+            }
+        }
         self.group.free_range(first_page, pages).map_err(|mut e| {
             e.index = e.index.saturating_mul(a.page_size);
             e
@@ -539,8 +566,12 @@ impl KvFreeGroup<'_> {
         self.group.pending() * self.alloc.page_size as usize
     }
 
-    /// End the group, publishing its frees; returns the tokens made available.
+    /// End the group, publishing its frees; returns the (full pool's) tokens made
+    /// available.
     pub fn end(self) -> usize {
+        if let Some(w) = self.window {
+            w.group.end();
+        }
         self.group.end() * self.alloc.page_size as usize
     }
 }

@@ -253,6 +253,7 @@ fn states<'w, A: KvAllocator, P: StatePool>(w: &'w mut Writer<'_, A, Mamba<P>>) 
 impl<P: StatePool> Variant for Mamba<P> {
     type Node = MambaNode;
     type State = MambaState;
+    type Walk = ();
     const TOUCH_WHILE_WALKING: bool = false;
 
     fn new_state(&self, nodes: usize) -> Result<MambaState, ConfigError> {
@@ -306,27 +307,33 @@ impl<P: StatePool> Variant for Mamba<P> {
         debug_assert!(r.is_ok(), "a state held by the tree failed to free: {r:?}");
     }
 
-    fn lock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32, inc: bool) {
+    fn lock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) -> u64 {
+        let e = w.s.meta[id as usize].ext;
+        if e.state == NIL {
+            return 0;
+        }
+        let v = &w.c.variant;
+        if e.lock == 0 {
+            v.evictable.fetch_sub(1, Ordering::Release);
+            v.protected.fetch_add(1, Ordering::Release);
+            states(w).remove(id);
+        }
+        w.s.meta[id as usize].ext.lock += 1;
+        0
+    }
+
+    fn unlock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32, _aux: u64) {
         let e = w.s.meta[id as usize].ext;
         if e.state == NIL {
             return;
         }
         let v = &w.c.variant;
-        if inc {
-            if e.lock == 0 {
-                v.evictable.fetch_sub(1, Ordering::Release);
-                v.protected.fetch_add(1, Ordering::Release);
-                states(w).remove(id);
-            }
-            w.s.meta[id as usize].ext.lock += 1;
-        } else {
-            debug_assert!(e.lock > 0, "a state lock released twice");
-            w.s.meta[id as usize].ext.lock -= 1;
-            if e.lock == 1 {
-                v.evictable.fetch_add(1, Ordering::Release);
-                v.protected.fetch_sub(1, Ordering::Release);
-                states(w).push(id);
-            }
+        debug_assert!(e.lock > 0, "a state lock released twice");
+        w.s.meta[id as usize].ext.lock -= 1;
+        if e.lock == 1 {
+            v.evictable.fetch_add(1, Ordering::Release);
+            v.protected.fetch_sub(1, Ordering::Release);
+            states(w).push(id);
         }
     }
 
@@ -488,18 +495,15 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// oldest; splits a node the KV match ends inside (the upper half has no state).
     pub fn match_and_lock_checkpoint(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MambaMatch<'_, A, P> {
         let key = self.aligned(key, out.len());
-        let (m, state, kv_len) = self.write(|w| {
-            let (m, best, kv_len) = w.match_path(namespace, key, out);
-            w.inc_lock(m.last_page);
+        let (key, state, kv_len) = self.write(|w| {
+            let (m, best, kv_len, _) = w.match_path(namespace, key, out);
+            let key = w.lease_of(&m);
             let s = w.s.meta[best as usize].ext.state;
-            (m, (best != ROOT && s != NIL).then_some(s), kv_len)
+            (key, (best != ROOT && s != NIL).then_some(s), kv_len)
         });
         crate::debug_check(self);
-        let lease = Lease {
-            cache: self,
-            key: super::LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
-        };
-        let branching_len = self.variant.config.branching_len(kv_len, m.len);
+        let lease = Lease { cache: self, key };
+        let branching_len = self.variant.config.branching_len(kv_len, key.len);
         MambaMatch { lease, state, kv_len, branching_len }
     }
 
@@ -652,8 +656,9 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             row,
             lease,
             0,
+            usize::MAX,
             |w| Self::check_state(w, state),
-            |w, end| Self::adopt_state(w, end, state),
+            |w, ins| Self::adopt_state(w, ins.end, state),
         )
         .map(|(cached, state_kept)| StateInsert { cached, state_kept })
     }
@@ -682,8 +687,9 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             row,
             lease,
             0,
+            usize::MAX,
             |w| Self::check_state(w, state),
-            |w, end| Self::adopt_state(w, end, state),
+            |w, ins| Self::adopt_state(w, ins.end, state),
         )
     }
 }
@@ -798,8 +804,9 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             row.req_row(),
             &lease,
             0,
+            usize::MAX,
             |_| Ok(()),
-            |w, end| Self::adopt_handle(w, end, &mut held),
+            |w, ins| Self::adopt_handle(w, ins.end, &mut held),
         );
         match r {
             Ok((cached, state_kept)) => {
@@ -846,8 +853,9 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
             row.req_row_mut(),
             lease,
             0,
+            usize::MAX,
             |_| Ok(()),
-            |w, end| Self::adopt_handle(w, end, &mut held),
+            |w, ins| Self::adopt_handle(w, ins.end, &mut held),
         );
         r.map_err(|e| (e, held.take().expect("a refused request keeps its state")))
     }

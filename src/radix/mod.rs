@@ -160,12 +160,14 @@ mod events;
 mod heap;
 mod mamba;
 mod policy;
+mod swa;
 mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
+pub use swa::{Swa, SwaInsert, SwaRadixCache};
 pub use variant::{Plain, Variant};
 
 use writer::Writer;
@@ -299,6 +301,8 @@ struct LeaseKey {
     last_page: u32,
     epoch: u32,
     len: usize,
+    /// The variant's datum (the SWA tree: the tokens under the window lock).
+    aux: u64,
     cache_id: u64,
 }
 
@@ -405,6 +409,8 @@ struct Record {
     namespace: AtomicU64,
     key_hash: AtomicU64,
     hash_next: AtomicU32,
+    /// The variant's reader-visible mark (the SWA tree: 1 for a tombstone).
+    mark: AtomicU32,
 }
 
 /// The writer-only part of a node.
@@ -565,6 +571,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             namespace: AtomicU64::new(0),
             key_hash: AtomicU64::new(0),
             hash_next: AtomicU32::new(NIL),
+            mark: AtomicU32::new(0),
         })?;
         let meta = boxed("radix node metadata", nrec, |_| Meta::default())?;
         let events = config.event_capacity.map(EventQueue::try_new).transpose()?;
@@ -854,7 +861,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let ps = self.ps;
         let mut backoff = Backoff::new();
         'retry: loop {
-            let (mut pos, mut cur) = (0usize, 0u32);
+            let (mut pos, mut cur, mut best) = (0usize, 0u32, 0usize);
+            let mut walk = V::Walk::default();
             let mut deepest: Option<(u32, u64)> = None;
             while pos < key.len() {
                 match self.find_child(cur, namespace, &key[pos..pos + ps]) {
@@ -872,6 +880,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                     }
                     Lookup::Found { id, gen } => {
                         let (m, last, n) = self.match_in_node::<false>(id, &key[pos..], &mut out[pos..]);
+                        let mark = self.records[id as usize].mark.load(Ordering::Acquire);
                         fence(Ordering::Acquire);
                         if self.records[id as usize].gen.load(Ordering::SeqCst) != gen || m == 0 {
                             backoff.spin();
@@ -879,6 +888,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                         }
                         deepest = Some((id, gen));
                         pos += m * ps;
+                        if self.variant.peek_step(&mut walk, mark, m * ps) {
+                            best = pos;
+                        }
                         if m < n {
                             break;
                         }
@@ -893,7 +905,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                     continue 'retry;
                 }
             }
-            return pos;
+            return best;
         }
     }
 
@@ -913,16 +925,12 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// dropped; `lease.len()` tokens of `out` hold the matched slots.
     pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
         let key = self.aligned(key, out.len());
-        let raw = self.write(|w| {
+        let key = self.write(|w| {
             let (m, ..) = w.match_path(namespace, key, out);
-            w.inc_lock(m.last_page);
-            m
+            w.lease_of(&m)
         });
         crate::debug_check(self);
-        Lease {
-            cache: self,
-            key: LeaseKey { last_page: raw.last_page, epoch: raw.epoch, len: raw.len, cache_id: self.id },
-        }
+        Lease { cache: self, key }
     }
 
     /// Lock the path of an earlier [`match_prefix`](Self::match_prefix).
@@ -935,18 +943,15 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         if m.cache_id != self.id {
             return Err(CacheError::StaleMatch);
         }
-        self.write(|w| {
-            if m.last_page != 0 && (!w.is_node_end(m.last_page, m.epoch) || !V::match_end(&w.node_of(m.last_page).ext))
+        let key = self.write(|w| {
+            if m.last_page != 0
+                && (!w.is_node_end(m.last_page, m.epoch) || !V::lockable(w, w.s.page_owner[m.last_page as usize]))
             {
                 return Err(CacheError::StaleMatch);
             }
-            w.inc_lock(m.last_page);
-            Ok(())
+            Ok(w.lease_of(m))
         })?;
-        Ok(Lease {
-            cache: self,
-            key: LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, cache_id: self.id },
-        })
+        Ok(Lease { cache: self, key })
     }
 
     /// Unlock a detached lease. It is consumed, so it can be released only once.
@@ -983,7 +988,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             if !w.is_node_end(lease.last_page, lease.epoch) || w.node_of(lease.last_page).lock_ref == 0 {
                 return Err(CacheError::StaleMatch);
             }
-            w.dec_lock(lease.last_page);
+            w.dec_lock(lease.last_page, lease.aux);
             Ok(())
         });
         crate::debug_check(self);
@@ -1003,10 +1008,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     }
 
     fn make_room(&self, need: usize) {
-        let avail = self.alloc.available_size();
-        if avail < need {
-            self.evict(need - avail);
-        }
+        V::make_room(self, need);
     }
 
     fn with_evictable(&self, e: AllocError) -> AllocError {
@@ -1159,7 +1161,7 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: Lease<'c, A>,
         priority: i64,
     ) -> Result<usize, Unfinished<'c, A>> {
-        self.finish_with(namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+        self.finish_with(namespace, token_ids, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
     }
 
     /// SGLang's `cache_unfinished_req` (chunked prefill): inserts the page-aligned part of
@@ -1178,12 +1180,40 @@ impl<A: KvAllocator> RadixCache<A> {
         lease: &mut Lease<'_, A>,
         priority: i64,
     ) -> Result<(), CacheError> {
-        self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, priority, |_| Ok(()), |_, _| ())
+        self.unfinished_with(
+            &self.req_pool,
+            namespace,
+            token_ids,
+            row,
+            lease,
+            priority,
+            usize::MAX,
+            |_| Ok(()),
+            |_, _| (),
+        )
     }
 }
 
+/// What a request helper's insert did, for the variant's part (`then`).
+pub(crate) struct Inserted<'k> {
+    /// The node the inserted key ends at (`ROOT` for an empty key).
+    pub end: u32,
+    pub namespace: u64,
+    /// The inserted tokens (whole pages).
+    pub key: &'k [u32],
+    /// The request's slots for them.
+    pub kv: &'k [u32],
+    /// Tokens the request's lease covered (the tree's own slots in `kv`).
+    pub protected: usize,
+    /// Tokens the tree held before the insert (`kv[protected..cached]` are the
+    /// request's duplicates, freed after `then`).
+    pub cached: usize,
+}
+
 /// The request helpers' core, shared by the variants: `check` validates the variant's
-/// part before anything changes, `then` applies it to the node the insert ended at.
+/// part before anything changes, `then` applies it once the key is inserted. `limit`
+/// caps the tokens inserted (whole pages, at least the lease; `usize::MAX`: all the
+/// page-aligned ones); the rest is the request's tail.
 impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     #[allow(clippy::too_many_arguments)]
     fn finish_with<'c, R>(
@@ -1193,10 +1223,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         row: ReqRow,
         lease: Lease<'c, A, V>,
         priority: i64,
+        limit: usize,
         check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
-        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+        then: impl FnOnce(&mut Writer<'_, A, V>, &Inserted<'_>) -> R,
     ) -> Result<(usize, R), Unfinished<'c, A, V>> {
-        match self.finish(&self.req_pool, namespace, token_ids, &row, &lease, priority, check, then) {
+        match self.finish(&self.req_pool, namespace, token_ids, &row, &lease, priority, limit, check, then) {
             Ok(r) => {
                 core::mem::forget(lease); // its lock was released by `finish`
                                           // The row is ours: freeing it cannot fail.
@@ -1205,6 +1236,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             }
             Err(error) => Err(Unfinished { error, row, lease }),
         }
+    }
+
+    /// The page-aligned length to insert, capped by `limit` (never below the lease).
+    fn insert_len(&self, aligned: usize, protected: usize, limit: usize) -> usize {
+        aligned.min(limit.max(protected) / self.ps * self.ps)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1218,24 +1254,28 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         row: &ReqRow,
         lease: &Lease<'_, A, V>,
         priority: i64,
+        limit: usize,
         check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
-        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+        then: impl FnOnce(&mut Writer<'_, A, V>, &Inserted<'_>) -> R,
     ) -> Result<(usize, R), CacheError> {
-        let (aligned, _) = self.request_lengths(token_ids, lease)?;
+        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
+        let aligned = self.insert_len(aligned, protected, limit);
         let kv = rows.read(row, 0..token_ids.len())?;
         let r = self.write(|w| {
             // Everything is checked (the variant's part, the leased prefix against the
             // tree, the pages to insert, the duplicates and the tail to free) before
             // anything changes.
             check(w)?;
-            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, true)?;
-            let end = w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
-            let r = then(w, end);
+            let key = &token_ids[..aligned];
+            let p = w.prepare_request(namespace, key, kv, lease.key, true)?;
+            let end = w.apply_insert(namespace, key, &kv[..aligned], priority, p.cached);
+            let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
+            let r = then(w, &ins);
             let mut group = self.alloc.free_group();
             let freed = group.free(&kv[p.protected..p.cached]).and_then(|()| group.free(&kv[aligned..]));
             debug_assert!(freed.is_ok(), "checked request slots failed to free: {freed:?}");
             drop(group);
-            w.dec_lock(lease.key.last_page);
+            w.dec_lock(lease.key.last_page, lease.key.aux);
             Ok((p.cached, r))
         });
         crate::debug_check(self);
@@ -1251,26 +1291,32 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         row: &mut ReqRow,
         lease: &mut Lease<'_, A, V>,
         priority: i64,
+        limit: usize,
         check: impl FnOnce(&Writer<'_, A, V>) -> Result<(), CacheError>,
-        then: impl FnOnce(&mut Writer<'_, A, V>, u32) -> R,
+        then: impl FnOnce(&mut Writer<'_, A, V>, &Inserted<'_>) -> R,
     ) -> Result<R, CacheError> {
-        let (aligned, _) = self.request_lengths(token_ids, lease)?;
+        let (aligned, protected) = self.request_lengths(token_ids, lease)?;
+        let aligned = self.insert_len(aligned, protected, limit);
         let kv = rows.read_mut(row, 0..token_ids.len())?;
-        let (m, r) = self.write(|w| {
+        let (key, r) = self.write(|w| {
             check(w)?;
-            let p = w.prepare_request(namespace, &token_ids[..aligned], kv, lease.key, false)?;
-            let end = w.apply_insert(namespace, &token_ids[..aligned], &kv[..aligned], priority, p.cached);
-            let r = then(w, end);
+            let key = &token_ids[..aligned];
+            let p = w.prepare_request(namespace, key, kv, lease.key, false)?;
+            let end = w.apply_insert(namespace, key, &kv[..aligned], priority, p.cached);
+            let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
+            let r = then(w, &ins);
             let freed = self.alloc.free(&kv[p.protected..p.cached]);
             debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
-            let (m, ..) = w.match_path(namespace, &token_ids[..aligned], &mut kv[..aligned]);
-            w.inc_lock(m.last_page);
-            w.dec_lock(lease.key.last_page);
-            Ok::<_, CacheError>((m, r))
+            // The request holds the KV of everything it inserted: its lease moves to the
+            // node the whole key ends at (where the KV match ends), and its row gets the
+            // tree's slots.
+            let (.., at) = w.match_path(namespace, key, &mut kv[..aligned]);
+            debug_assert_eq!(at.len, aligned, "an inserted key matches whole");
+            let new = w.lease_of(&at);
+            w.dec_lock(lease.key.last_page, lease.key.aux);
+            Ok::<_, CacheError>((new, r))
         })?;
-        lease.key.last_page = m.last_page;
-        lease.key.epoch = m.epoch;
-        lease.key.len = m.len;
+        lease.key = key;
         crate::debug_check(self);
         Ok(r)
     }

@@ -7,6 +7,7 @@
 //! |---|---|---|---|---|
 //! | [`Plain`] (`RadixCache`) | KV slots (in the core) | one | `evict` | evictable leaves |
 //! | [`Mamba`](super::Mamba) (`MambaRadixCache`) | + an optional state slot | + a state lock on the lease's end node | `evict`, then `evict_mamba` (tombstones internal nodes) | + unlocked state holders |
+//! | [`Swa`](super::Swa) (`SwaRadixCache`) | + whether the window KV is kept (a tombstone when not) | + a window lock on the last `window` tokens of the lease | `evict`, then `evict_swa` (tombstones internal nodes) | + unlocked window holders |
 //!
 //! The trait is sealed: the hooks see the core's internals, and the core's invariants
 //! (a leaf is never a tombstone, every page has one owner) depend on them.
@@ -14,6 +15,7 @@
 use core::fmt;
 
 use super::writer::Writer;
+use super::RadixCache;
 use crate::alloc::KvAllocator;
 use crate::error::ConfigError;
 
@@ -32,6 +34,9 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// The variant's writer-only state (its extra orders).
     #[doc(hidden)]
     type State: Send;
+    /// What a match carries down the path to decide where it may end.
+    #[doc(hidden)]
+    type Walk: Copy + Default;
     /// Whether the core updates recency node by node as a match walks down (SGLang's
     /// `RadixCache`), or the variant refreshes only the returned path afterwards
     /// ([`touch_path`](Writer::touch_path), SGLang's `MambaRadixCache`).
@@ -48,6 +53,40 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn match_end(_node: &Self::Node) -> bool {
         true
+    }
+
+    /// A match entered a node carrying `node` and matched `tokens` of it: whether the
+    /// match may end after them (the match returns the deepest such place).
+    #[inline(always)]
+    #[doc(hidden)]
+    fn walk_step(&self, _walk: &mut Self::Walk, node: &Self::Node, _tokens: usize) -> bool {
+        Self::match_end(node)
+    }
+
+    /// [`walk_step`](Self::walk_step) for a lock-free reader, which sees only the
+    /// node's published mark (see [`Writer::set_mark`]).
+    #[inline(always)]
+    #[doc(hidden)]
+    fn peek_step(&self, _walk: &mut Self::Walk, _mark: u32, _tokens: usize) -> bool {
+        true
+    }
+
+    /// Whether a lease may still be taken at node `id` (for
+    /// [`RadixCache::lock`] of an earlier match).
+    #[inline(always)]
+    #[doc(hidden)]
+    fn lockable<A: KvAllocator>(w: &Writer<'_, A, Self>, id: u32) -> bool {
+        Self::match_end(&w.s.meta[id as usize].ext)
+    }
+
+    /// Make room for `need` tokens before an allocation (the core evicts the shortfall
+    /// of [`KvAllocator::available_size`]).
+    #[doc(hidden)]
+    fn make_room<A: KvAllocator>(c: &RadixCache<A, Self>, need: usize) {
+        let avail = c.alloc.available_size();
+        if avail < need {
+            c.evict(need - avail);
+        }
     }
 
     /// Whether a node carrying `node` must not be a leaf: when eviction leaves it
@@ -78,11 +117,18 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn removing<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32) {}
 
-    /// A lease ending at node `id` was taken (`inc`) or released, after or before the
-    /// core's lock counts along the path changed.
+    /// A lease ending at node `id` is being taken (before the core's lock counts along
+    /// the path change). Returns a datum the lease keeps for [`unlock_end`](Self::unlock_end).
     #[inline(always)]
     #[doc(hidden)]
-    fn lock_end<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32, _inc: bool) {}
+    fn lock_end<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32) -> u64 {
+        0
+    }
+
+    /// A lease ending at node `id`, taken with datum `aux`, is being released.
+    #[inline(always)]
+    #[doc(hidden)]
+    fn unlock_end<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32, _aux: u64) {}
 
     /// Node `id`'s recency or frequency changed (its core order is updated already).
     #[inline(always)]
@@ -114,6 +160,7 @@ impl sealed::Sealed for Plain {}
 impl Variant for Plain {
     type Node = ();
     type State = ();
+    type Walk = ();
 
     fn new_state(&self, _nodes: usize) -> Result<(), ConfigError> {
         Ok(())

@@ -95,7 +95,7 @@ impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
     }
 
     /// The pages of node `id`, in order (introspection and checks).
-    fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
+    pub(super) fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
         self.runs(id).flat_map(|(start, len)| start..start + len)
     }
 }
@@ -141,7 +141,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         V::touched(self, id);
     }
 
-    fn span(&self, id: u32) -> (u32, u32) {
+    pub(super) fn span(&self, id: u32) -> (u32, u32) {
         span_of(self.c.records[id as usize].span.load(Ordering::Relaxed))
     }
 
@@ -164,7 +164,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         &self.s.meta[self.s.page_owner[page as usize] as usize]
     }
 
-    fn in_tree(&self, page: u32) -> bool {
+    pub(super) fn in_tree(&self, page: u32) -> bool {
         self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
@@ -174,7 +174,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Set or clear the in-tree bits of pages `start..start + len`, a word at a time.
-    fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
+    pub(super) fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
         for (w, mask) in bit_words(start as usize, len as usize) {
             if on {
                 self.s.in_tree[w] |= mask;
@@ -215,7 +215,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         r.parent_page.store(parent_page, Ordering::Relaxed);
         r.namespace.store(namespace, Ordering::Relaxed);
         r.key_hash.store(key_hash, Ordering::Relaxed);
+        r.mark.store(0, Ordering::Relaxed);
         id
+    }
+
+    /// Publish node `id`'s variant mark to lock-free readers (see
+    /// [`Variant::peek_step`]); a reader sees it or the old one.
+    pub(super) fn set_mark(&mut self, id: u32, mark: u32) {
+        self.c.records[id as usize].mark.store(mark, Ordering::Release);
     }
 
     fn bucket_of(&self, id: u32) -> usize {
@@ -302,18 +309,27 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Walk `key`, touching as SGLang does, splitting a partially matched node.
     ///
-    /// The match ends at the deepest node on the matched path whose payload allows it
-    /// ([`Variant::match_end`]; every node for the plain cache); `out` holds slots up to
-    /// there. Returns the result, that node (`ROOT` for none) and the length the KV
-    /// matched (whole nodes and the part of the last one; `out` holds its slots).
-    pub(super) fn match_path(&mut self, namespace: u64, key: &[u32], out: &mut [u32]) -> (MatchResult, u32, usize) {
+    /// The match ends at the deepest place on the matched path where the variant allows
+    /// it ([`Variant::walk_step`]; every node for the plain cache); `out` holds slots up
+    /// to where the KV matched. Returns the result, its node (`ROOT` for none), the
+    /// length the KV matched (whole nodes and the part of the last one) and the result
+    /// that would end there (the node the KV match ends at, for a caller that holds
+    /// that KV itself).
+    pub(super) fn match_path(
+        &mut self,
+        namespace: u64,
+        key: &[u32],
+        out: &mut [u32],
+    ) -> (MatchResult, u32, usize, MatchResult) {
+        let none = MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id };
         if key.is_empty() {
-            return (MatchResult { len: 0, last_page: 0, epoch: 0, cache_id: self.c.id }, ROOT, 0);
+            return (none, ROOT, 0, none);
         }
         let ps = self.c.ps;
         if V::TOUCH_WHILE_WALKING {
             self.touch(ROOT);
         }
+        let mut walk = V::Walk::default();
         let (mut pos, mut cur) = (0usize, 0u32);
         let (mut best, mut best_len, mut best_page) = (ROOT, 0usize, 0u32);
         while pos < key.len() {
@@ -328,7 +344,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             pos += m * ps;
             cur = last;
             let node = if m < n { self.split(id, m) } else { id };
-            if V::match_end(&self.s.meta[node as usize].ext) {
+            if self.c.variant.walk_step(&mut walk, &self.s.meta[node as usize].ext, m * ps) {
                 (best, best_len, best_page) = (node, pos, last);
             }
             if m < n {
@@ -339,7 +355,9 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             self.touch_path(best);
         }
         let epoch = self.s.page_epoch[best_page as usize];
-        (MatchResult { len: best_len, last_page: best_page, epoch, cache_id: self.c.id }, best, pos)
+        let kv_end =
+            MatchResult { len: pos, last_page: cur, epoch: self.s.page_epoch[cur as usize], cache_id: self.c.id };
+        (MatchResult { len: best_len, last_page: best_page, epoch, cache_id: self.c.id }, best, pos, kv_end)
     }
 
     /// Refresh the recency of `id` and its ancestors, the root oldest and `id` newest
@@ -367,7 +385,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Cut node `id` after `m` pages; returns the new upper node.
-    fn split(&mut self, id: u32, m: usize) -> u32 {
+    pub(super) fn split(&mut self, id: u32, m: usize) -> u32 {
         let (first, n) = self.span(id);
         let r = &self.c.records[id as usize];
         let (parent_page, namespace, key_hash) = (
@@ -398,6 +416,9 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let upper = self.new_record(first, first_run, m as u32, parent_page, namespace, key_hash);
         let lower_hash = self.page_hash_of(cut, namespace, lower_first);
         let lower = self.new_record(lower_first, lower_run, n - m as u32, cut, namespace, lower_hash);
+        let mark = self.c.records[id as usize].mark.load(Ordering::Relaxed);
+        self.set_mark(upper, mark);
+        self.set_mark(lower, mark);
         // The lower part is reachable only through the upper one, which is not yet
         // published: linking it first is invisible.
         self.publish(lower);
@@ -727,16 +748,24 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.page_owner[pp as usize]
     }
 
-    fn len_of(&self, id: u32) -> usize {
+    pub(super) fn len_of(&self, id: u32) -> usize {
         self.span(id).1 as usize * self.c.ps
     }
 
-    pub(super) fn inc_lock(&mut self, last_page: u32) {
+    /// Lock the path ending at `m`'s node: a lease's key.
+    pub(super) fn lease_of(&mut self, m: &MatchResult) -> super::LeaseKey {
+        let aux = self.inc_lock(m.last_page);
+        super::LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, aux, cache_id: self.c.id }
+    }
+
+    /// Lock the path ending at the node whose last page is `last_page`; returns the
+    /// variant's datum for [`dec_lock`](Self::dec_lock).
+    pub(super) fn inc_lock(&mut self, last_page: u32) -> u64 {
         if last_page == 0 {
-            return;
+            return 0;
         }
         let mut id = self.s.page_owner[last_page as usize];
-        V::lock_end(self, id, true);
+        let aux = V::lock_end(self, id);
         while id != ROOT {
             if self.s.meta[id as usize].lock_ref == 0 {
                 let len = self.len_of(id);
@@ -747,14 +776,15 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             self.s.meta[id as usize].lock_ref += 1;
             id = self.parent_of(id);
         }
+        aux
     }
 
-    pub(super) fn dec_lock(&mut self, last_page: u32) {
+    pub(super) fn dec_lock(&mut self, last_page: u32, aux: u64) {
         if last_page == 0 {
             return;
         }
         let mut id = self.s.page_owner[last_page as usize];
-        V::lock_end(self, id, false);
+        V::unlock_end(self, id, aux);
         while id != ROOT {
             let m = &mut self.s.meta[id as usize];
             debug_assert!(m.lock_ref > 0);

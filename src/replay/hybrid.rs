@@ -48,6 +48,9 @@ pub enum Model {
     /// A hybrid (Qwen3-Next, Nemotron-H, Jamba...): KV plus one Mamba state per
     /// request, kvpool's `MambaRadixCache`, sequential mode.
     Hybrid,
+    /// Sliding-window and full-attention layers (gpt-oss, Gemma 2/3): a full KV pool
+    /// and a smaller window pool, kvpool's `SwaRadixCache`, sequential mode.
+    Swa,
 }
 
 impl Model {
@@ -56,6 +59,7 @@ impl Model {
         match self {
             Model::Attention => "attention",
             Model::Hybrid => "hybrid",
+            Model::Swa => "swa",
         }
     }
 }
@@ -66,7 +70,8 @@ impl FromStr for Model {
         match s.to_ascii_lowercase().as_str() {
             "attention" => Ok(Model::Attention),
             "hybrid" => Ok(Model::Hybrid),
-            _ => Err(ReplayError::Config(format!("unknown model {s:?}; expected attention or hybrid"))),
+            "swa" => Ok(Model::Swa),
+            _ => Err(ReplayError::Config(format!("unknown model {s:?}; expected attention, hybrid or swa"))),
         }
     }
 }

@@ -47,6 +47,7 @@ mod overlap;
 mod plot;
 mod sequential;
 mod stats;
+mod swa;
 mod trace;
 mod vec_trie_cache;
 
@@ -62,6 +63,7 @@ pub use overlap::run_overlap;
 pub use plot::write_plot;
 pub use sequential::run_sequential;
 pub use stats::{Latencies, LatencyHistogram, Percentiles, Report, TimelinePoint};
+pub use swa::{run_swa, SwaConfig, SwaReport, DEFAULT_SWA_RATIO_PERMILLE, DEFAULT_SWA_WINDOW};
 pub use trace::{
     output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
     MAX_HASH_ID, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
@@ -182,6 +184,8 @@ pub struct ReplayConfig {
     pub model: Model,
     /// The state pool and checkpoints of [`Model::Hybrid`] (ignored otherwise).
     pub hybrid: HybridConfig,
+    /// The window and window pool of [`Model::Swa`] (ignored otherwise).
+    pub swa: SwaConfig,
 }
 
 impl Default for ReplayConfig {
@@ -197,6 +201,7 @@ impl Default for ReplayConfig {
             timeline: false,
             model: Model::Attention,
             hybrid: HybridConfig::default(),
+            swa: SwaConfig::default(),
         }
     }
 }
@@ -283,6 +288,21 @@ impl ReplayConfig {
             }
             self.hybrid.validate(capacity, self.page_size)?;
         }
+        if self.model == Model::Swa {
+            if self.mode != Mode::Sequential {
+                return bad(format!(
+                    "--model swa runs in sequential mode only; use --mode sequential, not --mode {}",
+                    self.mode.name()
+                ));
+            }
+            if self.cache != CacheKind::Kvpool {
+                return bad(format!(
+                    "--model swa needs --cache kvpool (only kvpool has a sliding-window cache), not --cache {}",
+                    self.cache.name()
+                ));
+            }
+            self.swa.validate(capacity, self.page_size)?;
+        }
         let max_kv = trace.max_kv_len_fitting(capacity);
         if max_kv == 0 && !trace.is_empty() {
             let shortest = trace.requests().iter().map(|q| q.kv_len().div_ceil(ps).saturating_mul(ps)).min();
@@ -341,6 +361,9 @@ impl ReplayConfig {
             if self.timeline { trace.len() as u128 * core::mem::size_of::<TimelinePoint>() as u128 } else { 0 };
         let hybrid = match self.model {
             Model::Attention => 0,
+            // The window order (4 bytes a node) and the full-to-window mapping (4 a slot),
+            // the window pool's bitmap.
+            Model::Swa => 4 * (pages + 3) + slot * (pages + 1) * ps + pages.div_ceil(64) * 8,
             // The state order (4 bytes a node), the state pool and owners, the timeline.
             Model::Hybrid => {
                 4 * (pages + 3)
@@ -438,6 +461,9 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
     .map_err(too_large)?;
     if config.model == Model::Hybrid {
         return hybrid::replay_hybrid(trace, config, progress);
+    }
+    if config.model == Model::Swa {
+        return swa::replay_swa(trace, config, progress);
     }
     let rows = config.rows() as u32;
     let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
@@ -577,6 +603,7 @@ pub(crate) fn finish_report<C: ReplayCache>(
         invariants_ok: true,
         timeline,
         hybrid: None,
+        swa: None,
     })
 }
 

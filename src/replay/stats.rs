@@ -237,6 +237,9 @@ pub struct Report {
     /// `--model hybrid`: the Mamba-state figures (absent for attention models).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<super::HybridReport>,
+    /// `--model swa`: the window-pool figures (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swa: Option<super::SwaReport>,
 }
 
 impl Report {
@@ -285,6 +288,9 @@ impl fmt::Display for Report {
         if let Some(h) = &self.hybrid {
             h.header(f)?;
         }
+        if let Some(s) = &self.swa {
+            s.header(f)?;
+        }
         row(f, "requests", thousands(self.requests))?;
         row(f, "rejected", thousands(self.rejected))?;
         if self.mode == "overlap" {
@@ -299,6 +305,9 @@ impl fmt::Display for Report {
         row(f, "final cached tokens", thousands(self.final_cached_tokens))?;
         if let Some(h) = &self.hybrid {
             h.rows(f, self.prompt_tokens)?;
+        }
+        if let Some(s) = &self.swa {
+            s.rows(f, self.prompt_tokens)?;
         }
         if self.routers > 0 {
             row(
@@ -329,6 +338,8 @@ impl fmt::Display for Report {
             "  invariants: {}",
             if self.invariants_ok && self.hybrid.is_some() {
                 "hold; every KV slot and state slot is free or cached, every request row is free"
+            } else if self.invariants_ok && self.swa.is_some() {
+                "hold; every full and window KV slot is free or cached, every request row is free"
             } else if self.invariants_ok {
                 "hold; every KV slot is free or cached, every request row is free"
             } else {

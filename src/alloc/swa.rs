@@ -1,0 +1,719 @@
+//! The dual allocator of hybrid sliding-window models: [`SwaAllocator`], SGLang's
+//! `SWATokenToKVPoolAllocator`, lock-free.
+//!
+//! Models that interleave full-attention and sliding-window layers (Gemma 2/3, gpt-oss,
+//! Mistral's SWA variants) keep two KV pools: the full layers' pool grows with the
+//! sequence, the window layers' pool needs only the last `window` tokens of each
+//! request. A token gets a slot in both: its **full slot** is what the caller, the
+//! request rows and the prefix cache see; its **window slot** is found through the
+//! *mapping*, one `u32` per full slot (`(full pages + 1) * page_size` entries), 0 for a
+//! full slot without a window slot (free, or its window part released). Pages map to
+//! pages: full page `P` with window page `W` maps slot `P*ps + k` to `W*ps + k`.
+//!
+//! * [`alloc`](KvAllocator::alloc), [`alloc_extend`](KvAllocator::alloc_extend) and
+//!   [`alloc_decode`](KvAllocator::alloc_decode) take fresh pages from both pools or
+//!   from neither, under concurrency too (the second reservation failing gives the first
+//!   back before the error returns), with the paged semantics of [`PagedAllocator`];
+//! * [`free`](KvAllocator::free) frees both parts;
+//!   [`free_swa`](SwaAllocator::free_swa) frees only the window part of pages that fell
+//!   out of a request's window, and clears their mapping;
+//! * [`available_size`](KvAllocator::available_size) is the smaller of the two pools'.
+//!
+//! A page's window part is released by whoever swaps its first mapping entry from
+//! non-zero to 0, so a window page is freed exactly once even when two threads free
+//! the same full page at once (a caller's double free): the full pool then refuses one
+//! of them, as it always does.
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::alloc::SwaAllocator;
+//! use kvpool::KvAllocator;
+//!
+//! // 64 tokens for the full layers, 16 for the window layers, pages of 4.
+//! let alloc = SwaAllocator::new(64, 16, 4)?;
+//! let mut a = [0u32; 8];
+//! alloc.alloc(&mut a)?;                     // two pages from each pool
+//! assert_eq!(a, [4, 5, 6, 7, 8, 9, 10, 11]); // the full slots
+//! assert_eq!(alloc.window_slot(a[5]), Some(9)); // window page 2, offset 1
+//! assert_eq!(alloc.available_size(), 8);      // min(56, 8)
+//!
+//! // The first page fell out of the request's window: release its window part only.
+//! assert_eq!(alloc.free_swa(&a[..4])?, 4);
+//! assert_eq!(alloc.window_slot(a[0]), None);
+//! assert_eq!(alloc.window_available_size(), 12);
+//!
+//! alloc.free(&a)?;                          // the rest of both pools
+//! assert_eq!((alloc.full_available_size(), alloc.window_available_size()), (64, 16));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use core::fmt;
+
+use super::expand::{self, BatchPlan};
+use super::{plan_decode, plan_extend, KvAllocator, KvFreeGroup, PagedAllocator};
+use crate::error::{AllocError, ConfigError, FreeError, InvalidInput, InvariantViolation, OutOfMemory, Unit};
+use crate::slots::FreeGroup;
+use crate::sync::atomic::{AtomicU32, Ordering};
+
+/// Window pages mapped (or freed) per batch of the stack buffer: no heap on any path.
+const CHUNK: usize = 64;
+
+/// A full pool and a smaller sliding-window pool that allocate together, and the
+/// mapping between them (see the [module docs](self)).
+pub struct SwaAllocator {
+    full: PagedAllocator,
+    window: SwaWindow,
+}
+
+/// The window half of an [`SwaAllocator`]: its pool and the full-to-window mapping.
+pub struct SwaWindow {
+    pages: PagedAllocator,
+    /// For each full slot: its window slot, or 0.
+    map: Box<[AtomicU32]>,
+}
+
+impl SwaAllocator {
+    /// A full pool of `full_size` tokens and a window pool of `window_size` tokens, both
+    /// in pages of `page_size` (a remainder is unused, as in SGLang). The mapping takes
+    /// 4 bytes per full slot.
+    ///
+    /// # Errors
+    ///
+    /// As [`PagedAllocator::new`] for either pool; [`ConfigError::Zero`] when a pool
+    /// has no whole page; [`ConfigError::TooLargeForMemory`] for the mapping.
+    pub fn new(full_size: usize, window_size: usize, page_size: u32) -> Result<Self, ConfigError> {
+        let full = PagedAllocator::new(full_size, page_size)?;
+        let pages = PagedAllocator::new(window_size, page_size)?;
+        if full.num_pages() == 0 {
+            return Err(ConfigError::Zero("the full pool's pages"));
+        }
+        if pages.num_pages() == 0 {
+            return Err(ConfigError::Zero("the sliding-window pool's pages"));
+        }
+        let entries = (full.num_pages() as usize + 1) * page_size as usize;
+        let map = crate::arena::try_vec_with(entries, "the full-to-window mapping", |_| AtomicU32::new(0))?;
+        Ok(SwaAllocator { full, window: SwaWindow { pages, map: map.into_boxed_slice() } })
+    }
+
+    /// The window half: its pool's sizes and the mapping.
+    pub fn window(&self) -> &SwaWindow {
+        &self.window
+    }
+
+    /// Free tokens in the full pool.
+    pub fn full_available_size(&self) -> usize {
+        self.full.available_size()
+    }
+
+    /// Free tokens in the window pool (SGLang's `swa_available_size`).
+    pub fn window_available_size(&self) -> usize {
+        self.window.available_size()
+    }
+
+    /// Token capacity of the window pool.
+    pub fn window_size(&self) -> usize {
+        self.window.size()
+    }
+
+    /// The window slot of full slot `slot` (SGLang's `translate_loc_from_full_to_swa`),
+    /// `None` when it has none.
+    pub fn window_slot(&self, slot: u32) -> Option<u32> {
+        self.window.slot_of(slot)
+    }
+
+    /// The window slots of `full` into `out` (0 where a slot has none).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidInput::LengthMismatch`] when the lengths differ.
+    pub fn translate(&self, full: &[u32], out: &mut [u32]) -> Result<(), InvalidInput> {
+        if full.len() != out.len() {
+            return Err(InvalidInput::LengthMismatch { what: "out", got: out.len(), expected: full.len() });
+        }
+        for (o, &s) in out.iter_mut().zip(full) {
+            *o = self.window.slot_of(s).unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    /// Free the window part of the pages `slots` lie in (SGLang's `free_swa`): tokens
+    /// that fell out of their request's sliding window. Their full slots stay allocated
+    /// (the full layers still attend to them); their mapping is cleared. Pages whose
+    /// window part is gone already are skipped. Returns the window tokens freed.
+    ///
+    /// Name only slots the caller owns: the window part of a page a prefix cache holds
+    /// is the cache's (an [`SwaRadixCache`](crate::radix::SwaRadixCache) request frees
+    /// its window through [`release_window`](crate::radix::SwaRadixCache::release_window),
+    /// which checks that).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] naming the first slot whose full page is out of range or not
+    /// allocated; nothing is freed then.
+    pub fn free_swa(&self, slots: &[u32]) -> Result<usize, FreeError> {
+        self.check_allocated(slots)?;
+        let mut wgroup = self.window.group();
+        let mut buf = WindowBuf::new();
+        for &s in slots {
+            if let Some(w) = self.window.unmap(self.full.page_of(s)) {
+                buf.push(w, &mut wgroup);
+            }
+        }
+        buf.flush(&mut wgroup);
+        Ok(wgroup.end() * self.full.page_size as usize)
+    }
+
+    /// Every full page of `slots` is in range and allocated, or the error the full pool
+    /// would give (nothing changes either way).
+    fn check_allocated(&self, slots: &[u32]) -> Result<(), FreeError> {
+        if slots.iter().all(|&s| self.full.is_allocated(s)) {
+            return Ok(());
+        }
+        let bad = slots.iter().copied().find(|&s| !self.full.is_allocated(s)).unwrap_or(0);
+        let e = if bad < self.full.page_size || self.full.page_of(bad) > self.full.num_pages() {
+            crate::error::FreeErrorKind::OutOfRange {
+                first: self.full.page_size,
+                last: ((self.full.num_pages() as u64 + 1) * self.full.page_size as u64 - 1) as u32,
+            }
+        } else {
+            crate::error::FreeErrorKind::NotAllocated
+        };
+        Err(FreeError { index: bad, kind: e, rest_freed: false })
+    }
+
+    fn window_oom(&self, refused: OutOfMemory) -> AllocError {
+        let ps = self.full.page_size as usize;
+        AllocError::OutOfMemory(OutOfMemory {
+            requested: refused.requested * ps,
+            available: refused.available * ps,
+            evictable: None,
+            unit: Unit::WindowTokens,
+        })
+    }
+
+    /// Reserve `n` pages in both pools, or in neither.
+    fn reserve_both(&self, n: usize) -> Result<(), AllocError> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.full.pages.reserve(n, Unit::Pages).map_err(|e| self.full.oom(e))?;
+        if let Err(e) = self.window.pages.pages.reserve(n, Unit::Pages) {
+            // Give the full reservation back before the error is seen: a failed call
+            // holds nothing of either pool.
+            self.full.pages.publish(n);
+            return Err(self.window_oom(e));
+        }
+        Ok(())
+    }
+
+    /// Claim the reserved pages: full pages into `out[..n]`, each mapped to a fresh
+    /// window page.
+    fn claim_both(&self, out: &mut [u32]) {
+        self.full.pages.claim(out);
+        let mut wp = [0u32; CHUNK];
+        for chunk in out.chunks(CHUNK) {
+            let wp = &mut wp[..chunk.len()];
+            self.window.pages.pages.claim(wp);
+            for (&p, &w) in chunk.iter().zip(wp.iter()) {
+                self.window.map_page(p, w);
+            }
+        }
+    }
+
+    fn reserve_and_expand<R>(&self, plan: BatchPlan, out: &mut [u32], req: R, batch: usize) -> Result<(), AllocError>
+    where
+        R: Fn(usize) -> (u32, u32, u32),
+    {
+        self.reserve_both(plan.new_pages)?;
+        self.claim_both(&mut out[..plan.new_pages]);
+        expand::expand_in_place(self.full.page_size, batch, req, plan.new_pages, out);
+        crate::debug_check(self);
+        Ok(())
+    }
+}
+
+impl SwaWindow {
+    /// Tokens per page (the full pool's).
+    pub fn page_size(&self) -> u32 {
+        self.pages.page_size
+    }
+
+    /// Token capacity of the window pool.
+    pub fn size(&self) -> usize {
+        KvAllocator::size(&self.pages)
+    }
+
+    /// Free tokens in the window pool.
+    pub fn available_size(&self) -> usize {
+        self.pages.available_size()
+    }
+
+    /// Entries of the mapping: one per full slot, page 0 included.
+    pub fn mapping_len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The window slot of full slot `slot`, `None` when it has none (or is out of
+    /// range).
+    #[inline]
+    pub fn slot_of(&self, slot: u32) -> Option<u32> {
+        // Acquire: pairs with nothing stronger than the owner's hand-off; the entry is
+        // written by the page's owner before the page is handed on.
+        self.map.get(slot as usize).map(|e| e.load(Ordering::Acquire)).filter(|&w| w != 0)
+    }
+
+    /// Copy the mapping entries `first..first + out.len()` into `out` (for uploading
+    /// the mapping to a device, a range at a time).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidInput::OutOfBounds`] when the range passes the end of the mapping.
+    pub fn copy_mapping(&self, first: usize, out: &mut [u32]) -> Result<(), InvalidInput> {
+        let end = first.checked_add(out.len()).filter(|&e| e <= self.map.len());
+        let Some(end) = end else {
+            let end = first.saturating_add(out.len());
+            return Err(InvalidInput::OutOfBounds { what: "the full-to-window mapping", end, len: self.map.len() });
+        };
+        for (o, e) in out.iter_mut().zip(&self.map[first..end]) {
+            *o = e.load(Ordering::Acquire);
+        }
+        Ok(())
+    }
+
+    /// Whether full page `page` has its window part.
+    #[inline]
+    pub fn is_mapped(&self, page: u32) -> bool {
+        let ps = self.pages.page_size as usize;
+        self.map.get(page as usize * ps).is_some_and(|e| e.load(Ordering::Acquire) != 0)
+    }
+
+    /// Whether every full page of `first..first + pages` has its window part.
+    pub(crate) fn all_mapped(&self, first: u32, pages: u32) -> bool {
+        (first..first + pages).all(|p| self.is_mapped(p))
+    }
+
+    /// Whether no full page of `first..first + pages` has its window part.
+    pub(crate) fn none_mapped(&self, first: u32, pages: u32) -> bool {
+        (first..first + pages).all(|p| !self.is_mapped(p))
+    }
+
+    fn group(&self) -> FreeGroup<'_> {
+        if self.pages.page_size == 1 {
+            self.pages.pages.free_group()
+        } else {
+            FreeGroup::merging(&self.pages.pages)
+        }
+    }
+
+    /// Map full page `page` to window page `w` (both owned by the caller).
+    fn map_page(&self, page: u32, w: u32) {
+        let ps = self.pages.page_size as usize;
+        let (base, wbase) = (page as usize * ps, w * ps as u32);
+        for (k, e) in self.map[base..base + ps].iter().enumerate() {
+            e.store(wbase + k as u32, Ordering::Release);
+        }
+    }
+
+    /// Clear full page `page`'s mapping; returns its window page if this call took it.
+    fn unmap(&self, page: u32) -> Option<u32> {
+        let ps = self.pages.page_size as usize;
+        let base = page as usize * ps;
+        let first = self.map.get(base)?;
+        // AcqRel: exactly one caller sees the non-zero entry (and so frees the window
+        // page); the owner's mapping stores happen-before it.
+        let w = first.swap(0, Ordering::AcqRel);
+        if w == 0 {
+            return None;
+        }
+        for e in &self.map[base + 1..base + ps] {
+            e.store(0, Ordering::Release);
+        }
+        Some(w / ps as u32)
+    }
+
+    /// Release the window part of full pages `first..first + pages` into `wgroup`;
+    /// returns the window pages freed.
+    pub(crate) fn release_pages(&self, first: u32, pages: u32, wgroup: &mut FreeGroup<'_>) -> usize {
+        let mut buf = WindowBuf::new();
+        let mut n = 0;
+        for p in first..first + pages {
+            if let Some(w) = self.unmap(p) {
+                buf.push(w, wgroup);
+                n += 1;
+            }
+        }
+        buf.flush(wgroup);
+        n
+    }
+
+    /// Release the window part of full pages `first..first + pages` at once; returns
+    /// the window tokens freed.
+    pub(crate) fn release_now(&self, first: u32, pages: u32) -> usize {
+        let mut g = self.group();
+        self.release_pages(first, pages, &mut g);
+        g.end() * self.pages.page_size as usize
+    }
+
+    /// Move full page `from`'s window page to full page `to`, which has none (a prefix
+    /// cache reviving a page of its own with a request's window KV of the same tokens).
+    /// Returns whether `from` had one.
+    pub(crate) fn move_page(&self, from: u32, to: u32) -> bool {
+        debug_assert!(!self.is_mapped(to), "the receiving page has a window part already");
+        match self.unmap(from) {
+            Some(w) => {
+                self.map_page(to, w);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Window pages waiting to be freed into a group, a chunk at a time.
+struct WindowBuf {
+    pages: [u32; CHUNK],
+    len: usize,
+}
+
+impl WindowBuf {
+    fn new() -> Self {
+        WindowBuf { pages: [0; CHUNK], len: 0 }
+    }
+
+    fn push(&mut self, w: u32, group: &mut FreeGroup<'_>) {
+        self.pages[self.len] = w;
+        self.len += 1;
+        if self.len == CHUNK {
+            self.flush(group);
+        }
+    }
+
+    fn flush(&mut self, group: &mut FreeGroup<'_>) {
+        if self.len > 0 {
+            let r = group.free_iter(self.pages[..self.len].iter().copied());
+            // A window page is freed only by the caller whose swap took its mapping.
+            debug_assert!(r.is_ok(), "a mapped window page failed to free: {r:?}");
+            self.len = 0;
+        }
+    }
+}
+
+/// The window half of a [`KvFreeGroup`] over an [`SwaAllocator`].
+pub(crate) struct WindowFrees<'a> {
+    pub(crate) window: &'a SwaWindow,
+    pub(crate) group: FreeGroup<'a>,
+}
+
+impl KvAllocator for SwaAllocator {
+    fn page_size(&self) -> u32 {
+        self.full.page_size
+    }
+    /// The full pool's capacity (what request rows and a prefix cache address).
+    fn size(&self) -> usize {
+        self.full.size()
+    }
+    /// The smaller of the two pools' free tokens.
+    fn available_size(&self) -> usize {
+        self.full.available_size().min(self.window.available_size())
+    }
+    fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        let ps = self.full.page_size as usize;
+        if out.len() % ps != 0 {
+            return Err(InvalidInput::NotPageAligned { count: out.len(), page_size: ps as u32 }.into());
+        }
+        let n = out.len() / ps;
+        self.reserve_and_expand(BatchPlan { new_pages: n, new_tokens: out.len() }, out, |_| (0, 0, 0), 0)?;
+        if ps > 1 {
+            // The batch had no requests to expand: pages to slots, backwards.
+            for p in (0..n).rev() {
+                let base = out[p] * ps as u32;
+                for k in (0..ps).rev() {
+                    out[p * ps + k] = base + k as u32;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        let plan = plan_extend(self.full.page_size, prefix_lens, seq_lens)?;
+        self.full.check_batch(plan, seq_lens.len(), last_locs, out, |i| (prefix_lens[i], seq_lens[i]))?;
+        self.reserve_and_expand(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len())
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        let plan = plan_decode(self.full.page_size, seq_lens)?;
+        self.full.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
+        self.reserve_and_expand(plan, out, |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), seq_lens.len())
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        let mut group = self.free_group();
+        let r = group.free(slots);
+        group.end();
+        r
+    }
+    fn free_group(&self) -> KvFreeGroup<'_> {
+        let mut g = self.full.free_group();
+        g.window = Some(WindowFrees { window: &self.window, group: self.window.group() });
+        g
+    }
+    #[inline]
+    fn is_allocated(&self, slot: u32) -> bool {
+        self.full.is_allocated(slot)
+    }
+    fn pages_allocated(&self, first_page: u32, pages: u32) -> bool {
+        self.full.pages.all_allocated(first_page, pages)
+    }
+    fn as_swa(&self) -> Option<&SwaAllocator> {
+        Some(self)
+    }
+    fn clear(&mut self) {
+        self.full.clear();
+        self.window.pages.clear();
+        for e in self.window.map.iter() {
+            e.store(0, Ordering::Relaxed);
+        }
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.full.check_invariants()?;
+        self.window.pages.check_invariants()?;
+        let bad = |m: String| Err(InvariantViolation(format!("swa allocator: {m}")));
+        let ps = self.full.page_size as usize;
+        let wpages = self.window.pages.num_pages() as usize;
+        let mut used = vec![false; wpages + 1];
+        let mut mapped = 0usize;
+        for p in 0..=self.full.num_pages() as usize {
+            let entries = &self.window.map[p * ps..(p + 1) * ps];
+            let w = entries[0].load(Ordering::Acquire);
+            if w == 0 {
+                if entries.iter().any(|e| e.load(Ordering::Acquire) != 0) {
+                    return bad(format!("full page {p} is partly mapped"));
+                }
+                continue;
+            }
+            if p == 0 || !self.full.pages.is_allocated(p as u32) {
+                return bad(format!("full page {p} is free but maps to window slot {w}"));
+            }
+            let wp = w as usize / ps;
+            if w as usize % ps != 0 || wp == 0 || wp > wpages {
+                return bad(format!("full page {p} maps to window slot {w}, not a window page's first"));
+            }
+            if entries.iter().enumerate().any(|(k, e)| e.load(Ordering::Acquire) != w + k as u32) {
+                return bad(format!("full page {p} maps its slots to different window pages"));
+            }
+            if !self.window.pages.pages.is_allocated(wp as u32) {
+                return bad(format!("full page {p} maps to window page {wp}, which is free"));
+            }
+            if core::mem::replace(&mut used[wp], true) {
+                return bad(format!("window page {wp} is mapped from two full pages"));
+            }
+            mapped += 1;
+        }
+        let held = wpages - self.window.pages.available_pages();
+        if mapped != held {
+            return bad(format!("{held} window pages are allocated but {mapped} are mapped"));
+        }
+        Ok(())
+    }
+}
+
+impl crate::CheckInvariants for SwaAllocator {
+    fn check(&self) -> Result<(), InvariantViolation> {
+        KvAllocator::check_invariants(self)
+    }
+}
+
+impl fmt::Debug for SwaAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SwaAllocator")
+            .field("page_size", &self.full.page_size)
+            .field("full_pages", &self.full.num_pages())
+            .field("window_pages", &self.window.pages.num_pages())
+            .field("full_available", &self.full_available_size())
+            .field("window_available", &self.window_available_size())
+            .finish()
+    }
+}
+
+impl fmt::Debug for SwaWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SwaWindow")
+            .field("page_size", &self.pages.page_size)
+            .field("pages", &self.pages.num_pages())
+            .field("available", &self.available_size())
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::error::FreeErrorKind;
+
+    fn check(a: &SwaAllocator) {
+        KvAllocator::check_invariants(a).unwrap();
+    }
+
+    #[test]
+    fn alloc_takes_both_or_neither() {
+        // Window pool short: nothing is taken from the full pool.
+        let a = SwaAllocator::new(64, 8, 4).unwrap();
+        let mut out = [0u32; 12];
+        let e = a.alloc(&mut out).unwrap_err();
+        match e {
+            AllocError::OutOfMemory(oom) => {
+                assert_eq!((oom.requested, oom.available, oom.unit), (12, 8, Unit::WindowTokens))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((a.full_available_size(), a.window_available_size()), (64, 8));
+        check(&a);
+        // Full pool short: nothing is taken from the window pool.
+        let a = SwaAllocator::new(8, 64, 4).unwrap();
+        let e = a.alloc(&mut out).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(OutOfMemory { unit: Unit::Tokens, .. })));
+        assert_eq!((a.full_available_size(), a.window_available_size()), (8, 64));
+        check(&a);
+    }
+
+    #[test]
+    fn mapping_follows_pages_and_is_cleared_on_free() {
+        let a = SwaAllocator::new(32, 16, 2).unwrap();
+        let mut out = [0u32; 6];
+        a.alloc(&mut out).unwrap();
+        assert_eq!(out, [2, 3, 4, 5, 6, 7]);
+        let mut w = [0u32; 6];
+        a.translate(&out, &mut w).unwrap();
+        assert_eq!(w, [2, 3, 4, 5, 6, 7]);
+        check(&a);
+        a.free(&out[2..4]).unwrap();
+        assert_eq!(a.window_slot(4), None);
+        assert_eq!(a.window_slot(5), None);
+        assert_eq!((a.full_available_size(), a.window_available_size()), (28, 12));
+        check(&a);
+        // The freed pages come back mapped again.
+        let mut again = [0u32; 2];
+        a.alloc(&mut again).unwrap();
+        assert_eq!(again, [4, 5]);
+        assert_eq!(a.window_slot(5), Some(5));
+        check(&a);
+    }
+
+    #[test]
+    fn free_swa_releases_the_window_part_only() {
+        let a = SwaAllocator::new(32, 16, 4).unwrap();
+        let mut out = [0u32; 12];
+        a.alloc(&mut out).unwrap();
+        assert_eq!(a.free_swa(&out[..8]).unwrap(), 8);
+        assert_eq!((a.full_available_size(), a.window_available_size()), (20, 12));
+        // Again: nothing left to release there.
+        assert_eq!(a.free_swa(&out[..8]).unwrap(), 0);
+        check(&a);
+        // The full free then releases the full pages (and the rest of the window).
+        a.free(&out).unwrap();
+        assert_eq!((a.full_available_size(), a.window_available_size()), (32, 16));
+        check(&a);
+    }
+
+    #[test]
+    fn bad_frees_change_nothing() {
+        let a = SwaAllocator::new(32, 16, 4).unwrap();
+        let mut out = [0u32; 8];
+        a.alloc(&mut out).unwrap();
+        let e = a.free_swa(&[out[0], 20]).unwrap_err();
+        assert_eq!((e.index, e.kind), (20, FreeErrorKind::NotAllocated));
+        let e = a.free_swa(&[out[0], 400]).unwrap_err();
+        assert!(matches!(e.kind, FreeErrorKind::OutOfRange { .. }));
+        let e = a.free(&[out[0], 20]).unwrap_err();
+        assert_eq!(e.kind, FreeErrorKind::NotAllocated);
+        assert_eq!(a.window_slot(out[0]), Some(out[0]));
+        assert_eq!((a.full_available_size(), a.window_available_size()), (24, 8));
+        check(&a);
+        a.free(&out).unwrap();
+        let e = a.free(&out).unwrap_err();
+        assert_eq!(e.kind, FreeErrorKind::NotAllocated);
+        check(&a);
+    }
+
+    #[test]
+    fn extend_and_decode_map_only_new_pages() {
+        let a = SwaAllocator::new(256, 64, 4).unwrap();
+        let mut first = [0u32; 8];
+        a.alloc(&mut first).unwrap(); // pages 1, 2
+        let mut out = [0u32; 9];
+        a.alloc_extend(&[1, 3], &[6, 7], &[4, 10], &mut out).unwrap();
+        // DESIGN.md's vector: the partial pages continue, pages 3 and 4 are new.
+        assert_eq!(out, [5, 6, 7, 12, 13, 11, 16, 17, 18]);
+        assert_eq!(a.window_slot(12), Some(12));
+        assert_eq!(a.window_slot(18), Some(18));
+        assert_eq!(a.window_available_size(), 64 - 16);
+        let mut d = [0u32; 2];
+        a.alloc_decode(&[7, 8], &[13, 18], &mut d).unwrap();
+        assert_eq!(d, [14, 19]);
+        assert_eq!(a.window_available_size(), 64 - 16);
+        let mut d = [0u32; 1];
+        a.alloc_decode(&[9], &[19], &mut d).unwrap();
+        assert_eq!((d[0], a.window_slot(20)), (20, Some(20)));
+        assert_eq!(a.window_available_size(), 64 - 20);
+        check(&a);
+        // Window short for the decode's new page: nothing changes.
+        let b = SwaAllocator::new(64, 4, 4).unwrap();
+        let mut one = [0u32; 4];
+        b.alloc(&mut one).unwrap();
+        let mut d = [0u32; 1];
+        let e = b.alloc_decode(&[5], &[7], &mut d).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(OutOfMemory { unit: Unit::WindowTokens, .. })));
+        assert_eq!(b.full_available_size(), 60);
+        // A decode that continues its page needs no window page.
+        b.alloc_decode(&[4], &[6], &mut d).unwrap();
+        assert_eq!(d, [7]);
+        check(&b);
+    }
+
+    #[test]
+    fn token_pools() {
+        let a = SwaAllocator::new(100, 10, 1).unwrap();
+        let mut out = [0u32; 10];
+        a.alloc(&mut out).unwrap();
+        assert_eq!(a.available_size(), 0);
+        assert!(a.alloc(&mut [0u32; 1]).is_err());
+        a.free_swa(&out[..3]).unwrap();
+        assert_eq!(a.available_size(), 3);
+        let mut more = [0u32; 3];
+        a.alloc(&mut more).unwrap();
+        assert_eq!(more, [11, 12, 13]);
+        assert_eq!(a.window_slot(11), Some(1));
+        check(&a);
+        let mut group = a.free_group();
+        group.free(&out).unwrap();
+        group.free_pages(11, 3).unwrap();
+        assert_eq!(group.end(), 13);
+        assert_eq!((a.full_available_size(), a.window_available_size()), (100, 10));
+        check(&a);
+    }
+
+    #[test]
+    fn config_errors() {
+        assert!(matches!(SwaAllocator::new(64, 3, 4), Err(ConfigError::Zero(_))));
+        assert!(matches!(SwaAllocator::new(64, 16, 0), Err(ConfigError::ZeroPageSize)));
+        assert!(SwaAllocator::new(1 << 33, 16, 1).is_err());
+    }
+
+    #[test]
+    fn copy_mapping_is_bounded() {
+        let a = SwaAllocator::new(16, 8, 4).unwrap();
+        let mut out = [0u32; 4];
+        a.alloc(&mut out).unwrap();
+        let mut m = [9u32; 8];
+        a.window().copy_mapping(0, &mut m).unwrap();
+        assert_eq!(m, [0, 0, 0, 0, 4, 5, 6, 7]);
+        assert_eq!(a.window().mapping_len(), 20);
+        assert!(a.window().copy_mapping(16, &mut m).is_err());
+        assert!(a.window().copy_mapping(usize::MAX, &mut m).is_err());
+    }
+}

@@ -1,0 +1,752 @@
+//! The sliding-window variant of the radix core: [`SwaRadixCache`], SGLang's
+//! `SWARadixCache` for models that interleave full-attention and sliding-window layers
+//! (Gemma 2/3, gpt-oss, Mistral's SWA variants).
+//!
+//! Every cached token has KV in the full layers' pool and, through the dual
+//! allocator's mapping ([`SwaAllocator`]), in the window layers' pool. The window pool
+//! is smaller: a request needs the window KV of its last `window` tokens only. So a
+//! node may drop its window KV and keep its full KV: it becomes an **SWA tombstone**.
+//!
+//! * A match walks as far as the KV matches and returns the longest prefix whose last
+//!   `window` tokens all have their window KV: a counter of the tokens matched since the
+//!   last tombstone (infinite while none was crossed) grows with each live node and
+//!   restarts at 0 on a tombstone; a place is a valid end when the counter is at least
+//!   `window`. Only the returned path's recency is refreshed, the root oldest.
+//!   [`peek_prefix`](RadixCache::peek_prefix) applies the same rule lock-free (each
+//!   node's tombstone state as published when it was read).
+//! * A lease locks the full KV of its whole path (as the plain cache) and the window
+//!   KV of its last `window` tokens: whole nodes from its end upward until they cover
+//!   `window` tokens (the *window lock*; it stops early at a tombstone, which only a
+//!   request's own freshly cached tail can put there).
+//! * [`evict`](RadixCache::evict) removes unlocked leaves whole (full and window KV)
+//!   and then any parent left a childless tombstone (a leaf is never a tombstone);
+//!   [`evict_swa`](RadixCache::evict_swa) frees window KV of nodes without a window
+//!   lock, least recently used first: an internal node becomes a tombstone, a leaf is
+//!   removed whole; [`evict_both`](RadixCache::evict_both) runs the first pass and then
+//!   the second for what the first did not free (SGLang's `evict(full, swa)`), and the
+//!   allocation helpers run it for the shortfall of each pool.
+//! * An insert revives a tombstone it passes over when the request brings window KV
+//!   for the node's tokens (the tree's pages take the request's window pages; the
+//!   request's duplicate pages are then freed without them), and turns the leading part
+//!   of a new leaf whose window KV the request already released
+//!   ([`release_window`](RadixCache::release_window)) into a tombstone above a live leaf.
+//!
+//! One difference from SGLang's older releases: there the counter restarted at a
+//! tombstone only when it had reached `window` already, so a short live node between
+//! two tombstones could let a match end with tombstoned tokens inside its window (see
+//! the test `window_counter_restarts_at_every_tombstone`). kvpool restarts it at every
+//! tombstone, as SGLang does since.
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::alloc::SwaAllocator;
+//! use kvpool::radix::{RadixConfig, SwaRadixCache};
+//! use kvpool::{KvAllocator, ReqToTokenPool};
+//!
+//! // 64 full tokens, 16 window tokens, a window of 4 tokens.
+//! let cache = SwaRadixCache::with_window(
+//!     SwaAllocator::new(64, 16, 1)?,
+//!     ReqToTokenPool::new(4, 64)?,
+//!     RadixConfig::default(),
+//!     4,
+//! )?;
+//! let mut a = [0u32; 8];
+//! cache.allocator().alloc(&mut a)?;
+//! cache.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &a)?;
+//! let mut b = [0u32; 4];
+//! cache.allocator().alloc(&mut b)?;
+//! cache.insert(0, &[1, 2, 3, 4, 9, 9, 9, 9], &[a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]])?;
+//!
+//! // Window pressure: the shared prefix [1, 2, 3, 4] keeps its full KV only.
+//! assert_eq!(cache.evict_swa(4), 4);
+//! assert_eq!(cache.tombstone_size(), 4);
+//! // A match may not end right after it (its window would be missing) ...
+//! let mut out = [0u32; 8];
+//! assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4], &mut out).len(), 0);
+//! // ... but may end 4 live tokens further.
+//! assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4, 5, 6, 7, 8], &mut out).len(), 8);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use core::fmt::{self, Write as _};
+
+use super::heap::{self, Heap, Slot};
+use super::variant::Variant;
+use super::writer::Writer;
+use super::{
+    CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT,
+};
+use crate::alloc::{KvAllocator, SwaAllocator};
+use crate::error::ConfigError;
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::sync::atomic::{AtomicUsize, Ordering};
+
+/// The sliding-window variant (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Swa {
+    window: usize,
+    /// Window tokens of live nodes without a window lock.
+    evictable: AtomicUsize,
+    /// Window tokens of live nodes under a window lock.
+    protected: AtomicUsize,
+}
+
+/// A radix cache over a dual allocator whose nodes may be SWA tombstones (see the
+/// [module docs](self)).
+pub type SwaRadixCache = RadixCache<SwaAllocator, Swa>;
+
+/// A node's window state: whether it is a tombstone, its window lock count, and its
+/// place in the window order.
+#[derive(Clone, Copy, Debug)]
+pub struct SwaNode {
+    tomb: bool,
+    lock: u32,
+    pos: u32,
+}
+
+impl Default for SwaNode {
+    fn default() -> Self {
+        SwaNode { tomb: false, lock: 0, pos: NIL }
+    }
+}
+
+/// A match's counter of tokens since the last tombstone (infinite before the first).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct SwaWalk(u64);
+
+impl Default for SwaWalk {
+    fn default() -> Self {
+        SwaWalk(u64::MAX)
+    }
+}
+
+impl SwaWalk {
+    /// Enter a node of `tokens` matched tokens; whether the match may end after it.
+    #[inline]
+    fn step(&mut self, tomb: bool, tokens: usize, window: usize) -> bool {
+        if tomb {
+            self.0 = 0;
+            return false;
+        }
+        self.0 = self.0.saturating_add(tokens as u64);
+        self.0 >= window as u64
+    }
+}
+
+/// The window order (SGLang's `swa_lru_list`): live nodes without a window lock, least
+/// recently used first, internal nodes included.
+struct Windows;
+
+impl Slot<SwaNode> for Windows {
+    #[inline]
+    fn pos(m: &Meta<SwaNode>) -> u32 {
+        m.ext.pos
+    }
+    #[inline]
+    fn set_pos(m: &mut Meta<SwaNode>, pos: u32) {
+        m.ext.pos = pos;
+    }
+    #[inline]
+    fn key(_: EvictionPolicy, m: &Meta<SwaNode>) -> (i64, u64) {
+        (0, m.last_access)
+    }
+}
+
+/// The variant's writer-only state.
+#[derive(Debug)]
+pub struct SwaState {
+    order: Vec<u32>,
+    /// Window tokens of the live nodes removed since it was last cleared (the full
+    /// pass's window count).
+    removed_window: usize,
+}
+
+impl super::variant::sealed::Sealed for Swa {}
+
+fn windows<'w, A: KvAllocator>(w: &'w mut Writer<'_, A, Swa>) -> Heap<'w, SwaNode, Windows> {
+    Heap::new(&mut w.s.ext.order, &mut w.s.meta, w.c.policy)
+}
+
+fn dual<'a, A: KvAllocator>(w: &Writer<'a, A, Swa>) -> &'a SwaAllocator {
+    w.c.alloc.as_swa().expect("an SWA cache is built over an SwaAllocator")
+}
+
+/// Turn the live internal node `id` (no window lock) into a tombstone, freeing its
+/// window KV. Returns the window tokens freed.
+fn tombstone<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32) -> usize {
+    let e = w.s.meta[id as usize].ext;
+    debug_assert!(!e.tomb && e.lock == 0, "only an unlocked live node becomes a tombstone");
+    if e.pos != NIL {
+        windows(w).remove(id);
+    }
+    let window = dual(w).window();
+    let freed = w.runs(id).map(|(start, len)| window.release_now(start, len)).sum();
+    let len = w.len_of(id);
+    w.s.meta[id as usize].ext = SwaNode { tomb: true, lock: 0, pos: NIL };
+    w.set_mark(id, 1);
+    w.c.variant.evictable.fetch_sub(len, Ordering::Release);
+    freed
+}
+
+/// Make the tombstone `id` live again (its pages have their window KV now).
+fn revive<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32) {
+    debug_assert!(w.s.meta[id as usize].ext.tomb);
+    w.s.meta[id as usize].ext = SwaNode::default();
+    w.set_mark(id, 0);
+    w.c.variant.evictable.fetch_add(w.len_of(id), Ordering::Release);
+    windows(w).push(id);
+}
+
+impl Variant for Swa {
+    type Node = SwaNode;
+    type State = SwaState;
+    type Walk = SwaWalk;
+    const TOUCH_WHILE_WALKING: bool = false;
+
+    fn new_state(&self, nodes: usize) -> Result<SwaState, ConfigError> {
+        Ok(SwaState { order: crate::arena::try_with_capacity(nodes, "swa window order")?, removed_window: 0 })
+    }
+
+    #[inline]
+    fn walk_step(&self, walk: &mut SwaWalk, node: &SwaNode, tokens: usize) -> bool {
+        walk.step(node.tomb, tokens, self.window)
+    }
+
+    #[inline]
+    fn peek_step(&self, walk: &mut SwaWalk, mark: u32, tokens: usize) -> bool {
+        walk.step(mark != 0, tokens, self.window)
+    }
+
+    #[inline]
+    fn match_end(node: &SwaNode) -> bool {
+        !node.tomb
+    }
+
+    #[inline]
+    fn is_tombstone(node: &SwaNode) -> bool {
+        node.tomb
+    }
+
+    fn lockable<A: KvAllocator>(w: &Writer<'_, A, Self>, id: u32) -> bool {
+        // The window part of a lease (its last `window` tokens) must still be live.
+        let (mut x, mut acc) = (id, 0usize);
+        while x != ROOT && acc < w.c.variant.window {
+            if w.s.meta[x as usize].ext.tomb {
+                return false;
+            }
+            acc += w.len_of(x);
+            x = w.parent_of(x);
+        }
+        true
+    }
+
+    fn make_room<A: KvAllocator>(c: &RadixCache<A, Self>, need: usize) {
+        let a = c.alloc.as_swa().expect("an SWA cache is built over an SwaAllocator");
+        let full = need.saturating_sub(a.full_available_size());
+        let window = need.saturating_sub(a.window_available_size());
+        if full > 0 || window > 0 {
+            c.write(|w| evict_both(w, full, window));
+            crate::debug_check(c);
+        }
+    }
+
+    #[inline]
+    fn split_payload(lower: &mut SwaNode) -> SwaNode {
+        // Both halves keep the tombstone state and the window lock count (the lock's
+        // walk covers both: it counts tokens, not nodes).
+        SwaNode { tomb: lower.tomb, lock: lower.lock, pos: NIL }
+    }
+
+    fn split<A: KvAllocator>(w: &mut Writer<'_, A, Self>, _old: u32, upper: u32, lower: u32) {
+        let e = w.s.meta[lower as usize].ext;
+        if e.pos != NIL {
+            w.s.ext.order[e.pos as usize] = lower;
+        }
+        if !e.tomb && e.lock == 0 {
+            windows(w).push(upper);
+        }
+        // The lower half is more recent than the new upper half (SGLang re-times the
+        // child so that the window pass tombstones nodes nearer the root first).
+        w.touch(lower);
+    }
+
+    fn removing<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        let e = w.s.meta[id as usize].ext;
+        if e.tomb {
+            return;
+        }
+        if e.pos != NIL {
+            windows(w).remove(id);
+        }
+        let len = w.len_of(id);
+        let count = if e.lock == 0 { &w.c.variant.evictable } else { &w.c.variant.protected };
+        count.fetch_sub(len, Ordering::Release);
+        w.s.ext.removed_window += len;
+    }
+
+    fn lock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) -> u64 {
+        let (mut x, mut acc) = (id, 0usize);
+        while x != ROOT && acc < w.c.variant.window {
+            let e = w.s.meta[x as usize].ext;
+            if e.tomb {
+                break;
+            }
+            let len = w.len_of(x);
+            if e.lock == 0 {
+                windows(w).remove(x);
+                w.c.variant.evictable.fetch_sub(len, Ordering::Release);
+                w.c.variant.protected.fetch_add(len, Ordering::Release);
+            }
+            w.s.meta[x as usize].ext.lock += 1;
+            acc += len;
+            x = w.parent_of(x);
+        }
+        acc as u64
+    }
+
+    fn unlock_end<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32, aux: u64) {
+        let (mut x, mut acc) = (id, 0u64);
+        while acc < aux {
+            debug_assert!(x != ROOT, "a window lock covers more than its path");
+            let len = w.len_of(x);
+            let e = &mut w.s.meta[x as usize].ext;
+            debug_assert!(e.lock > 0 && !e.tomb, "a window lock released twice");
+            e.lock -= 1;
+            if e.lock == 0 {
+                w.c.variant.evictable.fetch_add(len, Ordering::Release);
+                w.c.variant.protected.fetch_sub(len, Ordering::Release);
+                windows(w).push(x);
+            }
+            acc += len as u64;
+            x = w.parent_of(x);
+        }
+        debug_assert_eq!(acc, aux, "a window lock ends at a node boundary");
+    }
+
+    #[inline]
+    fn touched<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        windows(w).update(id);
+    }
+
+    fn reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) {
+        w.s.ext.order.clear();
+        w.s.ext.removed_window = 0;
+        w.c.variant.evictable.store(0, Ordering::Release);
+        w.c.variant.protected.store(0, Ordering::Release);
+    }
+
+    fn check<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Result<(), String> {
+        let window = dual(w).window();
+        let (mut evictable, mut protected, mut listed) = (0usize, 0usize, 0usize);
+        for (id, m) in w.s.meta.iter().enumerate().skip(1) {
+            if !m.alive {
+                continue;
+            }
+            let (id, e) = (id as u32, m.ext);
+            let mark = w.c.records[id as usize].mark.load(Ordering::Relaxed);
+            if mark != e.tomb as u32 {
+                return Err(format!("node {id}'s reader mark {mark} disagrees with its tombstone state"));
+            }
+            let mapped = |all: bool| {
+                w.runs(id).all(|(s, l)| if all { window.all_mapped(s, l) } else { window.none_mapped(s, l) })
+            };
+            if e.tomb {
+                if m.children == 0 {
+                    return Err(format!("node {id} is a tombstone leaf"));
+                }
+                if e.lock != 0 || e.pos != NIL {
+                    return Err(format!("tombstone {id} has a window lock or an order place"));
+                }
+                if !mapped(false) {
+                    return Err(format!("tombstone {id} still has window KV"));
+                }
+                continue;
+            }
+            if !mapped(true) {
+                return Err(format!("live node {id} has a page without window KV"));
+            }
+            if e.lock > m.lock_ref {
+                return Err(format!("node {id} has more window locks than KV locks"));
+            }
+            let len = w.len_of(id);
+            if e.lock == 0 {
+                evictable += len;
+                listed += 1;
+                if e.pos == NIL {
+                    return Err(format!("live node {id} without a window lock is not in the window order"));
+                }
+            } else {
+                protected += len;
+                if e.pos != NIL {
+                    return Err(format!("window-locked node {id} is in the window order"));
+                }
+            }
+        }
+        if listed != w.s.ext.order.len() {
+            return Err(format!("window order holds {}, {listed} unlocked live nodes", w.s.ext.order.len()));
+        }
+        let v = &w.c.variant;
+        let sizes = (v.evictable.load(Ordering::Relaxed), v.protected.load(Ordering::Relaxed));
+        if sizes != (evictable, protected) {
+            return Err(format!("window sizes {sizes:?}, nodes add up to {:?}", (evictable, protected)));
+        }
+        heap::check::<_, Windows>(&w.s.ext.order, &w.s.meta, w.c.policy)
+    }
+
+    fn describe(node: &SwaNode, out: &mut String) {
+        if node.tomb {
+            out.push_str(" tombstone");
+        } else if node.lock != 0 {
+            let _ = write!(out, " window_locks={}", node.lock);
+        }
+    }
+}
+
+/// The full pass for `full` tokens, then the window pass for what it left of
+/// `window`. Returns (full tokens, window tokens) freed.
+fn evict_both<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, full: usize, window: usize) -> (usize, usize) {
+    let (mut f, mut wf) = (0, 0);
+    if full > 0 {
+        w.s.ext.removed_window = 0;
+        f = w.evict(full);
+        wf = w.s.ext.removed_window;
+    }
+    if wf < window {
+        let (f2, w2) = evict_window(w, window - wf);
+        f += f2;
+        wf += w2;
+    }
+    (f, wf)
+}
+
+/// The window pass: free window KV of unlocked live nodes, least recently used first.
+/// Returns (full tokens, window tokens) freed.
+fn evict_window<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, num: usize) -> (usize, usize) {
+    let (mut full, mut window) = (0usize, 0usize);
+    let mut group = w.c.alloc.free_group();
+    while window < num {
+        let Some(x) = windows(w).peek() else { break };
+        if w.s.meta[x as usize].children > 0 {
+            window += tombstone(w, x);
+        } else {
+            debug_assert!(w.s.meta[x as usize].lock_ref == 0, "a leaf without a window lock has no lease");
+            w.s.ext.removed_window = 0;
+            full += w.remove_evictable_leaf(x, &mut group);
+            window += w.s.ext.removed_window;
+        }
+    }
+    group.end();
+    (full, window)
+}
+
+/// How many leading pages of `slots` (whole pages) end with a page that has window KV:
+/// the length an insert may take (a leaf is never a tombstone). Never below `from`.
+fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
+    let mut end = slots.len() / ps * ps;
+    while end > from && !a.window().is_mapped(slots[end - ps] / ps as u32) {
+        end -= ps;
+    }
+    end
+}
+
+/// After an insert: revive the tombstones the request brings window KV for, and make
+/// the part of the new leaf whose window KV the request released a tombstone.
+fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
+    let ps = w.c.ps;
+    // 1. The cached part beyond the lease: the request's pages there are duplicates.
+    let (mut pos, mut cur) = (0usize, 0u32);
+    while pos < ins.cached {
+        let Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, ins.namespace, &ins.key[pos..pos + ps]) else {
+            debug_assert!(false, "the cached part of an insert is in the tree");
+            break;
+        };
+        let n = w.len_of(id);
+        cur = w.s.meta[id as usize].last_page;
+        if pos >= ins.protected && w.s.meta[id as usize].ext.tomb {
+            revive_from(w, id, &ins.kv[pos..pos + n]);
+        }
+        pos += n;
+    }
+    // 2. The new leaf.
+    if ins.cached < ins.key.len() {
+        let leaf = ins.end;
+        let new = &ins.kv[ins.cached..];
+        let pages = new.len() / ps;
+        let window = dual(w).window();
+        // The leaf counts as live first; a cut below makes its upper part a tombstone.
+        w.c.variant.evictable.fetch_add(new.len(), Ordering::Release);
+        windows(w).push(leaf);
+        let last_dead = (0..pages).rev().find(|&i| !window.is_mapped(new[i * ps] / ps as u32));
+        if let Some(i) = last_dead {
+            debug_assert!(i + 1 < pages, "inserts end with a page that has window KV");
+            let upper = w.split(leaf, i + 1);
+            tombstone(w, upper);
+        }
+    }
+}
+
+/// Revive tombstone `id` with the window KV of the request's duplicate slots `src` (its
+/// tokens): the node's pages take the request's window pages. When some of the
+/// request's pages have no window KV (or are not the request's to give), only the part
+/// of the node after the last of them is revived (the node is split there).
+fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32]) {
+    let ps = w.c.ps;
+    let window = dual(w).window();
+    let pages = src.len() / ps;
+    let page = |i: usize| src[i * ps] / ps as u32;
+    let num_pages = w.c.num_pages;
+    let giver = |w: &Writer<'_, A, Swa>, p: u32| p != 0 && p <= num_pages && window.is_mapped(p) && !w.in_tree(p);
+    let from = match (0..pages).rev().find(|&i| !giver(w, page(i))) {
+        None => 0,
+        Some(b) if b + 1 < pages => b + 1,
+        Some(_) => return,
+    };
+    // Move the window pages over, node page by node page. A move finds its giver
+    // without window KV only if the caller named a page twice (a raw insert's misuse):
+    // then every move is undone and the node stays a tombstone.
+    let tree_pages = || w.runs(id).flat_map(|(start, len)| start..start + len).enumerate().skip(from);
+    for (moved, (k, tp)) in tree_pages().enumerate() {
+        if !window.move_page(page(k), tp) {
+            for (k, tp) in tree_pages().take(moved) {
+                window.move_page(tp, page(k));
+            }
+            return;
+        }
+    }
+    let last = w.s.meta[id as usize].last_page;
+    if from > 0 {
+        w.split(id, from);
+    }
+    let lower = w.s.page_owner[last as usize];
+    revive(w, lower);
+}
+
+/// What an [`insert`](RadixCache::insert) into an SWA cache did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwaInsert {
+    /// Leading tokens that were cached already (the caller's slots for them are
+    /// duplicates it frees, as with the plain [`insert`](RadixCache::insert); a
+    /// tombstone there may have taken their window KV, which such a free then skips).
+    pub cached: usize,
+    /// Tokens now in the tree from the start of the key: the key, less trailing pages
+    /// whose window KV the caller released (a leaf is never a tombstone); the caller
+    /// keeps those pages.
+    pub inserted: usize,
+}
+
+impl RadixCache<SwaAllocator, Swa> {
+    /// A sliding-window prefix cache over `alloc` (its full pool's pages are cached;
+    /// their window pages are found through its mapping) and `req_pool`, for a model
+    /// whose window layers attend to the last `window` tokens.
+    ///
+    /// # Errors
+    ///
+    /// As [`RadixCache::new`]; [`ConfigError::Zero`] for a window of 0 tokens.
+    pub fn with_window(
+        alloc: SwaAllocator,
+        req_pool: ReqToTokenPool,
+        config: RadixConfig,
+        window: usize,
+    ) -> Result<Self, ConfigError> {
+        if window == 0 {
+            return Err(ConfigError::Zero("the sliding window"));
+        }
+        let variant = Swa { window, evictable: AtomicUsize::new(0), protected: AtomicUsize::new(0) };
+        Self::with_variant(alloc, req_pool, config, variant)
+    }
+
+    /// The sliding window, in tokens.
+    pub fn window(&self) -> usize {
+        self.variant.window
+    }
+
+    /// Window tokens of cached nodes without a window lock (SGLang's
+    /// `swa_evictable_size`).
+    pub fn swa_evictable_size(&self) -> usize {
+        self.variant.evictable.load(Ordering::Acquire)
+    }
+
+    /// Window tokens of cached nodes under a lease's window lock
+    /// (`swa_protected_size`).
+    pub fn swa_protected_size(&self) -> usize {
+        self.variant.protected.load(Ordering::Acquire)
+    }
+
+    /// Cached tokens whose window KV was freed: the tombstones' tokens (a snapshot under
+    /// concurrency).
+    pub fn tombstone_size(&self) -> usize {
+        self.write(|w| {
+            let live = w.c.variant.evictable.load(Ordering::Relaxed) + w.c.variant.protected.load(Ordering::Relaxed);
+            w.c.total.load(Ordering::Relaxed) - live
+        })
+    }
+
+    /// The window pass alone: free the window KV of at least `num_tokens` tokens of
+    /// nodes without a window lock, least recently used first (an internal node becomes
+    /// a tombstone, a leaf is removed whole, with any parent left a childless
+    /// tombstone). Returns the window tokens freed.
+    pub fn evict_swa(&self, num_tokens: usize) -> usize {
+        if num_tokens == 0 {
+            return 0;
+        }
+        let r = self.write(|w| evict_window(w, num_tokens).1);
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `evict(full_num_tokens, swa_num_tokens)`: remove unlocked leaves for
+    /// `full_tokens` (which frees their window KV too), then run the window pass for
+    /// what is still missing of `window_tokens`. Returns (full tokens, window tokens)
+    /// freed.
+    pub fn evict_both(&self, full_tokens: usize, window_tokens: usize) -> (usize, usize) {
+        let r = self.write(|w| evict_both(w, full_tokens, window_tokens));
+        crate::debug_check(self);
+        r
+    }
+
+    /// Insert `key -> slots` (whole pages): the plain [`insert`](RadixCache::insert)
+    /// with the window rules (see [`SwaInsert`] and the [module docs](self)).
+    ///
+    /// # Errors
+    ///
+    /// As the plain insert; nothing changes on error.
+    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<SwaInsert, CacheError> {
+        let ps = self.ps;
+        let len = if key.len() == slots.len() && key.len() % ps == 0 {
+            live_len(&self.alloc, slots, 0, ps)
+        } else {
+            key.len() // malformed: the core's check reports it
+        };
+        let r = self.write(|w| {
+            let (key, slots) = (&key[..len], &slots[..len]);
+            let (cached, end) = w.insert(namespace, key, slots, 0)?;
+            settle(w, &Inserted { end, namespace, key, kv: slots, protected: 0, cached });
+            Ok(SwaInsert { cached, inserted: len })
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// How much of a request's page-aligned tokens an insert takes (see [`SwaInsert`]).
+    fn request_limit(&self, token_ids: &[u32], row: &ReqRow, lease: &Lease<'_, SwaAllocator, Swa>) -> usize {
+        let ps = self.ps;
+        let aligned = token_ids.len() / ps * ps;
+        match self.req_pool.read(row, 0..aligned) {
+            Ok(kv) => live_len(&self.alloc, kv, lease.len().min(aligned), ps),
+            Err(_) => usize::MAX, // the core's read reports it
+        }
+    }
+
+    /// SGLang's `cache_finished_req` for SWA models: as the plain cache's
+    /// [`cache_finished_req`](RadixCache::cache_finished_req), with the window rules:
+    /// tombstones the request brings window KV for are revived, pages whose window KV
+    /// the request released become (or stay) tombstones, and trailing pages without
+    /// window KV are freed with the tail. The window lock goes with the lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
+    pub fn cache_finished_req<'c>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, SwaAllocator, Swa>,
+    ) -> Result<usize, Unfinished<'c, SwaAllocator, Swa>> {
+        let limit = self.request_limit(token_ids, &row, &lease);
+        self.finish_with(namespace, token_ids, row, lease, 0, limit, |_| Ok(()), settle).map(|(n, ())| n)
+    }
+
+    /// SGLang's `cache_unfinished_req` for SWA models (chunked prefill): as the plain
+    /// cache's [`cache_unfinished_req`](RadixCache::cache_unfinished_req), with the
+    /// window rules of [`cache_finished_req`](Self::cache_finished_req). The lease then
+    /// ends where the inserted tokens end (the request holds their KV, so the window
+    /// rule of a match does not apply to it) and `lease.len()` is the new protected
+    /// length; trailing pages without window KV stay the request's.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`]; nothing changed.
+    pub fn cache_unfinished_req(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, SwaAllocator, Swa>,
+    ) -> Result<(), CacheError> {
+        let limit = self.request_limit(token_ids, row, lease);
+        self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, 0, limit, |_| Ok(()), settle)
+    }
+
+    /// Free the window KV of a request's tokens that fell out of its window: the whole
+    /// pages of its row within `range` (token positions) past the end of its lease
+    /// (SGLang's `free_swa` of `req_to_token[req, swa_evicted_seqlen:new_evicted_seqlen]`;
+    /// the lease's end is where `swa_evicted_seqlen` starts). The full KV stays; caching
+    /// the request later makes those pages tombstones. Pages freed already are
+    /// skipped. Returns the window tokens freed.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::StaleMatch`] for a lease of another cache,
+    /// [`CacheError::Row`] for a range past the row, and [`CacheError::RowMismatch`]
+    /// naming a slot that is not the request's own (free, or cached by the tree);
+    /// nothing changes then.
+    pub fn release_window(
+        &self,
+        row: &ReqRow,
+        lease: &Lease<'_, SwaAllocator, Swa>,
+        range: core::ops::Range<usize>,
+    ) -> Result<usize, CacheError> {
+        if lease.key.cache_id != self.id || !core::ptr::eq(lease.cache, self) {
+            return Err(CacheError::StaleMatch);
+        }
+        let ps = self.ps;
+        let (from, to) = (range.start.max(lease.len()).div_ceil(ps) * ps, range.end / ps * ps);
+        if to <= from {
+            return Ok(0);
+        }
+        let kv = self.req_pool.read(row, from..to)?;
+        let r = self.write(|w| {
+            for (i, &slot) in kv.iter().enumerate() {
+                let page = slot / ps as u32;
+                let own = page != 0 && page <= w.c.num_pages && w.c.alloc.is_allocated(slot) && !w.in_tree(page);
+                if !own {
+                    return Err(CacheError::RowMismatch { index: from + i, slot });
+                }
+            }
+            w.c.alloc.free_swa(kv).map_err(|e| CacheError::RowMismatch { index: from, slot: e.index })
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// [`match_and_lock`](RadixCache::match_and_lock) that also says how far the full
+    /// KV matched (`>=` the lease's length, which the window rule may end earlier; `out`
+    /// holds slots up to there, but only the lease's are locked).
+    pub fn match_and_lock_kv(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        out: &mut [u32],
+    ) -> (Lease<'_, SwaAllocator, Swa>, usize) {
+        let key = self.aligned(key, out.len());
+        let (key, kv_len) = self.write(|w| {
+            let (m, _, kv_len, _) = w.match_path(namespace, key, out);
+            (w.lease_of(&m), kv_len)
+        });
+        crate::debug_check(self);
+        (Lease { cache: self, key }, kv_len)
+    }
+}
+
+impl fmt::Display for SwaInsert {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} cached, {} inserted", self.cached, self.inserted)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+#[path = "tests_swa.rs"]
+mod tests;

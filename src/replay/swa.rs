@@ -1,0 +1,498 @@
+//! `kvpool replay --model swa`: the trace through an [`SwaRadixCache`], as a scheduler
+//! serving a model with sliding-window layers drives it: each request's window KV of
+//! the tokens that fell out of its window is released as it decodes (SGLang's
+//! `maybe_evict_swa`), so caching it later leaves tombstones, and each allocation
+//! evicts the shortfall of each pool (SGLang's `evict(full, swa)`).
+//!
+//! See [`run_swa`] for the request protocol and the accounting.
+
+use std::fmt;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::alloc::{new_pages, SwaAllocator};
+use crate::error::{AllocError, FreeError, InvariantViolation};
+use crate::radix::{Lease, RadixConfig, Swa, SwaRadixCache};
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::KvAllocator;
+
+use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
+use super::{
+    buffer, decode_need, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report,
+    TimelinePoint, Totals, Trace, NAMESPACE,
+};
+
+/// Default sliding window: gpt-oss-20b/120b's `sliding_window` (128 tokens; their
+/// layers alternate sliding-window and full attention).
+pub const DEFAULT_SWA_WINDOW: usize = 128;
+/// Default window pool size per full pool size, in thousandths: 0.8 (SGLang's
+/// `--swa-full-tokens-ratio` default).
+pub const DEFAULT_SWA_RATIO_PERMILLE: u32 = 800;
+
+/// The sliding-window model's window and window pool (used with `Model::Swa`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SwaConfig {
+    /// Tokens a window layer attends to (default [`DEFAULT_SWA_WINDOW`]).
+    pub window: usize,
+    /// Window pool tokens per full pool token, in thousandths (default 800).
+    pub ratio_permille: u32,
+    /// Whether requests release the window KV of tokens that fell out of their window
+    /// as they decode (default `true`, SGLang's `maybe_evict_swa`); without it,
+    /// tombstones come from window-pool pressure only.
+    pub release: bool,
+}
+
+impl Default for SwaConfig {
+    fn default() -> Self {
+        SwaConfig { window: DEFAULT_SWA_WINDOW, ratio_permille: DEFAULT_SWA_RATIO_PERMILLE, release: true }
+    }
+}
+
+impl SwaConfig {
+    /// The window pool's tokens for a full pool of `capacity_tokens`, whole pages.
+    ///
+    /// ```
+    /// use kvpool::replay::SwaConfig;
+    /// assert_eq!(SwaConfig::default().window_pool_tokens(1 << 20, 16), 838_848);
+    /// ```
+    pub fn window_pool_tokens(&self, capacity_tokens: usize, page_size: u32) -> usize {
+        let t = capacity_tokens as u128 * self.ratio_permille as u128 / 1000;
+        let ps = page_size.max(1) as u128;
+        (t / ps * ps).min(usize::MAX as u128) as usize
+    }
+
+    /// Check the options against the pools, naming the offending flag.
+    pub(crate) fn validate(&self, capacity_tokens: usize, page_size: u32) -> Result<(), ReplayError> {
+        let bad = |m: String| Err(ReplayError::Config(m));
+        if self.window == 0 {
+            return bad("--swa-window must be at least 1".into());
+        }
+        if self.ratio_permille == 0 || self.ratio_permille > 1000 {
+            return bad(format!(
+                "--swa-ratio must be between 0.001 and 1 (the window pool is at most the full pool), not {}",
+                self.ratio_permille as f64 / 1000.0
+            ));
+        }
+        let pool = self.window_pool_tokens(capacity_tokens, page_size);
+        // A request holds the window KV of its last window tokens plus a page of
+        // slack while it decodes, and of its whole prompt while it prefills.
+        if pool < page_size as usize {
+            return bad(format!(
+                "--swa-ratio {} leaves the window pool {pool} tokens, less than one page of {page_size}",
+                self.ratio_permille as f64 / 1000.0
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the SWA replay adds to the [`Report`] (its `swa` object in `--json`).
+///
+/// `Report::hit_tokens` is the window hit: the prefix a request can reuse (full KV, and
+/// window KV of its last `window` tokens); `full_hit_tokens` is how far the full KV
+/// alone matched.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SwaReport {
+    /// The sliding window, tokens.
+    pub window: usize,
+    /// The window pool's tokens.
+    pub window_pool_tokens: usize,
+    /// Window layers' KV memory saved against a full-size pool: `1 - window pool /
+    /// full pool`.
+    pub window_memory_saved: f64,
+    /// Prompt tokens whose full KV was cached (served requests).
+    pub full_hit_tokens: u64,
+    /// `full_hit_tokens / prompt_tokens`.
+    pub full_hit_rate: f64,
+    /// Prompt tokens a request could reuse (= the report's `hit_tokens`).
+    pub window_hit_tokens: u64,
+    /// `window_hit_tokens / prompt_tokens`.
+    pub window_hit_rate: f64,
+    /// Window tokens requests released as their tokens fell out of the window.
+    pub window_released_tokens: u64,
+    /// Window tokens the window pass freed (tombstoning or removing nodes).
+    pub window_evicted_tokens: u64,
+    /// Full tokens evicted (whole leaves, by either pass).
+    pub full_evicted_tokens: u64,
+    /// The most full-pool tokens in use at once.
+    pub peak_full_used_tokens: u64,
+    /// The most window-pool tokens in use at once.
+    pub peak_window_used_tokens: u64,
+    /// Cached tokens at the end.
+    pub final_cached_tokens: u64,
+    /// Cached tokens whose window KV is gone at the end (tombstones).
+    pub final_tombstone_tokens: u64,
+    /// Window-pool tokens in use at the end (the live cached tokens).
+    pub final_window_used_tokens: u64,
+}
+
+impl SwaReport {
+    /// The SWA line under the table's heading.
+    pub(crate) fn header(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = super::stats::thousands;
+        writeln!(
+            f,
+            "  (sliding-window model: window {} tokens, window pool {} tokens, {:.0}% of the window layers' KV memory saved)",
+            n(self.window as u64),
+            n(self.window_pool_tokens as u64),
+            100.0 * self.window_memory_saved
+        )
+    }
+
+    /// The SWA rows of the summary table.
+    pub(crate) fn rows(&self, f: &mut fmt::Formatter<'_>, prompt_tokens: u64) -> fmt::Result {
+        let pct = |x: u64| if prompt_tokens > 0 { 100.0 * x as f64 / prompt_tokens as f64 } else { 0.0 };
+        let row = |f: &mut fmt::Formatter<'_>, k: &str, v: String| writeln!(f, "  {k:<22} {v}");
+        let n = super::stats::thousands;
+        row(f, "full hit tokens", format!("{} ({:.2}%)", n(self.full_hit_tokens), pct(self.full_hit_tokens)))?;
+        row(
+            f,
+            "window hit tokens",
+            format!("{} ({:.2}%; reusable: = hit tokens)", n(self.window_hit_tokens), pct(self.window_hit_tokens)),
+        )?;
+        row(f, "window released", n(self.window_released_tokens))?;
+        row(f, "evicted", format!("{} full, {} window", n(self.full_evicted_tokens), n(self.window_evicted_tokens)))?;
+        row(
+            f,
+            "peak used",
+            format!(
+                "{} full, {} of {} window",
+                n(self.peak_full_used_tokens),
+                n(self.peak_window_used_tokens),
+                n(self.window_pool_tokens as u64)
+            ),
+        )?;
+        row(f, "final tombstones", format!("{} tokens", n(self.final_tombstone_tokens)))
+    }
+}
+
+/// Build the two pools for `config` and replay `trace` through them (sequential).
+pub(crate) fn replay_swa(
+    trace: &Trace,
+    config: &ReplayConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report, ReplayError> {
+    let too_large = |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower --capacity-tokens"));
+    let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
+    let window_pool = config.swa.window_pool_tokens(config.capacity_tokens, config.page_size);
+    let alloc = SwaAllocator::new(config.capacity_tokens, window_pool, config.page_size).map_err(too_large)?;
+    let req_pool = ReqToTokenPool::new(config.rows() as u32, max_context_len).map_err(too_large)?;
+    let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
+    let cache = SwaRadixCache::with_window(alloc, req_pool, radix, config.swa.window)?;
+    run_swa(&cache, trace, config, progress)
+}
+
+/// The SWA cache seen as a [`ReplayCache`] over its full pool, for the attention
+/// replay's end-of-run accounting (full slots in use = cached tokens).
+struct Full<'c>(&'c SwaRadixCache);
+
+impl<'c> ReplayCache for Full<'c> {
+    type Lease<'a>
+        = Lease<'c, SwaAllocator, Swa>
+    where
+        Self: 'a;
+
+    fn name(&self) -> &'static str {
+        "kvpool"
+    }
+    fn page_size(&self) -> u32 {
+        self.0.page_size() as u32
+    }
+    fn capacity_tokens(&self) -> usize {
+        self.0.allocator().size()
+    }
+    fn available_tokens(&self) -> usize {
+        self.0.allocator().full_available_size()
+    }
+    fn evictable_tokens(&self) -> usize {
+        self.0.evictable_size()
+    }
+    fn cached_tokens(&self) -> usize {
+        self.0.total_size()
+    }
+    fn req_pool(&self) -> &ReqToTokenPool {
+        self.0.req_pool()
+    }
+    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
+        let lease = self.0.match_and_lock(namespace, key, out);
+        (lease.len(), lease)
+    }
+    fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        self.0.peek_prefix(namespace, key, out)
+    }
+    fn evict(&self, num_tokens: usize) -> usize {
+        self.0.evict(num_tokens)
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        self.0.alloc_extend(prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.alloc_decode(seq_lens, last_locs, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.0.allocator().free(slots)
+    }
+    fn unlock(&self, lease: Lease<'c, SwaAllocator, Swa>) {
+        drop(lease);
+    }
+    fn cache_finished_req<'a>(
+        &'a self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Self::Lease<'a>,
+    ) -> Result<usize, ReplayError> {
+        self.0
+            .cache_finished_req(namespace, token_ids, row, lease)
+            .map_err(|u| ReplayError::internal("cache_finished_req", u))
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.0.check_invariants()
+    }
+}
+
+/// Counters of the SWA replay beside the attention [`Totals`].
+#[derive(Default)]
+struct SwaTotals {
+    full_hit_tokens: u64,
+    released: u64,
+    window_evicted: u64,
+    full_evicted: u64,
+    peak_full: u64,
+    peak_window: u64,
+}
+
+impl SwaTotals {
+    /// Evict each pool's shortfall for `need` more tokens (SGLang's `evict(full, swa)`),
+    /// counting what went; nothing when not even that much is evictable.
+    fn make_room(&mut self, cache: &SwaRadixCache, need: usize) {
+        let a = cache.allocator();
+        let full = need.saturating_sub(a.full_available_size());
+        let window = need.saturating_sub(a.window_available_size());
+        if (full > 0 && full > cache.evictable_size()) || (window > 0 && window > cache.swa_evictable_size()) {
+            return;
+        }
+        if full > 0 || window > 0 {
+            let (f, w) = cache.evict_both(full, window);
+            self.full_evicted += f as u64;
+            self.window_evicted += w as u64;
+        }
+    }
+
+    fn peak(&mut self, cache: &SwaRadixCache) {
+        let a = cache.allocator();
+        self.peak_full = self.peak_full.max((a.size() - a.full_available_size()) as u64);
+        self.peak_window = self.peak_window.max((a.window_size() - a.window_available_size()) as u64);
+    }
+}
+
+/// Replay `trace` through `cache` one request at a time.
+///
+/// For each request in file order (a request whose KV exceeds the full pool is
+/// rejected at once): match the prompt and lock the match (the window rule decides
+/// the hit; the full-KV match is counted beside it); `alloc_extend` the rest of the
+/// prompt and one `alloc_decode` per output token after the first, each after evicting
+/// both pools' shortfall; after the prefill and each decode step, release the window
+/// KV of the whole pages that fell out of the window, keeping a page of slack (SGLang's
+/// `maybe_evict_swa`: up to `seq_len - window - page_size`; not with
+/// `config.swa.release` off); then
+/// `cache_finished_req`. A request whose allocation still fails is rejected (its
+/// slots, lease and row are released).
+///
+/// # Errors
+///
+/// As [`run_sequential`](super::run_sequential); [`ReplayError::Invariant`] also when
+/// the window pool's use does not match the live cached tokens at the end.
+pub fn run_swa(
+    cache: &SwaRadixCache,
+    trace: &Trace,
+    config: &ReplayConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report, ReplayError> {
+    let full = Full(cache);
+    let ps = cache.page_size();
+    let window = cache.window();
+    let capacity = full.capacity_tokens();
+    let max_kv = trace.max_kv_len_fitting(capacity);
+    if cache.req_pool().max_context_len() < max_kv || cache.req_pool().size() == 0 {
+        return Err(ReplayError::Config(format!(
+            "the cache's request rows hold {} tokens but the trace needs {max_kv}",
+            cache.req_pool().max_context_len()
+        )));
+    }
+    let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
+    let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
+    let mut totals = Totals::default();
+    let mut st = SwaTotals::default();
+    let mut hist = Histograms::default();
+    let mut timeline = Vec::new();
+    if config.timeline {
+        timeline.try_reserve_exact(trace.len()).map_err(|_| crate::ConfigError::TooLargeForMemory {
+            what: "the replay's timeline",
+            bytes: crate::arena::bytes_of::<TimelinePoint>(trace.len()),
+        })?;
+    }
+    let start = Instant::now();
+    for r in 0..trace.len() {
+        let q = trace.request(r);
+        let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
+        if fits_in_pool(&full, kv_len) {
+            trace.write_kv_tokens(r, &mut tokens);
+            let t = Instant::now();
+            let (lease, kv_hit) = cache.match_and_lock_kv(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
+            hist.match_.record_since(t);
+            let hit = lease.len();
+            let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
+            write_row(cache, &mut row, 0, &slots[..hit])?;
+            let window = if config.swa.release { window } else { usize::MAX };
+            let outcome = serve(cache, &mut row, &lease, hit, prompt, kv_len, window, &mut slots, &mut st, &mut hist)?;
+            if let Some(held_end) = outcome {
+                release(&full, row, hit..held_end)?;
+                drop(lease);
+                totals.rejected += 1;
+            } else {
+                let t = Instant::now();
+                let cached = full.cache_finished_req(NAMESPACE, &tokens[..kv_len], row, lease)?;
+                hist.finish.record_since(t);
+                let aligned = kv_len / ps * ps;
+                totals.added_tokens += (aligned - cached.min(aligned)) as u64;
+                totals.served += 1;
+                totals.prompt_tokens += prompt as u64;
+                totals.hit_tokens += hit as u64;
+                totals.output_tokens += q.output_length as u64;
+                st.full_hit_tokens += kv_hit as u64;
+            }
+        } else {
+            totals.rejected += 1;
+        }
+        if config.timeline {
+            timeline.push(TimelinePoint {
+                requests_done: r as u32 + 1,
+                used_tokens: (capacity - full.available_tokens()) as u64,
+                cached_tokens: full.cached_tokens() as u64,
+                prompt_tokens: totals.prompt_tokens,
+                hit_tokens: totals.hit_tokens,
+            });
+        }
+        if (r as u64 + 1) % PROGRESS_EVERY == 0 {
+            progress(r as u64 + 1);
+        }
+    }
+    let wall = start.elapsed().as_secs_f64();
+    progress(trace.len() as u64);
+    totals.evicted_tokens = st.full_evicted;
+    totals.peak_used_tokens = st.peak_full;
+    let mut report = finish_report(&full, config, totals, &hist, wall, timeline)?;
+    let a = cache.allocator();
+    let window_used = (a.window_size() - a.window_available_size()) as u64;
+    let live = (cache.swa_evictable_size() + cache.swa_protected_size()) as u64;
+    if window_used != live {
+        return Err(InvariantViolation(format!(
+            "{window_used} window slots are in use but the cache holds {live} live tokens: {} leaked",
+            window_used as i64 - live as i64
+        ))
+        .into());
+    }
+    let pct = |x: u64| if totals.prompt_tokens > 0 { x as f64 / totals.prompt_tokens as f64 } else { 0.0 };
+    report.swa = Some(SwaReport {
+        window,
+        window_pool_tokens: a.window_size(),
+        window_memory_saved: 1.0 - a.window_size() as f64 / a.size().max(1) as f64,
+        full_hit_tokens: st.full_hit_tokens,
+        full_hit_rate: pct(st.full_hit_tokens),
+        window_hit_tokens: totals.hit_tokens,
+        window_hit_rate: pct(totals.hit_tokens),
+        window_released_tokens: st.released,
+        window_evicted_tokens: st.window_evicted,
+        full_evicted_tokens: st.full_evicted,
+        peak_full_used_tokens: st.peak_full,
+        peak_window_used_tokens: st.peak_window,
+        final_cached_tokens: cache.total_size() as u64,
+        final_tombstone_tokens: cache.tombstone_size() as u64,
+        final_window_used_tokens: window_used,
+    });
+    Ok(report)
+}
+
+/// Allocate the request's prefill and decode slots into its row, releasing window KV
+/// as it goes. `None` when every slot was allocated; `Some(end)` when an allocation
+/// failed even after eviction (the request holds row positions `hit..end`).
+#[allow(clippy::too_many_arguments)]
+fn serve(
+    cache: &SwaRadixCache,
+    row: &mut ReqRow,
+    lease: &Lease<'_, SwaAllocator, Swa>,
+    hit: usize,
+    prompt: usize,
+    kv_len: usize,
+    window: usize,
+    slots: &mut [u32],
+    st: &mut SwaTotals,
+    hist: &mut Histograms,
+) -> Result<Option<usize>, ReplayError> {
+    let ps = cache.page_size();
+    let last_loc = if hit > 0 { slots[hit - 1] } else { 0 };
+    st.make_room(cache, new_pages(ps as u32, hit as u32, prompt as u32) as usize * ps);
+    let t = Instant::now();
+    let res = cache.allocator().alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut slots[..prompt - hit]);
+    hist.alloc_extend.record_since(t);
+    if let Err(e) = res {
+        out_of_memory(&e, "alloc_extend")?;
+        return Ok(Some(hit));
+    }
+    write_row(cache, row, hit, &slots[..prompt - hit])?;
+    st.peak(cache);
+    // Window KV released so far covers the row up to here (SGLang's swa_evicted_seqlen).
+    let mut released = hit;
+    let mut release_to = |row: &ReqRow, seq: usize, st: &mut SwaTotals| -> Result<(), ReplayError> {
+        let to = seq.saturating_sub(window.saturating_add(ps)) / ps * ps;
+        if to > released {
+            let n = cache
+                .release_window(row, lease, released..to)
+                .map_err(|e| ReplayError::internal("release_window", e))?;
+            st.released += n as u64;
+            released = to;
+        }
+        Ok(())
+    };
+    release_to(row, prompt, st)?;
+    let mut last_loc = if prompt > hit {
+        slots[prompt - hit - 1]
+    } else if hit > 0 {
+        slots[hit - 1]
+    } else {
+        0
+    };
+    let mut one = [0u32];
+    for seq in prompt + 1..=kv_len {
+        let need = decode_need(ps as u32, seq as u32);
+        if need > 0 {
+            st.make_room(cache, need);
+        }
+        let t = Instant::now();
+        let res = cache.allocator().alloc_decode(&[seq as u32], &[last_loc], &mut one);
+        hist.alloc_decode.record_since(t);
+        if let Err(e) = res {
+            out_of_memory(&e, "alloc_decode")?;
+            return Ok(Some(seq - 1));
+        }
+        write_row(cache, row, seq - 1, &one)?;
+        last_loc = one[0];
+        if need > 0 {
+            st.peak(cache);
+        }
+        release_to(row, seq, st)?;
+    }
+    Ok(None)
+}
+
+fn write_row(cache: &SwaRadixCache, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
+    cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
+}
