@@ -15,9 +15,9 @@
 //!   one `swa_map_update` launch per call) or a range of entries
 //!   ([`upload_range`](DeviceSwaMap::upload_range): one copy).
 //!
-//! **The host table** is read through [`MappingTable`], implemented for `[u32]` and for
-//! `[AtomicU32]` (what a lock-free dual allocator keeps; entries are read with
-//! `Acquire`). The device copy changes only when the host uploads: after the allocator
+//! **The host table** is read through [`MappingTable`], implemented for the dual
+//! allocator's table ([`SwaAllocator::window`](crate::alloc::SwaAllocator::window)),
+//! `[AtomicU32]` and `[u32]` (atomic entries are read with `Acquire`). The device copy changes only when the host uploads: after the allocator
 //! maps or unmaps pages, upload those pages on the stream the scatter runs on, before
 //! the scatter. A scatter reads the table as it stands when it runs.
 //!

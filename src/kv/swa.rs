@@ -28,6 +28,7 @@ use core::mem::size_of;
 use bytemuck::Pod;
 
 use super::{KvConfig, KvDtype, KvError, KvLayout};
+use crate::alloc::SwaWindow;
 use crate::error::{ConfigError, LayerFault};
 use crate::sync::atomic::{AtomicU32, Ordering};
 
@@ -294,9 +295,10 @@ impl SwaKvConfig {
     }
 }
 
-/// A host view of the full-to-window mapping table: `[u32]`, or `[AtomicU32]` as a
-/// lock-free allocator keeps it (read with `Acquire`: an entry published by the
-/// allocator's release store is seen with everything before it).
+/// A host view of the full-to-window mapping table: `[u32]`, `[AtomicU32]`, or the
+/// lock-free [`SwaAllocator`](crate::alloc::SwaAllocator)'s own table
+/// ([`SwaWindow`]); atomic entries are read with `Acquire` (an entry the allocator
+/// published is seen with everything written before it).
 pub trait MappingTable {
     /// Entries in the table.
     fn entries(&self) -> usize;
@@ -319,6 +321,18 @@ impl MappingTable for [AtomicU32] {
     }
     fn entry(&self, i: usize) -> u32 {
         self[i].load(Ordering::Acquire)
+    }
+}
+
+/// The mapping of an [`SwaAllocator`](crate::alloc::SwaAllocator) (its
+/// [`window()`](crate::alloc::SwaAllocator::window)), read entry by entry with
+/// `Acquire` as [`SwaWindow::slot_of`] does.
+impl MappingTable for SwaWindow {
+    fn entries(&self) -> usize {
+        self.mapping_len()
+    }
+    fn entry(&self, i: usize) -> u32 {
+        u32::try_from(i).ok().and_then(|s| self.slot_of(s)).unwrap_or(0)
     }
 }
 
@@ -637,6 +651,29 @@ mod tests {
         let mut kv2 = SwaHostKv::new(small()).unwrap();
         kv2.scatter(src(&k), src(&v), &[5, 6], &atomic[..]).unwrap();
         assert_eq!(kv2, kv);
+    }
+
+    #[test]
+    fn the_allocators_table_is_a_mapping_table() {
+        use crate::alloc::SwaAllocator;
+        use crate::KvAllocator;
+        let cfg = small(); // full 8 tokens, window 4, pages of 2
+        let alloc = SwaAllocator::new(cfg.full_size, cfg.window_size, cfg.page_size).unwrap();
+        let mut slots = [0u32; 4];
+        alloc.alloc(&mut slots).unwrap(); // two full pages, each with a window page
+        let window = alloc.window();
+        assert_eq!(window.entries(), cfg.map_len());
+        let mut copy = vec![0u32; cfg.map_len()];
+        window.copy_mapping(0, &mut copy).unwrap();
+        assert!((0..cfg.map_len()).all(|i| window.entry(i) == copy[i]));
+        assert!(slots.iter().all(|&s| window.entry(s as usize) != 0), "{slots:?} {copy:?}");
+        let k: Vec<u16> = (0..3 * 4 * 2).map(|x| x as u16 + 1).collect();
+        let src = SwaSource { data: &k[..], row_stride: 2, layer_stride: 8 };
+        let (mut a, mut b) = (SwaHostKv::new(cfg.clone()).unwrap(), SwaHostKv::new(cfg).unwrap());
+        let wa = a.scatter(src, src, &slots, window).unwrap();
+        let wb = b.scatter(src, src, &slots, &copy[..]).unwrap();
+        assert_eq!((wa, &a), (wb, &b));
+        assert_eq!(wa.window, 2 * 4);
     }
 
     #[test]
