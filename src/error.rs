@@ -331,6 +331,28 @@ pub enum ConfigError {
         /// That length.
         unit: usize,
     },
+    /// The full-attention and sliding-window layer ids of a hybrid SWA model
+    /// ([`SwaLayout`](crate::kv::swa::SwaLayout)) do not partition `0..num_layers`:
+    /// every layer must be listed exactly once, in one of the two lists.
+    LayerPartition {
+        /// The layer id at fault.
+        layer: u32,
+        /// The model's layer count.
+        num_layers: u32,
+        /// What is wrong with it.
+        fault: LayerFault,
+    },
+}
+
+/// What is wrong with a layer id in a [`ConfigError::LayerPartition`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerFault {
+    /// It is `num_layers` or more.
+    OutOfRange,
+    /// It is listed twice (in one list, or in both).
+    Repeated,
+    /// It is in neither list.
+    Missing,
 }
 
 impl fmt::Display for ConfigError {
@@ -343,6 +365,14 @@ impl fmt::Display for ConfigError {
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
             ConfigError::NotAMultiple { what, value, of, unit } => {
                 write!(f, "{what} ({value}) must be a whole multiple of {of} ({unit})")
+            }
+            ConfigError::LayerPartition { layer, num_layers, fault } => {
+                let why = match fault {
+                    LayerFault::OutOfRange => "is out of range",
+                    LayerFault::Repeated => "is listed twice",
+                    LayerFault::Missing => "is in neither list",
+                };
+                write!(f, "layer {layer} {why}: the full and sliding-window layers must partition 0..{num_layers}")
             }
             ConfigError::TooLargeForMemory { what, bytes: u64::MAX } => {
                 write!(f, "{what} needs more than {} bytes, more than can be addressed", u64::MAX)

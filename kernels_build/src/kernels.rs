@@ -566,7 +566,7 @@ fn convert(
 /// Copy `count` vectors from `src` to `dst` (per-lane pointers already at vector
 /// `lane`), `ROW_UNROLL` vectors in flight per lane, then a tail.
 #[allow(clippy::too_many_arguments)]
-fn copy_loop(
+pub(crate) fn copy_loop(
     k: &mut Kernel,
     target: Target,
     store: Store,
@@ -614,7 +614,7 @@ fn copy_loop(
 
 /// Load `slots[token]` and check it against `num_rows`: an out-of-range slot sets the
 /// error word to 1 and ends the warp without writing anything.
-fn checked_slot(k: &mut Kernel, slots: R64, token: R32, num_rows: R32, err: R64) -> R32 {
+pub(crate) fn checked_slot(k: &mut Kernel, slots: R64, token: R32, num_rows: R32, err: R64) -> R32 {
     let at = k.mad_wide_u32(token, 4u32, slots);
     let slot = k.ld_global_u32(at, 0, true);
     let bad = k.setp_u32(Cmp::Ge, slot, num_rows);
@@ -850,7 +850,7 @@ pub fn row_kernel(target: Target, op: RowOp, store: Store, vec_bytes: u32) -> Ke
 }
 
 /// Row index, layer (as u64) and "is the V buffer" of this warp; warps past `n` return.
-fn row_prologue(k: &mut Kernel, n_param: ParamRef<R32>) -> (R32, R64, Pred) {
+pub(crate) fn row_prologue(k: &mut Kernel, n_param: ParamRef<R32>) -> (R32, R64, Pred) {
     let tid = k.special(Special::TidX);
     let warp = k.shr_u32(tid, 5u32);
     let blk = k.special(Special::CtaidX);
@@ -866,7 +866,7 @@ fn row_prologue(k: &mut Kernel, n_param: ParamRef<R32>) -> (R32, R64, Pred) {
 }
 
 /// This lane's index and each `(row pointer, bytes per vector)` advanced to it.
-fn lane_pointers(k: &mut Kernel, rows: &[(R64, u32)]) -> (R32, Vec<R64>) {
+pub(crate) fn lane_pointers(k: &mut Kernel, rows: &[(R64, u32)]) -> (R32, Vec<R64>) {
     let tid = k.special(Special::TidX);
     let lane = k.and_b32(tid, 31u32);
     let ptrs = rows
@@ -938,7 +938,9 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
 pub fn generate_all() -> Vec<(String, String)> {
     let mut files = Vec::new();
     for target in Target::ALL {
-        for (stem, module) in modules(target).into_iter().chain(crate::mamba::modules(target)) {
+        for (stem, module) in
+            modules(target).into_iter().chain(crate::mamba::modules(target)).chain(crate::swa::modules(target))
+        {
             files.push((format!("{}/{stem}.ptx", target.sm()), module.to_ptx()));
         }
     }

@@ -1,7 +1,8 @@
 //! # kernels_build
 //!
 //! The PTX emitter behind `kvpool`'s GPU kernels: a small typed PTX builder
-//! ([`ptx`]) and one generator per kernel ([`kernels`]). `kvpool`'s build script calls
+//! ([`ptx`]) and the generators: [`kernels`] (allocation and KV row kernels), [`mamba`]
+//! (Mamba state copies) and [`swa`] (the sliding-window mapped scatter). `kvpool`'s build script calls
 //! [`generate_all`] and embeds the text; the same files are committed under
 //! `kernels/` for review and kept fresh by a test.
 //!
@@ -17,6 +18,7 @@
 //! assert!(alloc.contains(".target sm_80"));
 //! assert!(alloc.contains(".visible .entry alloc_extend_ps16("));
 //! assert_eq!(kernels::modules(Target::Sm90).len(), 3);
+//! assert!(files.iter().any(|(path, _)| path == "sm_80/swa.ptx"));
 //! ```
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -24,6 +26,7 @@
 pub mod kernels;
 pub mod mamba;
 pub mod ptx;
+pub mod swa;
 
 pub use kernels::generate_all;
 

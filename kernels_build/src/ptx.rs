@@ -658,6 +658,16 @@ impl Kernel {
         self.ld_global(Width::B4, addr, off, nc, None)[0]
     }
 
+    /// `ld.global[.nc].u64 d, [addr+off]`: one 64-bit value (a device address in a
+    /// table), `off` and `addr` 8-byte aligned.
+    pub fn ld_global_u64(&mut self, addr: R64, off: u32, nc: bool) -> R64 {
+        let d = self.r64();
+        let space = if nc { "global.nc" } else { "global" };
+        let at = mem_operand(addr, off);
+        self.ins(format_args!("ld.{space}.u64 {d}, {at}"));
+        d
+    }
+
     /// A global load of `width` bytes into fresh 32-bit registers (sub-word widths are
     /// zero-extended into one register). `nc` uses the read-only data path, for buffers
     /// that nothing writes while the kernel runs. `guard` predicates the load.
@@ -858,6 +868,20 @@ mod tests {
         assert!(text.contains("@!%p0 st.global.v4.u32 [%rd0], {%r0, %r1, %r2, %r3};"), "{text}");
         assert!(text.contains("ld.global.u8 %r4, [%rd0];"), "{text}");
         assert!(text.contains("st.global.u16 [%rd0+2], %r4;"), "{text}");
+    }
+
+    #[test]
+    fn wide_loads_use_the_b64_class() {
+        let mut k = Kernel::new("w");
+        let p = k.param_u64("table");
+        let a = k.ld_param_u64(p);
+        let d = k.ld_global_u64(a, 8, true);
+        let e = k.ld_global_u64(d, 0, false);
+        k.st_global_u32(e, 0, 1u32, None);
+        let text = k.to_ptx();
+        assert!(text.contains("ld.global.nc.u64 %rd1, [%rd0+8];"), "{text}");
+        assert!(text.contains("ld.global.u64 %rd2, [%rd1];"), "{text}");
+        assert!(text.contains(".reg .b64 %rd<3>;"), "{text}");
     }
 
     #[test]

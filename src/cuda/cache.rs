@@ -82,7 +82,7 @@ impl<'a, T: Pod> Rows<'a, T> {
     }
 
     /// `(address, bytes, row stride bytes, layer stride bytes)`.
-    fn bytes(&self) -> Result<(u64, usize, usize, usize), KvError> {
+    pub(crate) fn bytes(&self) -> Result<(u64, usize, usize, usize), KvError> {
         let t = core::mem::size_of::<T>();
         let b = |n: usize, what| n.checked_mul(t).ok_or(KvError::Shape { what, got: n, expected: usize::MAX / t });
         Ok((self.ptr, b(self.len, "rows")?, b(self.row_stride, "row_stride")?, b(self.layer_stride, "layer_stride")?))
@@ -104,7 +104,13 @@ pub struct RowsMut<'a> {
 /// `(address, bytes, row stride, layer stride)` of dense rows, all in bytes.
 type Dense = (u64, usize, usize, usize);
 
-fn extent(what: &'static str, rows: Dense, n: usize, layers: usize, row_bytes: usize) -> Result<(), KvError> {
+pub(crate) fn extent(
+    what: &'static str,
+    rows: Dense,
+    n: usize,
+    layers: usize,
+    row_bytes: usize,
+) -> Result<(), KvError> {
     let (_, len, row_stride, layer_stride) = rows;
     if n > 1 && row_stride < row_bytes {
         return Err(KvError::BadRow { what, bytes: row_stride });

@@ -53,7 +53,7 @@ pub(crate) fn check(r: cudaError_enum, call: &'static str) -> Result<(), CudaKvE
 /// `args` are the addresses of values whose types are, in order, the kernel's
 /// `.param` list; every memory the kernel touches through them stays allocated until
 /// the stream has run it.
-unsafe fn launch_raw(
+pub(crate) unsafe fn launch_raw(
     f: &Function<'_>,
     grid: (u32, u32, u32),
     block: u32,

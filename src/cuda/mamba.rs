@@ -43,7 +43,7 @@ fn kernel_name(zero: bool, vec: u32) -> String {
 }
 
 /// The `.param` types of entry `name` in `ptx`, in order (`None` if absent).
-fn entry_params(ptx: &str, name: &str) -> Option<Vec<String>> {
+pub(crate) fn entry_params(ptx: &str, name: &str) -> Option<Vec<String>> {
     let start = ptx.find(&format!(".visible .entry {name}("))?;
     let rest = &ptx[start..];
     let list = &rest[..rest.find(')')?];

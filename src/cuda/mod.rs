@@ -15,6 +15,9 @@
 //!   `DeviceKvCache` and `DeviceReqToToken` own their memory and one such view each;
 //! * [`DecodeGraphs`] — the decode step's allocation and row write from captured CUDA
 //!   graphs, double-buffered pinned staging, no host synchronization.
+//! * [`swa`] — sliding-window models (Gemma 2/3, gpt-oss): a full and a window pool
+//!   as one model, the mapped scatter of every layer in one launch, the device copy of
+//!   the full-to-window slot mapping.
 //!
 //! Every launcher takes the stream to run on (`on`): `&KvDevice` for the device's own
 //! stream, [`KvDevice::on`] for any other stream of its primary context (a `cust`
@@ -56,6 +59,7 @@ mod graph;
 mod launch;
 pub mod mamba;
 mod stream;
+pub mod swa;
 mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};

@@ -16,11 +16,15 @@
 //! plainly as possible; the GPU tests compare each kernel with them bit for bit.
 //! [`ptx`] holds the generated PTX, embedded at build time; [`staging`] the records
 //! the allocation kernels read and the host half of a decode step.
+//! [`swa`] holds the sliding-window (Gemma 2/3, gpt-oss) layout: which layers use
+//! the full pool and which the window pool, and the host reference of the mapped
+//! scatter.
 
 pub mod fp8;
 pub mod ptx;
 pub mod reference;
 pub mod staging;
+pub mod swa;
 
 use core::fmt;
 
