@@ -339,7 +339,7 @@ fn hybrid_flags_and_their_errors() {
     let e = hy(&["--mamba-states", "8", "--mamba-state-bytes", "100"]);
     assert!(e.contains("cannot be used with"), "{e}");
     let e = fails(&["replay", "--trace", p, "--model", "mamba"]);
-    assert!(e.contains("unknown model \"mamba\"; expected attention or hybrid"), "{e}");
+    assert!(e.contains("unknown model \"mamba\"; expected attention, hybrid or swa"), "{e}");
     // Hybrid options without --model hybrid would be ignored: refused.
     for flag in [
         "--mamba-states",
