@@ -15,7 +15,7 @@ use crate::radix::{CheckpointConfig, Lease, Mamba, MambaRadixCache, RadixConfig}
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator, SlotPool};
 
-use super::sequential::{release, serve, PROGRESS_EVERY};
+use super::sequential::{release, serve, write_row, PROGRESS_EVERY};
 use super::{
     buffer, finish_report, fits_in_pool, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError, Report,
     TimelinePoint, Totals, Trace, NAMESPACE,
@@ -614,7 +614,18 @@ pub fn run_hybrid<A: KvAllocator>(
                 write_row(&kv, &mut row, 0, &slots[..prefix])?;
                 let outcome = {
                     let mut room = |need: usize, totals: &mut Totals| make_room_counted(cache, need, totals, &mut st);
-                    serve(&kv, &mut row, prefix, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room)?
+                    serve(
+                        &kv,
+                        &mut row,
+                        prefix,
+                        prompt,
+                        kv_len,
+                        &mut slots,
+                        &mut totals,
+                        &mut hist,
+                        &mut room,
+                        &mut |_, _| Ok(()),
+                    )?
                 };
                 in_use = states_in_use(cache);
                 if let Some(held_end) = outcome {
@@ -745,8 +756,4 @@ fn check_states<A: KvAllocator>(
         final_tombstones: nodes - held,
         timeline,
     })
-}
-
-fn write_row<C: ReplayCache>(cache: &C, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
-    cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
 }

@@ -111,7 +111,10 @@ pub fn run_sequential<C: ReplayCache>(
         write_row(cache, &mut row, 0, &slots[..hit])?;
 
         let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
-        let outcome = serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room)?;
+        let outcome =
+            serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room, &mut |_, _| {
+                Ok(())
+            })?;
         // For the timeline: the slots in use with this request's all allocated.
         let used_before_finish = if config.timeline { capacity - cache.available_tokens() } else { 0 };
         if let Some(held_end) = outcome {
@@ -154,7 +157,9 @@ pub fn run_sequential<C: ReplayCache>(
 /// eviction: the request is rejected, and it holds the slots at row positions
 /// `hit..end`. Before each allocation that needs `need` more tokens, `room(need,
 /// totals)` evicts the shortfall and counts it ([`make_room`] for the attention
-/// replay; the hybrid replay also counts the states that went).
+/// replay; the hybrid replay also counts the states that went). After the prefill and
+/// after each decode step, `after(row, seq_len)` runs (the SWA replay releases the
+/// window KV that fell out of the window there).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serve<C: ReplayCache>(
     cache: &C,
@@ -166,6 +171,7 @@ pub(crate) fn serve<C: ReplayCache>(
     totals: &mut Totals,
     hist: &mut Histograms,
     room: &mut dyn FnMut(usize, &mut Totals),
+    after: &mut dyn FnMut(&ReqRow, usize) -> Result<(), ReplayError>,
 ) -> Result<Option<usize>, ReplayError> {
     let ps = cache.page_size();
     let capacity = cache.capacity_tokens();
@@ -188,6 +194,7 @@ pub(crate) fn serve<C: ReplayCache>(
     }
     write_row(cache, row, hit, &slots[..prompt - hit])?;
     peak(cache, totals);
+    after(row, prompt)?;
 
     // Decode: one slot per output token after the first.
     // The prompt's last slot: the extend's last, or (nothing extended) the match's last,
@@ -217,11 +224,17 @@ pub(crate) fn serve<C: ReplayCache>(
         if need > 0 {
             peak(cache, totals);
         }
+        after(row, seq)?;
     }
     Ok(None)
 }
 
-fn write_row<C: ReplayCache>(cache: &C, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
+pub(crate) fn write_row<C: ReplayCache>(
+    cache: &C,
+    row: &mut ReqRow,
+    start: usize,
+    slots: &[u32],
+) -> Result<(), ReplayError> {
     cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
 }
 

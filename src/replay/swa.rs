@@ -11,16 +11,16 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::alloc::{new_pages, SwaAllocator};
+use crate::alloc::SwaAllocator;
 use crate::error::{AllocError, FreeError, InvariantViolation};
 use crate::radix::{Lease, RadixConfig, Swa, SwaRadixCache};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::KvAllocator;
 
-use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
+use super::sequential::{release, serve, write_row, PROGRESS_EVERY};
 use super::{
-    buffer, decode_need, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report,
-    TimelinePoint, Totals, Trace, NAMESPACE,
+    buffer, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report, TimelinePoint,
+    Totals, Trace, NAMESPACE,
 };
 
 /// Default sliding window: gpt-oss-20b/120b's `sliding_window` (128 tokens; their
@@ -183,8 +183,10 @@ pub(crate) fn replay_swa(
     run_swa(&cache, trace, config, progress)
 }
 
-/// The SWA cache seen as a [`ReplayCache`] over its full pool, for the attention
-/// replay's end-of-run accounting (full slots in use = cached tokens).
+/// The SWA cache seen as a [`ReplayCache`] over its full pool, so the sequential
+/// driver's `serve` and end-of-run accounting (full slots in use = cached tokens) serve
+/// the SWA replay too. Its allocations go straight to the allocator: the driver's room
+/// callback has evicted both pools' shortfall before.
 struct Full<'c>(&'c SwaRadixCache);
 
 impl<'c> ReplayCache for Full<'c> {
@@ -231,10 +233,10 @@ impl<'c> ReplayCache for Full<'c> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
-        self.0.alloc_extend(prefix_lens, seq_lens, last_locs, out)
+        self.0.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
     }
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.alloc_decode(seq_lens, last_locs, out)
+        self.0.allocator().alloc_decode(seq_lens, last_locs, out)
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         self.0.allocator().free(slots)
@@ -264,33 +266,20 @@ struct SwaTotals {
     full_hit_tokens: u64,
     released: u64,
     window_evicted: u64,
-    full_evicted: u64,
-    peak_full: u64,
     peak_window: u64,
 }
 
-impl SwaTotals {
-    /// Evict each pool's shortfall for `need` more tokens (SGLang's `evict(full, swa)`),
-    /// counting what went; nothing when not even that much is evictable.
-    fn make_room(&mut self, cache: &SwaRadixCache, need: usize) {
-        let a = cache.allocator();
-        let full = need.saturating_sub(a.full_available_size());
-        let window = need.saturating_sub(a.window_available_size());
-        if (full > 0 && full > cache.evictable_size()) || (window > 0 && window > cache.swa_evictable_size()) {
-            return;
-        }
-        if full > 0 || window > 0 {
-            let (f, w) = cache.evict_both(full, window);
-            self.full_evicted += f as u64;
-            self.window_evicted += w as u64;
-        }
+/// Evict each pool's shortfall for `need` more tokens (SGLang's `evict(full, swa)`);
+/// nothing when not even that much is evictable. Returns (full, window) tokens freed.
+fn make_room(cache: &SwaRadixCache, need: usize) -> (usize, usize) {
+    let a = cache.allocator();
+    let full = need.saturating_sub(a.full_available_size());
+    let window = need.saturating_sub(a.window_available_size());
+    let short = (full > 0 && full > cache.evictable_size()) || (window > 0 && window > cache.swa_evictable_size());
+    if short || (full == 0 && window == 0) {
+        return (0, 0);
     }
-
-    fn peak(&mut self, cache: &SwaRadixCache) {
-        let a = cache.allocator();
-        self.peak_full = self.peak_full.max((a.size() - a.full_available_size()) as u64);
-        self.peak_window = self.peak_window.max((a.window_size() - a.window_available_size()) as u64);
-    }
+    cache.evict_both(full, window)
 }
 
 /// Replay `trace` through `cache` one request at a time.
@@ -350,9 +339,31 @@ pub fn run_swa(
             hist.match_.record_since(t);
             let hit = lease.len();
             let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
-            write_row(cache, &mut row, 0, &slots[..hit])?;
-            let window = if config.swa.release { window } else { usize::MAX };
-            let outcome = serve(cache, &mut row, &lease, hit, prompt, kv_len, window, &mut slots, &mut st, &mut hist)?;
+            write_row(&full, &mut row, 0, &slots[..hit])?;
+            let outcome = {
+                let mut room = |need: usize, totals: &mut Totals| {
+                    let (f, w) = make_room(cache, need);
+                    totals.evicted_tokens += f as u64;
+                    st.window_evicted += w as u64;
+                };
+                // The window KV released so far covers the row up to here (SGLang's
+                // `swa_evicted_seqlen`); a page of slack stays.
+                let mut released = hit;
+                let mut after = |row: &ReqRow, seq: usize| -> Result<(), ReplayError> {
+                    let a = cache.allocator();
+                    st.peak_window = st.peak_window.max((a.window_size() - a.window_available_size()) as u64);
+                    let to = seq.saturating_sub(window.saturating_add(ps)) / ps * ps;
+                    if config.swa.release && to > released {
+                        let n = cache
+                            .release_window(row, &lease, released..to)
+                            .map_err(|e| ReplayError::internal("release_window", e))?;
+                        st.released += n as u64;
+                        released = to;
+                    }
+                    Ok(())
+                };
+                serve(&full, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room, &mut after)?
+            };
             if let Some(held_end) = outcome {
                 release(&full, row, hit..held_end)?;
                 drop(lease);
@@ -387,8 +398,6 @@ pub fn run_swa(
     }
     let wall = start.elapsed().as_secs_f64();
     progress(trace.len() as u64);
-    totals.evicted_tokens = st.full_evicted;
-    totals.peak_used_tokens = st.peak_full;
     let mut report = finish_report(&full, config, totals, &hist, wall, timeline)?;
     let a = cache.allocator();
     let window_used = (a.window_size() - a.window_available_size()) as u64;
@@ -411,88 +420,12 @@ pub fn run_swa(
         window_hit_rate: pct(totals.hit_tokens),
         window_released_tokens: st.released,
         window_evicted_tokens: st.window_evicted,
-        full_evicted_tokens: st.full_evicted,
-        peak_full_used_tokens: st.peak_full,
+        full_evicted_tokens: totals.evicted_tokens,
+        peak_full_used_tokens: totals.peak_used_tokens,
         peak_window_used_tokens: st.peak_window,
         final_cached_tokens: cache.total_size() as u64,
         final_tombstone_tokens: cache.tombstone_size() as u64,
         final_window_used_tokens: window_used,
     });
     Ok(report)
-}
-
-/// Allocate the request's prefill and decode slots into its row, releasing window KV
-/// as it goes. `None` when every slot was allocated; `Some(end)` when an allocation
-/// failed even after eviction (the request holds row positions `hit..end`).
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    cache: &SwaRadixCache,
-    row: &mut ReqRow,
-    lease: &Lease<'_, SwaAllocator, Swa>,
-    hit: usize,
-    prompt: usize,
-    kv_len: usize,
-    window: usize,
-    slots: &mut [u32],
-    st: &mut SwaTotals,
-    hist: &mut Histograms,
-) -> Result<Option<usize>, ReplayError> {
-    let ps = cache.page_size();
-    let last_loc = if hit > 0 { slots[hit - 1] } else { 0 };
-    st.make_room(cache, new_pages(ps as u32, hit as u32, prompt as u32) as usize * ps);
-    let t = Instant::now();
-    let res = cache.allocator().alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut slots[..prompt - hit]);
-    hist.alloc_extend.record_since(t);
-    if let Err(e) = res {
-        out_of_memory(&e, "alloc_extend")?;
-        return Ok(Some(hit));
-    }
-    write_row(cache, row, hit, &slots[..prompt - hit])?;
-    st.peak(cache);
-    // Window KV released so far covers the row up to here (SGLang's swa_evicted_seqlen).
-    let mut released = hit;
-    let mut release_to = |row: &ReqRow, seq: usize, st: &mut SwaTotals| -> Result<(), ReplayError> {
-        let to = seq.saturating_sub(window.saturating_add(ps)) / ps * ps;
-        if to > released {
-            let n = cache
-                .release_window(row, lease, released..to)
-                .map_err(|e| ReplayError::internal("release_window", e))?;
-            st.released += n as u64;
-            released = to;
-        }
-        Ok(())
-    };
-    release_to(row, prompt, st)?;
-    let mut last_loc = if prompt > hit {
-        slots[prompt - hit - 1]
-    } else if hit > 0 {
-        slots[hit - 1]
-    } else {
-        0
-    };
-    let mut one = [0u32];
-    for seq in prompt + 1..=kv_len {
-        let need = decode_need(ps as u32, seq as u32);
-        if need > 0 {
-            st.make_room(cache, need);
-        }
-        let t = Instant::now();
-        let res = cache.allocator().alloc_decode(&[seq as u32], &[last_loc], &mut one);
-        hist.alloc_decode.record_since(t);
-        if let Err(e) = res {
-            out_of_memory(&e, "alloc_decode")?;
-            return Ok(Some(seq - 1));
-        }
-        write_row(cache, row, seq - 1, &one)?;
-        last_loc = one[0];
-        if need > 0 {
-            st.peak(cache);
-        }
-        release_to(row, seq, st)?;
-    }
-    Ok(None)
-}
-
-fn write_row(cache: &SwaRadixCache, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
-    cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
 }
