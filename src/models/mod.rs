@@ -1356,6 +1356,68 @@ pub fn run_slot_pool_without_magazines(ops: &[Op], capacity: u32) -> Result<Stat
     )
 }
 
+/// A [`FreeOp`] applied to a subject and its model through `free` (which frees on both,
+/// compares and returns whether the free succeeded); `allocated` asks the model whether
+/// it holds a slot. Shared by the allocator drivers.
+fn free_op<M>(
+    op: &FreeOp,
+    ps: u32,
+    num_pages: u32,
+    runner: &mut Runner,
+    model: &mut M,
+    allocated: impl Fn(&M, u32) -> bool,
+    free: &mut impl FnMut(&[u32], &mut M, &mut Runner) -> Result<bool, String>,
+) -> Result<(), String> {
+    match op {
+        FreeOp::Part { handle, take } => {
+            if let Some(k) = runner.pick(*handle) {
+                let h = &mut runner.live[k];
+                let t = 1 + *take as usize % h.len();
+                let part: Vec<u32> = h.drain(..t).collect();
+                free(&part, model, runner)?;
+                // An owner that freed a slot has given up its whole page.
+                let h = &mut runner.live[k];
+                h.retain(|&slot| allocated(model, slot));
+                if h.is_empty() {
+                    runner.live.swap_remove(k);
+                }
+                runner.retire(part);
+            }
+        }
+        FreeOp::WithDuplicate { handle } => {
+            if let Some(k) = runner.pick(*handle) {
+                let mut h = runner.live.swap_remove(k);
+                h.push(h[0]);
+                free(&h, model, runner)?;
+                h.pop();
+                runner.retire(h);
+            }
+        }
+        FreeOp::WithForged { handle, forged, at } => {
+            if let Some(k) = runner.pick(*handle) {
+                let mut batch = runner.live[k].clone();
+                let at = *at as usize % (batch.len() + 1);
+                batch.insert(at, forged.resolve(ps, num_pages));
+                if !free(&batch, model, runner)? {
+                    let h = runner.live.swap_remove(k);
+                    runner.retire(h);
+                }
+            }
+        }
+        FreeOp::Stale { which } => {
+            if !runner.stale.is_empty() {
+                let h = runner.stale[*which as usize % runner.stale.len()].clone();
+                free(&h, model, runner)?;
+            }
+        }
+        FreeOp::Forged { slots } => {
+            let slots: Vec<u32> = slots.iter().take(MAX_FORGED).map(|r| r.resolve(ps, num_pages)).collect();
+            free(&slots, model, runner)?;
+        }
+    }
+    Ok(())
+}
+
 /// The runner's memory: live and freed handles, and outcome counts.
 #[derive(Default)]
 struct Runner {
@@ -1629,51 +1691,7 @@ fn step<'s, S: Subject>(
             free(&h, model, runner)?;
             runner.retire(h);
         }
-        Op::Free(FreeOp::Part { handle, take }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let h = &mut runner.live[k];
-                let t = 1 + *take as usize % h.len();
-                let part: Vec<u32> = h.drain(..t).collect();
-                free(&part, model, runner)?;
-                // An owner that freed a slot has given up its whole page.
-                let h = &mut runner.live[k];
-                h.retain(|&slot| model.is_allocated(slot));
-                if h.is_empty() {
-                    runner.live.swap_remove(k);
-                }
-                runner.retire(part);
-            }
-        }
-        Op::Free(FreeOp::WithDuplicate { handle }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let mut h = runner.live.swap_remove(k);
-                h.push(h[0]);
-                free(&h, model, runner)?;
-                h.pop();
-                runner.retire(h);
-            }
-        }
-        Op::Free(FreeOp::WithForged { handle, forged, at }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let mut batch = runner.live[k].clone();
-                let at = *at as usize % (batch.len() + 1);
-                batch.insert(at, forged.resolve(ps, num_pages));
-                if !free(&batch, model, runner)? {
-                    let h = runner.live.swap_remove(k);
-                    runner.retire(h);
-                }
-            }
-        }
-        Op::Free(FreeOp::Stale { which }) => {
-            if !runner.stale.is_empty() {
-                let h = runner.stale[*which as usize % runner.stale.len()].clone();
-                free(&h, model, runner)?;
-            }
-        }
-        Op::Free(FreeOp::Forged { slots }) => {
-            let slots: Vec<u32> = slots.iter().take(MAX_FORGED).map(|r| r.resolve(ps, num_pages)).collect();
-            free(&slots, model, runner)?;
-        }
+        Op::Free(op) => free_op(op, ps, num_pages, runner, model, |m, slot| m.is_allocated(slot), &mut free)?,
         Op::Control(Control::GroupBegin) => {
             if group.is_none() {
                 *group = Some(s.begin());

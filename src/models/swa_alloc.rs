@@ -38,8 +38,9 @@
 use arbitrary::{Arbitrary, Unstructured};
 
 use super::{
-    alloc_outcome, free_outcome, last_loc, AllocModel, Allocated, Batch, Control, DecodeReq, ExpectedFreeError,
-    ExtendReq, FreeOp, Misalign, RawSlot, Runner, ShapeFault, Stats, MAX_BATCH, MAX_FORGED, SENTINEL,
+    alloc_outcome, free_op, free_outcome, last_loc, AllocModel, Allocated, Batch, Control, DecodeReq,
+    ExpectedFreeError, ExtendReq, FreeOp, Misalign, RawSlot, Runner, ShapeFault, Stats, MAX_BATCH, MAX_FORGED,
+    SENTINEL,
 };
 use crate::alloc::{KvAllocator, KvFreeGroup, SwaAllocator};
 use crate::error::{AllocError, FreeErrorKind, InvalidInput, OutOfMemory, Unit};
@@ -754,51 +755,7 @@ fn step<'s>(
             free(&h, model, runner)?;
             runner.retire(h);
         }
-        SwaOp::Free(FreeOp::Part { handle, take }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let h = &mut runner.live[k];
-                let t = 1 + *take as usize % h.len();
-                let part: Vec<u32> = h.drain(..t).collect();
-                free(&part, model, runner)?;
-                // An owner that freed a slot has given up its whole page.
-                let h = &mut runner.live[k];
-                h.retain(|&slot| model.full().is_allocated(slot));
-                if h.is_empty() {
-                    runner.live.swap_remove(k);
-                }
-                runner.retire(part);
-            }
-        }
-        SwaOp::Free(FreeOp::WithDuplicate { handle }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let mut h = runner.live.swap_remove(k);
-                h.push(h[0]);
-                free(&h, model, runner)?;
-                h.pop();
-                runner.retire(h);
-            }
-        }
-        SwaOp::Free(FreeOp::WithForged { handle, forged, at }) => {
-            if let Some(k) = runner.pick(*handle) {
-                let mut batch = runner.live[k].clone();
-                let at = *at as usize % (batch.len() + 1);
-                batch.insert(at, forged.resolve(ps, num_pages));
-                if !free(&batch, model, runner)? {
-                    let h = runner.live.swap_remove(k);
-                    runner.retire(h);
-                }
-            }
-        }
-        SwaOp::Free(FreeOp::Stale { which }) => {
-            if !runner.stale.is_empty() {
-                let h = runner.stale[*which as usize % runner.stale.len()].clone();
-                free(&h, model, runner)?;
-            }
-        }
-        SwaOp::Free(FreeOp::Forged { slots }) => {
-            let slots: Vec<u32> = slots.iter().take(MAX_FORGED).map(|r| r.resolve(ps, num_pages)).collect();
-            free(&slots, model, runner)?;
-        }
+        SwaOp::Free(op) => free_op(op, ps, num_pages, runner, model, |m, slot| m.full().is_allocated(slot), &mut free)?,
         SwaOp::FreeSwa(f) => {
             let slots: Vec<u32> = match f {
                 SwaFreeOp::Part { handle, take } | SwaFreeOp::Tail { handle, take } => match runner.pick(*handle) {
