@@ -1,5 +1,9 @@
 //! `PagedAllocator` batch allocation: `alloc_extend` (prefill) and `alloc_decode`, each
-//! followed by the free of what it took, for 1 to 1024 requests at page size 16.
+//! followed by the free of what it took, for 1 to 1024 requests at page size 16; and the
+//! same batches on `SwaAllocator` (`swa_alloc_extend`, `swa_alloc_decode`: the dual
+//! allocator of sliding-window models, a full pool of the same size and a window pool of
+//! half of it), whose allocations also take and map a window page per fresh page and
+//! whose frees release them.
 //!
 //! The batches are fixed, pseudo-random and realistic: half the requests continue a
 //! prefix that ends inside a page (chunked prefill), whose page is allocated up front and
@@ -11,15 +15,19 @@
 //! frees them with one call (the slots in the held prefix pages are not freed), so the
 //! pool returns to the same state. Throughput counts new tokens.
 //!
-//! Run: `cargo bench --bench alloc`.
+//! Run: `cargo bench --bench alloc` (`-- alloc_extend` runs both allocators' extend
+//! groups, one after the other in one process).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpool::alloc::plan_extend;
-use kvpool::PagedAllocator;
+use kvpool::alloc::{plan_extend, SwaAllocator};
+use kvpool::{KvAllocator, PagedAllocator};
 
 const PAGE: u32 = 16;
 /// Tokens in the pool: 64Ki pages of 16.
 const POOL_TOKENS: usize = 1 << 20;
+/// Tokens in an `SwaAllocator`'s window pool: half the full pool (the 1024-request
+/// extend batch takes about 17,400 pages at once, more than a quarter).
+const WINDOW_TOKENS: usize = POOL_TOKENS / 2;
 const BATCHES: [usize; 6] = [1, 4, 16, 64, 256, 1024];
 
 /// xorshift64*: the same batches every run.
@@ -36,7 +44,7 @@ impl Rng {
 
 /// A request's `last_loc` for a prefix that ends inside a page: a slot at the right
 /// position of a freshly allocated page, which the benchmark keeps.
-fn held_last_loc(alloc: &PagedAllocator, prefix_len: u32) -> u32 {
+fn held_last_loc(alloc: &impl KvAllocator, prefix_len: u32) -> u32 {
     let mut page = [0u32; PAGE as usize];
     alloc.alloc(&mut page).expect("pool sized for the held pages");
     page[0] + (prefix_len - 1) % PAGE
@@ -53,7 +61,7 @@ struct Batch {
 }
 
 impl Batch {
-    fn new(alloc: &PagedAllocator, prefix_lens: Vec<u32>, seq_lens: Vec<u32>) -> Self {
+    fn new(alloc: &impl KvAllocator, prefix_lens: Vec<u32>, seq_lens: Vec<u32>) -> Self {
         let mut last_locs = Vec::with_capacity(seq_lens.len());
         let mut fresh = Vec::new();
         let mut at = 0usize;
@@ -82,7 +90,7 @@ impl Batch {
     }
 }
 
-fn extend_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch {
+fn extend_batch(alloc: &impl KvAllocator, requests: usize, rng: &mut Rng) -> Batch {
     let mut prefix_lens = Vec::with_capacity(requests);
     let mut seq_lens = Vec::with_capacity(requests);
     for _ in 0..requests {
@@ -97,7 +105,7 @@ fn extend_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch
     Batch::new(alloc, prefix_lens, seq_lens)
 }
 
-fn decode_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch {
+fn decode_batch(alloc: &impl KvAllocator, requests: usize, rng: &mut Rng) -> Batch {
     // seq % 16 == 1 (a new page) exactly for every 16th request, request 0 included.
     let seq_lens: Vec<u32> =
         (0..requests as u32).map(|i| PAGE * (1 + rng.below(200) as u32) + 1 + (i * 7) % PAGE).collect();
@@ -105,10 +113,10 @@ fn decode_batch(alloc: &PagedAllocator, requests: usize, rng: &mut Rng) -> Batch
     Batch::new(alloc, prefix_lens, seq_lens)
 }
 
-fn bench_batches(c: &mut Criterion, name: &str, decode: bool) {
+fn bench_batches<A: KvAllocator>(c: &mut Criterion, name: &str, decode: bool, new_alloc: impl Fn() -> A) {
     let mut g = c.benchmark_group(name);
     for requests in BATCHES {
-        let alloc = PagedAllocator::new(POOL_TOKENS, PAGE).unwrap();
+        let alloc = new_alloc();
         let mut rng = Rng(0x5EED_0000 + requests as u64);
         let batch =
             if decode { decode_batch(&alloc, requests, &mut rng) } else { extend_batch(&alloc, requests, &mut rng) };
@@ -139,12 +147,22 @@ fn bench_batches(c: &mut Criterion, name: &str, decode: bool) {
     g.finish();
 }
 
+fn paged() -> PagedAllocator {
+    PagedAllocator::new(POOL_TOKENS, PAGE).unwrap()
+}
+
+fn swa() -> SwaAllocator {
+    SwaAllocator::new(POOL_TOKENS, WINDOW_TOKENS, PAGE).unwrap()
+}
+
 fn extend(c: &mut Criterion) {
-    bench_batches(c, "alloc_extend", false);
+    bench_batches(c, "alloc_extend", false, paged);
+    bench_batches(c, "swa_alloc_extend", false, swa);
 }
 
 fn decode(c: &mut Criterion) {
-    bench_batches(c, "alloc_decode", true);
+    bench_batches(c, "alloc_decode", true, paged);
+    bench_batches(c, "swa_alloc_decode", true, swa);
 }
 
 criterion_group!(benches, extend, decode);

@@ -15,6 +15,7 @@
 //! | `full_pool_short_one_wins`              | page size 2, room in the full pool for one: exactly one succeeds, the other is refused in tokens and never touches the window pool; the winner's mapping is whole |
 //! | `refused_reservation_is_given_back`     | page size 1, an allocation the window pool can never serve holds the full pool for a moment: a racing allocation may be refused meanwhile (both fail), and afterwards nothing of either pool is missing |
 //! | `free_races_alloc_reusing_the_page`     | page size 2: a free races an allocation that can take the freed full page before the free's group ends; the free's mapping clear never clobbers the new owner's mapping |
+//! | `group_free_races_extend`               | page size 2: a free group (a slot free and a range free) races an `alloc_extend` that fills a partial page and needs a fresh one: the window pages freed in the group count only when it ends (refused before, in window tokens), the full page may be one the group freed, the partial page's mapping is untouched |
 //! | `free_swa_races_alloc_of_its_window_page` | `free_swa` releases a window page that a racing allocation takes: one mapping per window page, the released page's entries clear |
 //! | `double_free_frees_each_part_once`      | page size 1, two threads free the same slot (a caller's double free): the window page and the full slot are freed exactly once, exactly one free is refused |
 //! | `double_free_of_a_page_frees_each_part_once` | page size 2 (a merging free): the same, except that both frees may return `Ok` (the full pool merges a racing repeat of a page, as it does within a batch); never both refused |
@@ -330,6 +331,83 @@ fn free_swa_races_alloc_of_its_window_page() {
     seen.expect_seen(
         "free_swa_races_alloc_of_its_window_page",
         &["allocated with the released window page", "refused"],
+    );
+}
+
+/// Page size 2, full pool four pages, window pool three. The main thread holds pages
+/// 1, 2 and 3 (window pages 1, 2, 3) and frees pages 1 and 2 through one free group
+/// (a slot free and a range free); another thread extends a request whose prefix ends
+/// inside page 3 by two tokens: one into page 3 (part 1 reads `last_loc`), one into a
+/// fresh page. Its window page can only come from the group, whose frees count only
+/// when it ends: refused before (in window tokens), served after. Its full page is page
+/// 4 or one the group freed (their bits are set before the group ends). Page 3's
+/// mapping is never touched; the new page's is whole.
+#[test]
+fn group_free_races_extend() {
+    let outcomes = Outcomes::new(&["refused while the group was open", "extended", "took a page the group freed"]);
+    let seen = outcomes.clone();
+    loom_common::model("group_free_races_extend", move || {
+        let alloc = Arc::new(SwaAllocator::new(8, 6, 2).unwrap());
+        let owners = Arc::new(PageOwners::new(3));
+        let mut held = [0u32; 6];
+        alloc.alloc(&mut held).unwrap();
+        assert_eq!(held, [2, 3, 4, 5, 6, 7]);
+        for w in 1..=3 {
+            owners.claim(w, 9);
+        }
+        let t = {
+            let (alloc, owners) = (Arc::clone(&alloc), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut out = [u32::MAX; 2];
+                match alloc.alloc_extend(&[1], &[3], &[6], &mut out) {
+                    Ok(()) => {
+                        assert_eq!(out[0], 7);
+                        assert!(out[1] % 2 == 0 && out[1] != 6, "{out:?}");
+                        let w = window_page_of(&alloc, out[1], 2);
+                        assert!(w == 1 || w == 2, "window page {w}");
+                        owners.claim(w, 1);
+                        Some((out[1] / 2, w))
+                    }
+                    Err(e) => {
+                        let e = oom(&e);
+                        assert_eq!((e.requested, e.available, e.unit), (2, 0, Unit::WindowTokens));
+                        assert_eq!(out, [u32::MAX; 2]);
+                        None
+                    }
+                }
+            })
+        };
+        owners.check(1, 9);
+        owners.check(2, 9);
+        let mut g = alloc.free_group();
+        g.free(&held[..1]).unwrap();
+        g.free_pages(2, 1).unwrap();
+        assert_eq!(g.pending_tokens(), 4);
+        assert_eq!(g.end(), 4);
+        let got = t.join().unwrap();
+        assert_eq!(window_page_of(&alloc, 6, 2), 3);
+        match got {
+            Some((page, w)) => {
+                outcomes.hit("extended");
+                if page != 4 {
+                    outcomes.hit("took a page the group freed");
+                }
+                assert_eq!(window_page_of(&alloc, page * 2, 2), w);
+                assert_eq!((alloc.full_available_size(), alloc.window_available_size()), (4, 2));
+                alloc.check_invariants().unwrap();
+                alloc.free(&[page * 2]).unwrap();
+            }
+            None => outcomes.hit("refused while the group was open"),
+        }
+        for page in [1, 2] {
+            assert_eq!(alloc.window_slot(page * 2), None);
+        }
+        assert_eq!((alloc.full_available_size(), alloc.window_available_size()), (6, 4));
+        alloc.check_invariants().unwrap();
+    });
+    seen.expect_seen(
+        "group_free_races_extend",
+        &["refused while the group was open", "extended", "took a page the group freed"],
     );
 }
 

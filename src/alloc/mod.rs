@@ -526,8 +526,17 @@ impl KvFreeGroup<'_> {
             // Release the window pages before the full pages can be handed out again
             // (their mapping must be clear by then), and only once the whole batch is
             // known to be freeable, so a refused free changes nothing.
-            if slots.iter().all(|&s| a.is_allocated(s)) {
-                w.window.release_slots(slots.iter().map(|&s| a.page_of(s)), &mut w.group);
+            // A page's first slot in a stretch is checked; its repeats are skipped.
+            // (`u64::MAX` is no page: with page size 1, slot `u32::MAX` is page `u32::MAX`.)
+            let mut prev = u64::MAX;
+            let all_allocated = slots.iter().all(|&s| {
+                let page = a.page_of(s) as u64;
+                let ok = page == prev || a.is_allocated(s);
+                prev = page;
+                ok
+            });
+            if all_allocated {
+                w.window.release_slots(slots, &mut w.group);
             }
         }
         let r = if a.page_size == 1 {

@@ -154,13 +154,7 @@ impl SwaAllocator {
     pub fn free_swa(&self, slots: &[u32]) -> Result<usize, FreeError> {
         self.check_allocated(slots)?;
         let mut wgroup = self.window.group();
-        let mut buf = WindowBuf::new();
-        for &s in slots {
-            if let Some(w) = self.window.unmap(self.full.page_of(s)) {
-                buf.push(w, &mut wgroup);
-            }
-        }
-        buf.flush(&mut wgroup);
+        self.window.release_slots(slots, &mut wgroup);
         Ok(wgroup.end() * self.full.page_size as usize)
     }
 
@@ -320,6 +314,12 @@ impl SwaWindow {
         let ps = self.pages.page_size as usize;
         let base = page as usize * ps;
         let first = self.map.get(base)?;
+        // A load first: a page without a window part (already released, or named again
+        // by the batch) costs no read-modify-write. Nobody maps a page concurrently
+        // with its owner's free, so a 0 here stays 0.
+        if first.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
         // AcqRel: exactly one caller sees the non-zero entry (and so frees the window
         // page); the owner's mapping stores happen-before it.
         let w = first.swap(0, Ordering::AcqRel);
@@ -335,20 +335,39 @@ impl SwaWindow {
     /// Release the window part of full pages `first..first + pages` into `wgroup`;
     /// returns the window pages freed.
     pub(crate) fn release_pages(&self, first: u32, pages: u32, wgroup: &mut FreeGroup<'_>) -> usize {
-        self.release_slots(first..first + pages, wgroup)
+        self.release_page_iter(first..first + pages, wgroup)
     }
 
     /// Release the window part of the full pages `pages` (repeats allowed) into
     /// `wgroup`, a chunk of window pages at a time; returns the window pages freed.
-    pub(crate) fn release_slots(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
+    fn release_page_iter(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
         let mut buf = WindowBuf::new();
         let mut n = 0;
         for p in pages {
-            // A plain load first: pages without window KV (tombstones, released tails)
-            // cost no read-modify-write.
-            if !self.is_mapped(p) {
+            if let Some(w) = self.unmap(p) {
+                buf.push(w, wgroup);
+                n += 1;
+            }
+        }
+        buf.flush(wgroup);
+        n
+    }
+
+    /// Release the window part of the full pages `slots` lie in into `wgroup`, a page
+    /// once however many of its slots are named (a slot in the same page as the one
+    /// before it is skipped without touching the mapping); returns the window pages
+    /// freed. The caller has checked that every slot's page is allocated.
+    pub(crate) fn release_slots(&self, slots: &[u32], wgroup: &mut FreeGroup<'_>) -> usize {
+        let mut buf = WindowBuf::new();
+        let mut n = 0;
+        let mut prev = u64::MAX; // no page
+        for &s in slots {
+            // The window pool's page size is the full pool's: its `page_of` is theirs.
+            let p = self.pages.page_of(s);
+            if p as u64 == prev {
                 continue;
             }
+            prev = p as u64;
             if let Some(w) = self.unmap(p) {
                 buf.push(w, wgroup);
                 n += 1;
