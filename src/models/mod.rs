@@ -65,6 +65,7 @@
 
 pub mod mamba;
 pub mod radix;
+pub mod swa;
 
 /// The `arbitrary` crate kvpool's ops implement [`Arbitrary`] with, re-exported so a
 /// fuzz target uses the same version (`kvpool::models::arbitrary::Unstructured`).
