@@ -61,24 +61,25 @@ fn exercise(ps: u32) {
     }
     let mut hit = vec![0u32; 12 * ps_us];
     let mut new = vec![0u32; 12 * ps_us];
-    let tombstones_before = cache.tombstone_size();
-    let (n, released) = allocations(|| {
-        let mut released = 0;
+    let (n, (released, tombstoned, window_evicted)) = allocations(|| {
+        let (mut released, mut tombstoned, mut window_evicted) = (0, false, 0);
         for round in 0..3 {
             for (i, key) in keys.iter().enumerate() {
                 released += serve(&cache, key, (4 + i + round) * ps_us, &mut hit, &mut new);
+                tombstoned |= cache.tombstone_size() > 0;
             }
-            cache.evict_swa(2 * ps_us);
+            window_evicted += cache.evict_swa(2 * ps_us);
             cache.evict_both(ps_us, 4 * ps_us);
             let lease = cache.match_and_lock(0, &keys[round], &mut hit);
             let _ = cache.peek_prefix(0, &keys[round], &mut hit);
             drop(lease);
         }
-        released
+        (released, tombstoned, window_evicted)
     });
     assert_eq!(n, 0, "allocations in the SWA cache's hot paths (page size {ps})");
     assert!(released > 0, "release_window freed nothing");
-    assert!(cache.tombstone_size() > tombstones_before, "no tombstone was made");
+    assert!(tombstoned, "no tombstone was made");
+    assert!(window_evicted > 0, "the window pass freed nothing");
     cache.check_invariants().unwrap();
 
     // Raw allocation under both pools' pressure, and a full eviction.

@@ -132,17 +132,17 @@ pub enum SwaOp {
         /// Namespace.
         ns: bool,
     },
-    /// The full pass: evict at least `n` tokens.
+    /// The full pass: evict at least `n % 24` tokens.
     Evict {
         /// Tokens.
         n: u8,
     },
-    /// The window pass: free at least `n % 32` window tokens.
+    /// The window pass: free at least `n % 12` window tokens.
     EvictSwa {
         /// Window tokens.
         n: u8,
     },
-    /// Both passes (`evict_both(full % 16, window % 32)`).
+    /// Both passes (`evict_both(full % 8, window % 12)`).
     EvictBoth {
         /// Full tokens.
         full: u8,
@@ -188,10 +188,10 @@ pub struct Shape {
 
 impl Shape {
     /// A shape from five arbitrary bytes, clamped to small pools so that both passes
-    /// run often: page size 1, 2 or 4; 4 to 19 full pages; 2 pages up to the full pool's
+    /// run often: page size 1, 2 or 4; 6 to 37 full pages; 2 pages up to the full pool's
     /// for the window pool; a window from [`WINDOWS`]; a policy from [`POLICIES`].
     pub fn from_bytes(page_size: u8, pages: u8, window_pages: u8, window: u8, policy: u8) -> Shape {
-        let full = 4 + pages as usize % 16;
+        let full = 6 + pages as usize % 32;
         Shape {
             page_size: [1, 2, 4][page_size as usize % 3],
             pages: full,
@@ -466,14 +466,15 @@ fn apply<'c>(
             check("peek", step, &out[..n], &model.peek(*ns as u64, &t)[..])?;
         }
         SwaOp::Evict { n } => {
-            check("evict", step, cache.evict(*n as usize), model.evict(*n as usize))?;
+            let n = *n as usize % 24;
+            check("evict", step, cache.evict(n), model.evict(n))?;
         }
         SwaOp::EvictSwa { n } => {
-            let n = *n as usize % 32;
+            let n = *n as usize % 12;
             check("evict_swa", step, cache.evict_swa(n), model.evict_swa(n))?;
         }
         SwaOp::EvictBoth { full, window } => {
-            let (f, w) = (*full as usize % 16, *window as usize % 32);
+            let (f, w) = (*full as usize % 8, *window as usize % 12);
             check("evict_both", step, cache.evict_both(f, w), model.evict_both(f, w))?;
         }
     }
