@@ -49,7 +49,7 @@ fn exercise(ps: u32) {
         3 * ps_us,
     )
     .unwrap();
-    let base: Vec<u32> = (0..(12 * ps) as u32).collect();
+    let base: Vec<u32> = (0..12 * ps).collect();
     let mut keys = Vec::new();
     for k in 0..4u32 {
         let mut key = base.clone();

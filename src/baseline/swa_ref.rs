@@ -251,9 +251,9 @@ impl ReferenceSwaCache {
     /// let mut c = ReferenceSwaCache::new(RefDualPool::new(16, 8, 1), 2, EvictionPolicy::Lru)?;
     /// let a = c.alloc(4).unwrap();
     /// c.insert(0, &[1, 2, 3, 4], &a);
-    /// let b = c.alloc(2).unwrap();
-    /// c.insert(0, &[1, 2, 5, 6], &[a[0], a[1], b[0], b[1]]);
-    /// c.pool_mut().free(&a[..2]); // the duplicates
+    /// let b = c.alloc(4).unwrap();
+    /// assert_eq!(c.insert(0, &[1, 2, 5, 6], &b).cached, 2);
+    /// c.pool_mut().free(&b[..2]); // the duplicates
     /// assert_eq!(c.evict_swa(1), 2); // [1, 2] is the oldest: a tombstone
     /// assert_eq!(c.match_prefix(0, &[1, 2]).len, 0);
     /// assert_eq!(c.match_prefix(0, &[1, 2, 3, 4]).len, 4);
@@ -609,9 +609,9 @@ impl ReferenceSwaCache {
             Some(_) => return,
         };
         let tree = self.pages(x);
-        for k in from..pages {
+        for (k, &to) in tree.iter().enumerate().skip(from) {
             let w = std::mem::take(&mut self.pool.map[page(k) as usize]);
-            self.pool.map[tree[k] as usize] = w;
+            self.pool.map[to as usize] = w;
         }
         if from > 0 {
             self.split(x, from * ps);
@@ -794,13 +794,7 @@ impl ReferenceSwaCache {
     /// SGLang's `cache_unfinished_req` for SWA models: inserts, frees the duplicates,
     /// re-matches, rewrites `kv` with the tree's slots and moves the lease to where the
     /// inserted key ends.
-    pub fn cache_unfinished_req(
-        &mut self,
-        namespace: u64,
-        token_ids: &[u32],
-        kv: &mut [u32],
-        lease: &mut RefSwaLease,
-    ) {
+    pub fn cache_unfinished_req(&mut self, namespace: u64, token_ids: &[u32], kv: &mut [u32], lease: &mut RefSwaLease) {
         let (cached, limit) = self.request_insert(namespace, token_ids, kv, lease);
         self.pool.free(&kv[lease.len..cached]);
         let m = self.match_prefix(namespace, &token_ids[..limit]);

@@ -383,9 +383,7 @@ fn apply<'c>(
             let r = &mut held.reqs[i];
             let n = r.lease.len();
             let c = n + *cut as usize % (r.tokens.len() - n + 1);
-            cache
-                .cache_unfinished_req(r.ns, &r.tokens[..c], &mut r.row, &mut r.lease)
-                .map_err(err(step, "chunk"))?;
+            cache.cache_unfinished_req(r.ns, &r.tokens[..c], &mut r.row, &mut r.lease).map_err(err(step, "chunk"))?;
             model.cache_unfinished_req(r.ns, &r.tokens[..c], &mut r.ref_kv, &mut r.ref_lease);
             check("chunk: lease", step, r.lease.len(), r.ref_lease.len)?;
             let row = cache.req_pool().read(&r.row, 0..r.tokens.len()).map_err(err(step, "row"))?;
@@ -501,13 +499,7 @@ fn compare_sizes(cache: &Cache, model: &ReferenceSwaCache, step: usize) -> Resul
     )
 }
 
-fn compare(
-    cache: &Cache,
-    model: &ReferenceSwaCache,
-    held: &Held<'_>,
-    shape: Shape,
-    step: usize,
-) -> Result<(), String> {
+fn compare(cache: &Cache, model: &ReferenceSwaCache, held: &Held<'_>, shape: Shape, step: usize) -> Result<(), String> {
     cache.check_invariants().map_err(|e| format!("step {step}: {e}"))?;
     model.check().map_err(|e| format!("step {step}: {e}"))?;
     compare_sizes(cache, model, step)?;
