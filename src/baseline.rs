@@ -25,6 +25,7 @@
 //! eviction trims, and a `Vec` free list of pages.
 
 pub mod mamba_ref;
+pub mod swa_ref;
 pub mod vec_trie;
 pub use mamba_ref::ReferenceMambaCache;
 pub use vec_trie::VecTrieCache;

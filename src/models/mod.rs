@@ -65,6 +65,7 @@
 
 pub mod mamba;
 pub mod radix;
+pub mod swa;
 pub mod swa_alloc;
 
 /// The `arbitrary` crate kvpool's ops implement [`Arbitrary`] with, re-exported so a

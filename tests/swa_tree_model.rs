@@ -1,0 +1,203 @@
+//! Model-based test: `SwaRadixCache` against the simple `ReferenceSwaCache` on random
+//! operation sequences (see `kvpool::models::swa`): every op's result, the sizes, the
+//! leaf paths, the full-to-window mapping and the invariants agree after every step.
+#![cfg(all(not(loom), feature = "models"))]
+
+use kvpool::models::swa::{from_fuzz_input, run, run_with, Shape, SwaOp, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
+use kvpool::radix::EvictionPolicy;
+use proptest::prelude::*;
+
+/// Mostly prefixes of the driver's four shared sequences (keys that are prefixes of
+/// each other make internal nodes, tombstones and revivals), sometimes any tokens.
+fn key() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        3 => (0u8..4, 0usize..21).prop_map(|(base, len)| {
+            let mut seeds = vec![0x40 | base];
+            seeds.resize(len + 1, 0);
+            seeds
+        }),
+        1 => prop::collection::vec(any::<u8>(), 0..16),
+    ]
+}
+
+fn op() -> impl Strategy<Value = SwaOp> {
+    prop_oneof![
+        4 => (key(), any::<bool>()).prop_map(|(key, ns)| SwaOp::Start { key, ns }),
+        3 => (any::<u8>(), any::<u8>(), any::<u8>())
+            .prop_map(|(req, from, upto)| SwaOp::ReleaseWindow { req, from, upto }),
+        3 => any::<u8>().prop_map(|req| SwaOp::Finish { req }),
+        2 => (any::<u8>(), any::<u8>()).prop_map(|(req, cut)| SwaOp::Chunk { req, cut }),
+        1 => any::<u8>().prop_map(|req| SwaOp::Abort { req }),
+        3 => (key(), any::<bool>(), any::<u8>()).prop_map(|(key, ns, released)| SwaOp::Insert { key, ns, released }),
+        2 => (key(), any::<bool>()).prop_map(|(key, ns)| SwaOp::Match { key, ns }),
+        1 => any::<u8>().prop_map(|which| SwaOp::LockMatch { which }),
+        1 => (key(), any::<bool>()).prop_map(|(key, ns)| SwaOp::Lock { key, ns }),
+        2 => any::<u8>().prop_map(|which| SwaOp::Release { which }),
+        2 => (key(), any::<bool>()).prop_map(|(key, ns)| SwaOp::Peek { key, ns }),
+        1 => any::<u8>().prop_map(|n| SwaOp::Evict { n }),
+        2 => any::<u8>().prop_map(|n| SwaOp::EvictSwa { n }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(full, window)| SwaOp::EvictBoth { full, window }),
+    ]
+}
+
+const CASES: u32 = if cfg!(debug_assertions) { 256 } else { 3072 };
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: CASES, ..ProptestConfig::default() })]
+
+    /// LRU (SGLang's only policy for this tree), page sizes 1, 2, 4, every window.
+    #[test]
+    fn swa_cache_matches_model_lru(
+        page_size in 0u8..3,
+        pages in any::<u8>(),
+        window_pages in any::<u8>(),
+        window in any::<u8>(),
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        if let Err(e) = run(Shape::from_bytes(page_size, pages, window_pages, window, 0), &ops) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: CASES / 4, ..ProptestConfig::default() })]
+
+    /// The other leaf policies the core offers for the full pass (the window pass stays
+    /// LRU; `kvpool::models::swa::POLICIES`). Not LFU: the core's `match_path` (src/radix/writer.rs) raises
+    /// the hit count of every node the KV match reaches, but a variant that touches only
+    /// the returned path afterwards (`TOUCH_WHILE_WALKING = false`: SWA and Mamba) never
+    /// re-sorts the leaf order for the nodes past that path, so the LFU heap's order
+    /// breaks (`check_invariants`: "heap order broken"). See `lfu_hit_counts_*` below.
+    #[test]
+    fn swa_cache_matches_model_any_policy(
+        page_size in 0u8..3,
+        pages in any::<u8>(),
+        window_pages in any::<u8>(),
+        window in any::<u8>(),
+        policy in 0u8..5,
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        if let Err(e) = run(Shape::from_bytes(page_size, pages, window_pages, window, policy), &ops) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+
+    /// The fuzz target's reading of its input and its check schedule.
+    #[test]
+    fn fuzz_inputs_match_model(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);
+        if let Err(e) = run_with(shape, &ops, FUZZ_FULL_CHECK_EVERY) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}
+
+fn shared(base: u8, len: usize) -> Vec<u8> {
+    let mut seeds = vec![0x40 | base];
+    seeds.resize(len + 1, 0);
+    seeds
+}
+
+/// A request that decodes past its window: its released prefix becomes a tombstone
+/// above a live leaf when it finishes, a later request recomputes that prefix and
+/// revives it (wholly, and partly after releasing its own first pages), with window
+/// pressure from a small window pool, at every page size and window.
+#[test]
+fn tombstones_are_made_and_revived_by_requests() {
+    let ops = vec![
+        SwaOp::Start { key: shared(0, 16), ns: false },
+        SwaOp::ReleaseWindow { req: 0, from: 0, upto: 9 },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Peek { key: shared(0, 16), ns: false },
+        SwaOp::Start { key: shared(0, 12), ns: false },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Start { key: shared(3, 16), ns: false },
+        SwaOp::ReleaseWindow { req: 0, from: 0, upto: 4 },
+        SwaOp::Chunk { req: 0, cut: 200 },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Match { key: shared(3, 16), ns: false },
+        SwaOp::EvictSwa { n: 6 },
+        SwaOp::LockMatch { which: 0 },
+        SwaOp::Insert { key: shared(1, 12), ns: false, released: 2 },
+        SwaOp::EvictBoth { full: 3, window: 9 },
+        SwaOp::Release { which: 0 },
+        SwaOp::Evict { n: 5 },
+    ];
+    for ps in 0..3 {
+        for window in 0..8 {
+            for window_pages in [0, 3, 17] {
+                run(Shape::from_bytes(ps, 15, window_pages, window, 0), &ops).unwrap();
+            }
+        }
+    }
+}
+
+/// Chunked prefill with a window release between chunks: the lease moves to the end of
+/// each chunk (the window rule does not apply to the request's own KV), its window lock
+/// stops at the request's freshly tombstoned tokens, and the finish caches the rest.
+#[test]
+fn chunked_prefill_with_released_windows() {
+    let ops = vec![
+        SwaOp::Insert { key: shared(2, 6), ns: false, released: 0 },
+        SwaOp::Start { key: shared(2, 20), ns: false },
+        SwaOp::Chunk { req: 0, cut: 5 },
+        SwaOp::ReleaseWindow { req: 0, from: 0, upto: 14 },
+        SwaOp::Chunk { req: 0, cut: 8 },
+        SwaOp::EvictSwa { n: 31 },
+        SwaOp::Lock { key: shared(2, 20), ns: false },
+        SwaOp::Finish { req: 0 },
+        SwaOp::EvictBoth { full: 15, window: 31 },
+        SwaOp::Release { which: 0 },
+    ];
+    for ps in 0..3 {
+        for window in 0..8 {
+            run(Shape::from_bytes(ps, 15, 17, window, 0), &ops).unwrap();
+        }
+    }
+}
+
+/// The window counter restarts at every tombstone: on `[0,1]† [2,0] [1,2,0,1]† [2,0,1,2]`
+/// (window 3, the middle live node 2 tokens), a match of the first 10 tokens has only
+/// 2 live tokens after the last tombstone and returns nothing. SGLang's older rule
+/// (restart only once the counter reached the window) kept counting across the second
+/// tombstone and returned all 10. Two tombstones around a short live node rarely line
+/// up at random, so it is spelled out: the window pass tombstones the two unlocked
+/// internal nodes while two leases keep the middle node and the tail live.
+#[test]
+fn window_counter_restarts_at_every_tombstone() {
+    let ops = vec![
+        SwaOp::Insert { key: shared(0, 12), ns: false, released: 0 },
+        SwaOp::Start { key: shared(1, 3), ns: false },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Start { key: shared(2, 5), ns: false },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Start { key: shared(3, 9), ns: false },
+        SwaOp::Finish { req: 0 },
+        SwaOp::Lock { key: shared(2, 5), ns: false },
+        SwaOp::Lock { key: shared(0, 12), ns: false },
+        SwaOp::EvictSwa { n: 31 },
+        SwaOp::Release { which: 0 },
+        SwaOp::Release { which: 0 },
+        SwaOp::Peek { key: shared(0, 10), ns: false },
+        SwaOp::Match { key: shared(0, 10), ns: false },
+        SwaOp::Match { key: shared(0, 12), ns: false },
+    ];
+    run(Shape::from_bytes(0, 15, 17, 2, 0), &ops).unwrap();
+}
+
+/// The LFU finding above, minimised by proptest: a match whose usable prefix (the window
+/// rule) ends before the KV match does raises the hits of a leaf past it without
+/// re-sorting the leaf heap. Kept as the reproduction for the core's owners: it fails
+/// until `match_path` updates the leaf order when it bumps a hit count.
+#[test]
+#[ignore = "core bug in src/radix/writer.rs match_path (LFU heap not re-sorted on hits); not this file's to fix"]
+fn lfu_hit_counts_past_the_returned_path_keep_the_leaf_order() {
+    let ops = vec![
+        SwaOp::Insert { key: vec![65, 0, 0, 0, 0], ns: false, released: 16 },
+        SwaOp::Insert { key: vec![64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], ns: false, released: 32 },
+        SwaOp::Start { key: vec![65, 0, 0, 0, 0], ns: false },
+    ];
+    let shape = Shape { policy: EvictionPolicy::Lfu, ..Shape::from_bytes(1, 124, 38, 2, 0) };
+    run(shape, &ops).unwrap();
+}
