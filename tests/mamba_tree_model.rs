@@ -71,7 +71,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: if cfg!(debug_assertions) { 128 } else { 16384 }, ..ProptestConfig::default() })]
 
     /// The fuzz target's reading of its input and its check schedule.
     #[test]

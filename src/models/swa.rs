@@ -40,11 +40,15 @@ const MAX_LEASES: usize = 2;
 const MAX_MATCHES: usize = 4;
 /// The windows a shape picks from, in tokens: shorter and longer than the keys.
 pub const WINDOWS: [usize; 8] = [1, 2, 3, 4, 6, 8, 13, 24];
-/// The full pass's policies a shape picks from: every one the core has but LFU, whose
-/// leaf order the core's `match_path` leaves unsorted when a variant touches only the
-/// returned path (a known core bug, see `tests/swa_tree_model.rs`).
-pub const POLICIES: [EvictionPolicy; 5] =
-    [EvictionPolicy::Lru, EvictionPolicy::Fifo, EvictionPolicy::Mru, EvictionPolicy::Filo, EvictionPolicy::Priority];
+/// The full pass's policies a shape picks from: every leaf policy the core has.
+pub const POLICIES: [EvictionPolicy; 6] = [
+    EvictionPolicy::Lru,
+    EvictionPolicy::Lfu,
+    EvictionPolicy::Fifo,
+    EvictionPolicy::Mru,
+    EvictionPolicy::Filo,
+    EvictionPolicy::Priority,
+];
 /// How many ops the `swa_ops` fuzz target reads from one input.
 pub const MAX_FUZZ_OPS: usize = 24;
 /// How often the `swa_ops` fuzz target runs the full O(tree) comparison (see the module

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use super::heap::{Heap, Leaves};
 use super::variant::Variant;
-use super::{page_hash, span_of, CacheError, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT};
+use super::{page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
 use crate::slots::{ascending_from, bit_words};
@@ -342,6 +342,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             self.s.meta[id as usize].hit_count += 1;
             if V::TOUCH_WHILE_WALKING {
                 self.touch(id);
+            } else if self.c.policy == EvictionPolicy::Lfu {
+                // The hit count is LFU's key: re-sort the node now, since the touch of the
+                // returned path below may not reach it.
+                self.heap().update(id);
+                V::touched(self, id);
             }
             let (m, last, n) = self.c.match_in_node::<true>(id, &key[pos..], &mut out[pos..]);
             pos += m * ps;
