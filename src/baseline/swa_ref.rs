@@ -573,16 +573,22 @@ impl ReferenceSwaCache {
     /// pages, then make the new leaf's part without window KV a tombstone.
     fn settle(&mut self, namespace: u64, key: &[u32], kv: &[u32], protected: usize, cached: usize, end: usize) {
         let ps = self.ps;
-        let (mut pos, mut node) = (0, ROOT);
+        let (mut pos, mut node, mut resplit) = (0, ROOT, false);
         while pos < cached {
             let ck = self.child_key(namespace, &key[pos..]);
             let x = self.nodes[node].children[&ck];
             let n = self.nodes[x].value.len();
             if pos >= protected && self.nodes[x].tomb {
-                self.revive_from(x, &kv[pos..pos + n]);
+                resplit |= self.revive_from(x, &kv[pos..pos + n]);
             }
             pos += n;
             node = x;
+        }
+        if resplit {
+            // SGLang revives during its walk: the path stays ordered root (oldest) down.
+            for n in self.path(end) {
+                self.touch(n);
+            }
         }
         if cached < key.len() {
             let new = &kv[cached..];
@@ -595,8 +601,9 @@ impl ReferenceSwaCache {
     }
 
     /// Revive tombstone `x` with the window pages of the request's duplicates `src`,
-    /// from after the last page it cannot give (splitting there).
-    fn revive_from(&mut self, x: usize, src: &[u32]) {
+    /// from after the last page it cannot give (splitting there). Returns whether it
+    /// split `x`.
+    fn revive_from(&mut self, x: usize, src: &[u32]) -> bool {
         let ps = self.ps;
         let page = |i: usize| src[i * ps] / ps as u32;
         let pages = src.len() / ps;
@@ -606,7 +613,7 @@ impl ReferenceSwaCache {
         let from = match (0..pages).rev().find(|&i| !giver(self, page(i))) {
             None => 0,
             Some(b) if b + 1 < pages => b + 1,
-            Some(_) => return,
+            Some(_) => return false,
         };
         let tree = self.pages(x);
         for (k, &to) in tree.iter().enumerate().skip(from) {
@@ -617,6 +624,7 @@ impl ReferenceSwaCache {
             self.split(x, from * ps);
         }
         self.nodes[x].tomb = false;
+        from > 0
     }
 
     /// A raw insert of `key -> slots` (whole pages): see the module docs. The caller

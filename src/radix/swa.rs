@@ -456,7 +456,7 @@ fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
 fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
     let ps = w.c.ps;
     // 1. The cached part beyond the lease: the request's pages there are duplicates.
-    let (mut pos, mut cur) = (0usize, 0u32);
+    let (mut pos, mut cur, mut resplit) = (0usize, 0u32, false);
     while pos < ins.cached {
         let Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, ins.namespace, &ins.key[pos..pos + ps]) else {
             debug_assert!(false, "the cached part of an insert is in the tree");
@@ -465,9 +465,15 @@ fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
         let n = w.len_of(id);
         cur = w.s.meta[id as usize].last_page;
         if pos >= ins.protected && w.s.meta[id as usize].ext.tomb {
-            revive_from(w, id, &ins.kv[pos..pos + n]);
+            resplit |= revive_from(w, id, &ins.kv[pos..pos + n]);
         }
         pos += n;
+    }
+    if resplit {
+        // A revival's split stamped its lower half after the insert's walk: stamp the
+        // path again from the root down, so that it stays older than the nodes below it
+        // (as when SGLang revives during the walk).
+        w.touch_path(ins.end);
     }
     // 2. The new leaf.
     if ins.cached < ins.key.len() {
@@ -490,8 +496,9 @@ fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
 /// Revive tombstone `id` with the window KV of the request's duplicate slots `src` (its
 /// tokens): the node's pages take the request's window pages. When some of the
 /// request's pages have no window KV (or are not the request's to give), only the part
-/// of the node after the last of them is revived (the node is split there).
-fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32]) {
+/// of the node after the last of them is revived (the node is split there). Returns
+/// whether it split the node.
+fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32]) -> bool {
     let ps = w.c.ps;
     let window = dual(w).window();
     let pages = src.len() / ps;
@@ -501,7 +508,7 @@ fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32])
     let from = match (0..pages).rev().find(|&i| !giver(w, page(i))) {
         None => 0,
         Some(b) if b + 1 < pages => b + 1,
-        Some(_) => return,
+        Some(_) => return false,
     };
     // Move the window pages over, node page by node page. A move finds its giver
     // without window KV only if the caller named a page twice (a raw insert's misuse):
@@ -512,7 +519,7 @@ fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32])
             for (k, tp) in tree_pages().take(moved) {
                 window.move_page(tp, page(k));
             }
-            return;
+            return false;
         }
     }
     let last = w.s.meta[id as usize].last_page;
@@ -521,6 +528,7 @@ fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32])
     }
     let lower = w.s.page_owner[last as usize];
     revive(w, lower);
+    from > 0
 }
 
 /// What an [`insert`](RadixCache::insert) into an SWA cache did.
