@@ -198,3 +198,23 @@ fn lfu_hit_counts_past_the_returned_path_keep_the_leaf_order() {
     run(shape, &ops).unwrap();
 }
 
+
+
+/// The fuzz target's checked-in seeds, with the full comparison after every step.
+/// `revival-split-retires-end` caught a revival re-stamping the insert's path from its
+/// end node after the revival's split had retired that node.
+#[test]
+fn fuzz_seeds_agree() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/swa_ops");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);
+        if let Err(e) = run(shape, &ops) {
+            panic!("{}: {e}", path.display());
+        }
+        seen += 1;
+    }
+    assert!(seen > 0, "no seeds in {}", dir.display());
+}

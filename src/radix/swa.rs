@@ -456,6 +456,8 @@ fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
 fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
     let ps = w.c.ps;
     // 1. The cached part beyond the lease: the request's pages there are duplicates.
+    // The end node's last page names it after a split (a split retires the node).
+    let end_page = w.s.meta[ins.end as usize].last_page;
     let (mut pos, mut cur, mut resplit) = (0usize, 0u32, false);
     while pos < ins.cached {
         let Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, ins.namespace, &ins.key[pos..pos + ps]) else {
@@ -473,7 +475,7 @@ fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
         // A revival's split stamped its lower half after the insert's walk: stamp the
         // path again from the root down, so that it stays older than the nodes below it
         // (as when SGLang revives during the walk).
-        w.touch_path(ins.end);
+        w.touch_path(w.s.page_owner[end_page as usize]);
     }
     // 2. The new leaf.
     if ins.cached < ins.key.len() {

@@ -137,6 +137,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     pub(super) fn touch(&mut self, id: u32) {
+        debug_assert!(id == ROOT || self.s.meta[id as usize].alive, "touch of a retired node {id}");
         let t = self.tick();
         self.s.meta[id as usize].last_access = t;
         super::hints::touched(self, id);
@@ -371,6 +372,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Refresh the recency of `id` and its ancestors, the root oldest and `id` newest
     /// (as if touched from the root down), with one tick each.
     pub(super) fn touch_path(&mut self, id: u32) {
+        debug_assert!(id == ROOT || self.s.meta[id as usize].alive, "touch_path of a retired node {id}");
         let mut depth = 0u64;
         let mut x = id;
         while x != ROOT {
