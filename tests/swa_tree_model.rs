@@ -198,8 +198,6 @@ fn lfu_hit_counts_past_the_returned_path_keep_the_leaf_order() {
     run(shape, &ops).unwrap();
 }
 
-
-
 /// The fuzz target's checked-in seeds, with the full comparison after every step.
 /// `revival-split-retires-end` caught a revival re-stamping the insert's path from its
 /// end node after the revival's split had retired that node.

@@ -6,9 +6,12 @@
 //! sequence, the window layers' pool needs only the last `window` tokens of each
 //! request. A token gets a slot in both: its **full slot** is what the caller, the
 //! request rows and the prefix cache see; its **window slot** is found through the
-//! *mapping*, one `u32` per full slot (`(full pages + 1) * page_size` entries), 0 for a
-//! full slot without a window slot (free, or its window part released). Pages map to
-//! pages: full page `P` with window page `W` maps slot `P*ps + k` to `W*ps + k`.
+//! *mapping*. Pages map to pages: full page `P` with window page `W` maps slot
+//! `P*ps + k` to `W*ps + k`; the mapping is read one entry per full slot
+//! ([`SwaWindow::slot_of`], [`SwaWindow::copy_mapping`]: `(full pages + 1) * page_size`
+//! entries, 0 for a full slot without a window slot: free, or its window part
+//! released), and kept as one `u32` per full page and one bit per full page saying that
+//! the page has its window page.
 //!
 //! * [`alloc`](KvAllocator::alloc), [`alloc_extend`](KvAllocator::alloc_extend) and
 //!   [`alloc_decode`](KvAllocator::alloc_decode) take fresh pages from both pools or
@@ -19,10 +22,12 @@
 //!   out of a request's window, and clears their mapping;
 //! * [`available_size`](KvAllocator::available_size) is the smaller of the two pools'.
 //!
-//! A page's window part is released by whoever swaps its first mapping entry from
-//! non-zero to 0, so a window page is freed exactly once even when two threads free
-//! the same full page at once (a caller's double free): the full pool then refuses one
-//! of them, as it always does.
+//! A page's window part is released by whoever clears its bit, one read-modify-write
+//! per 64 pages of a run: a window page is freed exactly once even when two threads free
+//! the same full page at once (a caller's double free), and the full pool then refuses
+//! one of them, as it always does. (As with any allocator, a double free that races
+//! with the page being freed and handed out again cannot be told from a free by the
+//! new owner.) Window pages are freed a run of consecutive pages at a time.
 //!
 //! # Examples
 //!
@@ -53,8 +58,9 @@ use core::fmt;
 use super::expand::{self, BatchPlan};
 use super::{plan_decode, plan_extend, KvAllocator, KvFreeGroup, PagedAllocator};
 use crate::error::{AllocError, ConfigError, FreeError, InvalidInput, InvariantViolation, OutOfMemory, Unit};
+use crate::slots::bit_words;
 use crate::slots::FreeGroup;
-use crate::sync::atomic::{AtomicU32, Ordering};
+use crate::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Window pages mapped (or freed) per batch of the stack buffer: no heap on any path.
 const CHUNK: usize = 64;
@@ -69,8 +75,12 @@ pub struct SwaAllocator {
 /// The window half of an [`SwaAllocator`]: its pool and the full-to-window mapping.
 pub struct SwaWindow {
     pages: PagedAllocator,
-    /// For each full slot: its window slot, or 0.
+    /// For each full page: its window page, meaningful while its `held` bit is set.
     map: Box<[AtomicU32]>,
+    /// Bit `p`: full page `p` has its window page (`map[p]`). Set by the page's owner
+    /// after writing `map[p]` (Release); cleared by whoever releases the window page
+    /// (AcqRel), which then reads `map[p]`.
+    held: Box<[AtomicU64]>,
 }
 
 impl SwaAllocator {
@@ -91,9 +101,11 @@ impl SwaAllocator {
         if pages.num_pages() == 0 {
             return Err(ConfigError::Zero("the sliding-window pool's pages"));
         }
-        let entries = (full.num_pages() as usize + 1) * page_size as usize;
+        let entries = full.num_pages() as usize + 1;
         let map = crate::arena::try_vec_with(entries, "the full-to-window mapping", |_| AtomicU32::new(0))?;
-        Ok(SwaAllocator { full, window: SwaWindow { pages, map: map.into_boxed_slice() } })
+        let held = crate::arena::try_vec_with(entries.div_ceil(64), "the window-page bits", |_| AtomicU64::new(0))?;
+        let window = SwaWindow { pages, map: map.into_boxed_slice(), held: held.into_boxed_slice() };
+        Ok(SwaAllocator { full, window })
     }
 
     /// The window half: its pool's sizes and the mapping.
@@ -210,8 +222,9 @@ impl SwaAllocator {
             let wp = &mut wp[..chunk.len()];
             self.window.pages.pages.claim(wp);
             for (&p, &w) in chunk.iter().zip(wp.iter()) {
-                self.window.map_page(p, w);
+                self.window.map[p as usize].store(w, Ordering::Relaxed);
             }
+            self.window.publish(chunk.iter().copied());
         }
     }
 
@@ -245,16 +258,25 @@ impl SwaWindow {
 
     /// Entries of the mapping: one per full slot, page 0 included.
     pub fn mapping_len(&self) -> usize {
-        self.map.len()
+        self.map.len() * self.pages.page_size as usize
+    }
+
+    /// The window page of full page `page`, if it has one (a snapshot under
+    /// concurrency).
+    #[inline]
+    fn page_of(&self, page: u32) -> Option<u32> {
+        let (w, bit) = (page as usize / 64, page as usize % 64);
+        // Acquire: pairs with the Release that set the bit after `map[page]` was written.
+        let held = self.held.get(w)?.load(Ordering::Acquire) >> bit & 1 != 0;
+        held.then(|| self.map[page as usize].load(Ordering::Relaxed))
     }
 
     /// The window slot of full slot `slot`, `None` when it has none (or is out of
     /// range).
     #[inline]
     pub fn slot_of(&self, slot: u32) -> Option<u32> {
-        // Acquire: pairs with nothing stronger than the owner's hand-off; the entry is
-        // written by the page's owner before the page is handed on.
-        self.map.get(slot as usize).map(|e| e.load(Ordering::Acquire)).filter(|&w| w != 0)
+        let ps = self.pages.page_size;
+        self.page_of(slot / ps).map(|w| w * ps + slot % ps)
     }
 
     /// Copy the mapping entries `first..first + out.len()` into `out` (for uploading
@@ -264,13 +286,22 @@ impl SwaWindow {
     ///
     /// [`InvalidInput::OutOfBounds`] when the range passes the end of the mapping.
     pub fn copy_mapping(&self, first: usize, out: &mut [u32]) -> Result<(), InvalidInput> {
-        let end = first.checked_add(out.len()).filter(|&e| e <= self.map.len());
-        let Some(end) = end else {
+        let len = self.mapping_len();
+        if first.checked_add(out.len()).filter(|&e| e <= len).is_none() {
             let end = first.saturating_add(out.len());
-            return Err(InvalidInput::OutOfBounds { what: "the full-to-window mapping", end, len: self.map.len() });
-        };
-        for (o, e) in out.iter_mut().zip(&self.map[first..end]) {
-            *o = e.load(Ordering::Acquire);
+            return Err(InvalidInput::OutOfBounds { what: "the full-to-window mapping", end, len });
+        }
+        let ps = self.pages.page_size as usize;
+        let mut at = 0;
+        while at < out.len() {
+            let slot = first + at;
+            let (page, k) = (slot / ps, slot % ps);
+            let n = (ps - k).min(out.len() - at);
+            let base = self.page_of(page as u32).map_or(0, |w| w as usize * ps + k);
+            for (i, o) in out[at..at + n].iter_mut().enumerate() {
+                *o = if base == 0 { 0 } else { (base + i) as u32 };
+            }
+            at += n;
         }
         Ok(())
     }
@@ -278,58 +309,75 @@ impl SwaWindow {
     /// Whether full page `page` has its window part.
     #[inline]
     pub fn is_mapped(&self, page: u32) -> bool {
-        let ps = self.pages.page_size as usize;
-        self.map.get(page as usize * ps).is_some_and(|e| e.load(Ordering::Acquire) != 0)
+        self.page_of(page).is_some()
     }
 
     /// Whether every full page of `first..first + pages` has its window part.
     pub(crate) fn all_mapped(&self, first: u32, pages: u32) -> bool {
-        (first..first + pages).all(|p| self.is_mapped(p))
+        bit_words(first as usize, pages as usize).all(|(w, m)| self.held[w].load(Ordering::Acquire) & m == m)
     }
 
     /// Whether no full page of `first..first + pages` has its window part.
     pub(crate) fn none_mapped(&self, first: u32, pages: u32) -> bool {
-        (first..first + pages).all(|p| !self.is_mapped(p))
+        bit_words(first as usize, pages as usize).all(|(w, m)| self.held[w].load(Ordering::Acquire) & m == 0)
     }
 
     fn group(&self) -> FreeGroup<'_> {
-        if self.pages.page_size == 1 {
-            self.pages.pages.free_group()
-        } else {
-            FreeGroup::merging(&self.pages.pages)
+        self.pages.pages.free_group()
+    }
+
+    /// Set the bits of full pages `pages` (their `map` entries written), one
+    /// read-modify-write per stretch of pages in one bitmap word.
+    fn publish(&self, pages: impl Iterator<Item = u32>) {
+        let mut acc = (usize::MAX, 0u64);
+        for p in pages {
+            let (w, bit) = (p as usize / 64, p as usize % 64);
+            if w != acc.0 {
+                if acc.1 != 0 {
+                    self.held[acc.0].fetch_or(acc.1, Ordering::Release);
+                }
+                acc = (w, 0);
+            }
+            acc.1 |= 1 << bit;
+        }
+        if acc.1 != 0 {
+            self.held[acc.0].fetch_or(acc.1, Ordering::Release);
         }
     }
 
-    /// Map full page `page` to window page `w` (both owned by the caller).
-    fn map_page(&self, page: u32, w: u32) {
-        let ps = self.pages.page_size as usize;
-        let (base, wbase) = (page as usize * ps, w * ps as u32);
-        for (k, e) in self.map[base..base + ps].iter().enumerate() {
-            e.store(wbase + k as u32, Ordering::Release);
+    /// Take the window pages of full pages `pages` (repeats allowed): clear their bits,
+    /// one read-modify-write per stretch in one bitmap word (none where every bit is
+    /// clear already), and pass each window page this call took to `took`.
+    fn take(&self, pages: impl Iterator<Item = u32>, mut took: impl FnMut(u32)) {
+        let mut acc = (usize::MAX, 0u64);
+        let mut flush = |(w, mask): (usize, u64)| {
+            let Some(word) = self.held.get(w) else { return };
+            let live = word.load(Ordering::Relaxed) & mask;
+            if live == 0 {
+                return;
+            }
+            // AcqRel: exactly one caller clears a set bit (and so frees the window page);
+            // the owner's `map` store happens-before it.
+            let mut got = word.fetch_and(!live, Ordering::AcqRel) & live;
+            while got != 0 {
+                let p = w * 64 + got.trailing_zeros() as usize;
+                got &= got - 1;
+                took(self.map[p].load(Ordering::Relaxed));
+            }
+        };
+        for p in pages {
+            let (w, bit) = (p as usize / 64, p as usize % 64);
+            if w != acc.0 {
+                if acc.1 != 0 {
+                    flush(acc);
+                }
+                acc = (w, 0);
+            }
+            acc.1 |= 1 << bit;
         }
-    }
-
-    /// Clear full page `page`'s mapping; returns its window page if this call took it.
-    fn unmap(&self, page: u32) -> Option<u32> {
-        let ps = self.pages.page_size as usize;
-        let base = page as usize * ps;
-        let first = self.map.get(base)?;
-        // A load first: a page without a window part (already released, or named again
-        // by the batch) costs no read-modify-write. Nobody maps a page concurrently
-        // with its owner's free, so a 0 here stays 0.
-        if first.load(Ordering::Relaxed) == 0 {
-            return None;
+        if acc.1 != 0 {
+            flush(acc);
         }
-        // AcqRel: exactly one caller sees the non-zero entry (and so frees the window
-        // page); the owner's mapping stores happen-before it.
-        let w = first.swap(0, Ordering::AcqRel);
-        if w == 0 {
-            return None;
-        }
-        for e in &self.map[base + 1..base + ps] {
-            e.store(0, Ordering::Release);
-        }
-        Some(w / ps as u32)
     }
 
     /// Release the window part of full pages `first..first + pages` into `wgroup`;
@@ -339,42 +387,25 @@ impl SwaWindow {
     }
 
     /// Release the window part of the full pages `pages` (repeats allowed) into
-    /// `wgroup`, a chunk of window pages at a time; returns the window pages freed.
+    /// `wgroup`, a run of consecutive window pages at a time; returns the window pages
+    /// freed.
     fn release_page_iter(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
-        let mut buf = WindowBuf::new();
+        let mut runs = WindowRuns::new();
         let mut n = 0;
-        for p in pages {
-            if let Some(w) = self.unmap(p) {
-                buf.push(w, wgroup);
-                n += 1;
-            }
-        }
-        buf.flush(wgroup);
+        self.take(pages, |w| {
+            runs.push(w, wgroup);
+            n += 1;
+        });
+        runs.flush(wgroup);
         n
     }
 
     /// Release the window part of the full pages `slots` lie in into `wgroup`, a page
-    /// once however many of its slots are named (a slot in the same page as the one
-    /// before it is skipped without touching the mapping); returns the window pages
-    /// freed. The caller has checked that every slot's page is allocated.
+    /// once however many of its slots are named; returns the window pages freed. The
+    /// caller has checked that every slot's page is allocated.
     pub(crate) fn release_slots(&self, slots: &[u32], wgroup: &mut FreeGroup<'_>) -> usize {
-        let mut buf = WindowBuf::new();
-        let mut n = 0;
-        let mut prev = u64::MAX; // no page
-        for &s in slots {
-            // The window pool's page size is the full pool's: its `page_of` is theirs.
-            let p = self.pages.page_of(s);
-            if p as u64 == prev {
-                continue;
-            }
-            prev = p as u64;
-            if let Some(w) = self.unmap(p) {
-                buf.push(w, wgroup);
-                n += 1;
-            }
-        }
-        buf.flush(wgroup);
-        n
+        // The window pool's page size is the full pool's: its `page_of` is theirs.
+        self.release_page_iter(slots.iter().map(|&s| self.pages.page_of(s)), wgroup)
     }
 
     /// Release the window part of full pages `first..first + pages` at once; returns
@@ -390,39 +421,40 @@ impl SwaWindow {
     /// Returns whether `from` had one.
     pub(crate) fn move_page(&self, from: u32, to: u32) -> bool {
         debug_assert!(!self.is_mapped(to), "the receiving page has a window part already");
-        match self.unmap(from) {
-            Some(w) => {
-                self.map_page(to, w);
-                true
-            }
-            None => false,
-        }
+        let mut moved = None;
+        self.take(core::iter::once(from), |w| moved = Some(w));
+        let Some(w) = moved else { return false };
+        self.map[to as usize].store(w, Ordering::Relaxed);
+        self.publish(core::iter::once(to));
+        true
     }
 }
 
-/// Window pages waiting to be freed into a group, a chunk at a time.
-struct WindowBuf {
-    pages: [u32; CHUNK],
-    len: usize,
+/// Window pages waiting to be freed into a group: the current run of consecutive
+/// pages, freed with one check and one read-modify-write per 64 pages.
+struct WindowRuns {
+    first: u32,
+    len: u32,
 }
 
-impl WindowBuf {
+impl WindowRuns {
     fn new() -> Self {
-        WindowBuf { pages: [0; CHUNK], len: 0 }
+        WindowRuns { first: 0, len: 0 }
     }
 
     fn push(&mut self, w: u32, group: &mut FreeGroup<'_>) {
-        self.pages[self.len] = w;
-        self.len += 1;
-        if self.len == CHUNK {
+        if self.len > 0 && self.first.checked_add(self.len) == Some(w) {
+            self.len += 1;
+        } else {
             self.flush(group);
+            (self.first, self.len) = (w, 1);
         }
     }
 
     fn flush(&mut self, group: &mut FreeGroup<'_>) {
         if self.len > 0 {
-            let r = group.free_iter(self.pages[..self.len].iter().copied());
-            // A window page is freed only by the caller whose swap took its mapping.
+            let r = group.free_range(self.first, self.len);
+            // A window page is freed only by the caller whose bit clear took it.
             debug_assert!(r.is_ok(), "a mapped window page failed to free: {r:?}");
             self.len = 0;
         }
@@ -508,33 +540,38 @@ impl KvAllocator for SwaAllocator {
         for e in self.window.map.iter() {
             e.store(0, Ordering::Relaxed);
         }
+        for e in self.window.held.iter() {
+            e.store(0, Ordering::Relaxed);
+        }
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.full.check_invariants()?;
         self.window.pages.check_invariants()?;
         let bad = |m: String| Err(InvariantViolation(format!("swa allocator: {m}")));
-        let ps = self.full.page_size as usize;
         let wpages = self.window.pages.num_pages() as usize;
         let mut used = vec![false; wpages + 1];
         let mut mapped = 0usize;
-        for p in 0..=self.full.num_pages() as usize {
-            let entries = &self.window.map[p * ps..(p + 1) * ps];
-            let w = entries[0].load(Ordering::Acquire);
+        let pages = self.window.map.len();
+        for (w, word) in self.window.held.iter().enumerate() {
+            let bits = word.load(Ordering::Acquire);
+            // Bits of pages 1..pages only (page 0 is nobody's).
+            let valid = pages.saturating_sub(w * 64).min(64);
+            let mut allowed = if valid == 64 { u64::MAX } else { (1u64 << valid) - 1 };
             if w == 0 {
-                if entries.iter().any(|e| e.load(Ordering::Acquire) != 0) {
-                    return bad(format!("full page {p} is partly mapped"));
-                }
-                continue;
+                allowed &= !1;
             }
-            if p == 0 || !self.full.pages.is_allocated(p as u32) {
-                return bad(format!("full page {p} is free but maps to window slot {w}"));
+            if bits & !allowed != 0 {
+                return bad(format!("bitmap word {w} marks pages that do not exist: {bits:#x}"));
             }
-            let wp = w as usize / ps;
-            if w as usize % ps != 0 || wp == 0 || wp > wpages {
-                return bad(format!("full page {p} maps to window slot {w}, not a window page's first"));
+        }
+        for p in 1..pages {
+            let Some(wp) = self.window.page_of(p as u32) else { continue };
+            if !self.full.pages.is_allocated(p as u32) {
+                return bad(format!("full page {p} is free but maps to window page {wp}"));
             }
-            if entries.iter().enumerate().any(|(k, e)| e.load(Ordering::Acquire) != w + k as u32) {
-                return bad(format!("full page {p} maps its slots to different window pages"));
+            let wp = wp as usize;
+            if wp == 0 || wp > wpages {
+                return bad(format!("full page {p} maps to window page {wp}, out of range"));
             }
             if !self.window.pages.pages.is_allocated(wp as u32) {
                 return bad(format!("full page {p} maps to window page {wp}, which is free"));

@@ -5,7 +5,9 @@ use std::fmt::Write as _;
 
 use super::heap::{Heap, Leaves};
 use super::variant::Variant;
-use super::{page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT};
+use super::{
+    page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT,
+};
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
 use crate::slots::{ascending_from, bit_words};
