@@ -312,14 +312,17 @@ impl SwaWindow {
         self.page_of(page).is_some()
     }
 
-    /// Whether every full page of `first..first + pages` has its window part.
+    /// Whether every full page of `first..first + pages` has its window part (one load
+    /// per 64 pages).
     pub(crate) fn all_mapped(&self, first: u32, pages: u32) -> bool {
-        bit_words(first as usize, pages as usize).all(|(w, m)| self.held[w].load(Ordering::Acquire) & m == m)
+        bit_words(first as usize, pages as usize)
+            .all(|(w, m)| self.held.get(w).is_some_and(|h| h.load(Ordering::Acquire) & m == m))
     }
 
     /// Whether no full page of `first..first + pages` has its window part.
     pub(crate) fn none_mapped(&self, first: u32, pages: u32) -> bool {
-        bit_words(first as usize, pages as usize).all(|(w, m)| self.held[w].load(Ordering::Acquire) & m == 0)
+        bit_words(first as usize, pages as usize)
+            .all(|(w, m)| self.held.get(w).map_or(true, |h| h.load(Ordering::Acquire) & m == 0))
     }
 
     fn group(&self) -> FreeGroup<'_> {
@@ -329,72 +332,75 @@ impl SwaWindow {
     /// Set the bits of full pages `pages` (their `map` entries written), one
     /// read-modify-write per stretch of pages in one bitmap word.
     fn publish(&self, pages: impl Iterator<Item = u32>) {
-        let mut acc = (usize::MAX, 0u64);
-        for p in pages {
-            let (w, bit) = (p as usize / 64, p as usize % 64);
-            if w != acc.0 {
-                if acc.1 != 0 {
-                    self.held[acc.0].fetch_or(acc.1, Ordering::Release);
-                }
-                acc = (w, 0);
-            }
-            acc.1 |= 1 << bit;
-        }
-        if acc.1 != 0 {
-            self.held[acc.0].fetch_or(acc.1, Ordering::Release);
+        for (w, mask) in words_of_pages(pages) {
+            self.held[w].fetch_or(mask, Ordering::Release);
         }
     }
 
     /// Take the window pages of full pages `pages` (repeats allowed): clear their bits,
     /// one read-modify-write per stretch in one bitmap word (none where every bit is
-    /// clear already), and pass each window page this call took to `took`.
-    fn take(&self, pages: impl Iterator<Item = u32>, mut took: impl FnMut(u32)) {
-        let mut acc = (usize::MAX, 0u64);
-        let mut flush = |(w, mask): (usize, u64)| {
-            let Some(word) = self.held.get(w) else { return };
+    /// clear already), and pass the window pages this call took to `took`, in runs of
+    /// consecutive pages (first, count).
+    fn take(&self, pages: impl Iterator<Item = u32>, took: impl FnMut(u32, u32)) {
+        self.take_words(words_of_pages(pages), took);
+    }
+
+    /// [`take`](Self::take) for bitmap words and masks; `took` gets runs of
+    /// consecutive window pages (first, count).
+    fn take_words(&self, words: impl Iterator<Item = (usize, u64)>, mut took: impl FnMut(u32, u32)) {
+        for (w, mask) in words {
+            let Some(word) = self.held.get(w) else { continue };
             let live = word.load(Ordering::Relaxed) & mask;
             if live == 0 {
-                return;
+                continue;
             }
             // AcqRel: exactly one caller clears a set bit (and so frees the window page);
             // the owner's `map` store happens-before it.
             let mut got = word.fetch_and(!live, Ordering::AcqRel) & live;
             while got != 0 {
-                let p = w * 64 + got.trailing_zeros() as usize;
-                got &= got - 1;
-                took(self.map[p].load(Ordering::Relaxed));
-            }
-        };
-        for p in pages {
-            let (w, bit) = (p as usize / 64, p as usize % 64);
-            if w != acc.0 {
-                if acc.1 != 0 {
-                    flush(acc);
+                // A stretch of consecutive bits at a time.
+                let (lo, n) = (got.trailing_zeros() as usize, (got >> got.trailing_zeros()).trailing_ones() as usize);
+                got &= !((u64::MAX >> (64 - n)) << lo);
+                let base = w * 64 + lo;
+                let first = self.map[base].load(Ordering::Relaxed);
+                // Pages allocated together map to consecutive window pages: a whole run
+                // in one call when they do.
+                let mut diff = 0u32;
+                for (k, e) in self.map[base..base + n].iter().enumerate() {
+                    diff |= e.load(Ordering::Relaxed) ^ first.wrapping_add(k as u32);
                 }
-                acc = (w, 0);
+                if diff == 0 {
+                    took(first, n as u32);
+                } else {
+                    for e in &self.map[base..base + n] {
+                        took(e.load(Ordering::Relaxed), 1);
+                    }
+                }
             }
-            acc.1 |= 1 << bit;
-        }
-        if acc.1 != 0 {
-            flush(acc);
         }
     }
 
     /// Release the window part of full pages `first..first + pages` into `wgroup`;
     /// returns the window pages freed.
     pub(crate) fn release_pages(&self, first: u32, pages: u32, wgroup: &mut FreeGroup<'_>) -> usize {
-        self.release_page_iter(first..first + pages, wgroup)
+        self.release_words(bit_words(first as usize, pages as usize), wgroup)
     }
 
     /// Release the window part of the full pages `pages` (repeats allowed) into
+    /// `wgroup`; returns the window pages freed.
+    fn release_page_iter(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
+        self.release_words(words_of_pages(pages), wgroup)
+    }
+
+    /// Release the window part of the full pages of bitmap `words` (and masks) into
     /// `wgroup`, a run of consecutive window pages at a time; returns the window pages
     /// freed.
-    fn release_page_iter(&self, pages: impl Iterator<Item = u32>, wgroup: &mut FreeGroup<'_>) -> usize {
+    fn release_words(&self, words: impl Iterator<Item = (usize, u64)>, wgroup: &mut FreeGroup<'_>) -> usize {
         let mut runs = WindowRuns::new();
         let mut n = 0;
-        self.take(pages, |w| {
-            runs.push(w, wgroup);
-            n += 1;
+        self.take_words(words, |w, len| {
+            runs.push(w, len, wgroup);
+            n += len as usize;
         });
         runs.flush(wgroup);
         n
@@ -422,12 +428,27 @@ impl SwaWindow {
     pub(crate) fn move_page(&self, from: u32, to: u32) -> bool {
         debug_assert!(!self.is_mapped(to), "the receiving page has a window part already");
         let mut moved = None;
-        self.take(core::iter::once(from), |w| moved = Some(w));
+        self.take(core::iter::once(from), |w, _| moved = Some(w));
         let Some(w) = moved else { return false };
         self.map[to as usize].store(w, Ordering::Relaxed);
         self.publish(core::iter::once(to));
         true
     }
+}
+
+/// The bitmap words of `pages` with the mask of their pages in each, a word per stretch
+/// of pages that fall in one word (repeats merge).
+fn words_of_pages(pages: impl Iterator<Item = u32>) -> impl Iterator<Item = (usize, u64)> {
+    let mut pages = pages.peekable();
+    core::iter::from_fn(move || {
+        let p = pages.next()?;
+        let w = p as usize / 64;
+        let mut mask = 1u64 << (p % 64);
+        while let Some(q) = pages.next_if(|&q| q as usize / 64 == w) {
+            mask |= 1 << (q % 64);
+        }
+        Some((w, mask))
+    })
 }
 
 /// Window pages waiting to be freed into a group: the current run of consecutive
@@ -442,12 +463,12 @@ impl WindowRuns {
         WindowRuns { first: 0, len: 0 }
     }
 
-    fn push(&mut self, w: u32, group: &mut FreeGroup<'_>) {
+    fn push(&mut self, w: u32, len: u32, group: &mut FreeGroup<'_>) {
         if self.len > 0 && self.first.checked_add(self.len) == Some(w) {
-            self.len += 1;
+            self.len += len;
         } else {
             self.flush(group);
-            (self.first, self.len) = (w, 1);
+            (self.first, self.len) = (w, len);
         }
     }
 

@@ -486,7 +486,14 @@ fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
         // The leaf counts as live first; a cut below makes its upper part a tombstone.
         w.c.variant.evictable.fetch_add(new.len(), Ordering::Release);
         windows(w).push(leaf);
-        let last_dead = (0..pages).rev().find(|&i| !window.is_mapped(new[i * ps] / ps as u32));
+        // The leaf holds exactly the new pages: its runs, one bitmap load per 64 pages.
+        let (mut at, mut last_dead) = (0usize, None);
+        for (start, len) in w.runs(leaf) {
+            if !window.all_mapped(start, len) {
+                last_dead = (0..len).rev().find(|&k| !window.is_mapped(start + k)).map(|k| at + k as usize);
+            }
+            at += len as usize;
+        }
         if let Some(i) = last_dead {
             debug_assert!(i + 1 < pages, "inserts end with a page that has window KV");
             let upper = w.split(leaf, i + 1);
