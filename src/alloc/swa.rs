@@ -62,9 +62,6 @@ use crate::slots::bit_words;
 use crate::slots::FreeGroup;
 use crate::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// Window pages mapped (or freed) per batch of the stack buffer: no heap on any path.
-const CHUNK: usize = 64;
-
 /// A full pool and a smaller sliding-window pool that allocate together, and the
 /// mapping between them (see the [module docs](self)).
 pub struct SwaAllocator {
@@ -217,15 +214,18 @@ impl SwaAllocator {
     /// window page.
     fn claim_both(&self, out: &mut [u32]) {
         self.full.pages.claim(out);
-        let mut wp = [0u32; CHUNK];
-        for chunk in out.chunks(CHUNK) {
-            let wp = &mut wp[..chunk.len()];
-            self.window.pages.pages.claim(wp);
-            for (&p, &w) in chunk.iter().zip(wp.iter()) {
-                self.window.map[p as usize].store(w, Ordering::Relaxed);
+        let map = &self.window.map;
+        let mut k = 0;
+        // The window pages straight into the mapping, a claimed word at a time.
+        self.window.pages.pages.claim_with(out.len(), |w, mut take| {
+            while take != 0 {
+                let page = (w * 64) as u32 + take.trailing_zeros() + 1;
+                take &= take - 1;
+                map[out[k] as usize].store(page, Ordering::Relaxed);
+                k += 1;
             }
-            self.window.publish(chunk.iter().copied());
-        }
+        });
+        self.window.publish(out.iter().copied());
     }
 
     fn reserve_and_expand<R>(&self, plan: BatchPlan, out: &mut [u32], req: R, batch: usize) -> Result<(), AllocError>

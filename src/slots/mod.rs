@@ -838,8 +838,17 @@ impl SlotPool {
     /// rest of the scan to the home word too. Where the scan starts never matters for
     /// correctness: it visits every word, wrapping around, until it has them all.
     pub(crate) fn claim(&self, out: &mut [u32]) {
+        let mut filled = 0;
+        self.claim_with(out.len(), |w, take| filled += write_indices(take, w, &mut out[filled..]));
+    }
+
+    /// [`claim`](Self::claim) `n` bits, handing each word's claimed bits to `each`
+    /// (word, bits) instead of writing indices (index `w * 64 + b + 1` is bit `b` of
+    /// word `w`).
+    #[inline]
+    pub(crate) fn claim_with(&self, n: usize, mut each: impl FnMut(usize, u64)) {
         let nwords = self.words.len();
-        if out.is_empty() || nwords == 0 {
+        if n == 0 || nwords == 0 {
             return;
         }
         let slot = thread_slot();
@@ -857,7 +866,7 @@ impl SlotPool {
             let mut cur = word.load(Ordering::Relaxed);
             let mut lost = false;
             while cur != 0 {
-                let need = out.len() - filled;
+                let need = n - filled;
                 let take = if (cur.count_ones() as usize) <= need { cur } else { lowest_bits(cur, need) };
                 // AcqRel: Acquire pairs with the Release of the free that set these
                 // bits (the previous owner's writes happen-before ours); Release keeps
@@ -866,7 +875,8 @@ impl SlotPool {
                 match word.compare_exchange(cur, cur & !take, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
                         self.set_held(w, take);
-                        filled += write_indices(take, w, &mut out[filled..]);
+                        each(w, take);
+                        filled += take.count_ones() as usize;
                         last_word = w;
                         break;
                     }
@@ -878,7 +888,7 @@ impl SlotPool {
                     }
                 }
             }
-            if filled == out.len() {
+            if filled == n {
                 break;
             }
             if lost && !spread {
