@@ -24,6 +24,7 @@
 //! `RadixAllocator`: per-node token and page vectors, a `BTreeSet` LRU of leaves that
 //! eviction trims, and a `Vec` free list of pages.
 
+pub mod hicache_ref;
 pub mod mamba_ref;
 pub mod swa_ref;
 pub mod vec_trie;

@@ -14,8 +14,11 @@ mod cli {
 
     use clap::{Args, Parser, Subcommand};
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    use kvpool::baseline::hicache_ref::WritePolicy;
     use kvpool::radix::EvictionPolicy;
-    use kvpool::replay::{self, CacheKind, HybridConfig, Mode, Model, ReplayConfig, ReplayError, SwaConfig, Trace};
+    use kvpool::replay::{
+        self, CacheKind, HostTierConfig, HybridConfig, Mode, Model, ReplayConfig, ReplayError, SwaConfig, Trace,
+    };
 
     #[derive(Parser)]
     #[command(name = "kvpool", version, about = "Lock-free KV-cache memory management for LLM inference engines")]
@@ -89,9 +92,30 @@ mod cli {
         routers: usize,
         /// Which prefix cache to drive: kvpool (the concurrent RadixCache), reference
         /// (the simple single-threaded tree behind a mutex) or vectrie (the TGI-style
-        /// trie behind a mutex).
-        #[arg(long, default_value = "kvpool")]
-        cache: CacheKind,
+        /// trie behind a mutex) [default: kvpool; reference with a host tier].
+        #[arg(long)]
+        cache: Option<CacheKind>,
+        /// A host-memory tier of N tokens under the device pool (SGLang's HiCache):
+        /// evicted KV that was backed up is loaded back on a later match. Runs the
+        /// two-tier reference tree, sequential mode.
+        #[arg(long, value_name = "N", conflicts_with = "host_ratio")]
+        host_capacity_tokens: Option<usize>,
+        /// A host tier of this many times --capacity-tokens [SGLang's default ratio:
+        /// 2.0]. Implies the host tier.
+        #[arg(long, value_name = "RATIO")]
+        host_ratio: Option<f64>,
+        /// When KV is copied to host: write_through (at its first hit, the default),
+        /// write_through_selective (at its second) or write_back (when evicted from the
+        /// device). Implies the host tier (of --host-ratio's default).
+        #[arg(long, value_name = "POLICY", value_parser = parse_write_policy)]
+        write_policy: Option<WritePolicy>,
+        /// KV bytes per token across all layers, for the bytes the host tier moves
+        /// [default: 131072, Llama-3-8B in bf16].
+        #[arg(long, value_name = "BYTES")]
+        transfer_bytes_per_token: Option<u64>,
+        /// Host link bandwidth in GB/s, for the transfer time [default: 50].
+        #[arg(long, value_name = "GBPS")]
+        link_gbps: Option<f64>,
         /// attention (KV only, the default), hybrid (a Mamba hybrid such as
         /// Qwen3-Next: KV plus one recurrent state per request, cached at checkpoints
         /// in kvpool's MambaRadixCache; sequential mode) or swa (sliding-window and
@@ -297,6 +321,47 @@ mod cli {
         Ok(SwaConfig { window: args.swa_window.unwrap_or(d.window), ratio_permille, release: !args.swa_keep_window })
     }
 
+    fn parse_write_policy(s: &str) -> Result<WritePolicy, String> {
+        WritePolicy::from_name(s)
+            .ok_or_else(|| format!("expected write_through, write_through_selective or write_back, not {s}"))
+    }
+
+    /// The host tier, when one of its options is given.
+    fn host_config(args: &ReplayArgs) -> Result<Option<HostTierConfig>, ReplayError> {
+        let any = args.host_capacity_tokens.is_some()
+            || args.host_ratio.is_some()
+            || args.write_policy.is_some()
+            || args.transfer_bytes_per_token.is_some()
+            || args.link_gbps.is_some();
+        if !any {
+            return Ok(None);
+        }
+        let tokens = match (args.host_capacity_tokens, args.host_ratio) {
+            (Some(n), _) => n,
+            (None, Some(r)) if r.is_finite() && r > 0.0 && r * args.capacity_tokens as f64 <= usize::MAX as f64 => {
+                (r * args.capacity_tokens as f64) as usize
+            }
+            (None, Some(r)) => {
+                return Err(ReplayError::Config(format!("--host-ratio must be a positive number, not {r}")))
+            }
+            (None, None) => (replay::DEFAULT_HOST_TO_DEVICE_RATIO * args.capacity_tokens as f64) as usize,
+        };
+        let mut host = HostTierConfig::new(tokens);
+        if let Some(p) = args.write_policy {
+            host.write_policy = p;
+        }
+        if let Some(b) = args.transfer_bytes_per_token {
+            host.bytes_per_token = b;
+        }
+        if let Some(g) = args.link_gbps {
+            if !(g.is_finite() && g > 0.0 && g * 1e9 <= u64::MAX as f64) {
+                return Err(ReplayError::Config(format!("--link-gbps must be a positive number, not {g}")));
+            }
+            host.link_bytes_per_second = ((g * 1e9) as u64).max(1);
+        }
+        Ok(Some(host))
+    }
+
     fn run_replay(args: ReplayArgs) -> Result<(), Failure> {
         if args.limit == Some(0) {
             return Err(ReplayError::Config("--limit must be at least 1".into()).into());
@@ -304,6 +369,7 @@ mod cli {
         let model = model_of(&args)?;
         let hybrid = hybrid_config(&args, model)?;
         let swa = swa_config(&args)?;
+        let host = host_config(&args)?;
         let optimal = matches!(args.policy, PolicyArg::Optimal);
         if optimal && args.plot.is_some() {
             return Err(ReplayError::Config(
@@ -311,8 +377,12 @@ mod cli {
             )
             .into());
         }
-        let default_mode =
-            if matches!(model, Model::Hybrid | Model::Swa) || optimal { Mode::Sequential } else { Mode::Overlap };
+        let default_mode = if matches!(model, Model::Hybrid | Model::Swa) || optimal || host.is_some() {
+            Mode::Sequential
+        } else {
+            Mode::Overlap
+        };
+        let default_cache = if host.is_some() { CacheKind::Reference } else { CacheKind::Kvpool };
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,
@@ -324,13 +394,14 @@ mod cli {
             partial_evict: args.partial_evict,
             optimal,
             mode: args.mode.unwrap_or(default_mode),
-            cache: args.cache,
+            cache: args.cache.unwrap_or(default_cache),
             max_running: args.max_running,
             routers: args.routers,
             timeline: args.plot.is_some(),
             model,
             hybrid,
             swa,
+            host,
         };
         let mut trace = match &args.trace {
             Some(path) => Trace::from_path(path).map_err(ReplayError::from)?,

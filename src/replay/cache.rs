@@ -123,6 +123,13 @@ pub trait ReplayCache: Sync {
     ///
     /// [`InvariantViolation`] describing the first inconsistency.
     fn check_invariants(&self) -> Result<(), InvariantViolation>;
+    /// Tokens that entered and left the cache outside the driver's calls: loaded back
+    /// from a lower tier, and evicted by the cache itself to make room for such loads.
+    /// `(0, 0)` for a single-tier cache. The end-of-run accounting counts them.
+    #[doc(hidden)]
+    fn tier_flows(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// [`ReferenceRadixCache`] behind a [`Mutex`]: the straightforward way to share a

@@ -42,6 +42,7 @@
 //! ```
 
 mod cache;
+mod hicache;
 mod hybrid;
 mod lookahead;
 mod optimal;
@@ -57,6 +58,9 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use cache::{RefLease, ReferenceCache, ReplayCache};
+pub use hicache::{
+    HostReport, HostTierConfig, DEFAULT_BYTES_PER_TOKEN, DEFAULT_HOST_TO_DEVICE_RATIO, DEFAULT_LINK_BYTES_PER_SECOND,
+};
 pub use hybrid::{
     run_hybrid, HybridConfig, HybridPoint, HybridReport, Model, DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_MAMBA_MEMORY_RATIO_PERMILLE, DEFAULT_MAMBA_STATE_BYTES, MAX_MAMBA_STATES, MIN_MAMBA_STATES,
@@ -201,6 +205,9 @@ pub struct ReplayConfig {
     pub partial_evict: bool,
     /// Replay the offline optimum instead of a policy ([`run_optimal`]; sequential).
     pub optimal: bool,
+    /// A host-memory tier under the device pool (the two-tier reference tree;
+    /// sequential mode, `CacheKind::Reference`, attention models).
+    pub host: Option<HostTierConfig>,
 }
 
 impl Default for ReplayConfig {
@@ -220,6 +227,7 @@ impl Default for ReplayConfig {
             lookahead: None,
             partial_evict: false,
             optimal: false,
+            host: None,
         }
     }
 }
@@ -367,6 +375,28 @@ impl ReplayConfig {
                 ));
             }
             self.hybrid.validate(capacity, self.page_size)?;
+        }
+        if let Some(host) = &self.host {
+            let other = if self.model != Model::Attention {
+                Some(format!("--model {}", self.model.name()))
+            } else if self.mode != Mode::Sequential {
+                Some(format!("--mode {}", self.mode.name()))
+            } else if self.cache != CacheKind::Reference {
+                Some(format!("--cache {}", self.cache.name()))
+            } else if self.optimal || self.partial_evict {
+                Some(if self.optimal { "--policy optimal" } else { "--partial-evict" }.to_string())
+            } else if self.policy == EvictionPolicy::Hinted {
+                Some("--policy hinted".to_string())
+            } else {
+                None
+            };
+            if let Some(other) = other {
+                return bad(format!(
+                    "the host tier runs the two-tier reference tree: attention model, sequential mode, \
+                     --cache reference, a leaf policy; not {other}"
+                ));
+            }
+            host.validate(self.page_size)?;
         }
         if self.model == Model::Swa {
             if self.mode != Mode::Sequential {
@@ -549,6 +579,9 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
     if config.model == Model::Swa {
         return swa::replay_swa(trace, config, progress);
     }
+    if let Some(host) = &config.host {
+        return hicache::replay_hicache(trace, config, host, progress);
+    }
     if config.optimal {
         let report = run_optimal(trace, config)?;
         progress(trace.len() as u64);
@@ -648,9 +681,11 @@ pub(crate) fn finish_report<C: ReplayCache>(
         ))
         .into());
     }
-    if totals.added_tokens != cached + totals.evicted_tokens {
+    let (tier_in, tier_out) = cache.tier_flows();
+    if totals.added_tokens + tier_in != cached + totals.evicted_tokens + tier_out {
         return Err(InvariantViolation(format!(
-            "the cache took in {} tokens and evicted {}, but holds {cached}",
+            "the cache took in {} tokens (and {tier_in} loaded back) and evicted {} (and {tier_out} for loads), \
+             but holds {cached}",
             totals.added_tokens, totals.evicted_tokens
         ))
         .into());
@@ -693,6 +728,7 @@ pub(crate) fn finish_report<C: ReplayCache>(
         timeline,
         hybrid: None,
         swa: None,
+        host: None,
     })
 }
 

@@ -547,6 +547,7 @@ pub fn run_optimal(trace: &Trace, config: &ReplayConfig) -> Result<Report, Repla
         timeline: Vec::new(),
         hybrid: None,
         swa: None,
+        host: None,
     })
 }
 

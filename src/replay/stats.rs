@@ -240,6 +240,9 @@ pub struct Report {
     /// `--model swa`: the window-pool figures (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub swa: Option<super::SwaReport>,
+    /// `--host-capacity-tokens`: the host tier's figures (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<super::HostReport>,
 }
 
 impl Report {
@@ -291,6 +294,9 @@ impl fmt::Display for Report {
         if let Some(s) = &self.swa {
             s.header(f)?;
         }
+        if let Some(h) = &self.host {
+            h.header(f)?;
+        }
         row(f, "requests", thousands(self.requests))?;
         row(f, "rejected", thousands(self.rejected))?;
         if self.mode == "overlap" {
@@ -308,6 +314,9 @@ impl fmt::Display for Report {
         }
         if let Some(s) = &self.swa {
             s.rows(f, self.prompt_tokens)?;
+        }
+        if let Some(h) = &self.host {
+            h.rows(f, self.prompt_tokens)?;
         }
         if self.routers > 0 {
             row(
