@@ -100,3 +100,27 @@ fn host_flags_and_their_errors() {
     assert!(table.contains("host tier: 3,072 tokens, write_through"), "{table}");
     assert!(table.contains("host hit tokens"), "{table}");
 }
+
+/// `--plot` draws the host panel: the host pool's occupancy, and the loaded-back rate
+/// (1,024 of 3,584 prompt tokens).
+#[test]
+fn the_plot_shows_both_tiers() {
+    let path = write_trace("hicache_plot.jsonl", TRACE);
+    let svg = path.with_extension("svg");
+    let out = kvpool(&[
+        "replay",
+        "--trace",
+        path.to_str().unwrap(),
+        "--capacity-tokens",
+        "1536",
+        "--host-capacity-tokens",
+        "4096",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for label in ["tokens held in host memory", "host pool (write_through)", "loaded back from host (final 28.57%)"] {
+        assert!(text.contains(label), "{label} missing from the plot");
+    }
+}

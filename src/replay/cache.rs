@@ -130,6 +130,12 @@ pub trait ReplayCache: Sync {
     fn tier_flows(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// A lower tier's tokens held and the tokens loaded back from it so far, for the
+    /// timeline. `(0, 0)` for a single-tier cache.
+    #[doc(hidden)]
+    fn tier_occupancy(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// [`ReferenceRadixCache`] behind a [`Mutex`]: the straightforward way to share a

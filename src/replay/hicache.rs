@@ -284,6 +284,9 @@ impl ReplayCache for HiReplayCache {
         t.allocator().check_invariants()?;
         t.check().map_err(|e| InvariantViolation(format!("two-tier reference cache: {e}")))
     }
+    fn tier_occupancy(&self) -> (u64, u64) {
+        (self.tree().host_size() as u64, self.host_hits.load(Ordering::Relaxed))
+    }
     fn tier_flows(&self) -> (u64, u64) {
         (self.tree().counters().loaded, self.load_evictions.load(Ordering::Relaxed))
     }

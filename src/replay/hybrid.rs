@@ -683,6 +683,7 @@ pub fn run_hybrid<A: KvAllocator>(
                 cached_tokens: kv.cached_tokens() as u64,
                 prompt_tokens: totals.prompt_tokens,
                 hit_tokens: totals.hit_tokens,
+                ..TimelinePoint::default()
             });
             let cached_states = (cache.mamba_evictable_size() + cache.mamba_protected_size()) as u64;
             points.push(HybridPoint {

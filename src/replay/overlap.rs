@@ -603,6 +603,7 @@ fn output_loop<'c, C: ReplayCache>(
                 cached_tokens: cache.cached_tokens() as u64,
                 prompt_tokens: t.prompt_tokens,
                 hit_tokens: t.hit_tokens,
+                ..TimelinePoint::default()
             });
         }
         if done % PROGRESS_EVERY == 0 {

@@ -52,9 +52,11 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     let k = |t: u64| t as f64 / 1000.0;
     let y_max = k(report.capacity_tokens.max(report.peak_used_tokens).max(1)) * 1.05;
 
-    // A hybrid replay adds a third panel: the Mamba state pool.
+    // A hybrid replay adds a third panel: the Mamba state pool; a two-tier replay one
+    // for the host pool.
     let hybrid = report.hybrid.as_ref().filter(|h| h.timeline.len() == timeline.len());
-    let height = if hybrid.is_some() { 1040 } else { 720 };
+    let host = report.host.as_ref();
+    let height = if hybrid.is_some() || host.is_some() { 1040 } else { 720 };
     let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(400);
@@ -128,7 +130,13 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .y_desc("cumulative hit rate, %")
         .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()?;
-    let label = if hybrid.is_some() { "state hit rate: resumable" } else { "hit rate" };
+    let label = if hybrid.is_some() {
+        "state hit rate: resumable"
+    } else if host.is_some() {
+        "hit rate, device + host"
+    } else {
+        "hit rate"
+    };
     chart
         .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, rate(p))), &GREEN))?
         .label(format!("{label} (final {:.2}%)", report.hit_rate * 100.0))
@@ -141,6 +149,19 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
             .label(format!("KV hit rate (final {:.2}%)", h.kv_hit_rate * 100.0))
             .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], MAGENTA));
     }
+    if let Some(h) = host {
+        let host_rate = |p: &TimelinePoint| {
+            if p.prompt_tokens == 0 {
+                0.0
+            } else {
+                100.0 * p.host_hit_tokens as f64 / p.prompt_tokens as f64
+            }
+        };
+        chart
+            .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, host_rate(p))), &MAGENTA))?
+            .label(format!("loaded back from host (final {:.2}%)", h.host_hit_rate * 100.0))
+            .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], MAGENTA));
+    }
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)
@@ -149,8 +170,53 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .draw()?;
     if let Some(h) = hybrid {
         draw_states(&states, x_max, timeline, h)?;
+    } else if let Some(h) = host {
+        draw_host(&states, x_max, timeline, h)?;
     }
     root.present()?;
+    Ok(())
+}
+
+/// The two-tier panel: host tokens held against the host pool's size.
+fn draw_host<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    x_max: f64,
+    timeline: &[TimelinePoint],
+    h: &super::HostReport,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    let k = |t: u64| t as f64 / 1000.0;
+    let capacity = k(h.host_capacity_tokens as u64);
+    let peak = timeline.iter().map(|p| p.host_tokens).max().unwrap_or(0);
+    let y_max = capacity.max(k(peak)).max(1.0) * 1.05;
+    let mut chart = ChartBuilder::on(area)
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests done")
+        .y_desc("host tier, thousands of tokens")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
+        .label(format!("host pool ({})", h.write_policy))
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.5)));
+    chart
+        .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, k(p.host_tokens))), &BLUE))?
+        .label("tokens held in host memory")
+        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }
 

@@ -88,12 +88,15 @@ pub fn run_sequential<C: ReplayCache>(
             // Larger than the whole pool: it can never be served. Nothing is evicted.
             totals.rejected += 1;
             if config.timeline {
+                let (host_tokens, host_hit_tokens) = cache.tier_occupancy();
                 timeline.push(TimelinePoint {
                     requests_done: r as u32 + 1,
                     used_tokens: (capacity - cache.available_tokens()) as u64,
                     cached_tokens: cache.cached_tokens() as u64,
                     prompt_tokens: totals.prompt_tokens,
                     hit_tokens: totals.hit_tokens,
+                    host_tokens,
+                    host_hit_tokens,
                 });
             }
             if (r as u64 + 1) % PROGRESS_EVERY == 0 {
@@ -135,12 +138,15 @@ pub fn run_sequential<C: ReplayCache>(
             totals.output_tokens += q.output_length as u64;
         }
         if config.timeline {
+            let (host_tokens, host_hit_tokens) = cache.tier_occupancy();
             timeline.push(TimelinePoint {
                 requests_done: r as u32 + 1,
                 used_tokens: used_before_finish as u64,
                 cached_tokens: cache.cached_tokens() as u64,
                 prompt_tokens: totals.prompt_tokens,
                 hit_tokens: totals.hit_tokens,
+                host_tokens,
+                host_hit_tokens,
             });
         }
         if (r as u64 + 1) % PROGRESS_EVERY == 0 {

@@ -166,6 +166,10 @@ pub struct TimelinePoint {
     pub prompt_tokens: u64,
     /// Cumulative hit tokens of the requests served so far.
     pub hit_tokens: u64,
+    /// A two-tier replay: tokens held in host memory (0 without a host tier).
+    pub host_tokens: u64,
+    /// A two-tier replay: cumulative tokens loaded back from host (in `hit_tokens`).
+    pub host_hit_tokens: u64,
 }
 
 /// The result of a replay: the numbers the summary table and `--json` print.

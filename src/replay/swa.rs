@@ -390,6 +390,7 @@ pub fn run_swa(
                 cached_tokens: full.cached_tokens() as u64,
                 prompt_tokens: totals.prompt_tokens,
                 hit_tokens: totals.hit_tokens,
+                ..TimelinePoint::default()
             });
         }
         if (r as u64 + 1) % PROGRESS_EVERY == 0 {
