@@ -1,5 +1,6 @@
 #![cfg(all(loom, not(shuttle)))]
 //! Loom models of the radix cache's concurrency claims (small capacities).
+//! (The router hints of issue 13 have theirs in `loom_radix_hints`.)
 //!
 //! Run with `scripts/loom.sh loom_radix`.
 //!
