@@ -131,16 +131,18 @@ fn scattered(
         let layer = if b == 0 { cache.k_layer(l)? } else { cache.v_layer(l)?.expect("MHA") };
         Ok(layer.as_device_ptr().as_raw() + page as u64 * chunk as u64)
     };
-    let per_chunk = (n * lbs as usize <= 20_000).then(|| median_us(dev, 1, || {
-        for (&dpg, &hpg) in dp.iter().zip(&hp) {
-            for lb in 0..lbs {
-                let (l, b) = (lb / model.kv.layout.buffers() as u32, lb % model.kv.layout.buffers() as u32);
-                let off = cfg.offset(hpg, l, b, 0).expect("in range") as u64;
-                memcpy(dev, base + off, dev_chunk(lb, dpg)?, chunk)?;
+    let per_chunk = (n * lbs as usize <= 20_000).then(|| {
+        median_us(dev, 1, || {
+            for (&dpg, &hpg) in dp.iter().zip(&hp) {
+                for lb in 0..lbs {
+                    let (l, b) = (lb / model.kv.layout.buffers() as u32, lb % model.kv.layout.buffers() as u32);
+                    let off = cfg.offset(hpg, l, b, 0).expect("in range") as u64;
+                    memcpy(dev, base + off, dev_chunk(lb, dpg)?, chunk)?;
+                }
             }
-        }
-        Ok(())
-    }));
+            Ok(())
+        })
+    });
     let per_chunk = match per_chunk.transpose()? {
         Some(us) => format!("{us:.0} | {:.1}", gbps(bytes, us)),
         None => "- | -".to_string(),

@@ -214,8 +214,7 @@ fn refused_calls_queue_nothing() {
     assert!(matches!(e, HostTransferError::Host(HostKvError::DevicePage { page: 17, .. })), "{e}");
     let e = unsafe { xfer.backup(&dev, &other, &pool, &[1], &[1]) }.unwrap_err();
     assert!(matches!(e, HostTransferError::Mismatch(_)), "{e}");
-    let e = unsafe { xfer.load_layerwise(&dev, &cache, &pool, &[1], &[2], &LayerEvents::new(3).unwrap()) }
-        .unwrap_err();
+    let e = unsafe { xfer.load_layerwise(&dev, &cache, &pool, &[1], &[2], &LayerEvents::new(3).unwrap()) }.unwrap_err();
     assert!(matches!(e, HostTransferError::Host(HostKvError::Shape { what: "events", .. })), "{e}");
     let pageable = HostKvPool::pageable(cfg).unwrap();
     pageable.alloc_pages(&mut [0u32; 1]).unwrap();

@@ -45,13 +45,8 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// The byte offset of row `k` of page `p`, layer `l`, buffer `b` (issue 11's formulas).
 fn offset(cfg: &HostKvConfig, p: usize, l: usize, b: usize, k: usize) -> usize {
-    let (ln, bn, ps, r, h) = (
-        cfg.kv.layer_num as usize,
-        cfg.buffers(),
-        cfg.kv.page_size as usize,
-        cfg.kv.row_bytes(),
-        cfg.host_pages,
-    );
+    let (ln, bn, ps, r, h) =
+        (cfg.kv.layer_num as usize, cfg.buffers(), cfg.kv.page_size as usize, cfg.kv.row_bytes(), cfg.host_pages);
     match cfg.layout {
         HostLayout::LayerFirst => ((l * bn + b) * (h + 1) * ps + p * ps + k) * r,
         HostLayout::PageFirst => (((p * ln + l) * bn + b) * ps + k) * r,
@@ -96,18 +91,16 @@ impl Model {
 fn device(cfg: &HostKvConfig, seed: u8) -> Vec<Vec<u8>> {
     let n = cfg.kv.layer_num as usize * cfg.buffers();
     (0..n)
-        .map(|lb| (0..cfg.kv.layer_bytes()).map(|i| (i as u8) ^ seed.wrapping_mul(29) ^ (lb as u8).wrapping_mul(71)).collect())
+        .map(|lb| {
+            (0..cfg.kv.layer_bytes()).map(|i| (i as u8) ^ seed.wrapping_mul(29) ^ (lb as u8).wrapping_mul(71)).collect()
+        })
         .collect()
 }
 
 fn run(cfg: HostKvConfig, ops: &[Op]) -> Result<(), TestCaseError> {
     let mut pool = HostKvPool::pageable(cfg).unwrap();
-    let mut m = Model {
-        cfg,
-        free: (1..=cfg.host_pages as u32).collect(),
-        live: Vec::new(),
-        bytes: vec![0; cfg.total_bytes()],
-    };
+    let mut m =
+        Model { cfg, free: (1..=cfg.host_pages as u32).collect(), live: Vec::new(), bytes: vec![0; cfg.total_bytes()] };
     let (ps, r, lbs) = (cfg.kv.page_size as usize, cfg.kv.row_bytes(), cfg.kv.layer_num as usize * cfg.buffers());
     let dev_pages = cfg.device_pages();
     for op in ops {
@@ -218,8 +211,20 @@ fn run(cfg: HostKvConfig, ops: &[Op]) -> Result<(), TestCaseError> {
 
 fn configs() -> Vec<KvConfig> {
     vec![
-        KvConfig { layout: KvLayout::Mha { head_num: 1, head_dim: 3 }, dtype: KvDtype::F16, layer_num: 4, size: 24, page_size: 2 },
-        KvConfig { layout: KvLayout::Mla { kv_lora_rank: 2, qk_rope_head_dim: 1 }, dtype: KvDtype::Fp8E4m3, layer_num: 3, size: 30, page_size: 3 },
+        KvConfig {
+            layout: KvLayout::Mha { head_num: 1, head_dim: 3 },
+            dtype: KvDtype::F16,
+            layer_num: 4,
+            size: 24,
+            page_size: 2,
+        },
+        KvConfig {
+            layout: KvLayout::Mla { kv_lora_rank: 2, qk_rope_head_dim: 1 },
+            dtype: KvDtype::Fp8E4m3,
+            layer_num: 3,
+            size: 30,
+            page_size: 3,
+        },
     ]
 }
 

@@ -69,8 +69,7 @@ fn hot_paths(layout: HostLayout) {
         let mut dst_refs: Vec<&mut [u8]> = dst.iter_mut().map(|b| &mut b[..]).collect();
         assert_no_alloc("load (all layers)", || pool.load(&mut dst_refs, host_pages, &device_pages, 0..3)).unwrap();
         assert_no_alloc("load (one layer)", || pool.load(&mut dst_refs, host_pages, &device_pages, 1..2)).unwrap();
-        assert_no_alloc("load (bad layers)", || pool.load(&mut dst_refs, host_pages, &device_pages, 2..4))
-            .unwrap_err();
+        assert_no_alloc("load (bad layers)", || pool.load(&mut dst_refs, host_pages, &device_pages, 2..4)).unwrap_err();
         assert_no_alloc("load (unequal lists)", || pool.load(&mut dst_refs, &host_pages[1..], &device_pages, 0..3))
             .unwrap_err();
     }

@@ -565,11 +565,7 @@ impl HostKvPool {
     /// [`HostKvError::Shape`], [`HostKvError::DevicePage`], [`HostKvError::HostPage`].
     pub fn check_pairs(&self, device_pages: &[u32], host_pages: &[u32]) -> Result<(), HostKvError> {
         if device_pages.len() != host_pages.len() {
-            return Err(HostKvError::Shape {
-                what: "host_pages",
-                got: host_pages.len(),
-                expected: device_pages.len(),
-            });
+            return Err(HostKvError::Shape { what: "host_pages", got: host_pages.len(), expected: device_pages.len() });
         }
         let max = self.cfg.device_pages();
         if let Some(&page) = device_pages.iter().find(|&&d| d == 0 || d as usize > max) {
@@ -653,7 +649,11 @@ impl HostKvPool {
             return Err(HostKvError::Shape { what: "device buffers", got: device.len(), expected: n });
         }
         if let Some(b) = device.iter().find(|b| b.as_ref().len() != kv.layer_bytes()) {
-            return Err(HostKvError::Shape { what: "device buffer", got: b.as_ref().len(), expected: kv.layer_bytes() });
+            return Err(HostKvError::Shape {
+                what: "device buffer",
+                got: b.as_ref().len(),
+                expected: kv.layer_bytes(),
+            });
         }
         Ok(())
     }
@@ -730,7 +730,13 @@ mod tests {
     use crate::kv::{KvDtype, KvLayout};
 
     fn mha(layers: u32, size: usize, ps: u32) -> KvConfig {
-        KvConfig { layout: KvLayout::Mha { head_num: 1, head_dim: 4 }, dtype: KvDtype::F16, layer_num: layers, size, page_size: ps }
+        KvConfig {
+            layout: KvLayout::Mha { head_num: 1, head_dim: 4 },
+            dtype: KvDtype::F16,
+            layer_num: layers,
+            size,
+            page_size: ps,
+        }
     }
 
     fn mla(layers: u32, size: usize, ps: u32) -> KvConfig {
@@ -798,7 +804,8 @@ mod tests {
             Err(ConfigError::ZeroPageSize)
         );
         // Rows of 2^20 bytes in pages of 4096 tokens: a 4 GiB chunk.
-        let wide = KvConfig { layout: KvLayout::Mha { head_num: 1 << 19, head_dim: 1 }, page_size: 4096, size: 4096, ..kv };
+        let wide =
+            KvConfig { layout: KvLayout::Mha { head_num: 1 << 19, head_dim: 1 }, page_size: 4096, size: 4096, ..kv };
         assert!(matches!(HostKvConfig { kv: wide, ..ok }.validate(), Err(ConfigError::TooLarge { .. })));
         // Fine per chunk, but the pool overflows isize.
         let big = HostKvConfig { kv: KvConfig { layer_num: u32::MAX, ..kv }, host_pages: u32::MAX as usize - 1, ..ok };
