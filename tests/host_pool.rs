@@ -1,4 +1,5 @@
 #![cfg(not(loom))]
+#![allow(clippy::needless_range_loop)] // the model indexes by (layer, buffer) on purpose
 //! `HostKvPool` against a plain sequential model: random sequences of page
 //! allocations, frees (live, double, forged and out-of-range pages), backups and
 //! per-layer loads, for both layouts. The model is a set of free pages (a fresh pool

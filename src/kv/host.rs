@@ -131,7 +131,7 @@ impl HostKvConfig {
     /// [`validate`](Self::validate) returns.
     pub fn with_ratio(kv: KvConfig, ratio: f64, layout: HostLayout) -> Result<HostKvConfig, ConfigError> {
         kv.validate()?;
-        if !(ratio > 0.0) || !ratio.is_finite() {
+        if !ratio.is_finite() || ratio <= 0.0 {
             return Err(ConfigError::Zero("host_to_device_ratio"));
         }
         let device_pages = kv.size / kv.page_size as usize;
@@ -982,7 +982,7 @@ mod tests {
         for (d, h, want) in &cases {
             assert_eq!(pool.load(&mut muts(&mut dst), h, d, 0..2).unwrap_err(), *want);
         }
-        for bad in [0..3, 2..1] {
+        for bad in [0..3, Range { start: 2, end: 1 }] {
             let (start, end) = (bad.start, bad.end);
             assert_eq!(
                 pool.load(&mut muts(&mut dst), &hp, &[1, 2], bad).unwrap_err(),
