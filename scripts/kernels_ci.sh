@@ -6,8 +6,8 @@
 #   3. every module assembles with ptxas for sm_80 and sm_90;
 #   4. `cargo build --features cuda` links against the stub libcuda;
 #   5. the GPU test binaries build and run: their host checks pass and every device test
-#      prints "no CUDA device" and skips (gpu_kernels, gpu_decode, gpu_mamba, gpu_swa, and
-#      gpu_cudarc with the `cudarc` feature).
+#      prints "no CUDA device" and skips (gpu_kernels, gpu_decode, gpu_mamba, gpu_swa,
+#      gpu_host, and gpu_cudarc with the `cudarc` feature).
 #
 # Installs what it needs (unzip, via apt-get when missing; ptxas, cuda.h and libcuda.so
 # into .stub/cuda via scripts/cuda_stub.sh). Usage: bash scripts/kernels_ci.sh
@@ -45,7 +45,7 @@ LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ca
 step "GPU tests (must skip without a device)"
 log="$(mktemp)"
 LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --features cuda --test gpu_kernels --test gpu_decode --test gpu_mamba --test gpu_swa -- --nocapture --test-threads 1 2>&1 | tee "$log"
+    cargo test --features cuda --test gpu_kernels --test gpu_decode --test gpu_mamba --test gpu_swa --test gpu_host -- --nocapture --test-threads 1 2>&1 | tee "$log"
 LD_LIBRARY_PATH="$ROOT/.stub/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --features cudarc --test gpu_cudarc -- --nocapture 2>&1 | tee -a "$log"
 if ! grep -q "no CUDA device" "$log" && ! grep -q "^device: " "$log"; then

@@ -41,7 +41,7 @@ fn committed_ptx_is_fresh() {
 
 #[test]
 fn every_module_exists_for_both_targets() {
-    assert_eq!(MODULES.len(), 10); // MODULE_NAMES, mamba_state and swa, two targets each
+    assert_eq!(MODULES.len(), 12); // MODULE_NAMES, mamba_state, swa and host, two targets each
     for name in MODULE_NAMES {
         for (cc, sm) in [(80, "sm_80"), (90, "sm_90")] {
             let m = module_for(name, cc).unwrap();

@@ -2,7 +2,8 @@
 //!
 //! The PTX emitter behind `kvpool`'s GPU kernels: a small typed PTX builder
 //! ([`ptx`]) and the generators: [`kernels`] (allocation and KV row kernels), [`mamba`]
-//! (Mamba state copies) and [`swa`] (the sliding-window mapped scatter). `kvpool`'s build script calls
+//! (Mamba state copies), [`swa`] (the sliding-window mapped scatter) and [`host`] (the
+//! host-tier page transfers). `kvpool`'s build script calls
 //! [`generate_all`] and embeds the text; the same files are committed under
 //! `kernels/` for review and kept fresh by a test.
 //!
@@ -23,12 +24,24 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod host;
 pub mod kernels;
 pub mod mamba;
 pub mod ptx;
 pub mod swa;
 
-pub use kernels::generate_all;
+/// Every generated file: `(relative path, PTX text)`, e.g. `("sm_90/alloc.ptx", ..)`:
+/// [`kernels::generate_all`] (alloc, kv_scatter, kv_copy, mamba_state, swa), then the
+/// `host` module of each target.
+pub fn generate_all() -> Vec<(String, String)> {
+    let mut files = kernels::generate_all();
+    for target in ptx::Target::ALL {
+        for (stem, module) in host::modules(target) {
+            files.push((format!("{}/{stem}.ptx", target.sm()), module.to_ptx()));
+        }
+    }
+    files
+}
 
 /// Write every generated file under `dir` (creating `dir/sm_80`, `dir/sm_90`), and
 /// return the paths written, relative to `dir`.

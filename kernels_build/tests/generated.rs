@@ -40,7 +40,7 @@ fn generation_is_deterministic() {
 #[test]
 fn every_file_has_its_targets_header() {
     let files = kernels_build::generate_all();
-    assert_eq!(files.len(), 10); // alloc, kv_scatter, kv_copy, mamba_state, swa; two targets
+    assert_eq!(files.len(), 12); // alloc, kv_scatter, kv_copy, mamba_state, swa, host; two targets
     for (path, text) in &files {
         let t = if path.starts_with("sm_80/") { Target::Sm80 } else { Target::Sm90 };
         let header = format!(".version {}\n.target {}\n.address_size 64\n", t.ptx_version(), t.sm());

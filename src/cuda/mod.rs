@@ -18,6 +18,8 @@
 //! * [`swa`] — sliding-window models (Gemma 2/3, gpt-oss): a full and a window pool
 //!   as one model, the mapped scatter of every layer in one launch, the device copy of
 //!   the full-to-window slot mapping.
+//! * [`host`] — the host KV tier (HiCache): page backups to and layer-wise loads from a
+//!   pinned [`HostKvPool`](crate::kv::host::HostKvPool), with per-layer events.
 //!
 //! Every launcher takes the stream to run on (`on`): `&KvDevice` for the device's own
 //! stream, [`KvDevice::on`] for any other stream of its primary context (a `cust`
@@ -56,6 +58,7 @@
 mod alloc;
 mod cache;
 mod graph;
+pub mod host;
 mod launch;
 pub mod mamba;
 mod stream;

@@ -18,9 +18,11 @@
 //! the allocation kernels read and the host half of a decode step.
 //! [`swa`] holds the sliding-window (Gemma 2/3, gpt-oss) layout: which layers use
 //! the full pool and which the window pool, and the host reference of the mapped
-//! scatter.
+//! scatter. [`host`] holds the host KV tier (HiCache): a pinned host pool of pages in
+//! layer-first or page-first order and the host reference of the page transfers.
 
 pub mod fp8;
+pub mod host;
 pub mod ptx;
 pub mod reference;
 pub mod staging;
