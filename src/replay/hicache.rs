@@ -29,8 +29,9 @@ pub const DEFAULT_BYTES_PER_TOKEN: u64 = 128 * 1024;
 /// The host link's bandwidth, bytes per second: 50 GB/s, about what a PCIe 5.0 x16
 /// link moves between pinned host memory and an H100 in one direction.
 pub const DEFAULT_LINK_BYTES_PER_SECOND: u64 = 50_000_000_000;
-/// SGLang's `--hicache-ratio` default: the host pool is twice the device pool.
-pub const DEFAULT_HOST_TO_DEVICE_RATIO: f64 = 2.0;
+/// SGLang's `--hicache-ratio` default: the host pool is twice the device pool (the
+/// host KV pool's own default, re-exported).
+pub use crate::kv::host::DEFAULT_HOST_TO_DEVICE_RATIO;
 
 /// The host tier of a replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
