@@ -337,16 +337,10 @@ impl SwaWindow {
         }
     }
 
-    /// Take the window pages of full pages `pages` (repeats allowed): clear their bits,
-    /// one read-modify-write per stretch in one bitmap word (none where every bit is
-    /// clear already), and pass the window pages this call took to `took`, in runs of
+    /// Take the window pages of the full pages of bitmap `words` (and masks): clear
+    /// their bits, one read-modify-write per word (none where every bit is clear
+    /// already), and pass the window pages this call took to `took`, in runs of
     /// consecutive pages (first, count).
-    fn take(&self, pages: impl Iterator<Item = u32>, took: impl FnMut(u32, u32)) {
-        self.take_words(words_of_pages(pages), took);
-    }
-
-    /// [`take`](Self::take) for bitmap words and masks; `took` gets runs of
-    /// consecutive window pages (first, count).
     fn take_words(&self, words: impl Iterator<Item = (usize, u64)>, mut took: impl FnMut(u32, u32)) {
         for (w, mask) in words {
             let Some(word) = self.held.get(w) else { continue };
@@ -428,7 +422,7 @@ impl SwaWindow {
     pub(crate) fn move_page(&self, from: u32, to: u32) -> bool {
         debug_assert!(!self.is_mapped(to), "the receiving page has a window part already");
         let mut moved = None;
-        self.take(core::iter::once(from), |w, _| moved = Some(w));
+        self.take_words(words_of_pages(core::iter::once(from)), |w, _| moved = Some(w));
         let Some(w) = moved else { return false };
         self.map[to as usize].store(w, Ordering::Relaxed);
         self.publish(core::iter::once(to));

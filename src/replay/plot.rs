@@ -190,7 +190,34 @@ where
     let k = |t: u64| t as f64 / 1000.0;
     let capacity = k(h.host_capacity_tokens as u64);
     let peak = timeline.iter().map(|p| p.host_tokens).max().unwrap_or(0);
-    let y_max = capacity.max(k(peak)).max(1.0) * 1.05;
+    let held: Vec<(f64, f64)> = thin(timeline).map(|p| (p.requests_done as f64, k(p.host_tokens))).collect();
+    pool_panel(
+        area,
+        x_max,
+        capacity.max(k(peak)),
+        "host tier, thousands of tokens",
+        (capacity, format!("host pool ({})", h.write_policy)),
+        [(held, "tokens held in host memory".to_string(), BLUE)],
+    )
+}
+
+/// One line of a panel: its points, its label, its colour.
+type Series = (Vec<(f64, f64)>, String, RGBColor);
+
+/// A pool panel: the pool's size as a grey line and `series` against requests done,
+/// the y axis up to `y_peak` (and 5% above).
+fn pool_panel<DB: DrawingBackend, const N: usize>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    x_max: f64,
+    y_peak: f64,
+    y_desc: &str,
+    (capacity, capacity_label): (f64, String),
+    series: [Series; N],
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    let y_max = y_peak.max(1.0) * 1.05;
     let mut chart = ChartBuilder::on(area)
         .margin(12)
         .x_label_area_size(36)
@@ -199,18 +226,20 @@ where
     chart
         .configure_mesh()
         .x_desc("requests done")
-        .y_desc("host tier, thousands of tokens")
+        .y_desc(y_desc)
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()?;
     chart
         .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
-        .label(format!("host pool ({})", h.write_policy))
+        .label(capacity_label)
         .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.5)));
-    chart
-        .draw_series(LineSeries::new(thin(timeline).map(|p| (p.requests_done as f64, k(p.host_tokens))), &BLUE))?
-        .label("tokens held in host memory")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
+    for (points, label, color) in series {
+        chart
+            .draw_series(LineSeries::new(points, color))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color));
+    }
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::LowerRight)
@@ -241,39 +270,22 @@ where
     DB::ErrorType: 'static,
 {
     let capacity = h.mamba_states as f64;
-    let y_max = capacity.max(h.peak_states_in_use as f64).max(1.0) * 1.05;
-    let mut chart = ChartBuilder::on(area)
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..x_max, 0f64..y_max)?;
-    chart
-        .configure_mesh()
-        .x_desc("requests done")
-        .y_desc("Mamba state slots")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .draw()?;
-    chart
-        .draw_series(LineSeries::new([(0.0, capacity), (x_max, capacity)], BLACK.mix(0.5)))?
-        .label("state pool")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.mix(0.5)));
     let series = |f: fn(&super::HybridPoint) -> u64| {
-        thin_pairs(timeline, &h.timeline).map(move |(p, q)| (p.requests_done as f64, f(q) as f64))
+        thin_pairs(timeline, &h.timeline).map(|(p, q)| (p.requests_done as f64, f(q) as f64)).collect::<Vec<_>>()
     };
-    chart
-        .draw_series(LineSeries::new(series(|q| q.states_in_use), &RED))?
-        .label("states in use")
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], RED));
-    chart
-        .draw_series(LineSeries::new(series(|q| q.states_cached), &BLUE))?
-        .label(format!("states cached ({} tombstones at the end)", h.final_tombstones))
-        .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLUE));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    pool_panel(
+        area,
+        x_max,
+        capacity.max(h.peak_states_in_use as f64),
+        "Mamba state slots",
+        (capacity, "state pool".to_string()),
+        [
+            (series(|q| q.states_in_use), "states in use".to_string(), RED),
+            (
+                series(|q| q.states_cached),
+                format!("states cached ({} tombstones at the end)", h.final_tombstones),
+                BLUE,
+            ),
+        ],
+    )
 }
