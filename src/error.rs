@@ -319,6 +319,13 @@ pub enum ConfigError {
         /// Bytes it needs (`u64::MAX` when the size overflows 64 bits).
         bytes: u64,
     },
+    /// Two options that cannot be combined (the first is refused with the second).
+    Unsupported {
+        /// What was asked for.
+        what: &'static str,
+        /// What it cannot be combined with.
+        with: &'static str,
+    },
     /// A length must be a whole multiple of another (a Mamba checkpoint chunk of the
     /// page size, a decode track interval of the chunk).
     NotAMultiple {
@@ -363,6 +370,7 @@ impl fmt::Display for ConfigError {
                 write!(f, "size {size} with page size {page_size} needs slot numbers beyond u32::MAX")
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
+            ConfigError::Unsupported { what, with } => write!(f, "{what} is not supported with {with}"),
             ConfigError::NotAMultiple { what, value, of, unit } => {
                 write!(f, "{what} ({value}) must be a whole multiple of {of} ({unit})")
             }

@@ -40,61 +40,12 @@
 //! It takes `&mut self`, allocates freely and favours being obviously right.
 
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
-use std::fmt;
 
 use crate::alloc::KvAllocator;
 use crate::error::ConfigError;
 use crate::radix::EvictionPolicy;
 
-/// When a node's KV is copied to host memory (SGLang's `--hicache-write-policy`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum WritePolicy {
-    /// Back a node up at its first write hit (SGLang's default).
-    #[default]
-    WriteThrough,
-    /// Back a node up at its second write hit.
-    WriteThroughSelective,
-    /// Back a node up only when the device evicts it.
-    WriteBack,
-}
-
-impl WritePolicy {
-    /// Every policy, in CLI order.
-    pub const ALL: [WritePolicy; 3] =
-        [WritePolicy::WriteThrough, WritePolicy::WriteThroughSelective, WritePolicy::WriteBack];
-
-    /// The write hits that trigger a backup; `None` for `write_back`.
-    pub fn threshold(self) -> Option<u64> {
-        match self {
-            WritePolicy::WriteThrough => Some(1),
-            WritePolicy::WriteThroughSelective => Some(2),
-            WritePolicy::WriteBack => None,
-        }
-    }
-
-    /// SGLang's name: `write_through`, `write_through_selective`, `write_back`.
-    pub fn name(self) -> &'static str {
-        match self {
-            WritePolicy::WriteThrough => "write_through",
-            WritePolicy::WriteThroughSelective => "write_through_selective",
-            WritePolicy::WriteBack => "write_back",
-        }
-    }
-
-    /// The policy named `name` (see [`name`](Self::name)).
-    pub fn from_name(name: &str) -> Option<WritePolicy> {
-        WritePolicy::ALL.into_iter().find(|p| p.name() == name)
-    }
-}
-
-impl fmt::Display for WritePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// SGLang's `load_back_threshold`: host continuations shorter than this stay on host.
-pub const DEFAULT_LOAD_BACK_THRESHOLD: usize = 10;
+pub use crate::radix::{WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
 
 /// A host page pool model: pages `1..=pages`, handed out lowest first.
 #[derive(Clone, Debug)]
@@ -176,20 +127,7 @@ pub struct HiMatch {
     pub host_node: HiNodeId,
 }
 
-/// Token counts of what moved between the tiers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HiCounters {
-    /// Tokens copied device -> host (backups).
-    pub written: u64,
-    /// Tokens copied host -> device (load-backs).
-    pub loaded: u64,
-    /// Device tokens freed by device eviction.
-    pub device_evicted: u64,
-    /// Host tokens freed by host eviction (and with removed subtrees).
-    pub host_evicted: u64,
-    /// Backups refused for lack of host room.
-    pub backup_refused: u64,
-}
+pub use crate::radix::HiCounters;
 
 /// A plain sequential two-tier radix cache (see the module docs).
 #[derive(Debug)]

@@ -63,6 +63,7 @@
 //! # Ok::<(), String>(())
 //! ```
 
+pub mod hi;
 pub mod mamba;
 pub mod radix;
 pub mod swa;

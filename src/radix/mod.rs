@@ -158,6 +158,7 @@
 
 mod events;
 mod heap;
+mod hi;
 mod hints;
 mod mamba;
 mod partial;
@@ -167,6 +168,7 @@ mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
+pub use hi::{Hi, HiCounters, HiMatch, HiRadixCache, HostTier, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
 pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
@@ -464,7 +466,11 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     ps: usize,
     /// `log2(ps)` when the page size is a power of two.
     shift: Option<u32>,
+    /// The allocator's pages (`1..=num_pages`).
     num_pages: u32,
+    /// Pages of the tree's page space: the allocator's, then the variant's own
+    /// ([`Variant::extra_pages`]: the host tier's pages) up to here.
+    tree_pages: u32,
     records: Box<[Record]>,
     slot_token: tokens::Tokens,
     /// For the last page of a run: the first page of the node chain's next run.
@@ -552,16 +558,18 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             return Err(ConfigError::ZeroPageSize);
         }
         let num_pages = alloc.size() / ps;
-        // Slot numbers are u32: the last page's slots must fit.
+        // Slot numbers are u32: the last page's slots must fit (the variant's pages
+        // come after the allocator's, in the same numbering).
         let too_large = ConfigError::TooLarge { size: alloc.size() as u64, page_size: ps as u32 };
-        let nslots = num_pages.checked_add(1).and_then(|p| p.checked_mul(ps)).ok_or(too_large.clone())?;
-        if nslots > u32::MAX as usize + 1 || num_pages >= NIL as usize - 3 {
+        let tree_pages = num_pages.checked_add(variant.extra_pages()).ok_or(too_large.clone())?;
+        let nslots = tree_pages.checked_add(1).and_then(|p| p.checked_mul(ps)).ok_or(too_large.clone())?;
+        if nslots > u32::MAX as usize + 1 || tree_pages >= NIL as usize - 3 {
             return Err(too_large);
         }
-        let num_pages = num_pages as u32;
-        let nrec = num_pages as usize + 3;
+        let (num_pages, tree_pages) = (num_pages as u32, tree_pages as u32);
+        let nrec = tree_pages as usize + 3;
         let nbuckets = (nrec * 2).next_power_of_two();
-        let pages = num_pages as usize + 1;
+        let pages = tree_pages as usize + 1;
         // The arenas are written as they are built: check first that all of them fit
         // together, so that a system that grants each reservation on its own (memory
         // overcommit) gives an error here rather than killing the process half-way.
@@ -605,6 +613,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             ps,
             shift: ps.is_power_of_two().then(|| ps.trailing_zeros()),
             num_pages,
+            tree_pages,
             records,
             slot_token: tokens::Tokens::new(nslots)?,
             next_page: boxed("radix page links", pages, |_| AtomicU32::new(0))?,
@@ -723,7 +732,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// latch, so no token can be written meanwhile and the tokens may be read as plain
     /// memory (one vectorized compare instead of an atomic load per token).
     fn page_eq_in<const LOCKED: bool>(&self, page: u32, key_page: &[u32]) -> bool {
-        if page == 0 || page > self.num_pages {
+        if page == 0 || page > self.tree_pages {
             return false;
         }
         let base = page as usize * self.ps;
@@ -826,7 +835,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let (mut m, mut last) = (0usize, 0u32);
         while m < n && m < key_pages {
             let len = in_run.min(n - m).min(key_pages - m);
-            if len == 0 || page == 0 || page as usize + len - 1 > self.num_pages as usize {
+            if len == 0 || page == 0 || page as usize + len - 1 > self.tree_pages as usize {
                 break;
             }
             let k = self.run_matches::<LOCKED>(page, len, &key[m * ps..]);
@@ -1281,7 +1290,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             check(w)?;
             let key = &token_ids[..aligned];
             let p = w.prepare_request(namespace, key, kv, lease.key, true)?;
-            let end = w.apply_insert(namespace, key, &kv[..aligned], priority, p.cached);
+            let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);
             let mut group = self.alloc.free_group();
@@ -1315,7 +1324,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             check(w)?;
             let key = &token_ids[..aligned];
             let p = w.prepare_request(namespace, key, kv, lease.key, false)?;
-            let end = w.apply_insert(namespace, key, &kv[..aligned], priority, p.cached);
+            let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);
             let freed = self.alloc.free(&kv[p.protected..p.cached]);

@@ -91,6 +91,21 @@ impl Tokens {
         unsafe { core::slice::from_raw_parts(self.words.as_ptr().cast::<u32>().add(slot), len) }
     }
 
+    /// Copy the tokens of slots `src..src + len` to `dst..dst + len` (the ranges do not
+    /// overlap; the latch holder only, as [`write`](Self::write)).
+    pub(super) fn copy(&self, src: usize, dst: usize, len: usize) {
+        let mut buf = [0u32; 256];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(buf.len());
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                *b = self.get(src + done + k);
+            }
+            self.write(dst + done, &buf[..n]);
+            done += n;
+        }
+    }
+
     /// Store `tokens` into slots `slot..slot + tokens.len()`. Only the latch holder
     /// writes, so a word shared with a neighbouring slot is read, merged and stored back
     /// without a race on the other half.

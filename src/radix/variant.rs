@@ -43,6 +43,57 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     const TOUCH_WHILE_WALKING: bool = true;
 
+    /// Pages of the variant's own past the allocator's, in the tree's page space (the
+    /// host tier's pages): nodes may hold them as their pages, and the core sizes its
+    /// arenas for them. The core never frees them (the variant does, in
+    /// [`removing`](Self::removing) and its own passes).
+    #[inline(always)]
+    #[doc(hidden)]
+    fn extra_pages(&self) -> usize {
+        0
+    }
+
+    /// Whether a node carrying `node` is *resident*: its pages are the allocator's (KV
+    /// a request can use). The core's sizes, resident child counts, eviction order and
+    /// locks cover resident nodes only; a non-resident node (the host tier's host-only
+    /// node) has only non-resident nodes below it, and the variant keeps it.
+    #[inline(always)]
+    #[doc(hidden)]
+    fn resident(_node: &Self::Node) -> bool {
+        true
+    }
+
+    /// Evict the unlocked resident leaf `x`, out of the eviction order already, for a
+    /// shortfall of `need` tokens, freeing its pages into `group`; returns the tokens
+    /// freed. The core removes it ([`Writer::evict_leaf`]); the host tier may keep it
+    /// on host instead.
+    #[inline(always)]
+    #[doc(hidden)]
+    fn evict_leaf<A: KvAllocator>(
+        w: &mut Writer<'_, A, Self>,
+        x: u32,
+        need: usize,
+        group: &mut crate::alloc::KvFreeGroup<'_>,
+    ) -> usize {
+        w.evict_leaf(x, need, group)
+    }
+
+    /// Insert `key -> slots` for a request helper, after the checks: the first
+    /// `cached` tokens are resident in the tree (the request's slots there are
+    /// duplicates), the other pages are claimed. Returns the node the key ends at.
+    #[inline(always)]
+    #[doc(hidden)]
+    fn apply_insert<A: KvAllocator>(
+        w: &mut Writer<'_, A, Self>,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+        cached: usize,
+    ) -> u32 {
+        w.apply_insert(namespace, key, slots, priority, cached)
+    }
+
     /// The variant's state for a tree of `nodes` node records.
     #[doc(hidden)]
     fn new_state(&self, nodes: usize) -> Result<Self::State, ConfigError>;

@@ -98,6 +98,13 @@ impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
         }
     }
 
+    /// The runs of a chain of `count` pages from `first`, whose run holds `first_run`
+    /// pages from there (a node's own, or a variant's second copy of them).
+    pub(super) fn chain(&self, first: u32, first_run: u32, count: u32) -> Runs<'a> {
+        let c: &'a RadixCache<A, V> = self.c;
+        Runs { next: &c.next_page, lens: &c.run_len, page: first, in_run: first_run, left: count }
+    }
+
     /// The pages of node `id`, in order (introspection and checks).
     pub(super) fn pages(&self, id: u32) -> impl Iterator<Item = u32> + 'a {
         self.runs(id).flat_map(|(start, len)| start..start + len)
@@ -133,7 +140,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         }
     }
 
-    fn tick(&mut self) -> u64 {
+    pub(super) fn tick(&mut self) -> u64 {
         self.s.clock += 1;
         self.s.clock
     }
@@ -192,7 +199,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Whether `page` still ends a node, in the incarnation `epoch`.
     pub(super) fn is_node_end(&self, page: u32, epoch: u32) -> bool {
-        page as usize <= self.c.num_pages as usize
+        page as usize <= self.c.tree_pages as usize
             && self.s.page_owner[page as usize] != NIL
             && self.s.page_epoch[page as usize] == epoch
             && self.in_tree(page)
@@ -285,7 +292,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Unlink `id` from its bucket and bump the bucket's removal version, so a lookup
     /// that missed in this bucket meanwhile retries.
-    fn unlink(&mut self, id: u32) {
+    pub(super) fn unlink(&mut self, id: u32) {
         let b = self.bucket_of(id);
         let next = self.c.records[id as usize].hash_next.load(Ordering::Relaxed);
         let prev = self.predecessor(id);
@@ -302,7 +309,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Retire an unlinked record: readers holding it will fail validation. Must come
     /// before its pages are freed.
-    fn retire(&mut self, id: u32) {
+    pub(super) fn retire(&mut self, id: u32) {
         // SeqCst: a lookup whose final SeqCst check still sees the old gen is ordered
         // before this retirement, hence before the frees that follow it.
         self.c.records[id as usize].gen.fetch_add(1, Ordering::SeqCst);
@@ -406,26 +413,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             r.namespace.load(Ordering::Relaxed),
             r.key_hash.load(Ordering::Relaxed),
         );
-        // Find the cut (page `m - 1`) and where the lower part starts, a run at a time.
-        let (mut at, mut cut, mut lower) = (0usize, 0u32, (0u32, 0u32));
-        for (start, len) in self.runs(id) {
-            if at + len as usize >= m {
-                let off = (m - 1 - at) as u32;
-                cut = start + off;
-                let in_run = self.c.records[id as usize].first_run.load(Ordering::Relaxed);
-                let run = if at == 0 { in_run } else { self.c.run_len[start as usize].load(Ordering::Relaxed) };
-                lower = if off + 1 < run {
-                    (cut + 1, run - off - 1)
-                } else {
-                    let next = self.c.next_page[(start + len - 1) as usize].load(Ordering::Relaxed);
-                    (next, self.c.run_len[next as usize].load(Ordering::Relaxed))
-                };
-                break;
-            }
-            at += len as usize;
-        }
-        let (lower_first, lower_run) = lower;
         let first_run = self.c.records[id as usize].first_run.load(Ordering::Relaxed);
+        let (cut, lower_first, lower_run) = self.cut_chain(first, first_run, n, m);
         let upper = self.new_record(first, first_run, m as u32, parent_page, namespace, key_hash);
         let lower_hash = self.page_hash_of(cut, namespace, lower_first);
         let lower = self.new_record(lower_first, lower_run, n - m as u32, cut, namespace, lower_hash);
@@ -444,8 +433,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let upper_ext = V::split_payload(&mut old.ext);
         self.s.meta[lower as usize] = Meta { heap_pos, ..old };
         let t = self.tick();
+        // The core counts resident children only (see `Variant::resident`).
+        let children = u32::from(V::resident(&old.ext));
         self.s.meta[upper as usize] =
-            Meta { children: 1, heap_pos: NIL, last_page: cut, last_access: t, created: t, ext: upper_ext, ..old };
+            Meta { children, heap_pos: NIL, last_page: cut, last_access: t, created: t, ext: upper_ext, ..old };
         self.s.page_owner[cut as usize] = upper;
         self.s.page_epoch[cut as usize] = self.s.page_epoch[cut as usize].wrapping_add(1);
         self.s.page_owner[old.last_page as usize] = lower;
@@ -453,8 +444,73 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         upper
     }
 
+    /// Where a chain (see [`chain`](Self::chain)) is cut after `m` pages (`0 < m <
+    /// count`): the cut page (its `m`-th) and the rest's first page and run from there.
+    pub(super) fn cut_chain(&self, first: u32, first_run: u32, count: u32, m: usize) -> (u32, u32, u32) {
+        let mut at = 0usize;
+        for (start, len) in self.chain(first, first_run, count) {
+            if at + len as usize >= m {
+                let off = (m - 1 - at) as u32;
+                let cut = start + off;
+                let run = if at == 0 { first_run } else { self.c.run_len[start as usize].load(Ordering::Relaxed) };
+                return if off + 1 < run {
+                    (cut, cut + 1, run - off - 1)
+                } else {
+                    let next = self.c.next_page[(start + len - 1) as usize].load(Ordering::Relaxed);
+                    (cut, next, self.c.run_len[next as usize].load(Ordering::Relaxed))
+                };
+            }
+            at += len as usize;
+        }
+        debug_assert!(false, "a chain of {count} pages cut after {m}");
+        (0, 0, 0)
+    }
+
+    /// Link runs `(start, len)` into a chain: each run's length at its first page, a
+    /// link from each run's last page to the next run. Returns (first page, its run,
+    /// last page). The pages' tokens are the caller's to write.
+    pub(super) fn link_runs(&mut self, runs: impl Iterator<Item = (u32, u32)>) -> (u32, u32, u32) {
+        let (mut first, mut first_run, mut last) = (0u32, 0u32, 0u32);
+        for (start, len) in runs {
+            self.c.run_len[start as usize].store(len, Ordering::Relaxed);
+            if first == 0 {
+                (first, first_run) = (start, len);
+            } else {
+                self.c.next_page[last as usize].store(start, Ordering::Relaxed);
+            }
+            last = start + len - 1;
+        }
+        if last != 0 {
+            self.c.next_page[last as usize].store(0, Ordering::Relaxed);
+        }
+        (first, first_run, last)
+    }
+
+    /// Give the live node `id` new pages (`count` pages from `first`, a chain whose
+    /// tokens are written already) and a new parent page, keeping its id, metadata and
+    /// children: readers holding it fail validation (its `gen` moves, with `SeqCst`, as
+    /// a retirement's), and it is unlinked and published again under its new key (the
+    /// bucket's removal version moves, so a lookup that missed it meanwhile retries).
+    /// The caller frees the old pages afterwards and keeps `page_owner` and the
+    /// children's parent pages right.
+    pub(super) fn republish(&mut self, id: u32, first: u32, first_run: u32, parent_page: u32) {
+        let count = self.span(id).1;
+        let namespace = self.c.records[id as usize].namespace.load(Ordering::Relaxed);
+        self.unlink(id);
+        let r = &self.c.records[id as usize];
+        r.gen.fetch_add(1, Ordering::SeqCst);
+        // Release: a stale reader that sees a field below also sees the odd `gen`.
+        fence(Ordering::Release);
+        r.span.store((first as u64) << 32 | count as u64, Ordering::Relaxed);
+        r.first_run.store(first_run, Ordering::Relaxed);
+        r.parent_page.store(parent_page, Ordering::Relaxed);
+        let h = self.page_hash_of(parent_page, namespace, first);
+        self.c.records[id as usize].key_hash.store(h, Ordering::Relaxed);
+        self.publish(id);
+    }
+
     /// Read-only walk: how many leading tokens of `key` are cached.
-    fn cached_len(&self, namespace: u64, key: &[u32]) -> usize {
+    pub(super) fn cached_len(&self, namespace: u64, key: &[u32]) -> usize {
         let ps = self.c.ps;
         let (mut pos, mut cur) = (0usize, 0u32);
         while pos < key.len() {
@@ -473,7 +529,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// The shape an insert needs: as many slots as tokens, whole pages, each page's slots
     /// that page's slots in order, in range.
-    fn check_insert_shape(&self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
+    pub(super) fn check_insert_shape(&self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
         let ps = self.c.ps;
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
@@ -501,7 +557,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Mark the whole pages of `slots` (checked shape) as held by the tree, after checking
     /// that each is allocated and not held already; on error nothing stays marked and the
     /// error names the first slot of the offending page.
-    fn claim_pages(&mut self, slots: &[u32], err: impl Fn(usize, u32) -> CacheError) -> Result<(), CacheError> {
+    pub(super) fn claim_pages(
+        &mut self,
+        slots: &[u32],
+        err: impl Fn(usize, u32) -> CacheError,
+    ) -> Result<(), CacheError> {
         let ps = self.c.ps;
         let pages = slots.len() / ps;
         let mut i = 0;
@@ -527,7 +587,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         Ok(())
     }
 
-    fn unclaim_pages(&mut self, slots: &[u32]) {
+    pub(super) fn unclaim_pages(&mut self, slots: &[u32]) {
         let ps = self.c.ps;
         let pages = slots.len() / ps;
         let mut i = 0;
@@ -589,6 +649,12 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 break;
             };
+            if !V::resident(&self.s.meta[id as usize].ext) {
+                // The host tier: what is cached past here is not on the device, so the
+                // request's pages there are not duplicates (the variant's insert hands
+                // them to those nodes).
+                break;
+            }
             let mut check_row = |at: usize, page: u32, pages: usize| {
                 // The row must hold the tree's slots (consecutive in a run) where leased.
                 let from = pos + at * ps;
@@ -702,7 +768,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Returns the new leaf.
-    fn new_leaf(&mut self, parent_page: u32, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> u32 {
+    pub(super) fn new_leaf(
+        &mut self,
+        parent_page: u32,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+    ) -> u32 {
         let ps = self.c.ps;
         let pages = key.len() / ps;
         if self.c.events.is_some() {
@@ -825,7 +898,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             if super::hints::deferred(self, x) {
                 continue;
             }
-            freed += self.evict_leaf(x, num_tokens - freed, &mut group);
+            freed += V::evict_leaf(self, x, num_tokens - freed, &mut group);
         }
         group.end();
         freed
@@ -890,7 +963,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                 continue;
             }
             V::removing(self, id);
-            for page in self.pages(id) {
+            // The variant's own pages (past the allocator's) are its to free.
+            for page in self.pages(id).filter(|&p| p <= self.c.num_pages) {
                 let r = group.free(&[page * ps as u32]);
                 debug_assert!(r.is_ok());
             }
@@ -1006,7 +1080,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     fn check_inner(&self) -> Result<(), String> {
         let ps = self.c.ps;
-        let mut owner_of_page = vec![NIL; self.c.num_pages as usize + 1];
+        let mut owner_of_page = vec![NIL; self.c.tree_pages as usize + 1];
         let (mut total, mut evictable, mut protected) = (0usize, 0usize, 0usize);
         let mut children = vec![0u32; self.s.meta.len()];
         let mut live = 0usize;
@@ -1028,7 +1102,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                 return Err(format!("node {id} is empty"));
             }
             // Walk the runs by hand, bounds-checked: a corrupt link is reported, not a panic.
-            let np = self.c.num_pages;
+            let np = self.c.tree_pages;
+            let resident = V::resident(&m.ext);
             let (mut start, mut in_run) = (first, self.c.records[id as usize].first_run.load(Ordering::Relaxed));
             let (mut seen, mut page) = (0u32, 0u32);
             while seen < count {
@@ -1045,7 +1120,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                     if !self.in_tree(page) {
                         return Err(format!("page {page} of node {id} is not marked in the tree"));
                     }
-                    if !self.c.alloc.is_allocated(page * ps as u32) {
+                    // The variant checks its own pages (past the allocator's).
+                    if page <= self.c.num_pages && !self.c.alloc.is_allocated(page * ps as u32) {
                         return Err(format!("page {page} of node {id} is free in the allocator"));
                     }
                 }
@@ -1068,13 +1144,18 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             if self.s.meta[parent as usize].lock_ref < m.lock_ref && parent != ROOT {
                 return Err(format!("node {id} has more locks than its parent"));
             }
-            children[parent as usize] += 1;
             let len = count as usize * ps;
-            total += len;
-            if m.lock_ref == 0 {
-                evictable += len;
-            } else {
-                protected += len;
+            // Only resident nodes count (see `Variant::resident`).
+            if resident {
+                children[parent as usize] += 1;
+                total += len;
+                if m.lock_ref == 0 {
+                    evictable += len;
+                } else {
+                    protected += len;
+                }
+            } else if m.lock_ref != 0 || m.children != 0 {
+                return Err(format!("node {id} is not resident but has locks or resident children"));
             }
             // In its bucket chain exactly once.
             let b = self.bucket_of(id);
@@ -1136,7 +1217,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let mut leaves = 0;
         for id in 1..self.s.meta.len() as u32 {
             let m = &self.s.meta[id as usize];
-            let should = m.alive && m.lock_ref == 0 && m.children == 0;
+            let should = m.alive && V::resident(&m.ext) && m.lock_ref == 0 && m.children == 0;
             leaves += usize::from(should);
             if should != (m.heap_pos != NIL) {
                 return Err(format!("node {id}: evictable leaf {should} but heap membership differs"));

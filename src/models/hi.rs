@@ -1,0 +1,262 @@
+//! [`HiRadixCache`] against [`ReferenceHiCache`], operation by operation (feature
+//! `models`): the shared driver of `tests/hi_tree_model.rs` and the `hi_ops` fuzz
+//! target.
+//!
+//! Both sides run the same requests (match, load back, lock, allocate the rest with
+//! eviction, finish now or later), device evictions and host evictions. After every
+//! operation the driver compares the op's results (lease and loaded lengths, whether
+//! the allocation succeeded, the device prefix an insert found, tokens freed by each
+//! eviction) and the state: evictable / protected / host tokens, node count, and every
+//! counter of what moved between the tiers (tokens written to host, loaded back,
+//! evicted from each tier, backups refused). Both eviction orders depend on every touch
+//! and both tiers' room on every backup, so a wrong tick or a lost page shows up as a
+//! different counter. It also runs both sides' invariant checks after every step, and
+//! at the end returns every request and evicts everything: both pools must be whole.
+
+use arbitrary::{Arbitrary, Unstructured};
+
+use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache};
+use crate::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, WritePolicy};
+use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
+
+/// Longest key, in tokens.
+pub const MAX_KEY: usize = 24;
+/// Open requests at most.
+const MAX_REQS: usize = 4;
+/// How many ops the `hi_ops` fuzz target reads from one input.
+pub const MAX_FUZZ_OPS: usize = 32;
+/// The device policies a shape picks from.
+pub const POLICIES: [EvictionPolicy; 4] =
+    [EvictionPolicy::Lru, EvictionPolicy::Lfu, EvictionPolicy::Fifo, EvictionPolicy::Mru];
+
+/// One step of a run. `req` is taken modulo the open requests.
+#[derive(Arbitrary, Debug, Clone)]
+pub enum HiOp {
+    /// A request for `key` (tokens mod the alphabet, cut to [`MAX_KEY`]): match, load
+    /// back, lock, allocate the rest; finished at once when `finish`.
+    Start {
+        /// Its tokens.
+        key: Vec<u8>,
+        /// Whether it finishes at once.
+        finish: bool,
+    },
+    /// Finish an open request.
+    Finish {
+        /// Which.
+        req: u8,
+    },
+    /// Device eviction of this many tokens.
+    Evict(u8),
+    /// Host eviction of this many tokens.
+    EvictHost(u8),
+}
+
+/// A run's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Device pages.
+    pub device_pages: u32,
+    /// Host pages.
+    pub host_pages: u32,
+    /// The write policy.
+    pub write_policy: WritePolicy,
+    /// The load-back threshold, in tokens.
+    pub threshold: usize,
+    /// The device eviction policy.
+    pub policy: EvictionPolicy,
+    /// Token alphabet size (small: keys share prefixes).
+    pub alphabet: u32,
+}
+
+impl Shape {
+    /// A shape from raw bytes (every value valid).
+    pub fn from_bytes(b: [u8; 6]) -> Shape {
+        Shape {
+            page_size: [1, 2, 4][b[0] as usize % 3],
+            device_pages: 4 + u32::from(b[1] % 16),
+            host_pages: 1 + u32::from(b[2] % 24),
+            write_policy: WritePolicy::ALL[b[3] as usize % 3],
+            threshold: 1 + b[4] as usize % 6,
+            policy: POLICIES[b[5] as usize % POLICIES.len()],
+            alphabet: 2,
+        }
+    }
+}
+
+/// A shape and at most `max_ops` ops from fuzz input bytes.
+pub fn from_fuzz_input(bytes: &[u8], max_ops: usize) -> (Shape, Vec<HiOp>) {
+    let mut u = Unstructured::new(bytes);
+    let head: [u8; 6] = u.arbitrary().unwrap_or_default();
+    let mut ops = Vec::new();
+    while ops.len() < max_ops {
+        match u.arbitrary::<HiOp>() {
+            Ok(op) => ops.push(op),
+            Err(_) => break,
+        }
+    }
+    (Shape::from_bytes(head), ops)
+}
+
+struct Open {
+    key: Vec<u32>,
+    // The reference's side.
+    kv: Vec<u32>,
+    protected: usize,
+    node: HiNodeId,
+    // kvpool's side.
+    row: ReqRow,
+    lease: RawLease,
+}
+
+fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(what())
+    }
+}
+
+fn compare(step: usize, c: &HiRadixCache<PagedAllocator>, r: &ReferenceHiCache<PagedAllocator>) -> Result<(), String> {
+    let ours = (c.evictable_size(), c.protected_size(), c.host_size(), c.node_count());
+    let theirs = (r.evictable_size(), r.protected_size(), r.host_size(), r.node_count());
+    ensure(ours == theirs, || {
+        format!("step {step}: (evictable, protected, host, nodes) {ours:?}, reference {theirs:?}\n{}", c.pretty_print())
+    })?;
+    ensure(c.counters() == r.counters(), || {
+        format!("step {step}: counters {:?}, reference {:?}", c.counters(), r.counters())
+    })?;
+    ensure(c.allocator().available_size() == r.allocator().available_size(), || {
+        format!(
+            "step {step}: device free {}, reference {}",
+            c.allocator().available_size(),
+            r.allocator().available_size()
+        )
+    })?;
+    c.check_invariants().map_err(|e| format!("step {step}: {e}\n{}", c.pretty_print()))?;
+    r.check().map_err(|e| format!("step {step}: reference: {e}"))
+}
+
+fn finish(c: &HiRadixCache<PagedAllocator>, r: &mut ReferenceHiCache<PagedAllocator>, o: Open) -> Result<(), String> {
+    let theirs = r.cache_finished_req(0, &o.key, &o.kv, o.protected, o.node);
+    let lease = c.attach(o.lease).map_err(|_| "a request's lease no longer attaches".to_string())?;
+    let ours = c.cache_finished_req(0, &o.key, o.row, lease).map_err(|e| format!("cache_finished_req: {e}"))?;
+    ensure(ours == theirs, || format!("cache_finished_req found {ours} cached, reference {theirs}"))
+}
+
+/// Run `ops` on both sides (see the module docs).
+///
+/// # Errors
+///
+/// The first disagreement, described.
+pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
+    let ps = shape.page_size as usize;
+    let device = shape.device_pages as usize * ps;
+    let tier = HostTier {
+        host_pages: shape.host_pages,
+        write_policy: shape.write_policy,
+        load_back_threshold: shape.threshold,
+    };
+    let config = RadixConfig { policy: shape.policy, ..RadixConfig::default() };
+    let rows = ReqToTokenPool::new(MAX_REQS as u32 + 1, MAX_KEY + ps).map_err(|e| e.to_string())?;
+    let alloc = PagedAllocator::new(device, shape.page_size).map_err(|e| e.to_string())?;
+    let c = HiRadixCache::with_host_tier(alloc, rows, config, tier).map_err(|e| e.to_string())?;
+    let ref_alloc = PagedAllocator::new(device, shape.page_size).map_err(|e| e.to_string())?;
+    let mut r = ReferenceHiCache::new(ref_alloc, shape.host_pages, shape.policy, shape.write_policy, shape.threshold)
+        .map_err(|e| e.to_string())?;
+    let mut open: Vec<Open> = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            HiOp::Start { key, finish: done } => {
+                if open.len() >= MAX_REQS {
+                    continue;
+                }
+                let key: Vec<u32> = key.iter().take(MAX_KEY).map(|&t| u32::from(t) % shape.alphabet).collect();
+                // The reference.
+                let m = r.match_prefix(0, &key);
+                let mut hit = m.device.clone();
+                let mut node = m.device_node;
+                if m.host_len > 0 {
+                    if let Some(s) = r.load_back(m.host_node, None) {
+                        hit.extend_from_slice(&s);
+                        node = m.host_node;
+                    }
+                }
+                r.inc_lock_ref(node);
+                // kvpool.
+                let mut out = vec![0u32; key.len()];
+                let (lease, loaded) = c.match_and_load(0, &key, &mut out, None);
+                ensure(lease.len() == hit.len() && loaded == hit.len() - m.device.len(), || {
+                    format!(
+                        "step {step}: lease {} loaded {loaded}, reference {} loaded {}",
+                        lease.len(),
+                        hit.len(),
+                        hit.len() - m.device.len()
+                    )
+                })?;
+                let need = key.len() - hit.len();
+                if r.allocator().available_size() < need {
+                    r.evict(need - r.allocator().available_size());
+                }
+                let mut rest = vec![0u32; need];
+                let theirs = r.allocator().alloc(&mut rest).is_ok();
+                let mut kv = out[..lease.len()].to_vec();
+                let mut ours_rest = vec![0u32; need];
+                // As the reference: evict the shortfall, then allocate (the tail may be a
+                // partial page).
+                if c.allocator().available_size() < need {
+                    c.evict(need - c.allocator().available_size());
+                }
+                let ours = c.allocator().alloc(&mut ours_rest).is_ok();
+                ensure(ours == theirs, || format!("step {step}: allocation {ours}, reference {theirs}"))?;
+                if !theirs {
+                    r.dec_lock_ref(node);
+                    drop(lease);
+                } else {
+                    let protected = hit.len();
+                    hit.extend_from_slice(&rest);
+                    kv.extend_from_slice(&ours_rest);
+                    let mut row = c.req_pool().alloc().map_err(|e| format!("step {step}: row: {e}"))?;
+                    c.req_pool().write(&mut row, 0, &kv).map_err(|e| format!("step {step}: row: {e}"))?;
+                    let o = Open { key, kv: hit, protected, node, row, lease: lease.detach() };
+                    if *done {
+                        finish(&c, &mut r, o).map_err(|e| format!("step {step}: {e}"))?;
+                    } else {
+                        open.push(o);
+                    }
+                }
+            }
+            HiOp::Finish { req } => {
+                if !open.is_empty() {
+                    let o = open.remove(*req as usize % open.len());
+                    finish(&c, &mut r, o).map_err(|e| format!("step {step}: {e}"))?;
+                }
+            }
+            HiOp::Evict(n) => {
+                let (ours, theirs) = (c.evict(*n as usize), r.evict(*n as usize));
+                ensure(ours == theirs, || format!("step {step}: evict freed {ours}, reference {theirs}"))?;
+            }
+            HiOp::EvictHost(n) => {
+                let (ours, theirs) = (c.evict_host(*n as usize), r.evict_host(*n as usize));
+                ensure(ours == theirs, || format!("step {step}: evict_host freed {ours}, reference {theirs}"))?;
+            }
+        }
+        compare(step, &c, &r)?;
+    }
+    for o in open.drain(..) {
+        finish(&c, &mut r, o)?;
+    }
+    let (ours, theirs) = (c.evict(usize::MAX), r.evict(usize::MAX));
+    ensure(ours == theirs, || format!("teardown: evict freed {ours}, reference {theirs}"))?;
+    let (ours, theirs) = (c.evict_host(usize::MAX), r.evict_host(usize::MAX));
+    ensure(ours == theirs, || format!("teardown: evict_host freed {ours}, reference {theirs}"))?;
+    compare(ops.len(), &c, &r)?;
+    ensure(c.allocator().available_size() == device && c.host_size() == 0 && c.node_count() == 0, || {
+        format!(
+            "teardown: {} device tokens free of {device}, {} host tokens held",
+            c.allocator().available_size(),
+            c.host_size()
+        )
+    })
+}

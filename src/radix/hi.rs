@@ -1,0 +1,1106 @@
+//! The host-tier variant of the radix core: [`HiRadixCache`], SGLang's `HiRadixCache`.
+//!
+//! A node's KV may be on the device (its pages are the allocator's: it is
+//! *resident*), in host memory (*host-only*: the device copy was evicted), or both (a
+//! resident node *backed up*). Along every path the resident nodes come first, so a
+//! match is a device prefix followed by a host continuation.
+//!
+//! # One page space
+//!
+//! The core keys everything by pages (see the [parent module](super)): a node's tokens
+//! live in its pages' token cells, its children are found under its last page. The host
+//! pool's pages are numbered after the allocator's, in the same space: host page `h`
+//! is tree page `num_pages + h`, with token cells, run records and an owner like any
+//! device page. So a node is always *some* chain of pages:
+//!
+//! * a resident node's own pages are device pages; its host copy, if any, is a second
+//!   chain of host pages kept in its payload (cut in step when the node is split);
+//! * a host-only node's own pages are its host pages.
+//!
+//! Moving a node between the tiers swaps the two chains: the record is republished with
+//! the other chain (readers holding it fail validation, as after a split), the node's
+//! last page changes, and its children, which the core finds under their parent's last
+//! page, are republished under the new one (each node keeps a list of its children for
+//! this). Lock-free lookups ([`peek_prefix`](RadixCache::peek_prefix)) see a host-only
+//! node's mark and end the device prefix before it.
+//!
+//! # Rules (SGLang's, checked against [`ReferenceHiCache`](crate::baseline::hicache_ref::ReferenceHiCache))
+//!
+//! * a match walks and touches the whole path, device and host nodes alike
+//!   ([`match_tiers`](RadixCache::match_tiers)); it returns the device prefix and the
+//!   length of the host continuation;
+//! * an insert counts one *write hit* on each resident node it passes and on its new
+//!   leaf; [`WritePolicy::WriteThrough`] backs a node up at its first,
+//!   [`WritePolicy::WriteThroughSelective`] at its second, [`WritePolicy::WriteBack`]
+//!   only on eviction. A host-only node the insert passes takes the request's slots
+//!   (it recomputed that KV) and is resident again, its host copy kept;
+//! * a backup takes host pages, evicting host leaves when short; with no room even
+//!   then the node stays device-only;
+//! * device eviction ([`evict`](RadixCache::evict)) takes resident leaves (every child
+//!   host-only) in policy order: a backed-up node drops its device pages and stays as a
+//!   host-only node; under `write_back` it is backed up first; a node without a host
+//!   copy is removed with its host-only subtree;
+//! * host eviction ([`evict_host`](RadixCache::evict_host)) removes host-only leaves,
+//!   least recently used first;
+//! * [`match_and_load`](RadixCache::match_and_load) loads a host continuation back: device
+//!   slots for all of it or nothing, skipped below the load-back threshold (SGLang's 10
+//!   tokens) or above a quota; the device prefix and the host copies being loaded are
+//!   locked while room is made.
+//!
+//! Copies complete at once here: the tree records what moved
+//! ([`HiCounters`]); the transfers themselves are the caller's
+//! ([`DeviceHostTransfer`](crate::kv::host) under the feature `cuda`).
+//!
+//! Not combined with KV events or partial-leaf eviction (the constructor refuses the
+//! first; the second is ignored).
+//!
+//! # Examples
+//!
+//! ```
+//! use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, WritePolicy};
+//! use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+//!
+//! // 8 device tokens, 8 host tokens, page size 2, back up at the first write hit.
+//! let tier = HostTier { host_pages: 4, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
+//! let cache = HiRadixCache::with_host_tier(PagedAllocator::new(8, 2)?, ReqToTokenPool::new(2, 8)?, RadixConfig::default(), tier)?;
+//! let mut a = [0u32; 4];
+//! cache.allocator().alloc(&mut a)?;
+//! assert_eq!(cache.insert(0, &[1, 2, 3, 4], &a)?, 0); // backed up at once
+//! assert_eq!(cache.evict(4), 4); // the device copy goes, the host copy stays
+//! let mut out = [0u32; 4];
+//! let m = cache.match_tiers(0, &[1, 2, 3, 4], &mut out);
+//! assert_eq!((m.device.len(), m.host_len), (0, 4));
+//! // Load it back (device slots again) and lock it.
+//! let (lease, loaded) = cache.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
+//! assert_eq!((lease.len(), loaded), (4, 4));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use core::fmt;
+use core::sync::atomic::AtomicU64;
+
+use super::heap::{self, Heap, Slot};
+use super::variant::Variant;
+use super::writer::{run_at, Runs, Writer};
+use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
+use crate::alloc::{KvAllocator, KvFreeGroup};
+use crate::error::ConfigError;
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::slots::SlotPool;
+use crate::sync::atomic::{fence, Ordering};
+
+/// When a node's KV is copied to host memory (SGLang's `--hicache-write-policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WritePolicy {
+    /// Back a node up at its first write hit (SGLang's default).
+    #[default]
+    WriteThrough,
+    /// Back a node up at its second write hit.
+    WriteThroughSelective,
+    /// Back a node up only when the device evicts it.
+    WriteBack,
+}
+
+impl WritePolicy {
+    /// Every policy, in CLI order.
+    pub const ALL: [WritePolicy; 3] =
+        [WritePolicy::WriteThrough, WritePolicy::WriteThroughSelective, WritePolicy::WriteBack];
+
+    /// The write hits that trigger a backup; `None` for `write_back`.
+    pub fn threshold(self) -> Option<u64> {
+        match self {
+            WritePolicy::WriteThrough => Some(1),
+            WritePolicy::WriteThroughSelective => Some(2),
+            WritePolicy::WriteBack => None,
+        }
+    }
+
+    /// SGLang's name: `write_through`, `write_through_selective`, `write_back`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WritePolicy::WriteThrough => "write_through",
+            WritePolicy::WriteThroughSelective => "write_through_selective",
+            WritePolicy::WriteBack => "write_back",
+        }
+    }
+
+    /// The policy named `name` (see [`name`](Self::name)).
+    pub fn from_name(name: &str) -> Option<WritePolicy> {
+        WritePolicy::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+impl fmt::Display for WritePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// SGLang's `load_back_threshold`: host continuations shorter than this stay on host.
+pub const DEFAULT_LOAD_BACK_THRESHOLD: usize = 10;
+
+/// Token counts of what moved between the tiers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HiCounters {
+    /// Tokens copied device -> host (backups).
+    pub written: u64,
+    /// Tokens copied host -> device (load-backs).
+    pub loaded: u64,
+    /// Device tokens freed by device eviction.
+    pub device_evicted: u64,
+    /// Host tokens freed by host eviction (and with removed subtrees).
+    pub host_evicted: u64,
+    /// Backups refused for lack of host room.
+    pub backup_refused: u64,
+}
+
+/// The host tier's configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostTier {
+    /// Host pages (of the device's page size).
+    pub host_pages: u32,
+    /// When nodes are backed up.
+    pub write_policy: WritePolicy,
+    /// Host continuations shorter than this many tokens are not loaded back.
+    pub load_back_threshold: usize,
+}
+
+impl HostTier {
+    /// `host_pages` pages, `write_through`, SGLang's load-back threshold.
+    pub fn new(host_pages: u32) -> HostTier {
+        HostTier { host_pages, write_policy: WritePolicy::default(), load_back_threshold: DEFAULT_LOAD_BACK_THRESHOLD }
+    }
+}
+
+/// The host-tier variant (see the [module docs](self)).
+pub struct Hi {
+    tier: HostTier,
+    /// Host pages `1..=host_pages` (tree pages `num_pages + 1..`).
+    host: SlotPool,
+    written: AtomicU64,
+    loaded: AtomicU64,
+    device_evicted: AtomicU64,
+    host_evicted: AtomicU64,
+    backup_refused: AtomicU64,
+}
+
+impl fmt::Debug for Hi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hi").field("tier", &self.tier).field("host_free", &self.host.available()).finish()
+    }
+}
+
+/// A radix cache whose nodes may live on the device, in host memory or both (see the
+/// [module docs](self)).
+pub type HiRadixCache<A> = RadixCache<A, Hi>;
+
+/// A node's host-tier state.
+#[derive(Clone, Copy, Debug)]
+pub struct HiNode {
+    /// Its own pages are host pages (the device copy was evicted).
+    host_only: bool,
+    /// A resident node's host copy: its first page (0: none) and that page's run.
+    copy: u32,
+    copy_run: u32,
+    /// Load-backs in progress: the host copy must stay.
+    host_lock: u32,
+    write_hits: u32,
+    /// Place in the host order (host-only leaves).
+    pos: u32,
+    /// Children, as a list through the children's `next` / `prev`.
+    first_child: u32,
+    next: u32,
+    prev: u32,
+}
+
+impl Default for HiNode {
+    fn default() -> Self {
+        HiNode {
+            host_only: false,
+            copy: 0,
+            copy_run: 0,
+            host_lock: 0,
+            write_hits: 0,
+            pos: NIL,
+            first_child: NIL,
+            next: NIL,
+            prev: NIL,
+        }
+    }
+}
+
+/// The host order: host-only leaves, least recently used first (SGLang's host
+/// eviction is LRU whatever the device policy).
+struct HostLeaves;
+
+impl Slot<HiNode> for HostLeaves {
+    #[inline]
+    fn pos(m: &Meta<HiNode>) -> u32 {
+        m.ext.pos
+    }
+    #[inline]
+    fn set_pos(m: &mut Meta<HiNode>, pos: u32) {
+        m.ext.pos = pos;
+    }
+    #[inline]
+    fn key(_: EvictionPolicy, m: &Meta<HiNode>) -> (i64, u64) {
+        (0, m.last_access)
+    }
+}
+
+/// The variant's writer-only state.
+#[derive(Debug)]
+pub struct HiState {
+    order: Vec<u32>,
+    /// Host pages of a backup being made.
+    pages: Vec<u32>,
+    /// The nodes of a load-back, top down.
+    chain: Vec<u32>,
+}
+
+impl super::variant::sealed::Sealed for Hi {}
+
+fn order<'w, A: KvAllocator>(w: &'w mut Writer<'_, A, Hi>) -> Heap<'w, HiNode, HostLeaves> {
+    Heap::new(&mut w.s.ext.order, &mut w.s.meta, w.c.policy)
+}
+
+fn ext<A: KvAllocator>(w: &Writer<'_, A, Hi>, id: u32) -> HiNode {
+    w.s.meta[id as usize].ext
+}
+
+fn ext_mut<'w, A: KvAllocator>(w: &'w mut Writer<'_, A, Hi>, id: u32) -> &'w mut HiNode {
+    &mut w.s.meta[id as usize].ext
+}
+
+fn is_host_leaf(e: &HiNode) -> bool {
+    e.host_only && e.first_child == NIL && e.host_lock == 0
+}
+
+/// Runs of consecutive numbers in `pages`, as (first, count).
+fn runs_of(pages: &[u32]) -> impl Iterator<Item = (u32, u32)> + '_ {
+    let mut i = 0;
+    core::iter::from_fn(move || {
+        let start = *pages.get(i)?;
+        let len = run_at(&pages[i..], 1, 0);
+        i += len;
+        Some((start, len as u32))
+    })
+}
+
+/// Runs of the whole pages of `slots` (a checked shape), as (first page, pages).
+fn slot_runs(slots: &[u32], ps: usize) -> impl Iterator<Item = (u32, u32)> + '_ {
+    let (mut i, pages) = (0, slots.len() / ps);
+    core::iter::from_fn(move || {
+        if i >= pages {
+            return None;
+        }
+        let len = run_at(slots, ps, i);
+        let start = slots[i * ps] / ps as u32;
+        i += len;
+        Some((start, len as u32))
+    })
+}
+
+// ---- child lists ----
+
+fn link_child<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, parent: u32, c: u32) {
+    let head = ext(w, parent).first_child;
+    let e = ext_mut(w, c);
+    (e.next, e.prev) = (head, NIL);
+    if head != NIL {
+        ext_mut(w, head).prev = c;
+    }
+    ext_mut(w, parent).first_child = c;
+}
+
+fn unlink_child<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, parent: u32, c: u32) {
+    let HiNode { next, prev, .. } = ext(w, c);
+    if prev != NIL {
+        ext_mut(w, prev).next = next;
+    } else {
+        debug_assert_eq!(ext(w, parent).first_child, c, "a child list lost node {c}");
+        ext_mut(w, parent).first_child = next;
+    }
+    if next != NIL {
+        ext_mut(w, next).prev = prev;
+    }
+    let e = ext_mut(w, c);
+    (e.next, e.prev) = (NIL, NIL);
+}
+
+/// Republish every child of `id` under its new last page `last`.
+fn rekey_children<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, last: u32) {
+    let mut c = ext(w, id).first_child;
+    while c != NIL {
+        let (first, _) = w.span(c);
+        let first_run = w.c.records[c as usize].first_run.load(Ordering::Relaxed);
+        w.republish(c, first, first_run, last);
+        c = ext(w, c).next;
+    }
+}
+
+// ---- pages ----
+
+/// Copy the tokens of chain `src` into chain `dst` (as many pages).
+fn copy_tokens<A: KvAllocator>(w: &Writer<'_, A, Hi>, mut src: Runs<'_>, mut dst: Runs<'_>) {
+    let ps = w.c.ps;
+    let (Some((mut s, mut sl)), Some((mut d, mut dl))) = (src.next(), dst.next()) else { return };
+    loop {
+        let k = sl.min(dl);
+        w.c.slot_token.copy(s as usize * ps, d as usize * ps, k as usize * ps);
+        (s, sl, d, dl) = (s + k, sl - k, d + k, dl - k);
+        if sl == 0 {
+            let Some(next) = src.next() else { break };
+            (s, sl) = next;
+        }
+        if dl == 0 {
+            let Some(next) = dst.next() else { break };
+            (d, dl) = next;
+        }
+    }
+}
+
+/// Free a chain of host pages (out of the tree: unmarked, back to the host pool).
+fn free_host_chain<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, first: u32, first_run: u32, count: u32) {
+    let base = w.c.num_pages;
+    let mut group = w.c.variant.host.free_group();
+    for (start, len) in w.chain(first, first_run, count) {
+        w.set_in_tree_range(start, len, false);
+        let r = group.free_range(start - base, len);
+        debug_assert!(r.is_ok(), "the tree frees host pages it holds: {r:?}");
+    }
+    group.end();
+}
+
+fn last_of(runs: Runs<'_>) -> u32 {
+    runs.last().map_or(0, |(start, len)| start + len - 1)
+}
+
+/// Back node `id` (resident) up: host pages for it, evicting host leaves when short.
+/// Whether it has a host copy now.
+fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) -> bool {
+    let e = ext(w, id);
+    if e.copy != 0 {
+        return true;
+    }
+    debug_assert!(!e.host_only, "backup of a host-only node");
+    let v = &w.c.variant;
+    let n = w.span(id).1 as usize;
+    let ps = w.c.ps;
+    let avail = v.host.available();
+    if avail < n {
+        evict_host(w, (n - avail) * ps);
+    }
+    if n > w.s.ext.pages.capacity() {
+        // More pages than the host pool has.
+        w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    let mut pages = core::mem::take(&mut w.s.ext.pages);
+    pages.clear();
+    pages.resize(n, 0); // within the capacity reserved at construction
+    if w.c.variant.host.alloc(&mut pages).is_err() {
+        w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
+        w.s.ext.pages = pages;
+        return false;
+    }
+    let base = w.c.num_pages;
+    // Release: a stale reader that sees a token or link written below (recycled host
+    // pages) and validates with an Acquire fence is ordered after their last owner's
+    // retirement.
+    fence(Ordering::Release);
+    let (first, first_run, _) = w.link_runs(runs_of(&pages).map(|(s, l)| (s + base, l)));
+    for (start, len) in runs_of(&pages) {
+        w.set_in_tree_range(start + base, len, true);
+    }
+    w.s.ext.pages = pages;
+    let (own, count) = w.span(id);
+    let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
+    copy_tokens(w, w.chain(own, own_run, count), w.chain(first, first_run, count));
+    let e = ext_mut(w, id);
+    (e.copy, e.copy_run) = (first, first_run);
+    w.c.variant.written.fetch_add((n * ps) as u64, Ordering::Relaxed);
+    true
+}
+
+/// One write hit on the resident node `id`: back it up at the policy's threshold.
+fn write_hit<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) {
+    let Some(threshold) = w.c.variant.tier.write_policy.threshold() else { return };
+    let e = ext_mut(w, id);
+    if e.copy != 0 {
+        return;
+    }
+    e.write_hits = e.write_hits.saturating_add(1);
+    if u64::from(e.write_hits) >= threshold {
+        backup(w, id);
+    }
+}
+
+/// Swap node `id`'s own pages for the chain from `first` (its run `first_run`, last
+/// page `last`): republish it, move its ownership and its children's keys.
+fn swap_pages<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, first: u32, first_run: u32, last: u32) {
+    let parent_page = w.c.records[id as usize].parent_page.load(Ordering::Relaxed);
+    let old_last = w.s.meta[id as usize].last_page;
+    w.republish(id, first, first_run, parent_page);
+    w.s.page_owner[old_last as usize] = NIL;
+    w.s.page_owner[last as usize] = id;
+    w.s.page_epoch[last as usize] = w.s.page_epoch[last as usize].wrapping_add(1);
+    w.s.meta[id as usize].last_page = last;
+    rekey_children(w, id, last);
+}
+
+/// The resident, unlocked, backed-up node `id`, whose children are all host-only and
+/// which is out of the core's order: drop its device pages into `group`; it stays as
+/// a host-only node. Returns the device tokens freed.
+fn to_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, group: &mut KvFreeGroup<'_>) -> usize {
+    let e = ext(w, id);
+    let (own, count) = w.span(id);
+    let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
+    let last = last_of(w.chain(e.copy, e.copy_run, count));
+    swap_pages(w, id, e.copy, e.copy_run, last);
+    let x = ext_mut(w, id);
+    (x.host_only, x.copy, x.copy_run) = (true, 0, 0);
+    w.set_mark(id, 1);
+    // After the republish (a SeqCst retirement of the old view): free the device pages.
+    for (start, len) in w.chain(own, own_run, count) {
+        w.set_in_tree_range(start, len, false);
+        let r = group.free_pages(start, len);
+        debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
+    }
+    let len = count as usize * w.c.ps;
+    w.c.evictable.fetch_sub(len, Ordering::Release);
+    w.c.total.fetch_sub(len, Ordering::Release);
+    let parent = w.parent_of(id);
+    let pm = &mut w.s.meta[parent as usize];
+    pm.children -= 1;
+    if parent != ROOT && pm.children == 0 && pm.lock_ref == 0 {
+        w.heap().push(parent);
+    }
+    if is_host_leaf(&ext(w, id)) {
+        order(w).push(id);
+    }
+    len
+}
+
+/// The host-only node `id` takes the device slots `slots` (whole pages, claimed) and
+/// is resident again, its host pages kept as its copy; its parent is resident.
+fn to_device<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, slots: &[u32]) {
+    let ps = w.c.ps;
+    let (own, count) = w.span(id);
+    debug_assert_eq!(slots.len(), count as usize * ps);
+    let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
+    // Release: see `backup`.
+    fence(Ordering::Release);
+    let (first, first_run, last) = w.link_runs(slot_runs(slots, ps));
+    copy_tokens(w, w.chain(own, own_run, count), w.chain(first, first_run, count));
+    swap_pages(w, id, first, first_run, last);
+    if ext(w, id).pos != NIL {
+        order(w).remove(id);
+    }
+    let x = ext_mut(w, id);
+    (x.host_only, x.copy, x.copy_run) = (false, own, own_run);
+    w.set_mark(id, 0);
+    let len = count as usize * ps;
+    w.c.evictable.fetch_add(len, Ordering::Release);
+    w.c.total.fetch_add(len, Ordering::Release);
+    let parent = w.parent_of(id);
+    w.s.meta[parent as usize].children += 1;
+    w.heap().remove(parent);
+    debug_assert!(w.s.meta[id as usize].lock_ref == 0 && w.s.meta[id as usize].children == 0);
+    w.heap().push(id);
+}
+
+/// Remove the host-only node `id`, which has no children. Returns its parent and the
+/// host tokens freed.
+fn remove_host_node<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) -> (u32, usize) {
+    let e = ext(w, id);
+    debug_assert!(e.host_only && e.first_child == NIL && e.host_lock == 0);
+    let parent = w.parent_of(id);
+    unlink_child(w, parent, id);
+    if e.pos != NIL {
+        order(w).remove(id);
+    }
+    let (first, count) = w.span(id);
+    let first_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
+    let last = w.s.meta[id as usize].last_page;
+    w.unlink(id);
+    w.retire(id);
+    free_host_chain(w, first, first_run, count);
+    w.s.page_owner[last as usize] = NIL;
+    let len = count as usize * w.c.ps;
+    w.c.variant.host_evicted.fetch_add(len as u64, Ordering::Relaxed);
+    (parent, len)
+}
+
+/// Remove every node below the resident node `id` (all host-only).
+fn remove_host_subtree<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) {
+    let mut y = ext(w, id).first_child;
+    while y != NIL {
+        let down = ext(w, y).first_child;
+        if down != NIL {
+            y = down;
+            continue;
+        }
+        let (parent, _) = remove_host_node(w, y);
+        y = if parent == id { ext(w, id).first_child } else { parent };
+    }
+}
+
+/// Host eviction: remove host-only leaves, least recently used first, until `num`
+/// host tokens are freed or none is left. Returns the host tokens freed.
+fn evict_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, num: usize) -> usize {
+    let mut freed = 0;
+    while freed < num {
+        let Some(x) = order(w).pop() else { break };
+        let (parent, len) = remove_host_node(w, x);
+        freed += len;
+        if is_host_leaf(&ext(w, parent)) {
+            order(w).push(parent);
+        }
+    }
+    freed
+}
+
+impl Variant for Hi {
+    type Node = HiNode;
+    type State = HiState;
+    type Walk = ();
+
+    fn extra_pages(&self) -> usize {
+        self.tier.host_pages as usize
+    }
+
+    fn new_state(&self, nodes: usize) -> Result<HiState, ConfigError> {
+        Ok(HiState {
+            order: crate::arena::try_with_capacity(nodes, "host order")?,
+            pages: crate::arena::try_with_capacity(self.tier.host_pages as usize, "host backup pages")?,
+            chain: crate::arena::try_with_capacity(nodes, "host load-back chain")?,
+        })
+    }
+
+    #[inline]
+    fn match_end(node: &HiNode) -> bool {
+        !node.host_only
+    }
+
+    #[inline]
+    fn peek_step(&self, _walk: &mut (), mark: u32, _tokens: usize) -> bool {
+        mark == 0
+    }
+
+    #[inline]
+    fn resident(node: &HiNode) -> bool {
+        !node.host_only
+    }
+
+    fn evict_leaf<A: KvAllocator>(
+        w: &mut Writer<'_, A, Self>,
+        x: u32,
+        _need: usize,
+        group: &mut KvFreeGroup<'_>,
+    ) -> usize {
+        if w.c.variant.tier.write_policy == WritePolicy::WriteBack {
+            backup(w, x);
+        }
+        let len = w.len_of(x);
+        w.c.variant.device_evicted.fetch_add(len as u64, Ordering::Relaxed);
+        if ext(w, x).copy != 0 {
+            to_host(w, x, group)
+        } else {
+            remove_host_subtree(w, x);
+            w.remove_leaf(x, group)
+        }
+    }
+
+    fn apply_insert<A: KvAllocator>(
+        w: &mut Writer<'_, A, Self>,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+        cached: usize,
+    ) -> u32 {
+        apply_insert(w, namespace, key, slots, priority, cached)
+    }
+
+    #[inline]
+    fn split_payload(lower: &mut HiNode) -> HiNode {
+        // The upper half takes the lower's place among its siblings; the lower half
+        // becomes its one child (the hook links them).
+        let upper = HiNode { pos: NIL, first_child: NIL, ..*lower };
+        (lower.next, lower.prev) = (NIL, NIL);
+        upper
+    }
+
+    fn split<A: KvAllocator>(w: &mut Writer<'_, A, Self>, _old: u32, upper: u32, lower: u32) {
+        let HiNode { next, prev, copy, copy_run, pos, .. } = ext(w, upper);
+        if prev != NIL {
+            ext_mut(w, prev).next = upper;
+        } else {
+            let parent = w.parent_of(upper);
+            ext_mut(w, parent).first_child = upper;
+        }
+        if next != NIL {
+            ext_mut(w, next).prev = upper;
+        }
+        debug_assert_eq!(pos, NIL);
+        ext_mut(w, upper).first_child = lower;
+        let lp = ext(w, lower).pos;
+        if lp != NIL {
+            w.s.ext.order[lp as usize] = lower;
+        }
+        if copy != 0 {
+            // Cut the host copy where the node was cut.
+            let m = w.span(upper).1;
+            let count = m + w.span(lower).1;
+            let (_, rest, rest_run) = w.cut_chain(copy, copy_run, count, m as usize);
+            let e = ext_mut(w, lower);
+            (e.copy, e.copy_run) = (rest, rest_run);
+        }
+    }
+
+    fn removing<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        let e = ext(w, id);
+        let parent = w.parent_of(id);
+        if w.s.meta[parent as usize].alive {
+            unlink_child(w, parent, id);
+        }
+        if e.pos != NIL {
+            order(w).remove(id);
+        }
+        let count = w.span(id).1;
+        if e.host_only {
+            let first_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
+            free_host_chain(w, w.span(id).0, first_run, count);
+        } else if e.copy != 0 {
+            free_host_chain(w, e.copy, e.copy_run, count);
+        }
+    }
+
+    #[inline]
+    fn touched<A: KvAllocator>(w: &mut Writer<'_, A, Self>, id: u32) {
+        order(w).update(id);
+    }
+
+    fn reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) {
+        w.s.ext.order.clear();
+    }
+
+    fn check<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Result<(), String> {
+        let base = w.c.num_pages;
+        let v = &w.c.variant;
+        let mut held = 0usize;
+        let mut children = std::collections::HashMap::<u32, u32>::new();
+        let mut leaves = 0usize;
+        for (id, m) in w.s.meta.iter().enumerate().skip(1) {
+            if !m.alive {
+                continue;
+            }
+            let (id, e) = (id as u32, m.ext);
+            *children.entry(w.parent_of(id)).or_default() += 1;
+            let mark = w.c.records[id as usize].mark.load(Ordering::Relaxed);
+            if mark != u32::from(e.host_only) {
+                return Err(format!("node {id}'s reader mark {mark} disagrees with its tier"));
+            }
+            let parent = w.parent_of(id);
+            if !e.host_only && ext(w, parent).host_only {
+                return Err(format!("resident node {id} below the host-only node {parent}"));
+            }
+            let count = w.span(id).1;
+            let host_pages = |first: u32, run: u32| -> Result<(), String> {
+                for (start, len) in w.chain(first, run, count) {
+                    for p in start..start + len {
+                        if p <= base || !w.in_tree(p) || !v.host.is_allocated(p - base) {
+                            return Err(format!("node {id}'s host page {p} is not a held host page"));
+                        }
+                    }
+                }
+                Ok(())
+            };
+            if e.host_only {
+                host_pages(w.span(id).0, w.c.records[id as usize].first_run.load(Ordering::Relaxed))?;
+                if e.copy != 0 {
+                    return Err(format!("host-only node {id} has a second copy"));
+                }
+                held += count as usize;
+                if is_host_leaf(&e) != (e.pos != NIL) {
+                    return Err(format!("host node {id}: host leaf {} but order membership differs", is_host_leaf(&e)));
+                }
+                leaves += usize::from(e.pos != NIL);
+            } else {
+                if w.pages(id).any(|p| p > base) {
+                    return Err(format!("resident node {id} has a host page of its own"));
+                }
+                if e.copy != 0 {
+                    host_pages(e.copy, e.copy_run)?;
+                    held += count as usize;
+                }
+                if e.pos != NIL {
+                    return Err(format!("resident node {id} is in the host order"));
+                }
+            }
+        }
+        for (id, m) in w.s.meta.iter().enumerate() {
+            if !m.alive {
+                continue;
+            }
+            let mut n = 0u32;
+            let mut c = m.ext.first_child;
+            while c != NIL && n <= w.s.meta.len() as u32 {
+                if w.parent_of(c) != id as u32 {
+                    return Err(format!("node {c} is in the child list of {id}, not its parent"));
+                }
+                n += 1;
+                c = ext(w, c).next;
+            }
+            if n != children.get(&(id as u32)).copied().unwrap_or(0) {
+                return Err(format!("node {id}'s child list holds {n} nodes"));
+            }
+        }
+        let used = v.host.capacity() as usize - v.host.available();
+        if held != used {
+            return Err(format!("nodes hold {held} host pages, the host pool has {used} allocated"));
+        }
+        if leaves != w.s.ext.order.len() {
+            return Err(format!("host order holds {}, {leaves} host leaves", w.s.ext.order.len()));
+        }
+        heap::check::<_, HostLeaves>(&w.s.ext.order, &w.s.meta, w.c.policy)
+    }
+
+    fn describe(node: &HiNode, out: &mut String) {
+        if node.host_only {
+            out.push_str(" host");
+        } else if node.copy != 0 {
+            out.push_str(" backed-up");
+        }
+    }
+}
+
+/// Insert `key -> slots` whose first `cached` tokens are resident in the tree and whose
+/// other pages are claimed: touch and count a write hit on each resident node passed,
+/// give host-only nodes passed the request's slots, add the rest as a new leaf (one
+/// write hit). Returns the node the key ends at.
+fn apply_insert<A: KvAllocator>(
+    w: &mut Writer<'_, A, Hi>,
+    namespace: u64,
+    key: &[u32],
+    slots: &[u32],
+    priority: i64,
+    cached: usize,
+) -> u32 {
+    let ps = w.c.ps;
+    w.touch(ROOT);
+    let (mut pos, mut cur, mut end) = (0usize, 0u32, ROOT);
+    while pos < key.len() {
+        let super::Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+            break;
+        };
+        let resident = !ext(w, id).host_only;
+        let (m, _, n) = w.c.count_in_node(id, &key[pos..]);
+        debug_assert!(!resident || pos + m * ps <= cached, "the resident part was checked");
+        if resident && pos >= cached {
+            break; // not reached: the checks stop at the first host-only node
+        }
+        w.touch(id);
+        let node = if m < n { w.split(id, m) } else { id };
+        end = node;
+        let meta = &mut w.s.meta[node as usize];
+        if priority > meta.priority {
+            meta.priority = priority;
+            w.heap().update(node);
+        }
+        if resident {
+            write_hit(w, node);
+        } else {
+            to_device(w, node, &slots[pos..pos + m * ps]);
+        }
+        pos += m * ps;
+        cur = w.s.meta[node as usize].last_page;
+        if m < n {
+            break;
+        }
+    }
+    if pos < key.len() {
+        let parent = w.s.page_owner[cur as usize];
+        end = w.new_leaf(cur, namespace, &key[pos..], &slots[pos..], priority);
+        link_child(w, parent, end);
+        write_hit(w, end);
+    }
+    end
+}
+
+/// What [`match_tiers`](RadixCache::match_tiers) found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HiMatch {
+    /// The device prefix (lockable with [`lock`](RadixCache::lock)).
+    pub device: MatchResult,
+    /// Tokens of the host-only continuation after it.
+    pub host_len: usize,
+}
+
+/// The host-tier walk: the device prefix, the host continuation's length and last node.
+fn match_tiers<A: KvAllocator>(
+    w: &mut Writer<'_, A, Hi>,
+    namespace: u64,
+    key: &[u32],
+    out: &mut [u32],
+) -> (MatchResult, usize, u32) {
+    let (m, best, kv_len, kv_end) = w.match_path(namespace, key, out);
+    let host_len = kv_len - m.len;
+    let host_end = if host_len > 0 { w.s.page_owner[kv_end.last_page as usize] } else { best };
+    (m, host_len, host_end)
+}
+
+/// Load the host continuation ending at `host_end` into device slots written to
+/// `out` (its length at least the continuation's): all of it or nothing. Returns the
+/// tokens loaded.
+fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut [u32], quota: Option<usize>) -> usize {
+    let mut chain = core::mem::take(&mut w.s.ext.chain);
+    chain.clear();
+    let (mut x, mut total) = (host_end, 0usize);
+    while x != ROOT && ext(w, x).host_only {
+        chain.push(x); // within the capacity reserved at construction
+        total += w.len_of(x);
+        x = w.parent_of(x);
+    }
+    let v = &w.c.variant;
+    if total == 0 || total < v.tier.load_back_threshold || quota.is_some_and(|q| total > q) || out.len() < total {
+        w.s.ext.chain = chain;
+        return 0;
+    }
+    chain.reverse();
+    // The device prefix stays while room is made below it, and so do the host copies
+    // being loaded (a `write_back` eviction makes host room for its backups).
+    let anchor = w.s.meta[x as usize].last_page;
+    let aux = w.inc_lock(anchor);
+    for &y in &chain {
+        if ext(w, y).pos != NIL {
+            order(w).remove(y);
+        }
+        ext_mut(w, y).host_lock += 1;
+    }
+    let avail = w.c.alloc.available_size();
+    if avail < total {
+        w.evict(total - avail);
+    }
+    let got = w.c.alloc.alloc(&mut out[..total]).is_ok();
+    for &y in &chain {
+        ext_mut(w, y).host_lock -= 1;
+        if is_host_leaf(&ext(w, y)) {
+            order(w).push(y);
+        }
+    }
+    w.dec_lock(anchor, aux);
+    if got {
+        let claimed = w.claim_pages(&out[..total], |_, slot| CacheError::SlotNotOwned { slot });
+        debug_assert!(claimed.is_ok(), "fresh pages are the caller's: {claimed:?}");
+        let mut at = 0;
+        for &y in &chain {
+            let len = w.len_of(y);
+            to_device(w, y, &out[at..at + len]);
+            at += len;
+        }
+        w.c.variant.loaded.fetch_add(total as u64, Ordering::Relaxed);
+    }
+    w.s.ext.chain = chain;
+    if got {
+        total
+    } else {
+        0
+    }
+}
+
+impl<A: KvAllocator> RadixCache<A, Hi> {
+    /// A prefix cache over `alloc` (the device pool) with a host tier of
+    /// `tier.host_pages` pages of the device's page size (see the [module docs](self)).
+    ///
+    /// # Errors
+    ///
+    /// As [`RadixCache::new`] (the arenas cover the host pages too);
+    /// [`ConfigError::Unsupported`] with KV events on.
+    pub fn with_host_tier(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        config: RadixConfig,
+        tier: HostTier,
+    ) -> Result<Self, ConfigError> {
+        if config.event_capacity.is_some() {
+            return Err(ConfigError::Unsupported { what: "the host tier", with: "KV events" });
+        }
+        let variant = Hi {
+            tier,
+            host: SlotPool::without_magazines(tier.host_pages),
+            written: AtomicU64::new(0),
+            loaded: AtomicU64::new(0),
+            device_evicted: AtomicU64::new(0),
+            host_evicted: AtomicU64::new(0),
+            backup_refused: AtomicU64::new(0),
+        };
+        Self::with_variant(alloc, req_pool, config, variant)
+    }
+
+    /// The host tier's configuration.
+    pub fn host_tier(&self) -> HostTier {
+        self.variant.tier
+    }
+
+    /// What moved between the tiers so far.
+    pub fn counters(&self) -> HiCounters {
+        let v = &self.variant;
+        HiCounters {
+            written: v.written.load(Ordering::Relaxed),
+            loaded: v.loaded.load(Ordering::Relaxed),
+            device_evicted: v.device_evicted.load(Ordering::Relaxed),
+            host_evicted: v.host_evicted.load(Ordering::Relaxed),
+            backup_refused: v.backup_refused.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Tokens held in host pages (backups and host-only nodes).
+    pub fn host_size(&self) -> usize {
+        let h = &self.variant.host;
+        (h.capacity() as usize - h.available()) * self.ps
+    }
+
+    /// Host tokens free.
+    pub fn host_available(&self) -> usize {
+        self.variant.host.available() * self.ps
+    }
+
+    /// Insert `key -> slots` (whole pages of the caller's device slots): the rules of
+    /// the [module docs](self). Returns the length of the device prefix the caller's
+    /// slots duplicate (the caller frees those slots); host-only nodes on the way take
+    /// the caller's slots.
+    ///
+    /// # Errors
+    ///
+    /// As [`RadixCache::insert`]; nothing changes then.
+    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<usize, CacheError> {
+        let r = self.write(|w| {
+            w.check_insert_shape(key, slots)?;
+            let cached = resident_len(w, namespace, key);
+            w.claim_pages(&slots[cached..], |_, slot| CacheError::SlotNotOwned { slot })?;
+            apply_insert(w, namespace, key, slots, 0, cached);
+            Ok(cached)
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `match_prefix` with a host tier: the device prefix of `key` (its slots
+    /// in `out`) and the length of the host continuation after it. Touches the whole
+    /// path; splits where the key ends inside a node. `out` past the device prefix is
+    /// scratch.
+    pub fn match_tiers(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> HiMatch {
+        let key = self.aligned(key, out.len());
+        let r = self.write(|w| {
+            let (device, host_len, _) = match_tiers(w, namespace, key, out);
+            HiMatch { device, host_len }
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// Match, load the host continuation back and lock, in one step: `out` gets the
+    /// device prefix's slots and then the loaded part's (device slots the caller's
+    /// transfer fills from the host copy). Returns the lease (its length is both) and
+    /// the tokens loaded: 0 when there was no host continuation, it was shorter than
+    /// the load-back threshold or longer than `quota`, or the device had no room even
+    /// after eviction (then only the device prefix is locked).
+    pub fn match_and_load(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        out: &mut [u32],
+        quota: Option<usize>,
+    ) -> (Lease<'_, A, Hi>, usize) {
+        self.hints.admit();
+        let key = self.aligned(key, out.len());
+        let (key, loaded) = self.write(|w| {
+            let (m, host_len, host_end) = match_tiers(w, namespace, key, out);
+            let loaded = if host_len > 0 { load_back(w, host_end, &mut out[m.len..], quota) } else { 0 };
+            let m = if loaded > 0 {
+                let last_page = w.s.meta[host_end as usize].last_page;
+                let epoch = w.s.page_epoch[last_page as usize];
+                MatchResult { len: m.len + loaded, last_page, epoch, cache_id: self.id }
+            } else {
+                m
+            };
+            (w.lease_of(&m), loaded)
+        });
+        crate::debug_check(self);
+        (Lease { cache: self, key }, loaded)
+    }
+
+    /// Host eviction: remove host-only leaves, least recently used first, until at
+    /// least `num_tokens` host tokens are freed or none is left. Returns the host
+    /// tokens freed.
+    pub fn evict_host(&self, num_tokens: usize) -> usize {
+        if num_tokens == 0 {
+            return 0;
+        }
+        let r = self.write(|w| evict_host(w, num_tokens));
+        crate::debug_check(self);
+        r
+    }
+
+    /// SGLang's `cache_finished_req` with a host tier: as the plain cache's
+    /// [`cache_finished_req`](RadixCache::cache_finished_req) (the key's device prefix
+    /// beyond the lease is the request's duplicates, freed), with the insert rules of
+    /// the [module docs](self). Returns the device prefix the insert found.
+    ///
+    /// # Errors
+    ///
+    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
+    pub fn cache_finished_req<'c>(
+        &'c self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Lease<'c, A, Hi>,
+    ) -> Result<usize, Unfinished<'c, A, Hi>> {
+        self.finish_with(namespace, token_ids, row, lease, 0, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+    }
+
+    /// SGLang's `cache_unfinished_req` with a host tier (chunked prefill): as the plain
+    /// cache's [`cache_unfinished_req`](RadixCache::cache_unfinished_req), with the
+    /// insert rules of [`cache_finished_req`](Self::cache_finished_req).
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`]; nothing changed.
+    pub fn cache_unfinished_req(
+        &self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Hi>,
+    ) -> Result<(), CacheError> {
+        self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, 0, usize::MAX, |_| Ok(()), |_, _| ())
+    }
+}
+
+/// How many leading tokens of `key` are resident in the tree (latch held).
+fn resident_len<A: KvAllocator>(w: &Writer<'_, A, Hi>, namespace: u64, key: &[u32]) -> usize {
+    let ps = w.c.ps;
+    let (mut pos, mut cur) = (0usize, 0u32);
+    while pos < key.len() {
+        let super::Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
+            break;
+        };
+        if ext(w, id).host_only {
+            break;
+        }
+        let (m, last, n) = w.c.count_in_node(id, &key[pos..]);
+        pos += m * ps;
+        if m < n {
+            break;
+        }
+        cur = last;
+    }
+    pos
+}
+
+#[cfg(all(test, not(loom)))]
+#[path = "tests_hi.rs"]
+mod tests;
