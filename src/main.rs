@@ -92,7 +92,7 @@ mod cli {
         routers: usize,
         /// Which prefix cache to drive: kvpool (the concurrent RadixCache), reference
         /// (the simple single-threaded tree behind a mutex) or vectrie (the TGI-style
-        /// trie behind a mutex) [default: kvpool; reference with a host tier].
+        /// trie behind a mutex; not with a host tier) [default: kvpool].
         #[arg(long)]
         cache: Option<CacheKind>,
         /// A host-memory tier of N tokens under the device pool (SGLang's HiCache):
@@ -382,7 +382,7 @@ mod cli {
         } else {
             Mode::Overlap
         };
-        let default_cache = if host.is_some() { CacheKind::Reference } else { CacheKind::Kvpool };
+        let default_cache = CacheKind::Kvpool;
         let config = ReplayConfig {
             capacity_tokens: args.capacity_tokens,
             page_size: args.page_size,

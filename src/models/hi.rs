@@ -186,7 +186,11 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
                 r.inc_lock_ref(node);
                 // kvpool.
                 let mut out = vec![0u32; key.len()];
-                let (lease, loaded) = c.match_and_load(0, &key, &mut out, None);
+                let (lease, found) = c.match_and_load(0, &key, &mut out, None);
+                let loaded = found.loaded;
+                ensure(found.matched == m.host_len, || {
+                    format!("step {step}: host continuation {}, reference {}", found.matched, m.host_len)
+                })?;
                 ensure(lease.len() == hit.len() && loaded == hit.len() - m.device.len(), || {
                     format!(
                         "step {step}: lease {} loaded {loaded}, reference {} loaded {}",

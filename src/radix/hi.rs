@@ -71,8 +71,8 @@
 //! let m = cache.match_tiers(0, &[1, 2, 3, 4], &mut out);
 //! assert_eq!((m.device.len(), m.host_len), (0, 4));
 //! // Load it back (device slots again) and lock it.
-//! let (lease, loaded) = cache.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
-//! assert_eq!((lease.len(), loaded), (4, 4));
+//! let (lease, hit) = cache.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
+//! assert_eq!((lease.len(), hit.loaded), (4, 4));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -838,6 +838,15 @@ pub struct HiMatch {
     pub host_len: usize,
 }
 
+/// What [`match_and_load`](RadixCache::match_and_load) found on host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostHit {
+    /// Tokens of the host-only continuation the key matched.
+    pub matched: usize,
+    /// Tokens loaded back (`matched`, or 0 when the load was skipped or failed).
+    pub loaded: usize,
+}
+
 /// The host-tier walk: the device prefix, the host continuation's length and last node.
 fn match_tiers<A: KvAllocator>(
     w: &mut Writer<'_, A, Hi>,
@@ -1004,16 +1013,16 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// Match, load the host continuation back and lock, in one step: `out` gets the
     /// device prefix's slots and then the loaded part's (device slots the caller's
     /// transfer fills from the host copy). Returns the lease (its length is both) and
-    /// the tokens loaded: 0 when there was no host continuation, it was shorter than
-    /// the load-back threshold or longer than `quota`, or the device had no room even
-    /// after eviction (then only the device prefix is locked).
+    /// what was found on host ([`HostHit`]): nothing is loaded when the continuation
+    /// is shorter than the load-back threshold or longer than `quota`, or the device
+    /// has no room even after eviction (then only the device prefix is locked).
     pub fn match_and_load(
         &self,
         namespace: u64,
         key: &[u32],
         out: &mut [u32],
         quota: Option<usize>,
-    ) -> (Lease<'_, A, Hi>, usize) {
+    ) -> (Lease<'_, A, Hi>, HostHit) {
         self.hints.admit();
         let key = self.aligned(key, out.len());
         let (key, loaded) = self.write(|w| {
@@ -1026,7 +1035,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
             } else {
                 m
             };
-            (w.lease_of(&m), loaded)
+            (w.lease_of(&m), HostHit { matched: host_len, loaded })
         });
         crate::debug_check(self);
         (Lease { cache: self, key }, loaded)

@@ -33,8 +33,8 @@ fn a_backed_up_node_survives_device_eviction_and_loads_back() {
     assert_eq!((m.device.len(), m.host_len), (0, 4));
     assert_eq!(c.node_count(), 2);
     c.check_invariants().unwrap();
-    let (lease, loaded) = c.match_and_load(0, &[1, 2, 3, 4, 5, 6], &mut out, None);
-    assert_eq!((lease.len(), loaded), (6, 6));
+    let (lease, hit) = c.match_and_load(0, &[1, 2, 3, 4, 5, 6], &mut out, None);
+    assert_eq!((lease.len(), hit.matched, hit.loaded), (6, 6, 6));
     assert_eq!(c.counters().loaded, 6);
     c.check_invariants().unwrap();
     let mut peek = [0u32; 6];

@@ -1,10 +1,10 @@
 //! The two-tier replay (`kvpool replay --host-capacity-tokens N`, issue 11): a device
 //! KV pool with a host-memory tier under it, SGLang's HiCache.
 //!
-//! For now the tree is [`ReferenceHiCache`], the sequential model of the two-tier radix
-//! cache (behind a mutex, as [`ReferenceCache`](super::ReferenceCache) is), over a
-//! [`PagedAllocator`] for the device and a host page pool: the figures are the
-//! semantics', not a speed. Each request matches its prompt; when the match continues
+//! The tree is kvpool's [`HiRadixCache`] (`--cache kvpool`, the default) or
+//! [`ReferenceHiCache`], the sequential model of the two-tier radix cache behind a mutex
+//! (`--cache reference`); both over a [`PagedAllocator`] for the device and a host page
+//! pool, and both give the same figures (`tests/replay_hicache.rs` checks it). Each request matches its prompt; when the match continues
 //! into host-only KV it is loaded back (all or nothing, not below SGLang's 10 tokens),
 //! and the loaded tokens count as *host hits*; the rest runs as the sequential replay's
 //! requests do. Transfers are taken to complete at once; their size in bytes
@@ -17,9 +17,10 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use serde::Serialize;
 
 use super::stats::thousands;
-use super::{run_sequential, ReplayCache, ReplayConfig, ReplayError, Report, Trace};
+use super::{run_sequential, CacheKind, ReplayCache, ReplayConfig, ReplayError, Report, Trace};
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
 use crate::error::{AllocError, FreeError, InvariantViolation};
+use crate::radix::{Hi, HiRadixCache, HostTier, Lease, RadixConfig};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator};
 
@@ -93,6 +94,8 @@ impl HostTierConfig {
 /// not compute.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct HostReport {
+    /// The two-tier tree: `HiRadixCache` or `ReferenceHiCache`.
+    pub tree: &'static str,
     /// Host pool tokens.
     pub host_capacity_tokens: usize,
     /// `write_through`, `write_through_selective` or `write_back`.
@@ -131,9 +134,10 @@ impl HostReport {
     pub(crate) fn header(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "  (host tier: {} tokens, {}; the two-tier reference tree)",
+            "  (host tier: {} tokens, {}; {})",
             thousands(self.host_capacity_tokens as u64),
-            self.write_policy
+            self.write_policy,
+            self.tree
         )
     }
 
@@ -293,7 +297,97 @@ impl ReplayCache for HiReplayCache {
     }
 }
 
-/// Replay `trace` with a host tier under the device pool (see the module docs).
+/// [`HiRadixCache`] (the host tier on kvpool's radix core) as a [`ReplayCache`]: a
+/// match loads its host continuation back, in the same step.
+struct KvHiReplay {
+    tree: HiRadixCache<PagedAllocator>,
+    host_hits: AtomicU64,
+    skipped: AtomicU64,
+    load_evictions: AtomicU64,
+}
+
+impl ReplayCache for KvHiReplay {
+    type Lease<'a> = Lease<'a, PagedAllocator, Hi>;
+
+    fn name(&self) -> &'static str {
+        "kvpool"
+    }
+    fn page_size(&self) -> u32 {
+        self.tree.page_size() as u32
+    }
+    fn capacity_tokens(&self) -> usize {
+        self.tree.allocator().size()
+    }
+    fn available_tokens(&self) -> usize {
+        self.tree.allocator().available_size()
+    }
+    fn evictable_tokens(&self) -> usize {
+        self.tree.evictable_size()
+    }
+    fn cached_tokens(&self) -> usize {
+        self.tree.total_size()
+    }
+    fn req_pool(&self) -> &ReqToTokenPool {
+        self.tree.req_pool()
+    }
+    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
+        let before = self.tree.counters().device_evicted;
+        let (lease, hit) = self.tree.match_and_load(namespace, key, out, None);
+        self.load_evictions.fetch_add(self.tree.counters().device_evicted - before, Ordering::Relaxed);
+        self.host_hits.fetch_add(hit.loaded as u64, Ordering::Relaxed);
+        self.skipped.fetch_add((hit.matched - hit.loaded) as u64, Ordering::Relaxed);
+        (lease.len(), lease)
+    }
+    fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        self.tree.peek_prefix(namespace, key, out)
+    }
+    fn evict(&self, num_tokens: usize) -> usize {
+        self.tree.evict(num_tokens)
+    }
+    fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        self.tree.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.tree.allocator().alloc_decode(seq_lens, last_locs, out)
+    }
+    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.tree.allocator().free(slots)
+    }
+    fn unlock(&self, lease: Self::Lease<'_>) {
+        drop(lease);
+    }
+    fn cache_finished_req<'a>(
+        &'a self,
+        namespace: u64,
+        token_ids: &[u32],
+        row: ReqRow,
+        lease: Self::Lease<'a>,
+    ) -> Result<usize, ReplayError> {
+        self.tree
+            .cache_finished_req(namespace, token_ids, row, lease)
+            .map_err(|u| ReplayError::internal("cache_finished_req", u))
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.tree.allocator().check_invariants()?;
+        self.tree.check_invariants()
+    }
+    fn tier_occupancy(&self) -> (u64, u64) {
+        (self.tree.host_size() as u64, self.host_hits.load(Ordering::Relaxed))
+    }
+    fn tier_flows(&self) -> (u64, u64) {
+        (self.tree.counters().loaded, self.load_evictions.load(Ordering::Relaxed))
+    }
+}
+
+/// Replay `trace` with a host tier under the device pool (see the module docs), on
+/// kvpool's [`HiRadixCache`] (`--cache kvpool`) or the sequential model
+/// (`--cache reference`).
 ///
 /// # Errors
 ///
@@ -309,29 +403,48 @@ pub(crate) fn replay_hicache(
     let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).map_err(too_large)?;
     let req_pool = ReqToTokenPool::new(config.rows() as u32, max_context_len).map_err(too_large)?;
     let host_pages = (host.host_capacity_tokens / config.page_size as usize) as u32;
-    let tree = ReferenceHiCache::new(alloc, host_pages, config.policy, host.write_policy, host.load_back_threshold)?;
-    let capacity = tree.allocator().size();
-    let cache = HiReplayCache {
-        tree: Mutex::new(tree),
-        req_pool,
-        page_size: config.page_size,
-        capacity,
-        host_hits: AtomicU64::new(0),
-        skipped: AtomicU64::new(0),
-        load_evictions: AtomicU64::new(0),
+    let (mut report, c, host_size, host_hits, skipped) = if config.cache == CacheKind::Kvpool {
+        let tier =
+            HostTier { host_pages, write_policy: host.write_policy, load_back_threshold: host.load_back_threshold };
+        let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
+        let tree = HiRadixCache::with_host_tier(alloc, req_pool, radix, tier).map_err(too_large)?;
+        let cache = KvHiReplay {
+            tree,
+            host_hits: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            load_evictions: AtomicU64::new(0),
+        };
+        let report = run_sequential(&cache, trace, config, progress)?;
+        let (hits, skipped) = (cache.host_hits.load(Ordering::Relaxed), cache.skipped.load(Ordering::Relaxed));
+        (report, cache.tree.counters(), cache.tree.host_size(), hits, skipped)
+    } else {
+        let tree =
+            ReferenceHiCache::new(alloc, host_pages, config.policy, host.write_policy, host.load_back_threshold)?;
+        let capacity = tree.allocator().size();
+        let cache = HiReplayCache {
+            tree: Mutex::new(tree),
+            req_pool,
+            page_size: config.page_size,
+            capacity,
+            host_hits: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            load_evictions: AtomicU64::new(0),
+        };
+        let report = run_sequential(&cache, trace, config, progress)?;
+        let t = cache.tree();
+        let (hits, skipped) = (cache.host_hits.load(Ordering::Relaxed), cache.skipped.load(Ordering::Relaxed));
+        (report, t.counters(), t.host_size(), hits, skipped)
     };
-    let mut report = run_sequential(&cache, trace, config, progress)?;
-    let t = cache.tree();
-    let c = t.counters();
-    let host_hits = cache.host_hits.load(Ordering::Relaxed);
     let (bytes_written, bytes_loaded) = (c.written * host.bytes_per_token, c.loaded * host.bytes_per_token);
+    let tree = if config.cache == CacheKind::Kvpool { "HiRadixCache" } else { "ReferenceHiCache" };
     report.host = Some(HostReport {
+        tree,
         host_capacity_tokens: host_pages as usize * config.page_size as usize,
         write_policy: host.write_policy.name(),
         device_hit_tokens: report.hit_tokens - host_hits,
         host_hit_tokens: host_hits,
         host_hit_rate: if report.prompt_tokens > 0 { host_hits as f64 / report.prompt_tokens as f64 } else { 0.0 },
-        load_back_skipped_tokens: cache.skipped.load(Ordering::Relaxed),
+        load_back_skipped_tokens: skipped,
         written_tokens: c.written,
         loaded_tokens: c.loaded,
         bytes_written,
@@ -341,7 +454,7 @@ pub(crate) fn replay_hicache(
         device_evicted_tokens: c.device_evicted,
         host_evicted_tokens: c.host_evicted,
         backups_refused: c.backup_refused,
-        final_host_used_tokens: t.host_size() as u64,
+        final_host_used_tokens: host_size as u64,
     });
     Ok(report)
 }

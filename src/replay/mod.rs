@@ -205,8 +205,8 @@ pub struct ReplayConfig {
     pub partial_evict: bool,
     /// Replay the offline optimum instead of a policy ([`run_optimal`]; sequential).
     pub optimal: bool,
-    /// A host-memory tier under the device pool (the two-tier reference tree;
-    /// sequential mode, `CacheKind::Reference`, attention models).
+    /// A host-memory tier under the device pool (kvpool's `HiRadixCache` or the
+    /// two-tier reference tree; sequential mode, attention models).
     pub host: Option<HostTierConfig>,
 }
 
@@ -381,7 +381,7 @@ impl ReplayConfig {
                 Some(format!("--model {}", self.model.name()))
             } else if self.mode != Mode::Sequential {
                 Some(format!("--mode {}", self.mode.name()))
-            } else if self.cache != CacheKind::Reference {
+            } else if self.cache == CacheKind::VecTrie {
                 Some(format!("--cache {}", self.cache.name()))
             } else if self.optimal || self.partial_evict {
                 Some(if self.optimal { "--policy optimal" } else { "--partial-evict" }.to_string())
@@ -392,8 +392,8 @@ impl ReplayConfig {
             };
             if let Some(other) = other {
                 return bad(format!(
-                    "the host tier runs the two-tier reference tree: attention model, sequential mode, \
-                     --cache reference, a leaf policy; not {other}"
+                    "the host tier runs on the two-tier trees: attention model, sequential mode, \
+                     --cache kvpool or reference, a leaf policy; not {other}"
                 ));
             }
             host.validate(self.page_size)?;

@@ -1,0 +1,96 @@
+//! Zero heap allocations in the host-tier radix cache's hot paths: `match_and_load`
+//! (splits, load-backs that evict for room), `alloc_extend` evicting the shortfall
+//! (backed-up nodes moving to host, write-back backups, host eviction for room, nodes
+//! removed with their host subtrees), `peek_prefix`, `cache_unfinished_req`,
+//! `cache_finished_req` (backups at write hits, host-only nodes taking the request's
+//! slots), `evict_host`, and dropping a lease. The counting global allocator of
+//! `tests/alloc_common` counts this thread's allocations.
+#![cfg(not(loom))]
+
+mod alloc_common;
+
+use alloc_common::allocations;
+use kvpool::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, WritePolicy};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+
+/// One request's life: match, load back and lock, allocate the rest (evicting), cache a
+/// chunk, finish.
+fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new: &mut [u32]) {
+    let ps = cache.page_size();
+    let mut row = cache.req_pool().alloc().unwrap();
+    let (mut lease, _) = cache.match_and_load(0, key, hit, None);
+    let h = lease.len();
+    cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+    let last = if h > 0 { hit[h - 1] } else { 0 };
+    let out = &mut new[..key.len() - h];
+    let avail = cache.allocator().available_size();
+    if avail < out.len() + ps {
+        cache.evict(out.len() + ps - avail);
+    }
+    cache.alloc_extend(&[h as u32], &[key.len() as u32], &[last], out).unwrap();
+    cache.req_pool().write(&mut row, h, out).unwrap();
+    let _ = cache.peek_prefix(0, key, hit);
+    let chunk = (key.len() / 2).max(h) / ps * ps;
+    cache.cache_unfinished_req(0, &key[..chunk], &mut row, &mut lease).unwrap();
+    cache.cache_finished_req(0, key, row, lease).unwrap();
+}
+
+fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u64) {
+    let ps_us = ps as usize;
+    let tier = HostTier { host_pages, write_policy, load_back_threshold: ps_us };
+    let cache = HiRadixCache::with_host_tier(
+        PagedAllocator::new(40 * ps_us, ps).unwrap(),
+        ReqToTokenPool::new(2, 64 * ps_us).unwrap(),
+        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None },
+        tier,
+    )
+    .unwrap();
+    let base: Vec<u32> = (0..12 * ps).collect();
+    let mut keys = Vec::new();
+    for k in 0..6u32 {
+        let mut key = base.clone();
+        // Each key diverges from the base after a different number of pages: splits.
+        for t in &mut key[((2 + 2 * k) % 11 * ps) as usize..] {
+            *t += 1000 * (k + 1);
+        }
+        keys.push(key);
+    }
+    let mut hit = vec![0u32; 12 * ps_us];
+    let mut new = vec![0u32; 12 * ps_us];
+    // Warm up (first touches of every arena), then count.
+    for key in &keys {
+        serve(&cache, key, &mut hit, &mut new);
+    }
+    let (n, ()) = allocations(|| {
+        for round in 0..6 {
+            for key in &keys {
+                serve(&cache, key, &mut hit, &mut new);
+            }
+            cache.evict(8 * ps_us);
+            if round % 2 == 1 {
+                cache.evict_host(4 * ps_us);
+            }
+        }
+    });
+    assert_eq!(n, 0, "allocations on the host tier's hot paths (page size {ps}, {write_policy})");
+    cache.check_invariants().unwrap();
+    let c = cache.counters();
+    (c.written, c.loaded, c.host_evicted)
+}
+
+#[test]
+fn host_tier_hot_paths_do_not_allocate() {
+    for ps in [1, 4, 16] {
+        for (policy, host_pages) in
+            [(WritePolicy::WriteThrough, 48), (WritePolicy::WriteBack, 20), (WritePolicy::WriteThroughSelective, 8)]
+        {
+            let (written, loaded, host_evicted) = exercise(ps, policy, host_pages);
+            // The paths were taken: backups everywhere; load-backs and host evictions
+            // where the host keeps what the device drops.
+            assert!(written > 0, "{ps} {policy}: nothing written");
+            if policy != WritePolicy::WriteThroughSelective {
+                assert!(loaded > 0 && host_evicted > 0, "{ps} {policy}: loaded {loaded}, host evicted {host_evicted}");
+            }
+        }
+    }
+}
