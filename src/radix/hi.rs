@@ -798,9 +798,6 @@ fn apply_insert<A: KvAllocator>(
         let resident = !ext(w, id).host_only;
         let (m, _, n) = w.c.count_in_node(id, &key[pos..]);
         debug_assert!(!resident || pos + m * ps <= cached, "the resident part was checked");
-        if resident && pos >= cached {
-            break; // not reached: the checks stop at the first host-only node
-        }
         w.touch(id);
         let node = if m < n { w.split(id, m) } else { id };
         end = node;
@@ -987,7 +984,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<usize, CacheError> {
         let r = self.write(|w| {
             w.check_insert_shape(key, slots)?;
-            let cached = resident_len(w, namespace, key);
+            let cached = w.cached_len(namespace, key);
             w.claim_pages(&slots[cached..], |_, slot| CacheError::SlotNotOwned { slot })?;
             apply_insert(w, namespace, key, slots, 0, cached);
             Ok(cached)
@@ -1087,27 +1084,6 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     ) -> Result<(), CacheError> {
         self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, 0, usize::MAX, |_| Ok(()), |_, _| ())
     }
-}
-
-/// How many leading tokens of `key` are resident in the tree (latch held).
-fn resident_len<A: KvAllocator>(w: &Writer<'_, A, Hi>, namespace: u64, key: &[u32]) -> usize {
-    let ps = w.c.ps;
-    let (mut pos, mut cur) = (0usize, 0u32);
-    while pos < key.len() {
-        let super::Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
-            break;
-        };
-        if ext(w, id).host_only {
-            break;
-        }
-        let (m, last, n) = w.c.count_in_node(id, &key[pos..]);
-        pos += m * ps;
-        if m < n {
-            break;
-        }
-        cur = last;
-    }
-    pos
 }
 
 #[cfg(all(test, not(loom)))]

@@ -509,7 +509,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.publish(id);
     }
 
-    /// Read-only walk: how many leading tokens of `key` are cached.
+    /// Read-only walk: how many leading tokens of `key` are cached (resident).
     pub(super) fn cached_len(&self, namespace: u64, key: &[u32]) -> usize {
         let ps = self.c.ps;
         let (mut pos, mut cur) = (0usize, 0u32);
@@ -517,6 +517,9 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 break;
             };
+            if !V::resident(&self.s.meta[id as usize].ext) {
+                break; // the host tier: not on the device, so not a duplicate
+            }
             let (m, last, n) = self.c.count_in_node(id, &key[pos..]);
             pos += m * ps;
             if m < n {
