@@ -1,7 +1,8 @@
 //! Model-based test: `HiRadixCache` (the host tier on the one radix core) against the
 //! simple `ReferenceHiCache` on random request sequences (see `kvpool::models::hi`):
 //! every op's result, the sizes, the tier counters and both sides' invariants agree
-//! after every step, and both pools are whole at the end.
+//! after every step, and both pools are whole at the end. Half the shapes leave
+//! transfers in flight until an op completes them.
 #![cfg(all(not(loom), feature = "models"))]
 
 use kvpool::models::hi::{run, HiOp, Shape, MAX_KEY};
@@ -15,6 +16,7 @@ fn op() -> impl Strategy<Value = HiOp> {
         3 => any::<u8>().prop_map(|req| HiOp::Finish { req }),
         1 => (0u8..24).prop_map(HiOp::Evict),
         1 => (0u8..24).prop_map(HiOp::EvictHost),
+        3 => any::<u8>().prop_map(HiOp::Complete),
     ]
 }
 
@@ -46,10 +48,13 @@ fn every_policy_on_a_busy_sequence() {
         if i % 11 == 0 {
             ops.push(HiOp::EvictHost(6));
         }
+        if i % 3 == 1 {
+            ops.push(HiOp::Complete((i % 5) as u8));
+        }
     }
     for write_policy in WritePolicy::ALL {
         for policy in [EvictionPolicy::Lru, EvictionPolicy::Lfu] {
-            for page_size in [1, 2, 4] {
+            for (page_size, complete_at_once) in [1, 2, 4].into_iter().flat_map(|p| [(p, true), (p, false)]) {
                 let shape = Shape {
                     page_size,
                     device_pages: 12,
@@ -58,6 +63,7 @@ fn every_policy_on_a_busy_sequence() {
                     threshold: 2,
                     policy,
                     alphabet: 2,
+                    complete_at_once,
                 };
                 run(shape, &ops).unwrap_or_else(|e| panic!("{e}\n{shape:?}"));
             }

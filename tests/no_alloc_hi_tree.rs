@@ -3,22 +3,52 @@
 //! (backed-up nodes moving to host, write-back backups, host eviction for room, nodes
 //! removed with their host subtrees), `peek_prefix`, `cache_unfinished_req`,
 //! `cache_finished_req` (backups at write hits, host-only nodes taking the request's
-//! slots), `evict_host`, and dropping a lease. The counting global allocator of
+//! slots), `evict_host`, dropping a lease, and the transfers: taking them, reading
+//! their page pairs, completing them (some right away, some a request later, so that
+//! evictions and loads meet pages in flight). The counting global allocator of
 //! `tests/alloc_common` counts this thread's allocations.
 #![cfg(not(loom))]
 
 mod alloc_common;
 
 use alloc_common::allocations;
-use kvpool::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, WritePolicy};
+use kvpool::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, Transfer, WritePolicy};
 use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+
+/// Transfers taken and not yet completed, in fixed buffers.
+struct Flight {
+    held: [Transfer; 256],
+    n: usize,
+    dev: [u32; 64],
+    host: [u32; 64],
+    calls: u32,
+}
+
+impl Flight {
+    /// Take what was started; read every pair; complete all of it when `now`, else
+    /// what the previous call left.
+    fn step(&mut self, cache: &HiRadixCache<PagedAllocator>, now: bool) {
+        let old = self.n;
+        self.n += cache.take_transfers(&mut self.held[old..]);
+        for t in &self.held[old..self.n] {
+            assert_eq!(cache.transfer_pages(*t, &mut self.dev, &mut self.host), Ok(t.pages()));
+        }
+        let done = if now { self.n } else { old };
+        for t in &self.held[..done] {
+            cache.complete(*t).unwrap();
+        }
+        self.held.copy_within(done..self.n, 0);
+        self.n -= done;
+    }
+}
 
 /// One request's life: match, load back and lock, allocate the rest (evicting), cache a
 /// chunk, finish.
-fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new: &mut [u32]) {
+fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new: &mut [u32], f: &mut Flight) {
     let ps = cache.page_size();
     let mut row = cache.req_pool().alloc().unwrap();
     let (mut lease, _) = cache.match_and_load(0, key, hit, None);
+    f.step(cache, false);
     let h = lease.len();
     cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
     let last = if h > 0 { hit[h - 1] } else { 0 };
@@ -33,6 +63,8 @@ fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new
     let chunk = (key.len() / 2).max(h) / ps * ps;
     cache.cache_unfinished_req(0, &key[..chunk], &mut row, &mut lease).unwrap();
     cache.cache_finished_req(0, key, row, lease).unwrap();
+    f.calls += 1;
+    f.step(cache, f.calls % 3 != 0);
 }
 
 fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u64) {
@@ -57,22 +89,27 @@ fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u
     }
     let mut hit = vec![0u32; 12 * ps_us];
     let mut new = vec![0u32; 12 * ps_us];
+    let mut f = Flight { held: [Transfer::default(); 256], n: 0, dev: [0; 64], host: [0; 64], calls: 0 };
     // Warm up (first touches of every arena), then count.
     for key in &keys {
-        serve(&cache, key, &mut hit, &mut new);
+        serve(&cache, key, &mut hit, &mut new, &mut f);
     }
     let (n, ()) = allocations(|| {
         for round in 0..6 {
             for key in &keys {
-                serve(&cache, key, &mut hit, &mut new);
+                serve(&cache, key, &mut hit, &mut new, &mut f);
             }
             cache.evict(8 * ps_us);
+            f.step(&cache, round % 3 != 2);
             if round % 2 == 1 {
                 cache.evict_host(4 * ps_us);
             }
         }
+        f.step(&cache, true);
+        f.step(&cache, true);
     });
     assert_eq!(n, 0, "allocations on the host tier's hot paths (page size {ps}, {write_policy})");
+    assert_eq!(cache.transfers_in_flight(), 0);
     cache.check_invariants().unwrap();
     let c = cache.counters();
     (c.written, c.loaded, c.host_evicted)

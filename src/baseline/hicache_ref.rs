@@ -37,15 +37,35 @@
 //!   being loaded locked meanwhile), and
 //!   does nothing below `load_back_threshold` tokens (SGLang's 10) or above a quota.
 //!
+//! Transfers (the copies between the tiers) are the caller's, as in the tree: every
+//! backup and load-back starts one ([`take_transfers`](ReferenceHiCache::take_transfers),
+//! [`complete`](ReferenceHiCache::complete)). Until it completes, a backup
+//! (`write_through`) or load keeps its node's path locked on the device; a write-back
+//! (the device evicting under `write_back`) keeps its host pages: not host-evicted, not
+//! loaded back, and if their node leaves the tree, freed only when it completes.
+//!
 //! It takes `&mut self`, allocates freely and favours being obviously right.
 
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use crate::alloc::KvAllocator;
 use crate::error::ConfigError;
 use crate::radix::EvictionPolicy;
 
-pub use crate::radix::{WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
+pub use crate::radix::{TransferKind, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
+
+/// A transfer in flight in a [`ReferenceHiCache`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefTransfer {
+    /// Its number, in start order from 0.
+    pub id: u64,
+    /// Which way and what it holds.
+    pub kind: TransferKind,
+    /// The node whose path it locks (backups and loads).
+    node: usize,
+    /// Its host pages.
+    pub pages: Vec<u32>,
+}
 
 /// A host page pool model: pages `1..=pages`, handed out lowest first.
 #[derive(Clone, Debug)]
@@ -143,6 +163,12 @@ pub struct ReferenceHiCache<A> {
     evictable: usize,
     protected: usize,
     counters: HiCounters,
+    transfers: Vec<RefTransfer>,
+    next_transfer: u64,
+    queue: VecDeque<u64>,
+    in_flight: BTreeSet<u32>,
+    /// Host pages in flight whose node left the tree.
+    orphans: BTreeSet<u32>,
 }
 
 const ROOT: usize = 0;
@@ -213,6 +239,11 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
             evictable: 0,
             protected: 0,
             counters: HiCounters::default(),
+            transfers: Vec::new(),
+            next_transfer: 0,
+            queue: VecDeque::new(),
+            in_flight: BTreeSet::new(),
+            orphans: BTreeSet::new(),
         })
     }
 
@@ -347,13 +378,13 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         }
         self.nodes[n].write_hits += 1;
         if self.nodes[n].write_hits >= threshold {
-            self.backup(n);
+            self.backup(n, TransferKind::Backup);
         }
     }
 
-    /// Copy node `n` to host pages (evicting host-only leaves for room); whether it is
-    /// backed up now.
-    fn backup(&mut self, n: usize) -> bool {
+    /// Copy node `n` to host pages (evicting host-only leaves for room) with a transfer
+    /// of `kind`; whether it is backed up now.
+    fn backup(&mut self, n: usize, kind: TransferKind) -> bool {
         if self.nodes[n].host.is_some() {
             return true;
         }
@@ -363,8 +394,9 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         }
         match self.host.alloc(pages) {
             Some(h) => {
-                self.nodes[n].host = Some(h);
+                self.nodes[n].host = Some(h.clone());
                 self.counters.written += self.nodes[n].key.len() as u64;
+                self.start(kind, n, h);
                 true
             }
             None => {
@@ -489,7 +521,13 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
             stack.extend(self.nodes[x].children.values().copied());
             if let Some(h) = self.nodes[x].host.take() {
                 self.counters.host_evicted += (h.len() * self.ps) as u64;
-                self.host.free(&h);
+                for p in h {
+                    if self.in_flight.contains(&p) {
+                        self.orphans.insert(p);
+                    } else {
+                        self.host.free(&[p]);
+                    }
+                }
             }
             self.nodes[x].children.clear();
             self.nodes[x].alive = false;
@@ -510,7 +548,7 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         while freed < num_tokens {
             let Some(std::cmp::Reverse((_, x))) = heap.pop() else { break };
             if self.write == WritePolicy::WriteBack {
-                self.backup(x);
+                self.backup(x, TransferKind::WriteBack);
             }
             let value = self.nodes[x].value.take().expect("device leaves are device-resident");
             self.alloc.free(&value).expect("the cache frees slots it owns");
@@ -530,7 +568,63 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
 
     fn is_host_leaf(&self, n: usize) -> bool {
         let x = &self.nodes[n];
-        n != ROOT && x.alive && x.value.is_none() && x.children.is_empty() && x.lock_ref == 0 && x.host_lock == 0
+        n != ROOT
+            && x.alive
+            && x.value.is_none()
+            && x.children.is_empty()
+            && x.lock_ref == 0
+            && x.host_lock == 0
+            && !self.host_in_flight(n)
+    }
+
+    fn host_in_flight(&self, n: usize) -> bool {
+        self.nodes[n].host.as_ref().is_some_and(|h| h.iter().any(|p| self.in_flight.contains(p)))
+    }
+
+    fn start(&mut self, kind: TransferKind, node: usize, pages: Vec<u32>) {
+        for &p in &pages {
+            assert!(self.in_flight.insert(p), "host page {p} in two transfers");
+        }
+        if kind != TransferKind::WriteBack {
+            self.inc_lock_ref(HiNodeId(node));
+        }
+        let id = self.next_transfer;
+        self.next_transfer += 1;
+        self.transfers.push(RefTransfer { id, kind, node, pages });
+        self.queue.push_back(id);
+    }
+
+    /// The transfers started since the last call, oldest first (each reported once;
+    /// those completed meanwhile are left out).
+    pub fn take_transfers(&mut self) -> Vec<RefTransfer> {
+        let mut out = Vec::new();
+        while let Some(id) = self.queue.pop_front() {
+            if let Some(t) = self.transfers.iter().find(|t| t.id == id) {
+                out.push(t.clone());
+            }
+        }
+        out
+    }
+
+    /// Transfer `id` is done: release what it held. Whether it was in flight.
+    pub fn complete(&mut self, id: u64) -> bool {
+        let Some(i) = self.transfers.iter().position(|t| t.id == id) else { return false };
+        let t = self.transfers.remove(i);
+        for p in &t.pages {
+            self.in_flight.remove(p);
+            if self.orphans.remove(p) {
+                self.host.free(&[*p]);
+            }
+        }
+        if t.kind != TransferKind::WriteBack {
+            self.dec_lock_ref(HiNodeId(t.node));
+        }
+        true
+    }
+
+    /// Transfers in flight.
+    pub fn transfers_in_flight(&self) -> usize {
+        self.transfers.len()
     }
 
     /// Free host tokens: remove evicted leaves, least recently used first, until at
@@ -567,7 +661,11 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         }
         chain.reverse();
         let total: usize = chain.iter().map(|&x| self.nodes[x].key.len()).sum();
-        if total == 0 || total < self.load_back_threshold || quota.is_some_and(|q| total > q) {
+        if total == 0
+            || total < self.load_back_threshold
+            || quota.is_some_and(|q| total > q)
+            || chain.iter().any(|&x| self.host_in_flight(x))
+        {
             return None;
         }
         let ancestor = HiNodeId(n);
@@ -599,6 +697,8 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
             } else {
                 self.protected += len;
             }
+            let pages = self.nodes[x].host.clone().expect("a loaded node keeps its host copy");
+            self.start(TransferKind::Load, x, pages);
         }
         self.counters.loaded += total as u64;
         Some(slots)
@@ -681,6 +781,19 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
                 "sizes: counted {evictable} / {protected}, kept {} / {}",
                 self.evictable, self.protected
             ));
+        }
+        for t in &self.transfers {
+            if t.pages.iter().any(|p| !self.in_flight.contains(p)) {
+                return Err(format!("transfer {} has a page not in flight", t.id));
+            }
+        }
+        if self.transfers.iter().map(|t| t.pages.len()).sum::<usize>() != self.in_flight.len() {
+            return Err("pages in flight and transfers disagree".into());
+        }
+        for &p in &self.orphans {
+            if !self.in_flight.contains(&p) || !host.insert(p) {
+                return Err(format!("orphaned host page {p} not in flight, or held by a node"));
+            }
         }
         if host.len() + self.host.available() != self.host.capacity() {
             return Err(format!(

@@ -12,11 +12,19 @@
 //! and both tiers' room on every backup, so a wrong tick or a lost page shows up as a
 //! different counter. It also runs both sides' invariant checks after every step, and
 //! at the end returns every request and evicts everything: both pools must be whole.
+//!
+//! Transfers: after every op the driver takes the transfers both sides started and
+//! compares them (kind and pages, in start order, and that kvpool's page pairs name
+//! host pages it holds). A shape either completes them at once (the tree then behaves
+//! as SGLang's with copies that take no time) or leaves them in flight until a
+//! [`HiOp::Complete`] picks one, so evictions, loads and host evictions meet nodes
+//! whose copies have not landed. A completed transfer completed again must be refused.
 
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache};
-use crate::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, WritePolicy};
+use crate::baseline::hicache_ref::RefTransfer;
+use crate::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, Transfer, TransferError, WritePolicy};
 use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
 
 /// Longest key, in tokens.
@@ -49,6 +57,8 @@ pub enum HiOp {
     Evict(u8),
     /// Host eviction of this many tokens.
     EvictHost(u8),
+    /// Complete one transfer in flight (taken modulo those in flight).
+    Complete(u8),
 }
 
 /// A run's shape.
@@ -68,11 +78,14 @@ pub struct Shape {
     pub policy: EvictionPolicy,
     /// Token alphabet size (small: keys share prefixes).
     pub alphabet: u32,
+    /// Complete every transfer right after the op that started it.
+    pub complete_at_once: bool,
 }
 
 impl Shape {
     /// A shape from raw bytes (every value valid).
     pub fn from_bytes(b: [u8; 6]) -> Shape {
+        let complete_at_once = b[0] / 3 % 2 == 0;
         Shape {
             page_size: [1, 2, 4][b[0] as usize % 3],
             device_pages: 4 + u32::from(b[1] % 16),
@@ -81,6 +94,7 @@ impl Shape {
             threshold: 1 + b[4] as usize % 6,
             policy: POLICIES[b[5] as usize % POLICIES.len()],
             alphabet: 2,
+            complete_at_once,
         }
     }
 }
@@ -138,6 +152,54 @@ fn compare(step: usize, c: &HiRadixCache<PagedAllocator>, r: &ReferenceHiCache<P
     r.check().map_err(|e| format!("step {step}: reference: {e}"))
 }
 
+/// Take the transfers both sides started and check they agree.
+fn take(
+    c: &HiRadixCache<PagedAllocator>,
+    r: &mut ReferenceHiCache<PagedAllocator>,
+    flight: &mut Vec<(Transfer, RefTransfer)>,
+) -> Result<(), String> {
+    let theirs = r.take_transfers();
+    let mut ours = vec![Transfer::default(); theirs.len() + 1];
+    let n = c.take_transfers(&mut ours);
+    ensure(n == theirs.len(), || format!("{n} transfers started, reference {}", theirs.len()))?;
+    for (t, rt) in ours.into_iter().zip(theirs) {
+        ensure(t.kind() == rt.kind && t.pages() == rt.pages.len(), || {
+            format!("transfer {:?} of {} pages, reference {:?} of {}", t.kind(), t.pages(), rt.kind, rt.pages.len())
+        })?;
+        let (mut dev, mut host) = (vec![0u32; t.pages()], vec![0u32; t.pages()]);
+        let got = c.transfer_pages(t, &mut dev, &mut host).map_err(|e| format!("transfer_pages: {e}"))?;
+        ensure(got == t.pages(), || format!("transfer_pages gave {got} of {}", t.pages()))?;
+        ensure(host.iter().all(|&h| h >= 1 && h <= c.host_tier().host_pages), || format!("host pages {host:?}"))?;
+        flight.push((t, rt));
+    }
+    Ok(())
+}
+
+/// Complete the `i`-th transfer in flight on both sides.
+fn complete(
+    c: &HiRadixCache<PagedAllocator>,
+    r: &mut ReferenceHiCache<PagedAllocator>,
+    flight: &mut Vec<(Transfer, RefTransfer)>,
+    i: usize,
+) -> Result<(), String> {
+    let (t, rt) = flight.remove(i);
+    c.complete(t).map_err(|e| format!("complete: {e}"))?;
+    ensure(r.complete(rt.id), || "reference: transfer not in flight".to_string())?;
+    ensure(c.complete(t) == Err(TransferError::Unknown), || "a transfer completed twice".to_string())
+}
+
+fn complete_all(
+    c: &HiRadixCache<PagedAllocator>,
+    r: &mut ReferenceHiCache<PagedAllocator>,
+    flight: &mut Vec<(Transfer, RefTransfer)>,
+) -> Result<(), String> {
+    take(c, r, flight)?;
+    while !flight.is_empty() {
+        complete(c, r, flight, 0)?;
+    }
+    ensure(c.transfers_in_flight() == 0 && r.transfers_in_flight() == 0, || "transfers left in flight".into())
+}
+
 fn finish(c: &HiRadixCache<PagedAllocator>, r: &mut ReferenceHiCache<PagedAllocator>, o: Open) -> Result<(), String> {
     let theirs = r.cache_finished_req(0, &o.key, &o.kv, o.protected, o.node);
     let lease = c.attach(o.lease).map_err(|_| "a request's lease no longer attaches".to_string())?;
@@ -166,6 +228,7 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
     let mut r = ReferenceHiCache::new(ref_alloc, shape.host_pages, shape.policy, shape.write_policy, shape.threshold)
         .map_err(|e| e.to_string())?;
     let mut open: Vec<Open> = Vec::new();
+    let mut flight: Vec<(Transfer, RefTransfer)> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         match op {
             HiOp::Start { key, finish: done } => {
@@ -245,14 +308,28 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
                 let (ours, theirs) = (c.evict_host(*n as usize), r.evict_host(*n as usize));
                 ensure(ours == theirs, || format!("step {step}: evict_host freed {ours}, reference {theirs}"))?;
             }
+            HiOp::Complete(i) => {
+                take(&c, &mut r, &mut flight).map_err(|e| format!("step {step}: {e}"))?;
+                if !flight.is_empty() {
+                    let i = *i as usize % flight.len();
+                    complete(&c, &mut r, &mut flight, i).map_err(|e| format!("step {step}: {e}"))?;
+                }
+            }
+        }
+        take(&c, &mut r, &mut flight).map_err(|e| format!("step {step}: {e}"))?;
+        if shape.complete_at_once {
+            complete_all(&c, &mut r, &mut flight).map_err(|e| format!("step {step}: {e}"))?;
         }
         compare(step, &c, &r)?;
     }
+    complete_all(&c, &mut r, &mut flight)?;
     for o in open.drain(..) {
         finish(&c, &mut r, o)?;
     }
+    complete_all(&c, &mut r, &mut flight)?;
     let (ours, theirs) = (c.evict(usize::MAX), r.evict(usize::MAX));
     ensure(ours == theirs, || format!("teardown: evict freed {ours}, reference {theirs}"))?;
+    complete_all(&c, &mut r, &mut flight)?;
     let (ours, theirs) = (c.evict_host(usize::MAX), r.evict_host(usize::MAX));
     ensure(ours == theirs, || format!("teardown: evict_host freed {ours}, reference {theirs}"))?;
     compare(ops.len(), &c, &r)?;

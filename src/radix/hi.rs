@@ -47,9 +47,29 @@
 //!   tokens) or above a quota; the device prefix and the host copies being loaded are
 //!   locked while room is made.
 //!
-//! Copies complete at once here: the tree records what moved
-//! ([`HiCounters`]); the transfers themselves are the caller's
-//! ([`DeviceHostTransfer`](crate::kv::host) under the feature `cuda`).
+//! # Transfers
+//!
+//! The copies are the caller's (with [`DeviceHostTransfer`](crate::kv::host) under the
+//! feature `cuda`, or any engine's own copy kernels); the tree decides them and holds
+//! what they touch until the caller reports them done. Every backup and load-back
+//! starts a [`Transfer`] of one node; [`take_transfers`](RadixCache::take_transfers)
+//! hands them out once each, [`transfer_pages`](RadixCache::transfer_pages) gives its
+//! (device page, host page) pairs, [`complete`](RadixCache::complete) ends it. Meanwhile
+//! ([`TransferKind`]):
+//!
+//! * a **backup** (`write_through`, `write_through_selective`) keeps its node's path
+//!   locked on the device, as SGLang's `write_backup` does: the pages being read are
+//!   not evicted;
+//! * a **load** keeps the loaded node's path locked on the device and its host copy;
+//! * a **write-back** (the device evicting under `write_back`) frees the device pages
+//!   at once (SGLang waits for its write-backs inside `evict`; here the copy must be
+//!   ordered before any work that may write those pages) and holds its host pages: the
+//!   host does not evict them and no load reads them. If their node leaves the tree
+//!   meanwhile, the pages stay allocated until the transfer completes.
+//!
+//! A transfer names pages, not nodes, so splits while it is in flight change nothing;
+//! there is a transfer slot per host page, so starting one never fails. The tree
+//! records what moved in [`HiCounters`] when a copy starts.
 //!
 //! Not combined with KV events or partial-leaf eviction (the constructor refuses the
 //! first; the second is ignored).
@@ -57,7 +77,7 @@
 //! # Examples
 //!
 //! ```
-//! use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, WritePolicy};
+//! use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind, WritePolicy};
 //! use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
 //!
 //! // 8 device tokens, 8 host tokens, page size 2, back up at the first write hit.
@@ -65,14 +85,26 @@
 //! let cache = HiRadixCache::with_host_tier(PagedAllocator::new(8, 2)?, ReqToTokenPool::new(2, 8)?, RadixConfig::default(), tier)?;
 //! let mut a = [0u32; 4];
 //! cache.allocator().alloc(&mut a)?;
-//! assert_eq!(cache.insert(0, &[1, 2, 3, 4], &a)?, 0); // backed up at once
+//! assert_eq!(cache.insert(0, &[1, 2, 3, 4], &a)?, 0); // a backup starts at once
+//! let mut started = [Transfer::default(); 8];
+//! assert_eq!(cache.take_transfers(&mut started), 1);
+//! let backup = started[0];
+//! let (mut device, mut host) = ([0u32; 2], [0u32; 2]);
+//! cache.transfer_pages(backup, &mut device, &mut host)?;
+//! assert_eq!((backup.kind(), device), (TransferKind::Backup, [a[0] / 2, a[2] / 2]));
+//! assert_eq!(cache.evict(4), 0); // locked while the copy reads the device pages
+//! // ... copy device pages `device` to host pages `host`, wait for it ...
+//! cache.complete(backup)?;
 //! assert_eq!(cache.evict(4), 4); // the device copy goes, the host copy stays
 //! let mut out = [0u32; 4];
 //! let m = cache.match_tiers(0, &[1, 2, 3, 4], &mut out);
 //! assert_eq!((m.device.len(), m.host_len), (0, 4));
-//! // Load it back (device slots again) and lock it.
+//! // Load it back (device slots again) and lock it; the load is a transfer too.
 //! let (lease, hit) = cache.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
 //! assert_eq!((lease.len(), hit.loaded), (4, 4));
+//! assert_eq!(cache.take_transfers(&mut started), 1);
+//! assert_eq!(started[0].kind(), TransferKind::Load);
+//! cache.complete(started[0])?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -153,6 +185,95 @@ pub struct HiCounters {
     /// Backups refused for lack of host room.
     pub backup_refused: u64,
 }
+
+/// What a [`Transfer`] copies, and what the tree holds until it completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferKind {
+    /// Device pages to host pages: a backup under `write_through` or
+    /// `write_through_selective`. The node's path stays locked on the device (not
+    /// evictable, its device pages unchanged) until the transfer completes.
+    Backup,
+    /// Device pages to host pages of a node the device evicted under `write_back`. The
+    /// device pages are free already (as SGLang frees them once its write-back
+    /// returns): enqueue this copy before any work that may write them — on the stream
+    /// that runs the next forward pass, or one it waits on. The host pages are held
+    /// (not evicted from host, not loaded back) until the transfer completes.
+    WriteBack,
+    /// Host pages to device pages: a load-back. The loaded node's path stays locked on
+    /// the device and its host copy held until the transfer completes.
+    Load,
+}
+
+impl TransferKind {
+    /// Whether the copy runs device to host.
+    pub fn to_host(self) -> bool {
+        !matches!(self, TransferKind::Load)
+    }
+}
+
+/// A copy between the tiers that the tree started and the caller carries out (see
+/// [`HiRadixCache::take_transfers`]): its pages come from
+/// [`transfer_pages`](HiRadixCache::transfer_pages), and the caller reports its end
+/// with [`complete`](HiRadixCache::complete), once. A transfer covers one node as it
+/// was when the copy started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Transfer {
+    cache_id: u64,
+    slot: u32,
+    gen: u32,
+    kind: TransferKind,
+    pages: u32,
+}
+
+/// A placeholder for the buffers [`take_transfers`](HiRadixCache::take_transfers)
+/// fills: it names no transfer (every cache refuses it).
+impl Default for Transfer {
+    fn default() -> Self {
+        Transfer { cache_id: 0, slot: u32::MAX, gen: 0, kind: TransferKind::Backup, pages: 0 }
+    }
+}
+
+impl Transfer {
+    /// Which way it copies and what the tree holds meanwhile.
+    pub fn kind(&self) -> TransferKind {
+        self.kind
+    }
+
+    /// Pages to copy.
+    pub fn pages(&self) -> usize {
+        self.pages as usize
+    }
+}
+
+/// A [`Transfer`] the cache refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferError {
+    /// Not in flight: completed already, dropped by a reset, or never this cache's.
+    Unknown,
+    /// Started by another cache.
+    ForeignCache,
+    /// The page buffers hold fewer than the transfer's pages.
+    BufferTooShort {
+        /// Pages the transfer has.
+        need: usize,
+        /// The shorter buffer's length.
+        got: usize,
+    },
+}
+
+impl fmt::Display for TransferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TransferError::Unknown => f.write_str("the transfer is not in flight (completed already, or reset)"),
+            TransferError::ForeignCache => f.write_str("the transfer belongs to another cache"),
+            TransferError::BufferTooShort { need, got } => {
+                write!(f, "the transfer has {need} pages, a page buffer holds {got}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TransferError {}
 
 /// The host tier's configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,6 +377,42 @@ pub struct HiState {
     pages: Vec<u32>,
     /// The nodes of a load-back, top down.
     chain: Vec<u32>,
+    /// Host leaves a host eviction passed over (pages in flight), put back after it.
+    skipped: Vec<u32>,
+    /// Transfers in flight, by slot (see [`Transfer`]).
+    entries: Vec<Entry>,
+    /// Free slots of `entries`.
+    free_entries: Vec<u32>,
+    /// Started transfers not yet taken by the caller: a ring of slots.
+    queue: Vec<u32>,
+    queue_head: usize,
+    queue_len: usize,
+    /// For each host page in flight, the device page it pairs with.
+    dev_of_host: Vec<u32>,
+    /// A bit per host page in flight (index `h - 1`).
+    in_flight: Vec<u64>,
+    /// Host pages in flight.
+    in_flight_pages: usize,
+}
+
+/// A transfer in flight.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    gen: u32,
+    live: bool,
+    kind: TransferKind,
+    /// The host chain (tree pages), as a node's: first page, its run, pages.
+    host_first: u32,
+    host_run: u32,
+    count: u32,
+    /// The locked node's last page (device), 0 for none.
+    lock_page: u32,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Entry { gen: 0, live: false, kind: TransferKind::Backup, host_first: 0, host_run: 0, count: 0, lock_page: 0 }
+    }
 }
 
 impl super::variant::sealed::Sealed for Hi {}
@@ -360,25 +517,150 @@ fn copy_tokens<A: KvAllocator>(w: &Writer<'_, A, Hi>, mut src: Runs<'_>, mut dst
     }
 }
 
-/// Free a chain of host pages (out of the tree: unmarked, back to the host pool).
+/// Free a chain of host pages (out of the tree: unmarked, back to the host pool). A
+/// page in flight stays allocated, out of the tree: its transfer frees it when it
+/// completes.
 fn free_host_chain<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, first: u32, first_run: u32, count: u32) {
     let base = w.c.num_pages;
     let mut group = w.c.variant.host.free_group();
     for (start, len) in w.chain(first, first_run, count) {
         w.set_in_tree_range(start, len, false);
-        let r = group.free_range(start - base, len);
-        debug_assert!(r.is_ok(), "the tree frees host pages it holds: {r:?}");
+        if w.s.ext.in_flight_pages == 0 {
+            let r = group.free_range(start - base, len);
+            debug_assert!(r.is_ok(), "the tree frees host pages it holds: {r:?}");
+            continue;
+        }
+        for h in start - base..start - base + len {
+            if !bit(&w.s.ext.in_flight, h) {
+                let r = group.free_range(h, 1);
+                debug_assert!(r.is_ok(), "the tree frees host pages it holds: {r:?}");
+            }
+        }
     }
     group.end();
+}
+
+// ---- transfers in flight ----
+
+#[inline]
+fn bit(words: &[u64], h: u32) -> bool {
+    let i = h as usize - 1;
+    words[i / 64] >> (i % 64) & 1 != 0
+}
+
+#[inline]
+fn set_bit(words: &mut [u64], h: u32, on: bool) {
+    let i = h as usize - 1;
+    if on {
+        words[i / 64] |= 1 << (i % 64);
+    } else {
+        words[i / 64] &= !(1 << (i % 64));
+    }
+}
+
+/// Whether any page of the chain (tree pages, host) is in flight.
+fn chain_in_flight<A: KvAllocator>(w: &Writer<'_, A, Hi>, first: u32, first_run: u32, count: u32) -> bool {
+    if w.s.ext.in_flight_pages == 0 {
+        return false;
+    }
+    let base = w.c.num_pages;
+    w.chain(first, first_run, count)
+        .any(|(start, len)| (start - base..start - base + len).any(|h| bit(&w.s.ext.in_flight, h)))
+}
+
+/// Whether the host-only node `id`'s pages are in flight (a write-back not complete).
+fn node_in_flight<A: KvAllocator>(w: &Writer<'_, A, Hi>, id: u32) -> bool {
+    if w.s.ext.in_flight_pages == 0 {
+        return false;
+    }
+    let (first, count) = w.span(id);
+    chain_in_flight(w, first, w.c.records[id as usize].first_run.load(Ordering::Relaxed), count)
+}
+
+/// Start a transfer between the device chain `device` and the host chain from
+/// `host_first` (tree pages; as many pages), locking the path of the node whose last
+/// page is `lock_page` (0: none) until it completes. Queued for the caller.
+fn start<A: KvAllocator>(
+    w: &mut Writer<'_, A, Hi>,
+    kind: TransferKind,
+    device: Runs<'_>,
+    host_first: u32,
+    host_run: u32,
+    count: u32,
+    lock_page: u32,
+) {
+    let base = w.c.num_pages;
+    let host = w.chain(host_first, host_run, count).flat_map(|(s, l)| s..s + l);
+    for (d, h) in device.flat_map(|(s, l)| s..s + l).zip(host) {
+        let h = h - base;
+        debug_assert!(!bit(&w.s.ext.in_flight, h), "host page {h} in two transfers");
+        w.s.ext.dev_of_host[h as usize] = d;
+        set_bit(&mut w.s.ext.in_flight, h, true);
+    }
+    w.s.ext.in_flight_pages += count as usize;
+    // Every transfer holds at least one host page of its own: the table has a slot
+    // per host page.
+    let slot = w.s.ext.free_entries.pop().expect("a transfer slot per host page");
+    let e = &mut w.s.ext.entries[slot as usize];
+    *e = Entry { gen: e.gen, live: true, kind, host_first, host_run, count, lock_page };
+    let st = &mut w.s.ext;
+    let at = (st.queue_head + st.queue_len) % st.queue.len();
+    st.queue[at] = slot;
+    st.queue_len += 1;
+    if lock_page != 0 {
+        let aux = w.inc_lock(lock_page);
+        debug_assert_eq!(aux, 0);
+    }
+}
+
+fn ticket<A: KvAllocator>(w: &Writer<'_, A, Hi>, slot: u32) -> Transfer {
+    let e = &w.s.ext.entries[slot as usize];
+    Transfer { cache_id: w.c.id, slot, gen: e.gen, kind: e.kind, pages: e.count }
+}
+
+/// The live entry `t` names.
+fn entry_of<A: KvAllocator>(w: &Writer<'_, A, Hi>, t: &Transfer) -> Result<Entry, TransferError> {
+    if t.cache_id != w.c.id {
+        return Err(TransferError::ForeignCache);
+    }
+    match w.s.ext.entries.get(t.slot as usize) {
+        Some(e) if e.live && e.gen == t.gen => Ok(*e),
+        _ => Err(TransferError::Unknown),
+    }
+}
+
+/// End the transfer in `slot`: its host pages are no longer in flight (those whose
+/// node left the tree meanwhile go back to the host pool), its lock goes.
+fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
+    let e = w.s.ext.entries[slot as usize];
+    let base = w.c.num_pages;
+    let mut group = w.c.variant.host.free_group();
+    for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+        for p in start..start + len {
+            set_bit(&mut w.s.ext.in_flight, p - base, false);
+            if !w.in_tree(p) {
+                let r = group.free_range(p - base, 1);
+                debug_assert!(r.is_ok(), "an orphaned page in flight is held: {r:?}");
+            }
+        }
+    }
+    group.end();
+    w.s.ext.in_flight_pages -= e.count as usize;
+    if e.lock_page != 0 {
+        w.dec_lock(e.lock_page, 0);
+    }
+    let x = &mut w.s.ext.entries[slot as usize];
+    (x.live, x.gen) = (false, x.gen.wrapping_add(1));
+    w.s.ext.free_entries.push(slot);
 }
 
 fn last_of(runs: Runs<'_>) -> u32 {
     runs.last().map_or(0, |(start, len)| start + len - 1)
 }
 
-/// Back node `id` (resident) up: host pages for it, evicting host leaves when short.
-/// Whether it has a host copy now.
-fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) -> bool {
+/// Back node `id` (resident) up: host pages for it, evicting host leaves when short,
+/// and a transfer of `kind` to fill them. Whether it has a host copy now.
+fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind) -> bool {
     let e = ext(w, id);
     if e.copy != 0 {
         return true;
@@ -420,6 +702,8 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) -> bool {
     let e = ext_mut(w, id);
     (e.copy, e.copy_run) = (first, first_run);
     w.c.variant.written.fetch_add((n * ps) as u64, Ordering::Relaxed);
+    let lock = if kind == TransferKind::Backup { w.s.meta[id as usize].last_page } else { 0 };
+    start(w, kind, w.chain(own, own_run, count), first, first_run, count, lock);
     true
 }
 
@@ -432,7 +716,7 @@ fn write_hit<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) {
     }
     e.write_hits = e.write_hits.saturating_add(1);
     if u64::from(e.write_hits) >= threshold {
-        backup(w, id);
+        backup(w, id, TransferKind::Backup);
     }
 }
 
@@ -550,14 +834,25 @@ fn remove_host_subtree<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) {
 /// host tokens are freed or none is left. Returns the host tokens freed.
 fn evict_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, num: usize) -> usize {
     let mut freed = 0;
+    let mut skipped = core::mem::take(&mut w.s.ext.skipped);
+    skipped.clear();
     while freed < num {
         let Some(x) = order(w).pop() else { break };
+        if node_in_flight(w, x) {
+            // Its write-back has not landed: not evictable yet.
+            skipped.push(x); // within the capacity reserved at construction
+            continue;
+        }
         let (parent, len) = remove_host_node(w, x);
         freed += len;
         if is_host_leaf(&ext(w, parent)) {
             order(w).push(parent);
         }
     }
+    for &x in &skipped {
+        order(w).push(x);
+    }
+    w.s.ext.skipped = skipped;
     freed
 }
 
@@ -571,10 +866,30 @@ impl Variant for Hi {
     }
 
     fn new_state(&self, nodes: usize) -> Result<HiState, ConfigError> {
+        let hp = self.tier.host_pages as usize;
+        let mut free_entries: Vec<u32> = crate::arena::try_with_capacity(hp, "host transfer slots")?;
+        free_entries.extend((0..hp as u32).rev());
+        let mut entries = crate::arena::try_with_capacity(hp, "host transfers")?;
+        entries.resize(hp, Entry::default());
+        let mut queue = crate::arena::try_with_capacity(hp, "host transfer queue")?;
+        queue.resize(hp.max(1), 0u32);
+        let mut dev_of_host = crate::arena::try_with_capacity(hp + 1, "host transfer pairs")?;
+        dev_of_host.resize(hp + 1, 0u32);
+        let mut in_flight = crate::arena::try_with_capacity(hp.div_ceil(64), "host pages in flight")?;
+        in_flight.resize(hp.div_ceil(64), 0u64);
         Ok(HiState {
             order: crate::arena::try_with_capacity(nodes, "host order")?,
-            pages: crate::arena::try_with_capacity(self.tier.host_pages as usize, "host backup pages")?,
+            pages: crate::arena::try_with_capacity(hp, "host backup pages")?,
             chain: crate::arena::try_with_capacity(nodes, "host load-back chain")?,
+            skipped: crate::arena::try_with_capacity(nodes, "host eviction scratch")?,
+            entries,
+            free_entries,
+            queue,
+            queue_head: 0,
+            queue_len: 0,
+            dev_of_host,
+            in_flight,
+            in_flight_pages: 0,
         })
     }
 
@@ -600,7 +915,7 @@ impl Variant for Hi {
         group: &mut KvFreeGroup<'_>,
     ) -> usize {
         if w.c.variant.tier.write_policy == WritePolicy::WriteBack {
-            backup(w, x);
+            backup(w, x, TransferKind::WriteBack);
         }
         let len = w.len_of(x);
         w.c.variant.device_evicted.fetch_add(len as u64, Ordering::Relaxed);
@@ -684,6 +999,15 @@ impl Variant for Hi {
 
     fn reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) {
         w.s.ext.order.clear();
+        // Transfers in flight are dropped: their locks go with the tree, their pages
+        // (out of the tree now) back to the host pool.
+        for slot in 0..w.s.ext.entries.len() as u32 {
+            if w.s.ext.entries[slot as usize].live {
+                w.s.ext.entries[slot as usize].lock_page = 0;
+                finish_transfer(w, slot);
+            }
+        }
+        (w.s.ext.queue_head, w.s.ext.queue_len) = (0, 0);
     }
 
     fn check<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Result<(), String> {
@@ -757,9 +1081,45 @@ impl Variant for Hi {
                 return Err(format!("node {id}'s child list holds {n} nodes"));
             }
         }
+        // Transfers in flight: their pages are marked, once each; pages of nodes that
+        // left the tree meanwhile are held by the transfer alone.
+        let mut marked = 0usize;
+        let mut live = 0usize;
+        let mut seen = vec![0u64; w.s.ext.in_flight.len()];
+        for (slot, e) in w.s.ext.entries.iter().enumerate() {
+            if !e.live {
+                continue;
+            }
+            live += 1;
+            for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+                for p in start..start + len {
+                    let h = p.checked_sub(base).filter(|&h| h >= 1 && h <= v.tier.host_pages);
+                    let Some(h) = h else {
+                        return Err(format!("transfer {slot} names page {p}, not a host page"));
+                    };
+                    if !bit(&w.s.ext.in_flight, h) || bit(&seen, h) || !v.host.is_allocated(h) {
+                        return Err(format!("transfer {slot}'s host page {h} is unmarked, shared or free"));
+                    }
+                    set_bit(&mut seen, h, true);
+                    marked += 1;
+                    if !w.in_tree(p) {
+                        held += 1;
+                    }
+                }
+            }
+            if e.lock_page != 0 && w.s.meta[w.s.page_owner[e.lock_page as usize] as usize].lock_ref == 0 {
+                return Err(format!("transfer {slot}'s node is not locked"));
+            }
+        }
+        if marked != w.s.ext.in_flight_pages || seen != w.s.ext.in_flight {
+            return Err(format!("{marked} host pages in transfers, {} marked in flight", w.s.ext.in_flight_pages));
+        }
+        if live + w.s.ext.free_entries.len() != w.s.ext.entries.len() {
+            return Err(format!("{live} transfers live, {} slots free", w.s.ext.free_entries.len()));
+        }
         let used = v.host.capacity() as usize - v.host.available();
         if held != used {
-            return Err(format!("nodes hold {held} host pages, the host pool has {used} allocated"));
+            return Err(format!("nodes and transfers hold {held} host pages, the host pool has {used} allocated"));
         }
         if leaves != w.s.ext.order.len() {
             return Err(format!("host order holds {}, {leaves} host leaves", w.s.ext.order.len()));
@@ -870,7 +1230,12 @@ fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut
         x = w.parent_of(x);
     }
     let v = &w.c.variant;
-    if total == 0 || total < v.tier.load_back_threshold || quota.is_some_and(|q| total > q) || out.len() < total {
+    if total == 0
+        || total < v.tier.load_back_threshold
+        || quota.is_some_and(|q| total > q)
+        || out.len() < total
+        || chain.iter().any(|&y| node_in_flight(w, y))
+    {
         w.s.ext.chain = chain;
         return 0;
     }
@@ -905,6 +1270,10 @@ fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut
             let len = w.len_of(y);
             to_device(w, y, &out[at..at + len]);
             at += len;
+            let HiNode { copy, copy_run, .. } = ext(w, y);
+            let last = w.s.meta[y as usize].last_page;
+            let count = w.span(y).1;
+            start(w, TransferKind::Load, w.runs(y), copy, copy_run, count, last);
         }
         w.c.variant.loaded.fetch_add(total as u64, Ordering::Relaxed);
     }
@@ -1038,9 +1407,82 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         (Lease { cache: self, key }, loaded)
     }
 
+    /// Move the transfers started since the last call (oldest first) into `out`, as
+    /// many as fit; returns how many. Each transfer is reported once: the caller
+    /// copies its pages ([`transfer_pages`](Self::transfer_pages)) and then
+    /// [`complete`](Self::complete)s it. Transfers completed before they are taken are
+    /// not reported.
+    pub fn take_transfers(&self, out: &mut [Transfer]) -> usize {
+        if out.is_empty() {
+            return 0;
+        }
+        self.write(|w| {
+            let mut n = 0;
+            while n < out.len() && w.s.ext.queue_len > 0 {
+                let st = &mut w.s.ext;
+                let slot = st.queue[st.queue_head];
+                st.queue_head = (st.queue_head + 1) % st.queue.len();
+                st.queue_len -= 1;
+                if w.s.ext.entries[slot as usize].live {
+                    out[n] = ticket(w, slot);
+                    n += 1;
+                }
+            }
+            n
+        })
+    }
+
+    /// The pages transfer `t` copies, in key order: device pages (the allocator's page
+    /// numbers) into `device`, host pages (`1..=host_pages`, a
+    /// [`HostKvPool`](crate::kv::host::HostKvPool)'s numbering) into `host`, pair by
+    /// pair. Returns the number of pairs ([`Transfer::pages`]).
+    ///
+    /// # Errors
+    ///
+    /// [`TransferError`] when `t` is not in flight here or a buffer is too short;
+    /// nothing is written then.
+    pub fn transfer_pages(&self, t: Transfer, device: &mut [u32], host: &mut [u32]) -> Result<usize, TransferError> {
+        let need = t.pages();
+        if device.len().min(host.len()) < need {
+            return Err(TransferError::BufferTooShort { need, got: device.len().min(host.len()) });
+        }
+        self.write(|w| {
+            let e = entry_of(w, &t)?;
+            let base = w.c.num_pages;
+            let pages = w.chain(e.host_first, e.host_run, e.count).flat_map(|(s, l)| s..s + l);
+            for (i, p) in pages.enumerate() {
+                host[i] = p - base;
+                device[i] = w.s.ext.dev_of_host[(p - base) as usize];
+            }
+            Ok(need)
+        })
+    }
+
+    /// Report transfer `t` done (its copy has finished on the device): what the tree
+    /// held for it is released (see [`TransferKind`]).
+    ///
+    /// # Errors
+    ///
+    /// [`TransferError::Unknown`] when it is not in flight (completed twice, or
+    /// dropped by a reset), [`TransferError::ForeignCache`]; nothing changes then.
+    pub fn complete(&self, t: Transfer) -> Result<(), TransferError> {
+        let r = self.write(|w| {
+            entry_of(w, &t)?;
+            finish_transfer(w, t.slot);
+            Ok(())
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// Transfers in flight (started and not completed).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.write(|w| w.s.ext.entries.len() - w.s.ext.free_entries.len())
+    }
+
     /// Host eviction: remove host-only leaves, least recently used first, until at
     /// least `num_tokens` host tokens are freed or none is left. Returns the host
-    /// tokens freed.
+    /// tokens freed. Leaves whose write-back is in flight stay.
     pub fn evict_host(&self, num_tokens: usize) -> usize {
         if num_tokens == 0 {
             return 0;

@@ -168,7 +168,10 @@ mod tokens;
 mod variant;
 
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
-pub use hi::{Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
+pub use hi::{
+    Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, Transfer, TransferError, TransferKind, WritePolicy,
+    DEFAULT_LOAD_BACK_THRESHOLD,
+};
 pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};

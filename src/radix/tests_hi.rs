@@ -10,6 +10,22 @@ fn cache(device: usize, host_pages: u32, write_policy: WritePolicy) -> HiRadixCa
     HiRadixCache::with_host_tier(alloc, ReqToTokenPool::new(4, 64).unwrap(), RadixConfig::default(), tier).unwrap()
 }
 
+/// Complete every transfer in flight (copies that take no time); how many.
+fn settle(c: &HiRadixCache<PagedAllocator>) -> usize {
+    let mut buf = [Transfer::default(); 16];
+    let n = c.take_transfers(&mut buf);
+    for t in &buf[..n] {
+        c.complete(*t).unwrap();
+    }
+    n
+}
+
+fn take_one(c: &HiRadixCache<PagedAllocator>) -> Transfer {
+    let mut buf = [Transfer::default(); 2];
+    assert_eq!(c.take_transfers(&mut buf), 1);
+    buf[0]
+}
+
 fn slots(c: &HiRadixCache<PagedAllocator>, n: usize) -> Vec<u32> {
     let mut s = vec![0u32; n];
     c.allocator().alloc(&mut s).unwrap();
@@ -22,6 +38,7 @@ fn a_backed_up_node_survives_device_eviction_and_loads_back() {
     let a = slots(&c, 6);
     c.insert(0, &[1, 2, 3, 4, 5, 6], &a).unwrap();
     assert_eq!(c.counters().written, 6);
+    assert_eq!(settle(&c), 1);
     assert_eq!(c.evict(6), 6);
     c.check_invariants().unwrap();
     assert_eq!((c.total_size(), c.host_size()), (0, 6));
@@ -37,6 +54,7 @@ fn a_backed_up_node_survives_device_eviction_and_loads_back() {
     assert_eq!((lease.len(), hit.matched, hit.loaded), (6, 6, 6));
     assert_eq!(c.counters().loaded, 6);
     c.check_invariants().unwrap();
+    assert_eq!(settle(&c), 2); // one load per node: the match split it
     let mut peek = [0u32; 6];
     assert_eq!(c.peek_prefix(0, &[1, 2, 3, 4, 5, 6], &mut peek), 6);
     assert_eq!(peek, out);
@@ -56,6 +74,7 @@ fn a_node_without_a_copy_goes_with_its_host_subtree() {
     let b = slots(&c, 6);
     assert_eq!(c.insert(0, &[1, 2, 3, 4, 5, 6], &b).unwrap(), 4);
     c.allocator().free(&b[..4]).unwrap();
+    settle(&c);
     let k = c.counters();
     assert_eq!((k.written, k.backup_refused), (2, 2));
     assert_eq!(c.evict(2), 2); // [5, 6] goes to host
@@ -72,9 +91,11 @@ fn an_insert_over_host_nodes_takes_the_request_slots() {
     let c = cache(16, 4, WritePolicy::WriteThrough);
     let a = slots(&c, 4);
     c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    settle(&c);
     c.evict(4);
     let r = slots(&c, 6);
     assert_eq!(c.insert(0, &[1, 2, 3, 4, 5, 6], &r).unwrap(), 0);
+    settle(&c);
     let mut out = [0u32; 6];
     let m = c.match_tiers(0, &[1, 2, 3, 4, 5, 6], &mut out);
     assert_eq!((m.device.len(), m.host_len), (6, 0));
@@ -88,6 +109,7 @@ fn an_insert_over_host_nodes_takes_the_request_slots() {
     c.insert(0, &[7, 7, 7, 7], &x).unwrap(); // needs 2 host pages, 1 free
     assert_eq!(c.counters().host_evicted, 2);
     c.check_invariants().unwrap();
+    settle(&c);
 }
 
 #[test]
@@ -98,13 +120,18 @@ fn write_back_copies_on_eviction_and_a_full_host_refuses() {
     assert_eq!(c.counters().written, 0);
     let b = slots(&c, 6);
     c.insert(0, &[5, 5, 5, 5, 5, 5], &b).unwrap();
+    assert_eq!(settle(&c), 0);
     assert_eq!(c.evict(10), 10);
     let k = c.counters();
     assert_eq!((k.written, k.backup_refused), (4, 1));
-    // [5 x 6] needed 3 host pages of 2: the host was emptied for it ([1..4] went),
-    // then the backup was refused and the node removed.
-    assert_eq!((c.host_size(), c.node_count(), c.counters().host_evicted), (0, 0, 4));
+    // [5 x 6] needed 3 host pages of 2; [1..4]'s write-back is in flight, so the host
+    // could not evict it: the backup was refused and the node removed.
+    assert_eq!((c.host_size(), c.node_count(), c.counters().host_evicted), (4, 1, 0));
     c.check_invariants().unwrap();
+    let t = take_one(&c);
+    assert_eq!((t.kind(), t.pages()), (TransferKind::WriteBack, 2));
+    c.complete(t).unwrap();
+    assert_eq!(c.evict_host(4), 4);
     let again = slots(&c, 4);
     c.insert(0, &[1, 2, 3, 4], &again).unwrap();
     c.evict(4);
@@ -123,4 +150,121 @@ fn events_are_refused() {
         HostTier::new(4),
     );
     assert!(matches!(r, Err(ConfigError::Unsupported { .. })));
+}
+
+#[test]
+fn a_backup_in_flight_locks_its_node_until_complete() {
+    let c = cache(16, 8, WritePolicy::WriteThrough);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    assert_eq!((c.transfers_in_flight(), c.protected_size(), c.evictable_size()), (1, 4, 0));
+    assert_eq!(c.evict(4), 0, "the device copy is being read");
+    let t = take_one(&c);
+    assert_eq!((t.kind(), t.pages(), t.kind().to_host()), (TransferKind::Backup, 2, true));
+    let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+    assert_eq!(
+        c.transfer_pages(t, &mut dev[..1], &mut host),
+        Err(TransferError::BufferTooShort { need: 2, got: 1 })
+    );
+    assert_eq!(c.transfer_pages(t, &mut dev, &mut host), Ok(2));
+    assert_eq!(dev, [a[0] / 2, a[2] / 2]);
+    assert!(host.iter().all(|&h| (1..=8).contains(&h)) && host[0] != host[1]);
+    // A split while in flight keeps the pairs and the lock.
+    let mut out = [0u32; 4];
+    c.match_tiers(0, &[1, 2, 9, 9], &mut out);
+    assert_eq!(c.node_count(), 2);
+    let (mut dev2, mut host2) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut dev2, &mut host2).unwrap();
+    assert_eq!((dev2, host2), (dev, host));
+    c.check_invariants().unwrap();
+    assert_eq!(c.evict(4), 0);
+    // Another cache's transfer, a placeholder, a second completion: refused.
+    let other = cache(16, 8, WritePolicy::WriteThrough);
+    let b = slots(&other, 2);
+    other.insert(0, &[1, 2], &b).unwrap();
+    let foreign = take_one(&other);
+    assert_eq!(c.complete(foreign), Err(TransferError::ForeignCache));
+    assert_eq!(c.complete(Transfer::default()), Err(TransferError::ForeignCache));
+    c.complete(t).unwrap();
+    assert_eq!(c.complete(t), Err(TransferError::Unknown));
+    assert_eq!(c.transfer_pages(t, &mut dev, &mut host), Err(TransferError::Unknown));
+    assert_eq!((c.transfers_in_flight(), c.protected_size(), c.evictable_size()), (0, 0, 4));
+    assert_eq!(c.evict(4), 4);
+    assert_eq!(c.host_size(), 4);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_write_back_in_flight_holds_its_host_pages() {
+    let c = cache(16, 8, WritePolicy::WriteBack);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    assert_eq!(c.transfers_in_flight(), 0);
+    // The device pages are free at once; the copy is the caller's to order first.
+    assert_eq!(c.evict(4), 4);
+    assert_eq!(c.allocator().available_size(), 16);
+    let t = take_one(&c);
+    assert_eq!(t.kind(), TransferKind::WriteBack);
+    let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut dev, &mut host).unwrap();
+    assert_eq!(dev, [a[0] / 2, a[2] / 2]);
+    // Not host-evicted, not loaded back while the copy is on its way.
+    assert_eq!(c.evict_host(4), 0);
+    let mut out = [0u32; 4];
+    let (lease, hit) = c.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
+    assert_eq!((lease.len(), hit.matched, hit.loaded), (0, 4, 0));
+    drop(lease);
+    c.check_invariants().unwrap();
+    c.complete(t).unwrap();
+    let (lease, hit) = c.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
+    assert_eq!((lease.len(), hit.loaded), (4, 4));
+    let load = take_one(&c);
+    assert_eq!((load.kind(), load.kind().to_host()), (TransferKind::Load, false));
+    let (mut dev, mut host2) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(load, &mut dev, &mut host2).unwrap();
+    assert_eq!((dev, host2), ([out[0] / 2, out[2] / 2], host));
+    // The lease goes; the load still holds the node on the device.
+    drop(lease);
+    assert_eq!(c.evict(4), 0);
+    assert_eq!(c.evict_host(4), 0);
+    c.complete(load).unwrap();
+    assert_eq!(c.evict(4), 4);
+    assert_eq!(c.transfers_in_flight(), 0, "the host copy was kept: no second write-back");
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn host_pages_in_flight_outlive_their_node() {
+    // [1..4] above [5, 6]; two host pages.
+    let c = cache(16, 2, WritePolicy::WriteBack);
+    let a = slots(&c, 6);
+    c.insert(0, &[1, 2, 3, 4, 5, 6], &a).unwrap();
+    let mut out = [0u32; 6];
+    c.match_tiers(0, &[1, 2, 3, 4, 9, 9], &mut out);
+    assert_eq!(c.node_count(), 2);
+    assert_eq!(c.evict(2), 2); // [5, 6] written back: one host page in flight
+    let t = take_one(&c);
+    assert_eq!((c.node_count(), c.host_size()), (2, 2));
+    // [1..4] needs two host pages: one is free, the other in flight and not evictable,
+    // so its backup is refused and it goes with its host subtree. The page in flight
+    // leaves the tree but stays allocated until its copy completes.
+    assert_eq!(c.evict(4), 4);
+    assert_eq!(c.counters().backup_refused, 1);
+    assert_eq!((c.node_count(), c.host_size(), c.host_available()), (0, 2, 2));
+    c.check_invariants().unwrap();
+    c.complete(t).unwrap();
+    assert_eq!((c.host_size(), c.host_available()), (0, 4));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn reset_drops_transfers_in_flight() {
+    let mut c = cache(16, 8, WritePolicy::WriteThrough);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    let t = take_one(&c);
+    c.reset();
+    assert_eq!(c.complete(t), Err(TransferError::Unknown));
+    assert_eq!((c.transfers_in_flight(), c.host_size(), c.allocator().available_size()), (0, 0, 16));
+    c.check_invariants().unwrap();
 }

@@ -20,7 +20,7 @@ use super::stats::thousands;
 use super::{run_sequential, CacheKind, ReplayCache, ReplayConfig, ReplayError, Report, Trace};
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
 use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::{Hi, HiRadixCache, HostTier, Lease, RadixConfig};
+use crate::radix::{Hi, HiRadixCache, HostTier, Lease, RadixConfig, Transfer};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator};
 
@@ -198,6 +198,28 @@ impl HiReplayCache {
     }
 }
 
+/// The replay moves no bytes: every transfer a step starts completes at once.
+fn settle_reference(t: &mut ReferenceHiCache<PagedAllocator>) {
+    for tr in t.take_transfers() {
+        t.complete(tr.id);
+    }
+}
+
+/// As [`settle_reference`], for kvpool's tree.
+fn settle(tree: &HiRadixCache<PagedAllocator>) {
+    let mut buf = [Transfer::default(); 64];
+    loop {
+        let n = tree.take_transfers(&mut buf);
+        for t in &buf[..n] {
+            let r = tree.complete(*t);
+            debug_assert!(r.is_ok(), "a transfer just taken is in flight: {r:?}");
+        }
+        if n < buf.len() {
+            break;
+        }
+    }
+}
+
 impl ReplayCache for HiReplayCache {
     type Lease<'a> = HiLease;
 
@@ -243,6 +265,7 @@ impl ReplayCache for HiReplayCache {
             }
         }
         t.inc_lock_ref(node);
+        settle_reference(&mut t);
         out[..m.device.len()].copy_from_slice(&m.device);
         (m.device.len(), HiLease { node, len: m.device.len() })
     }
@@ -252,7 +275,10 @@ impl ReplayCache for HiReplayCache {
         m.device.len()
     }
     fn evict(&self, num_tokens: usize) -> usize {
-        self.tree().evict(num_tokens)
+        let mut t = self.tree();
+        let n = t.evict(num_tokens);
+        settle_reference(&mut t);
+        n
     }
     fn alloc_extend(
         &self,
@@ -280,7 +306,12 @@ impl ReplayCache for HiReplayCache {
         lease: HiLease,
     ) -> Result<usize, ReplayError> {
         let kv = self.req_pool.read(&row, 0..token_ids.len()).map_err(|e| ReplayError::internal("read row", e))?;
-        let prefix = self.tree().cache_finished_req(namespace, token_ids, kv, lease.len, lease.node);
+        let prefix = {
+            let mut t = self.tree();
+            let prefix = t.cache_finished_req(namespace, token_ids, kv, lease.len, lease.node);
+            settle_reference(&mut t);
+            prefix
+        };
         self.req_pool.free(row).map_err(|e| ReplayError::internal("free row", e))?;
         Ok(prefix)
     }
@@ -333,6 +364,7 @@ impl ReplayCache for KvHiReplay {
     fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
         let before = self.tree.counters().device_evicted;
         let (lease, hit) = self.tree.match_and_load(namespace, key, out, None);
+        settle(&self.tree);
         self.load_evictions.fetch_add(self.tree.counters().device_evicted - before, Ordering::Relaxed);
         self.host_hits.fetch_add(hit.loaded as u64, Ordering::Relaxed);
         self.skipped.fetch_add((hit.matched - hit.loaded) as u64, Ordering::Relaxed);
@@ -342,7 +374,9 @@ impl ReplayCache for KvHiReplay {
         self.tree.peek_prefix(namespace, key, out)
     }
     fn evict(&self, num_tokens: usize) -> usize {
-        self.tree.evict(num_tokens)
+        let n = self.tree.evict(num_tokens);
+        settle(&self.tree);
+        n
     }
     fn alloc_extend(
         &self,
@@ -369,9 +403,12 @@ impl ReplayCache for KvHiReplay {
         row: ReqRow,
         lease: Self::Lease<'a>,
     ) -> Result<usize, ReplayError> {
-        self.tree
+        let r = self
+            .tree
             .cache_finished_req(namespace, token_ids, row, lease)
-            .map_err(|u| ReplayError::internal("cache_finished_req", u))
+            .map_err(|u| ReplayError::internal("cache_finished_req", u));
+        settle(&self.tree);
+        r
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.tree.allocator().check_invariants()?;
