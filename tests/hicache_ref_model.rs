@@ -23,6 +23,8 @@ enum Op {
     Finish,
     Evict(usize),
     EvictHost(usize),
+    /// Complete the oldest transfer in flight.
+    Complete,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -33,6 +35,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Finish),
         1 => (0usize..16).prop_map(Op::Evict),
         1 => (0usize..16).prop_map(Op::EvictHost),
+        2 => Just(Op::Complete),
     ]
 }
 
@@ -41,6 +44,14 @@ struct Open {
     kv: Vec<u32>,
     protected: usize,
     node: HiNodeId,
+}
+
+/// Complete every transfer in flight.
+fn settle(c: &mut ReferenceHiCache<PagedAllocator>, flight: &mut Vec<u64>) {
+    flight.extend(c.take_transfers().into_iter().map(|t| t.id));
+    for id in flight.drain(..) {
+        assert!(c.complete(id), "transfer {id} not in flight");
+    }
 }
 
 fn finish(c: &mut ReferenceHiCache<PagedAllocator>, r: Open) {
@@ -57,6 +68,7 @@ fn run(write: WritePolicy, host_pages: u32, threshold: usize, ops: &[Op]) -> Res
     )
     .unwrap();
     let mut open: Vec<Open> = Vec::new();
+    let mut flight: Vec<u64> = Vec::new();
     let mut loaded_before = 0;
     for op in ops {
         match op {
@@ -104,6 +116,14 @@ fn run(write: WritePolicy, host_pages: u32, threshold: usize, ops: &[Op]) -> Res
             Op::EvictHost(n) => {
                 c.evict_host(*n);
             }
+            Op::Complete => {
+                flight.extend(c.take_transfers().into_iter().map(|t| t.id));
+                if !flight.is_empty() {
+                    let id = flight.remove(0);
+                    prop_assert!(c.complete(id));
+                    prop_assert!(!c.complete(id), "completed twice");
+                }
+            }
         }
         if let Err(e) = c.check() {
             return Err(TestCaseError::fail(e));
@@ -113,10 +133,13 @@ fn run(write: WritePolicy, host_pages: u32, threshold: usize, ops: &[Op]) -> Res
         prop_assert_eq!(c.allocator().available_size() + cached + held, DEVICE);
     }
     // Everything back: both pools whole again.
+    settle(&mut c, &mut flight);
     for r in open.drain(..) {
         finish(&mut c, r);
     }
+    settle(&mut c, &mut flight);
     c.evict(usize::MAX);
+    settle(&mut c, &mut flight);
     c.evict_host(usize::MAX);
     prop_assert_eq!(c.allocator().available_size(), DEVICE);
     prop_assert_eq!(c.host().available(), host_pages as usize);
