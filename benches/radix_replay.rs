@@ -29,6 +29,14 @@
 //! the window bookkeeping (the mapping written on allocation and cleared on free, the
 //! window order, window locks, the window rule of the match). Its hits are printed.
 //!
+//! `cache_ops/kvpool_hi` is the `cache_ops` work through kvpool's `HiRadixCache`
+//! (issue 11) with a host tier under the same device pool (15 M host tokens at 1 M
+//! device tokens, as the issue's 1M+15M replay; 16 M at 150 M), `write_through`: a
+//! match loads its host continuation back (`match_and_load`), device evictions move
+//! backed-up nodes to host, backups evict host leaves, and every transfer the tree
+//! starts is taken, its page pairs read and completed at once (the copies themselves
+//! are not part of it). Its device and host hits are printed.
+//!
 //! `KVPOOL_BENCH_CLOCK=cpu` times every run by the thread's CPU time instead of wall
 //! time (Linux): steadier on a shared machine, where a descheduled run would count the
 //! time other processes took.
@@ -43,7 +51,9 @@ use std::time::{Duration, Instant};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode};
 use kvpool::alloc::{plan_extend, SwaAllocator};
-use kvpool::radix::{EvictionPolicy, MambaRadixCache, RadixCache, RadixConfig, SwaRadixCache};
+use kvpool::radix::{
+    EvictionPolicy, HiRadixCache, HostTier, MambaRadixCache, RadixCache, RadixConfig, SwaRadixCache, Transfer,
+};
 use kvpool::replay::{
     run_sequential, HybridConfig, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache,
     MAX_MAMBA_STATES, MIN_MAMBA_STATES,
@@ -177,6 +187,79 @@ fn cache_ops_swa(cache: &SwaRadixCache, trace: &Trace, tokens: &mut [u32], slots
     hits
 }
 
+/// Page buffers for [`cache_ops_hi`]'s transfers.
+struct Flight {
+    held: Vec<Transfer>,
+    device: Vec<u32>,
+    host: Vec<u32>,
+}
+
+impl Flight {
+    fn new(max_kv: usize) -> Flight {
+        Flight { held: vec![Transfer::default(); 256], device: vec![0; max_kv], host: vec![0; max_kv] }
+    }
+
+    /// Take every transfer started, read its pairs, complete it.
+    fn settle(&mut self, cache: &HiRadixCache<PagedAllocator>) {
+        loop {
+            let n = cache.take_transfers(&mut self.held);
+            for t in &self.held[..n] {
+                cache.transfer_pages(*t, &mut self.device, &mut self.host).unwrap();
+                cache.complete(*t).unwrap();
+            }
+            if n < self.held.len() {
+                break;
+            }
+        }
+    }
+}
+
+/// [`cache_ops`] through a `HiRadixCache` (see the module docs). Returns the device
+/// and the host (loaded back) hit tokens.
+fn cache_ops_hi(
+    cache: &HiRadixCache<PagedAllocator>,
+    trace: &Trace,
+    tokens: &mut [u32],
+    slots: &mut [u32],
+    flight: &mut Flight,
+) -> (usize, usize) {
+    let ps = cache.page_size();
+    let (mut device, mut host) = (0, 0);
+    for r in 0..trace.len() {
+        let req = trace.request(r);
+        let kv = req.kv_len();
+        trace.write_kv_tokens(r, &mut tokens[..kv]);
+        let prompt = req.input_length as usize;
+        let (lease, found) = cache.match_and_load(0, &tokens[..prompt], &mut slots[..prompt], None);
+        flight.settle(cache);
+        let hit = lease.len();
+        (device, host) = (device + hit - found.loaded, host + found.loaded);
+        let last = if hit > 0 { slots[hit - 1] } else { 0 };
+        let need = plan_extend(ps as u32, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps;
+        let avail = cache.allocator().available_size();
+        if avail < need {
+            cache.evict(need - avail);
+            flight.settle(cache);
+        }
+        if cache.allocator().alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+            continue;
+        }
+        let mut row = cache.req_pool().alloc().unwrap();
+        cache.req_pool().write(&mut row, 0, &slots[..kv]).unwrap();
+        cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
+        flight.settle(cache);
+    }
+    (device, host)
+}
+
+fn hi_cache(s: Setup, max_kv: usize) -> HiRadixCache<PagedAllocator> {
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
+    let host_tokens = if s.capacity <= 1 << 20 { 15 << 20 } else { 16 << 20 };
+    let tier = HostTier::new((host_tokens / s.page_size as usize) as u32);
+    HiRadixCache::with_host_tier(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, tier).unwrap()
+}
+
 fn swa_cache(s: Setup, max_kv: usize) -> SwaRadixCache {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
     let alloc = SwaAllocator::new(s.capacity, s.capacity, s.page_size).unwrap();
@@ -303,6 +386,9 @@ fn bench(c: &mut Criterion) {
         println!("{}: hit tokens cache_ops kvpool_mamba: KV {mkv}, state (resumable) {mstate}", s.label);
         let w = cache_ops_swa(&swa_cache(s, max_kv), &trace, &mut tokens, &mut slots);
         println!("{}: hit tokens cache_ops kvpool_swa: {w} (kvpool {a})", s.label);
+        let mut flight = Flight::new(max_kv);
+        let (hd, hh) = cache_ops_hi(&hi_cache(s, max_kv), &trace, &mut tokens, &mut slots, &mut flight);
+        println!("{}: hit tokens cache_ops kvpool_hi: device {hd}, host {hh} (kvpool {a})", s.label);
         if cpu_clock() {
             println!("{}: timing by thread CPU time (KVPOOL_BENCH_CLOCK=cpu)", s.label);
         }
@@ -332,6 +418,15 @@ fn bench(c: &mut Criterion) {
             || swa_cache(s, max_kv),
             |c| {
                 cache_ops_swa(c, trace, tokens, slots);
+            },
+        );
+        let fl = &mut flight;
+        timed(
+            &mut group,
+            id("cache_ops", "kvpool_hi"),
+            || hi_cache(s, max_kv),
+            |c| {
+                cache_ops_hi(c, trace, tokens, slots, fl);
             },
         );
         timed(

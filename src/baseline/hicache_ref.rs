@@ -578,7 +578,8 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
     }
 
     fn host_in_flight(&self, n: usize) -> bool {
-        self.nodes[n].host.as_ref().is_some_and(|h| h.iter().any(|p| self.in_flight.contains(p)))
+        !self.in_flight.is_empty()
+            && self.nodes[n].host.as_ref().is_some_and(|h| h.iter().any(|p| self.in_flight.contains(p)))
     }
 
     fn start(&mut self, kind: TransferKind, node: usize, pages: Vec<u32>) {

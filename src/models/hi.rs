@@ -22,9 +22,11 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache};
 use crate::baseline::hicache_ref::RefTransfer;
-use crate::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, Transfer, TransferError, WritePolicy};
+use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache};
+use crate::radix::{
+    EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, Transfer, TransferError, WritePolicy,
+};
 use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
 
 /// Longest key, in tokens.

@@ -491,7 +491,8 @@ fn rekey_children<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, last: u32)
     while c != NIL {
         let (first, _) = w.span(c);
         let first_run = w.c.records[c as usize].first_run.load(Ordering::Relaxed);
-        w.republish(c, first, first_run, last);
+        let mark = w.c.records[c as usize].mark.load(Ordering::Relaxed);
+        w.republish(c, first, first_run, last, mark);
         c = ext(w, c).next;
     }
 }
@@ -721,11 +722,12 @@ fn write_hit<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32) {
 }
 
 /// Swap node `id`'s own pages for the chain from `first` (its run `first_run`, last
-/// page `last`): republish it, move its ownership and its children's keys.
-fn swap_pages<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, first: u32, first_run: u32, last: u32) {
+/// page `last`): republish it with the reader mark of its new tier (1: host-only),
+/// move its ownership and its children's keys.
+fn swap_pages<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, first: u32, first_run: u32, last: u32, mark: u32) {
     let parent_page = w.c.records[id as usize].parent_page.load(Ordering::Relaxed);
     let old_last = w.s.meta[id as usize].last_page;
-    w.republish(id, first, first_run, parent_page);
+    w.republish(id, first, first_run, parent_page, mark);
     w.s.page_owner[old_last as usize] = NIL;
     w.s.page_owner[last as usize] = id;
     w.s.page_epoch[last as usize] = w.s.page_epoch[last as usize].wrapping_add(1);
@@ -741,10 +743,9 @@ fn to_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, group: &mut KvFre
     let (own, count) = w.span(id);
     let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
     let last = last_of(w.chain(e.copy, e.copy_run, count));
-    swap_pages(w, id, e.copy, e.copy_run, last);
+    swap_pages(w, id, e.copy, e.copy_run, last, 1);
     let x = ext_mut(w, id);
     (x.host_only, x.copy, x.copy_run) = (true, 0, 0);
-    w.set_mark(id, 1);
     // After the republish (a SeqCst retirement of the old view): free the device pages.
     for (start, len) in w.chain(own, own_run, count) {
         w.set_in_tree_range(start, len, false);
@@ -777,13 +778,12 @@ fn to_device<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, slots: &[u32]) 
     fence(Ordering::Release);
     let (first, first_run, last) = w.link_runs(slot_runs(slots, ps));
     copy_tokens(w, w.chain(own, own_run, count), w.chain(first, first_run, count));
-    swap_pages(w, id, first, first_run, last);
+    swap_pages(w, id, first, first_run, last, 0);
     if ext(w, id).pos != NIL {
         order(w).remove(id);
     }
     let x = ext_mut(w, id);
     (x.host_only, x.copy, x.copy_run) = (false, own, own_run);
-    w.set_mark(id, 0);
     let len = count as usize * ps;
     w.c.evictable.fetch_add(len, Ordering::Release);
     w.c.total.fetch_add(len, Ordering::Release);

@@ -162,10 +162,7 @@ fn a_backup_in_flight_locks_its_node_until_complete() {
     let t = take_one(&c);
     assert_eq!((t.kind(), t.pages(), t.kind().to_host()), (TransferKind::Backup, 2, true));
     let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
-    assert_eq!(
-        c.transfer_pages(t, &mut dev[..1], &mut host),
-        Err(TransferError::BufferTooShort { need: 2, got: 1 })
-    );
+    assert_eq!(c.transfer_pages(t, &mut dev[..1], &mut host), Err(TransferError::BufferTooShort { need: 2, got: 1 }));
     assert_eq!(c.transfer_pages(t, &mut dev, &mut host), Ok(2));
     assert_eq!(dev, [a[0] / 2, a[2] / 2]);
     assert!(host.iter().all(|&h| (1..=8).contains(&h)) && host[0] != host[1]);

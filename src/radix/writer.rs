@@ -490,10 +490,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// tokens are written already) and a new parent page, keeping its id, metadata and
     /// children: readers holding it fail validation (its `gen` moves, with `SeqCst`, as
     /// a retirement's), and it is unlinked and published again under its new key (the
-    /// bucket's removal version moves, so a lookup that missed it meanwhile retries).
+    /// bucket's removal version moves, so a lookup that missed it meanwhile retries),
+    /// with the variant mark `mark`.
     /// The caller frees the old pages afterwards and keeps `page_owner` and the
     /// children's parent pages right.
-    pub(super) fn republish(&mut self, id: u32, first: u32, first_run: u32, parent_page: u32) {
+    pub(super) fn republish(&mut self, id: u32, first: u32, first_run: u32, parent_page: u32, mark: u32) {
         let count = self.span(id).1;
         let namespace = self.c.records[id as usize].namespace.load(Ordering::Relaxed);
         self.unlink(id);
@@ -504,6 +505,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         r.span.store((first as u64) << 32 | count as u64, Ordering::Relaxed);
         r.first_run.store(first_run, Ordering::Relaxed);
         r.parent_page.store(parent_page, Ordering::Relaxed);
+        // The mark goes with the new view: a reader that validates the new `gen` sees
+        // it (set after publishing, a reader could pair the new pages with the old
+        // mark: the loom model `peek_racing_republish` found host pages returned as
+        // device slots that way).
+        r.mark.store(mark, Ordering::Relaxed);
         let h = self.page_hash_of(parent_page, namespace, first);
         self.c.records[id as usize].key_hash.store(h, Ordering::Relaxed);
         self.publish(id);

@@ -1,0 +1,202 @@
+#![cfg(all(loom, not(shuttle)))]
+//! Loom models of the host-tier radix cache (`HiRadixCache`) and its transfers in
+//! flight: small trees (page size 1, a handful of device slots and host pages). Run
+//! with `scripts/loom.sh loom_hi_tree`.
+//!
+//! As in `tests/loom_radix.rs`, the writer is spawned first and the other thread
+//! second, the main thread only joins, and every model counts its executions
+//! (`loom_common::model`) and the outcomes it is about (`Outcomes`).
+//!
+//! | model | what it proves |
+//! |---|---|
+//! | `evict_racing_write_through` | an eviction racing an insert whose backup is in flight never takes the node while the copy may still read its device pages: it frees nothing until the caller has started to complete the transfer, and after that it moves the node to host |
+//! | `load_racing_host_eviction` | a host eviction racing a load-back never frees the host copy being loaded: evicted first, the load finds nothing; loaded first, the node is on the device (locked while in flight) and the host keeps its copy; sizes exact either way |
+//! | `peek_racing_republish` | a lock-free `peek_prefix` racing the device eviction of a backed-up node (republished under its host pages with the host mark, its host-only child re-keyed under its new last page) returns 2 tokens with the cached slots or 0, never host pages as slots (the mark was once set after the republish: this model caught it) |
+
+mod loom_common;
+
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+
+use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind, WritePolicy};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+use loom_common::Outcomes;
+
+fn cache(device: usize, host_pages: u32) -> HiRadixCache<PagedAllocator> {
+    let tier = HostTier { host_pages, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
+    HiRadixCache::with_host_tier(
+        PagedAllocator::new(device, 1).unwrap(),
+        ReqToTokenPool::new(1, 4).unwrap(),
+        RadixConfig::default(),
+        tier,
+    )
+    .unwrap()
+}
+
+/// Take the one transfer started; its kind.
+fn take_one(c: &HiRadixCache<PagedAllocator>) -> Transfer {
+    let mut buf = [Transfer::default(); 2];
+    assert_eq!(c.take_transfers(&mut buf), 1);
+    buf[0]
+}
+
+fn insert_fresh(c: &HiRadixCache<PagedAllocator>, key: &[u32]) -> Vec<u32> {
+    let mut s = vec![0u32; key.len()];
+    c.allocator().alloc(&mut s).unwrap();
+    let dup = c.insert(0, key, &s).unwrap();
+    c.allocator().free(&s[..dup]).unwrap();
+    s
+}
+
+/// Insert `[1,2]` (its backup starts, the node locked) and complete the transfer, racing
+/// `evict(2)`. The eviction frees nothing while the backup is in flight; once it
+/// frees, the transfer's completion had begun.
+#[test]
+fn evict_racing_write_through() {
+    let seen = Outcomes::new(&["before_insert", "in_flight", "after_complete"]);
+    let s = seen.clone();
+    loom_common::model("evict_racing_write_through", move || {
+        let c = Arc::new(cache(4, 4));
+        let inserted = Arc::new(AtomicBool::new(false));
+        let completing = Arc::new(AtomicBool::new(false));
+        let (c2, ins, comp) = (c.clone(), inserted.clone(), completing.clone());
+        let writer = thread::spawn(move || {
+            let kv = insert_fresh(&c2, &[1, 2]);
+            ins.store(true, Ordering::SeqCst);
+            let t = take_one(&c2);
+            assert_eq!(t.kind(), TransferKind::Backup);
+            let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+            c2.transfer_pages(t, &mut dev, &mut host).unwrap();
+            assert_eq!(dev[..], kv[..], "the backup reads the node's device pages");
+            comp.store(true, Ordering::SeqCst);
+            c2.complete(t).unwrap();
+            kv
+        });
+        let (c3, ins, comp) = (c.clone(), inserted.clone(), completing.clone());
+        let evictor = thread::spawn(move || {
+            let was_inserted = ins.load(Ordering::SeqCst);
+            let freed = c3.evict(2);
+            let was_completing = comp.load(Ordering::SeqCst);
+            (was_inserted, freed, was_completing)
+        });
+        let kv = writer.join().unwrap();
+        let (was_inserted, freed, was_completing) = evictor.join().unwrap();
+        match freed {
+            2 => {
+                assert!(was_completing, "the device copy was evicted while its backup was in flight");
+                assert_eq!((c.total_size(), c.host_size()), (0, 2));
+                s.hit("after_complete");
+            }
+            0 if was_inserted => s.hit("in_flight"),
+            0 => s.hit("before_insert"),
+            n => panic!("evict freed {n}"),
+        }
+        if freed == 0 {
+            // The node is resident, unlocked now, and goes to host on the next eviction.
+            assert_eq!((c.total_size(), c.evictable_size()), (2, 2));
+            assert_eq!(c.evict(2), 2);
+        }
+        let mut out = [0u32; 2];
+        assert_eq!(c.peek_prefix(0, &[1, 2], &mut out), 0);
+        assert_eq!(c.allocator().available_size(), 4, "device slots {kv:?} not all back");
+        assert_eq!(c.transfers_in_flight(), 0);
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("evict_racing_write_through", &["in_flight", "after_complete"]);
+}
+
+/// `[1,2]` is on host only. A load-back (match, load, lock; lease dropped; transfer
+/// completed) races `evict_host(2)`: the host copy being loaded is never freed.
+#[test]
+fn load_racing_host_eviction() {
+    let seen = Outcomes::new(&["host_evicted_first", "loaded_first"]);
+    let s = seen.clone();
+    loom_common::model("load_racing_host_eviction", move || {
+        let c = cache(4, 2);
+        insert_fresh(&c, &[1, 2]);
+        c.complete(take_one(&c)).unwrap();
+        assert_eq!(c.evict(2), 2);
+        assert_eq!(c.host_size(), 2);
+        let c = Arc::new(c);
+        let c2 = c.clone();
+        let evictor = thread::spawn(move || c2.evict_host(2));
+        let c3 = c.clone();
+        let loader = thread::spawn(move || {
+            let mut out = [0u32; 2];
+            let (lease, hit) = c3.match_and_load(0, &[1, 2], &mut out, None);
+            let n = lease.len();
+            drop(lease);
+            if hit.loaded > 0 {
+                let t = take_one(&c3);
+                assert_eq!(t.kind(), TransferKind::Load);
+                let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+                c3.transfer_pages(t, &mut dev, &mut host).unwrap();
+                assert_eq!(dev, out, "the load fills the lease's slots");
+                // In flight: the node is locked on the device, its host copy held.
+                assert_eq!(c3.host_size(), 2, "the host copy being loaded is gone");
+                c3.complete(t).unwrap();
+            }
+            (n, hit.loaded)
+        });
+        let freed = evictor.join().unwrap();
+        let (n, loaded) = loader.join().unwrap();
+        match (freed, loaded) {
+            (2, 0) => {
+                assert_eq!(n, 0);
+                assert_eq!((c.total_size(), c.host_size(), c.node_count()), (0, 0, 0));
+                s.hit("host_evicted_first");
+            }
+            (0, 2) => {
+                assert_eq!(n, 2);
+                // Resident again, its host copy kept: a later device eviction needs no copy.
+                assert_eq!((c.total_size(), c.host_size()), (2, 2));
+                assert_eq!(c.evict(2), 2);
+                assert_eq!(c.transfers_in_flight(), 0);
+                s.hit("loaded_first");
+            }
+            other => panic!("host eviction freed {} while a load of {} ran", other.0, other.1),
+        }
+        assert_eq!(c.allocator().available_size(), 4);
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("load_racing_host_eviction", &["host_evicted_first", "loaded_first"]);
+}
+
+/// `[1,2] -> [3]`, both backed up, `[3]` on host only. `evict(2)` moves `[1,2]` to host
+/// (republished under its host pages, the host-only `[3]` re-keyed under its new last
+/// page) while a reader peeks `[1,2,3]`: 2 tokens with the cached slots, or 0.
+#[test]
+fn peek_racing_republish() {
+    let seen = Outcomes::new(&["saw_2", "saw_0"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_republish", move || {
+        let c = cache(4, 4);
+        let kv = insert_fresh(&c, &[1, 2, 3]);
+        c.complete(take_one(&c)).unwrap();
+        let mut out = [0u32; 3];
+        c.match_tiers(0, &[1, 2, 9], &mut out); // split: [1,2] -> [3]
+        assert_eq!(c.evict(1), 1); // [3] to host
+        assert_eq!((c.node_count(), c.total_size()), (2, 2));
+        let c = Arc::new(c);
+        let c2 = c.clone();
+        let writer = thread::spawn(move || c2.evict(2));
+        let c3 = c.clone();
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 3];
+            let n = c3.peek_prefix(0, &[1, 2, 3], &mut out);
+            (n, out)
+        });
+        assert_eq!(writer.join().unwrap(), 2);
+        let (n, out) = reader.join().unwrap();
+        match n {
+            2 => s.hit("saw_2"),
+            0 => s.hit("saw_0"),
+            _ => panic!("a lookup racing the republish returned {n} tokens"),
+        }
+        assert_eq!(out[..n], kv[..n], "a lookup returned slots that are not the cached ones");
+        assert_eq!((c.total_size(), c.host_size(), c.node_count()), (0, 3, 2));
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("peek_racing_republish", &["saw_2", "saw_0"]);
+}
