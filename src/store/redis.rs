@@ -297,7 +297,10 @@ impl RedisStore {
             return (StoreError::Timeout { after: self.cfg.timeout }, true);
         }
         let detail = e.to_string();
-        if e.code() == Some("OOM") {
+        // A pipeline's error carries every command's server error; one `OOM` (a write
+        // refused under `maxmemory`) means full.
+        let oom = e.clone().into_server_errors().is_some_and(|errs| errs.iter().any(|(_, s)| s.code() == "OOM"));
+        if oom {
             return (StoreError::Full { detail }, false);
         }
         match e.kind() {
