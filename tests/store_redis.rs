@@ -43,8 +43,9 @@ fn filled(pool: &mut HostKvPool, n: usize, seed: u8) -> Vec<u32> {
     pool.alloc_pages(&mut pages).unwrap();
     let len = pool.config().page_bytes();
     for (i, &p) in pages.iter().enumerate() {
-        let bytes: Vec<u8> =
-            (0..len).map(|k| (k as u32).wrapping_mul(2654435761).wrapping_add(i as u32 * 97 + seed as u32) as u8).collect();
+        let bytes: Vec<u8> = (0..len)
+            .map(|k| (k as u32).wrapping_mul(2654435761).wrapping_add(i as u32 * 97 + seed as u32) as u8)
+            .collect();
         pool.write_page(p, &bytes).unwrap();
     }
     pages

@@ -151,8 +151,7 @@ pub trait PageStore {
     ///
     /// As [`get`](Self::get), [`StoreError::Format`] and [`StoreError::Host`] as in
     /// [`put_host`](Self::put_host). No page is written then.
-    fn get_host(&self, pool: &mut HostKvPool, hashes: &[BlockHash], host_pages: &[u32])
-        -> Result<Loaded, StoreError>;
+    fn get_host(&self, pool: &mut HostKvPool, hashes: &[BlockHash], host_pages: &[u32]) -> Result<Loaded, StoreError>;
 
     /// A snapshot of the client's counters.
     fn stats(&self) -> StoreStats;

@@ -237,7 +237,17 @@ mod tests {
             let mut w = v.clone();
             w[i] ^= 0x10;
             let e = check_page(&hash, F, &w).unwrap_err();
-            assert!(matches!(e, Invalid::Checksum { .. } | Invalid::Magic | Invalid::Version { .. } | Invalid::Format { .. } | Invalid::Length { .. }), "{i}: {e:?}");
+            assert!(
+                matches!(
+                    e,
+                    Invalid::Checksum { .. }
+                        | Invalid::Magic
+                        | Invalid::Version { .. }
+                        | Invalid::Format { .. }
+                        | Invalid::Length { .. }
+                ),
+                "{i}: {e:?}"
+            );
         }
         let mut w = v.clone();
         w[HEADER_BYTES + 3] ^= 1;

@@ -76,7 +76,9 @@ use redis::{
 };
 
 use super::health::{Backoff, BackoffConfig, Counters};
-use super::{check_page, Invalid, Loaded, Miss, PageFormat, PageHeader, PageStore, StoreError, StoreStats, HEADER_BYTES};
+use super::{
+    check_page, Invalid, Loaded, Miss, PageFormat, PageHeader, PageStore, StoreError, StoreStats, HEADER_BYTES,
+};
 use crate::kv::host::HostKvPool;
 use crate::radix::BlockHash;
 
@@ -283,11 +285,12 @@ impl RedisStore {
 
     fn connect(&self) -> Result<Conn, StoreError> {
         match &self.target {
-            Target::Single(info) => TcpConn::connect(info, self.cfg.connect_timeout, self.cfg.timeout).map(Conn::Single),
-            Target::Cluster(client) => client
-                .get_connection()
-                .map(|c| Conn::Cluster(Box::new(c)))
-                .map_err(|e| self.classify(&e, false).0),
+            Target::Single(info) => {
+                TcpConn::connect(info, self.cfg.connect_timeout, self.cfg.timeout).map(Conn::Single)
+            }
+            Target::Cluster(client) => {
+                client.get_connection().map(|c| Conn::Cluster(Box::new(c))).map_err(|e| self.classify(&e, false).0)
+            }
         }
     }
 
@@ -469,9 +472,7 @@ impl RedisStore {
         let cmds = self.keyed("GET", hashes, &mut key);
         let values = self.op(false, |conn| self.pipeline(conn, cmds))?;
         if values.len() != hashes.len() {
-            return Err(StoreError::Server {
-                detail: format!("{} replies to {} GETs", values.len(), hashes.len()),
-            });
+            return Err(StoreError::Server { detail: format!("{} replies to {} GETs", values.len(), hashes.len()) });
         }
         let c = &self.counters;
         let format = self.cfg.format;
@@ -559,12 +560,7 @@ impl PageStore for RedisStore {
         self.put_with(hashes, |i| pool.page_chunks(host_pages[i]).expect("checked above"))
     }
 
-    fn get_host(
-        &self,
-        pool: &mut HostKvPool,
-        hashes: &[BlockHash],
-        host_pages: &[u32],
-    ) -> Result<Loaded, StoreError> {
+    fn get_host(&self, pool: &mut HostKvPool, hashes: &[BlockHash], host_pages: &[u32]) -> Result<Loaded, StoreError> {
         Self::check_lists(hashes, host_pages.len())?;
         self.check_pool(pool, host_pages)?;
         self.get_with(hashes, |i, payload| pool.write_page(host_pages[i], payload).map_err(StoreError::Host))
