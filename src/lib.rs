@@ -76,6 +76,8 @@ pub mod radix;
 pub mod replay;
 pub mod req_to_token;
 pub mod slots;
+#[cfg(not(loom))]
+pub mod store;
 /// The old name of [`models`] (feature `testing`, now an alias of feature `models`).
 #[cfg(feature = "models")]
 pub use models as testing;

@@ -624,6 +624,84 @@ impl HostKvPool {
         Ok(&mut self.as_bytes_mut()[at..at + n])
     }
 
+    /// The bytes of allocated page `page` in page-first order (every layer buffer's
+    /// [`chunk_bytes`](HostKvConfig::chunk_bytes), buffer `l * B + b` at
+    /// `(l * B + b) * chunk_bytes`; [`HostKvConfig::page_bytes`] in all), as the slices
+    /// of the pool that hold them, in that order: one slice (the whole page) in
+    /// [`HostLayout::PageFirst`], `layer_num * buffers` slices in
+    /// [`HostLayout::LayerFirst`]. Writing them one after another serializes the page
+    /// without a staging copy (the shared store tier does this).
+    ///
+    /// # Errors
+    ///
+    /// [`HostKvError::HostPage`] for a page out of range or not allocated.
+    pub fn page_chunks(&self, page: u32) -> Result<PageChunks<'_>, HostKvError> {
+        self.check_page(page)?;
+        let (start, stride, len, count) = self.page_geometry(page);
+        Ok(PageChunks { bytes: self.as_bytes(), next: start, stride, len, left: count })
+    }
+
+    /// Copy allocated page `page` into `out` in page-first order (see
+    /// [`page_chunks`](Self::page_chunks)): a gather in [`HostLayout::LayerFirst`], one
+    /// copy in [`HostLayout::PageFirst`].
+    ///
+    /// # Errors
+    ///
+    /// [`HostKvError::HostPage`]; [`HostKvError::Shape`] when `out` is not
+    /// [`HostKvConfig::page_bytes`] long. `out` is untouched then.
+    pub fn read_page(&self, page: u32, out: &mut [u8]) -> Result<(), HostKvError> {
+        self.check_page_buffer(out.len())?;
+        let mut at = 0;
+        for chunk in self.page_chunks(page)? {
+            out[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Overwrite allocated page `page` with `src`, given in page-first order (see
+    /// [`page_chunks`](Self::page_chunks)): a scatter in [`HostLayout::LayerFirst`],
+    /// one copy in [`HostLayout::PageFirst`]. Only that page's bytes change.
+    ///
+    /// # Errors
+    ///
+    /// [`HostKvError::HostPage`]; [`HostKvError::Shape`] when `src` is not
+    /// [`HostKvConfig::page_bytes`] long. Nothing is written then.
+    pub fn write_page(&mut self, page: u32, src: &[u8]) -> Result<(), HostKvError> {
+        self.check_page_buffer(src.len())?;
+        self.check_page(page)?;
+        let (mut at, stride, len, count) = self.page_geometry(page);
+        let bytes = self.as_bytes_mut();
+        for piece in src.chunks_exact(len).take(count) {
+            bytes[at..at + len].copy_from_slice(piece);
+            at += stride;
+        }
+        Ok(())
+    }
+
+    fn check_page_buffer(&self, len: usize) -> Result<(), HostKvError> {
+        let expected = self.cfg.page_bytes();
+        if len != expected {
+            return Err(HostKvError::Shape { what: "page buffer", got: len, expected });
+        }
+        Ok(())
+    }
+
+    /// `(first byte, stride, length, count)` of the contiguous pieces of page `page`
+    /// in page-first order.
+    fn page_geometry(&self, page: u32) -> (usize, usize, usize, usize) {
+        let (page_stride, lb_stride) = self.cfg.strides();
+        match self.cfg.layout {
+            HostLayout::PageFirst => (page as usize * page_stride, 0, self.cfg.page_bytes(), 1),
+            HostLayout::LayerFirst => (
+                page as usize * page_stride,
+                lb_stride,
+                self.cfg.chunk_bytes(),
+                self.cfg.kv.layer_num as usize * self.cfg.buffers(),
+            ),
+        }
+    }
+
     fn chunk_at(&self, page: u32, layer: u32, buffer: u32) -> Result<usize, HostKvError> {
         self.check_page(page)?;
         if layer >= self.cfg.kv.layer_num {
@@ -722,6 +800,36 @@ impl HostKvPool {
         Ok(())
     }
 }
+
+/// The pieces of one host page in page-first order ([`HostKvPool::page_chunks`]).
+#[derive(Clone, Debug)]
+pub struct PageChunks<'a> {
+    bytes: &'a [u8],
+    next: usize,
+    stride: usize,
+    len: usize,
+    left: usize,
+}
+
+impl<'a> Iterator for PageChunks<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let at = self.next;
+        self.next += self.stride;
+        Some(&self.bytes[at..at + self.len])
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for PageChunks<'_> {}
 
 #[cfg(test)]
 mod tests {
@@ -1013,5 +1121,43 @@ mod tests {
         let bytes = pool.as_bytes();
         assert!(bytes[at..at + cfg.chunk_bytes()].iter().all(|&b| b == 0xab));
         assert_eq!(bytes.iter().filter(|&&b| b != 0).count(), cfg.chunk_bytes());
+    }
+
+    /// `page_chunks`, `read_page` and `write_page` agree with `page_rows` (the offsets)
+    /// in both layouts: page-first order is layer buffer `l * B + b` at
+    /// `(l * B + b) * chunk_bytes`, and writing touches only the named page.
+    #[test]
+    fn whole_pages_move_in_page_first_order() {
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+            for kv in [mha(3, 8, 2), mla(2, 12, 4)] {
+                let cfg = HostKvConfig { kv, host_pages: 3, layout };
+                let mut pool = HostKvPool::pageable(cfg).unwrap();
+                let mut hp = [0u32; 2];
+                pool.alloc_pages(&mut hp).unwrap();
+                let src: Vec<u8> = (0..cfg.page_bytes()).map(|i| (i % 251) as u8 + 1).collect();
+                pool.write_page(hp[1], &src).unwrap();
+                let lbs = kv.layer_num * cfg.buffers() as u32;
+                for lb in 0..lbs {
+                    let (l, b) = (lb / cfg.buffers() as u32, lb % cfg.buffers() as u32);
+                    let want = &src[lb as usize * cfg.chunk_bytes()..][..cfg.chunk_bytes()];
+                    assert_eq!(pool.page_rows(hp[1], l, b).unwrap(), want, "{layout:?} layer {l} buffer {b}");
+                    assert!(pool.page_rows(hp[0], l, b).unwrap().iter().all(|&x| x == 0));
+                }
+                let mut out = vec![0u8; cfg.page_bytes()];
+                pool.read_page(hp[1], &mut out).unwrap();
+                assert_eq!(out, src);
+                assert_eq!(pool.page_chunks(hp[1]).unwrap().collect::<Vec<_>>().concat(), src);
+                let pieces = if layout == HostLayout::PageFirst { 1 } else { lbs as usize };
+                assert_eq!(pool.page_chunks(hp[1]).unwrap().len(), pieces);
+                assert_eq!(pool.as_bytes().iter().filter(|&&x| x != 0).count(), cfg.page_bytes());
+                // Refusals write nothing.
+                assert!(matches!(pool.write_page(hp[0], &src[1..]), Err(HostKvError::Shape { .. })));
+                let free = (1..=3).find(|p| !hp.contains(p)).unwrap();
+                assert!(matches!(pool.write_page(free, &src), Err(HostKvError::HostPage { .. })));
+                assert!(matches!(pool.read_page(0, &mut out), Err(HostKvError::HostPage { .. })));
+                assert!(pool.page_chunks(free).is_err());
+                assert_eq!(pool.as_bytes().iter().filter(|&&x| x != 0).count(), cfg.page_bytes());
+            }
+        }
     }
 }

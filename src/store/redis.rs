@@ -1,0 +1,785 @@
+//! [`RedisStore`]: the shared store tier on Redis (a single node or Redis Cluster),
+//! through the `redis` crate's sync client (feature `redis`).
+//!
+//! # Keys and values
+//!
+//! A page lives under `{namespace}:{model_id}:{page hash as 64 hex digits}` (no hash
+//! tag, so a Redis Cluster spreads a request's pages over its slots and nodes); its value
+//! is a [`PageHeader`] and the page's bytes in page-first order (see [`super`]). Writes
+//! are plain `SET`s: pages are content-addressed, so a second writer of a page writes the
+//! same bytes. Give the server a `maxmemory` and an evicting policy
+//! (`maxmemory-policy allkeys-lru`) to use it as a cache; with `noeviction` a full server
+//! refuses writes ([`StoreError::Full`]) and the client backs its writes off.
+//!
+//! # Batches
+//!
+//! Every operation is one pipeline: `EXISTS` per page for
+//! [`exists_prefix`](PageStore::exists_prefix), `GET` per page for
+//! [`get`](PageStore::get), `SET` per page for [`put`](PageStore::put). On a single node
+//! the pipeline goes out as one write and the replies come back in order; in cluster
+//! mode the `redis` crate's cluster pipeline groups the commands by the node that owns
+//! each key's slot, sends each node its part and puts the replies back in order. A
+//! value is serialized straight into the command buffer (header, then the page's pieces:
+//! no staging copy of the page, in either host layout).
+//!
+//! # Timeouts, backoff, reconnection
+//!
+//! * Single node: the client owns its TCP stream, and
+//!   [`timeout`](RedisStoreConfig::timeout) is a deadline for the whole operation
+//!   (every socket read and write waits at most for what is left of it); at the deadline
+//!   the operation fails with [`StoreError::Timeout`] and the connection is dropped.
+//!   Commands are encoded and replies parsed by the `redis` crate (`Pipeline`,
+//!   `Parser`).
+//! * Cluster: the `redis` crate's cluster connection, with
+//!   [`timeout`](RedisStoreConfig::timeout) as its response timeout (each reply waits at
+//!   most that long) and [`connect_timeout`](RedisStoreConfig::connect_timeout) per
+//!   node; it follows `MOVED`/`ASK` redirections itself (two retries at most).
+//! * After a failed operation (connection refused or broken, timeout, server error) the
+//!   client backs off ([`BackoffConfig`]: exponential, capped): operations return
+//!   [`StoreError::Unavailable`] at once, without touching the network or waiting for
+//!   the connection's lock. The first operation after the wait connects again (a
+//!   reconnect, counted in [`StoreStats::reconnects`]); its success clears the backoff.
+//!   A full server ([`StoreError::Full`]) backs off writes only.
+//!
+//! One connection serves all threads (operations on one store are serialized by a
+//! mutex); open more stores for more parallel connections.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use kvpool::store::redis::{RedisStore, RedisStoreConfig};
+//! use kvpool::store::{BackoffConfig, PageFormat, PageStore};
+//!
+//! let format = PageFormat { page_size: 16, bytes_per_token: 131072 };   // 2 MiB pages
+//! let mut cfg = RedisStoreConfig::cluster(
+//!     ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000", "redis://10.0.0.3:7000"],
+//!     "llama-3-8b", format);
+//! cfg.namespace = "prod".into();
+//! cfg.timeout = Duration::from_millis(500);
+//! cfg.backoff = BackoffConfig { initial: Duration::from_millis(20), max: Duration::from_secs(2) };
+//! let store = RedisStore::new(cfg)?;
+//! let page = vec![0u8; format.page_bytes()];
+//! store.put(&[[1; 32]], &[&page])?;
+//! # Ok::<(), kvpool::store::StoreError>(())
+//! ```
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
+use redis::{
+    Cmd, ConnectionAddr, ConnectionInfo, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisError, RedisResult,
+    RedisWrite, ToRedisArgs, Value,
+};
+
+use super::health::{Backoff, BackoffConfig, Counters};
+use super::{
+    check_page, Invalid, Loaded, Miss, PageFormat, PageHeader, PageStore, StoreError, StoreStats, HEADER_BYTES,
+};
+use crate::kv::host::HostKvPool;
+use crate::radix::BlockHash;
+
+/// Where a [`RedisStore`] connects and how it behaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisStoreConfig {
+    /// `redis://[user:password@]host:port[/db]` URLs: one for a single node; for a
+    /// cluster, any of its nodes (the rest are discovered).
+    pub nodes: Vec<String>,
+    /// Whether `nodes` are a Redis Cluster.
+    pub cluster: bool,
+    /// The first part of every key (one store for several deployments).
+    pub namespace: String,
+    /// The model (and anything else that changes the KV bytes: dtype, TP rank) whose
+    /// pages these are; the second part of every key.
+    pub model_id: String,
+    /// The pages' format; values of another format are misses.
+    pub format: PageFormat,
+    /// Deadline of one operation (single node), or of one reply (cluster).
+    pub timeout: Duration,
+    /// Deadline of making a connection.
+    pub connect_timeout: Duration,
+    /// The wait after failures.
+    pub backoff: BackoffConfig,
+}
+
+impl RedisStoreConfig {
+    /// A single node at `url`, namespace `kvpool`, timeout 2 s, connect timeout 500 ms,
+    /// the default backoff.
+    pub fn new(url: impl Into<String>, model_id: impl Into<String>, format: PageFormat) -> RedisStoreConfig {
+        RedisStoreConfig {
+            nodes: vec![url.into()],
+            cluster: false,
+            namespace: "kvpool".into(),
+            model_id: model_id.into(),
+            format,
+            timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_millis(500),
+            backoff: BackoffConfig::default(),
+        }
+    }
+
+    /// A Redis Cluster reached through `nodes`, otherwise as [`new`](Self::new).
+    pub fn cluster<S: Into<String>>(
+        nodes: impl IntoIterator<Item = S>,
+        model_id: impl Into<String>,
+        format: PageFormat,
+    ) -> RedisStoreConfig {
+        let mut cfg = RedisStoreConfig::new(String::new(), model_id, format);
+        cfg.nodes = nodes.into_iter().map(Into::into).collect();
+        cfg.cluster = true;
+        cfg
+    }
+}
+
+/// The shared store tier on Redis (see the [module docs](self)).
+pub struct RedisStore {
+    cfg: RedisStoreConfig,
+    /// `{namespace}:{model_id}:`.
+    prefix: Vec<u8>,
+    target: Target,
+    link: Mutex<Link>,
+    backoff: Backoff,
+    write_backoff: Backoff,
+    counters: Counters,
+}
+
+impl core::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("RedisStore").field("config", &self.cfg).field("stats", &self.stats()).finish()
+    }
+}
+
+enum Target {
+    Single(ConnectionInfo),
+    Cluster(ClusterClient),
+}
+
+struct Link {
+    conn: Option<Conn>,
+    connected_before: bool,
+}
+
+enum Conn {
+    Single(TcpConn),
+    Cluster(Box<ClusterConnection>),
+}
+
+impl RedisStore {
+    /// A store client for `cfg`. Connects lazily: the first operation connects, so a
+    /// store that is down at start-up is not an error here.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] for no nodes, a URL that is not `redis://` over TCP, a
+    /// zero timeout or backoff, or a page format of no bytes (or too many for memory).
+    pub fn new(cfg: RedisStoreConfig) -> Result<RedisStore, StoreError> {
+        let config = |detail: String| StoreError::Config { detail };
+        if cfg.nodes.is_empty() {
+            return Err(config("no nodes".into()));
+        }
+        if cfg.timeout.is_zero() || cfg.connect_timeout.is_zero() {
+            return Err(config("timeouts must be positive".into()));
+        }
+        if cfg.backoff.initial.is_zero() || cfg.backoff.max < cfg.backoff.initial {
+            return Err(config("backoff must be positive, its max at least its initial wait".into()));
+        }
+        let bytes = (cfg.format.page_size as u64).checked_mul(cfg.format.bytes_per_token);
+        if bytes.map_or(true, |b| b == 0 || b > (isize::MAX as u64) - HEADER_BYTES as u64) {
+            return Err(config(format!("page format {:?} has no bytes or too many", cfg.format)));
+        }
+        let infos = cfg
+            .nodes
+            .iter()
+            .map(|n| n.as_str().into_connection_info().map_err(|e| config(format!("`{n}`: {e}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(n) = infos.iter().position(|i| !matches!(i.addr(), ConnectionAddr::Tcp(..))) {
+            return Err(config(format!("`{}` is not a redis:// TCP address", cfg.nodes[n])));
+        }
+        let target = if cfg.cluster {
+            let client = ClusterClientBuilder::new(infos)
+                .connection_timeout(cfg.connect_timeout)
+                .response_timeout(cfg.timeout)
+                .retries(2)
+                .min_retry_wait(10)
+                .max_retry_wait(200)
+                .build()
+                .map_err(|e| config(e.to_string()))?;
+            Target::Cluster(client)
+        } else {
+            if infos.len() != 1 {
+                return Err(config(format!("{} nodes for a single-node store", infos.len())));
+            }
+            Target::Single(infos.into_iter().next().expect("one node"))
+        };
+        let prefix = format!("{}:{}:", cfg.namespace, cfg.model_id).into_bytes();
+        Ok(RedisStore {
+            backoff: Backoff::new(cfg.backoff),
+            write_backoff: Backoff::new(cfg.backoff),
+            cfg,
+            prefix,
+            target,
+            link: Mutex::new(Link { conn: None, connected_before: false }),
+            counters: Counters::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RedisStoreConfig {
+        &self.cfg
+    }
+
+    /// The key page `hash` is stored under.
+    pub fn key(&self, hash: &BlockHash) -> Vec<u8> {
+        let mut key = Vec::with_capacity(self.prefix.len() + 64);
+        self.write_key(hash, &mut key);
+        key
+    }
+
+    fn write_key(&self, hash: &BlockHash, key: &mut Vec<u8>) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        key.clear();
+        key.extend_from_slice(&self.prefix);
+        for b in hash {
+            key.push(HEX[(b >> 4) as usize]);
+            key.push(HEX[(b & 15) as usize]);
+        }
+    }
+
+    /// Run `f` on the store's own connection, with the store's timeout, backoff and
+    /// reconnection: for commands the trait does not cover (tools, tests, the raw
+    /// baseline of `benches/store.rs`). On a single node `f` gets the client's deadline
+    /// connection, in cluster mode the `redis` crate's `ClusterConnection`.
+    ///
+    /// # Errors
+    ///
+    /// What `f` returns, classified as the store's operations are; or
+    /// [`StoreError::Unavailable`] while backing off, a connection error.
+    pub fn with_connection<T>(
+        &self,
+        f: impl FnOnce(&mut dyn ConnectionLike) -> RedisResult<T>,
+    ) -> Result<T, StoreError> {
+        self.op(false, |conn| match conn {
+            Conn::Single(c) => f(c),
+            Conn::Cluster(c) => f(&mut **c),
+        })
+    }
+
+    /// Drop the connection (the next operation connects again). For tests and for
+    /// operators who moved the store.
+    pub fn disconnect(&self) {
+        self.lock().conn = None;
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Link> {
+        // A panic while the lock was held (there is none in this module) leaves at
+        // worst a connection in an unknown state: drop it and carry on.
+        self.link.lock().unwrap_or_else(|poisoned| {
+            let mut link = poisoned.into_inner();
+            link.conn = None;
+            link
+        })
+    }
+
+    fn connect(&self) -> Result<Conn, StoreError> {
+        match &self.target {
+            Target::Single(info) => {
+                TcpConn::connect(info, self.cfg.connect_timeout, self.cfg.timeout).map(Conn::Single)
+            }
+            Target::Cluster(client) => {
+                client.get_connection().map(|c| Conn::Cluster(Box::new(c))).map_err(|e| self.classify(&e, false).0)
+            }
+        }
+    }
+
+    /// Map a `redis` error to ours; whether the connection must be dropped.
+    fn classify(&self, e: &RedisError, timed_out: bool) -> (StoreError, bool) {
+        if timed_out || e.is_timeout() {
+            return (StoreError::Timeout { after: self.cfg.timeout }, true);
+        }
+        let detail = e.to_string();
+        // A pipeline's error carries every command's server error; one `OOM` (a write
+        // refused under `maxmemory`) means full.
+        let oom = e.clone().into_server_errors().is_some_and(|errs| errs.iter().any(|(_, s)| s.code() == "OOM"));
+        if oom {
+            return (StoreError::Full { detail }, false);
+        }
+        match e.kind() {
+            ErrorKind::Server(_) | ErrorKind::Extension if !e.is_cluster_error() => {
+                (StoreError::Server { detail }, false)
+            }
+            ErrorKind::UnexpectedReturnType => (StoreError::Server { detail }, false),
+            _ => (StoreError::Connection { detail }, true),
+        }
+    }
+
+    /// One operation: backoff check, lock, (re)connect, arm the deadline, run `f`,
+    /// classify and count.
+    fn op<T>(&self, write: bool, f: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Result<T, StoreError> {
+        let c = &self.counters;
+        for backoff in [Some(&self.backoff), write.then_some(&self.write_backoff)].into_iter().flatten() {
+            if let Err((retry_in, failures)) = backoff.check() {
+                Counters::add(&c.unavailable, 1);
+                return Err(StoreError::Unavailable { retry_in, failures });
+            }
+        }
+        let mut link = self.lock();
+        let start = Instant::now();
+        Counters::add(&c.ops, 1);
+        if link.conn.is_none() {
+            match self.connect() {
+                Ok(conn) => {
+                    Counters::add(&c.connects, 1);
+                    if link.connected_before {
+                        Counters::add(&c.reconnects, 1);
+                    }
+                    link.connected_before = true;
+                    link.conn = Some(conn);
+                }
+                Err(e) => return Err(self.failed(e, start)),
+            }
+        }
+        let conn = link.conn.as_mut().expect("connected above");
+        if let Conn::Single(tcp) = conn {
+            tcp.arm(self.cfg.timeout);
+        }
+        let result = f(conn);
+        match result {
+            Ok(v) => {
+                c.sample(start.elapsed());
+                self.backoff.succeeded();
+                if write {
+                    self.write_backoff.succeeded();
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                let timed_out = matches!(conn, Conn::Single(tcp) if tcp.stream.timed_out);
+                let (err, drop) = self.classify(&e, timed_out);
+                if drop {
+                    link.conn = None;
+                }
+                Err(self.failed(err, start))
+            }
+        }
+    }
+
+    fn failed(&self, err: StoreError, start: Instant) -> StoreError {
+        let c = &self.counters;
+        Counters::add(&c.failures, 1);
+        match err {
+            StoreError::Timeout { .. } => Counters::add(&c.timeouts, 1),
+            StoreError::Full { .. } => Counters::add(&c.full, 1),
+            _ => {}
+        }
+        if matches!(err, StoreError::Full { .. }) {
+            self.write_backoff.failed();
+        } else {
+            self.backoff.failed();
+        }
+        self.counters.sample(start.elapsed());
+        err
+    }
+
+    /// Run `cmds` as one pipeline; one reply per command.
+    fn pipeline(&self, conn: &mut Conn, cmds: Vec<Cmd>) -> RedisResult<Vec<Value>> {
+        match conn {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                cmds.into_iter().for_each(|cmd| {
+                    p.add_command(cmd);
+                });
+                p.query(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = redis::cluster::ClusterPipeline::with_capacity(cmds.len());
+                cmds.into_iter().for_each(|cmd| {
+                    p.add_command(cmd);
+                });
+                p.query(c)
+            }
+        }
+    }
+
+    fn keyed(&self, name: &str, hashes: &[BlockHash], key: &mut Vec<u8>) -> Vec<Cmd> {
+        hashes
+            .iter()
+            .map(|h| {
+                self.write_key(h, key);
+                let mut cmd = redis::cmd(name);
+                cmd.arg(&key[..]);
+                cmd
+            })
+            .collect()
+    }
+
+    fn check_lists(hashes: &[BlockHash], pages: usize) -> Result<(), StoreError> {
+        if pages != hashes.len() {
+            return Err(StoreError::Shape { what: "pages", got: pages, expected: hashes.len() });
+        }
+        Ok(())
+    }
+
+    fn check_pool(&self, pool: &HostKvPool, host_pages: &[u32]) -> Result<(), StoreError> {
+        let format = PageFormat::of(pool.config());
+        if format != self.cfg.format {
+            return Err(StoreError::Format { store: self.cfg.format, pool: format });
+        }
+        host_pages.iter().try_for_each(|&p| pool.check_page(p)).map_err(StoreError::Host)
+    }
+
+    /// `SET` every page; `chunks(i)` yields page `i`'s bytes in page-first order.
+    fn put_with<'a, I>(&self, hashes: &[BlockHash], chunks: impl Fn(usize) -> I) -> Result<(), StoreError>
+    where
+        I: Iterator<Item = &'a [u8]> + Clone,
+    {
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        let format = self.cfg.format;
+        let mut key = Vec::with_capacity(self.prefix.len() + 64);
+        let cmds: Vec<Cmd> = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                self.write_key(h, &mut key);
+                let header = PageHeader::new(h, format, chunks(i));
+                let mut cmd = redis::cmd("SET");
+                cmd.arg(&key[..]).arg(PageValue { header, chunks: chunks(i), len: format.value_bytes() });
+                cmd
+            })
+            .collect();
+        self.op(true, |conn| self.pipeline(conn, cmds))?;
+        let c = &self.counters;
+        Counters::add(&c.pages_put, hashes.len() as u64);
+        Counters::add(&c.bytes_written, (hashes.len() * format.value_bytes()) as u64);
+        Ok(())
+    }
+
+    /// `GET` every page and check the leading run; `write(i, payload)` is called for
+    /// each page of that run, after all of them were checked.
+    fn get_with(
+        &self,
+        hashes: &[BlockHash],
+        mut write: impl FnMut(usize, &[u8]) -> Result<(), StoreError>,
+    ) -> Result<Loaded, StoreError> {
+        if hashes.is_empty() {
+            return Ok(Loaded { pages: 0, stop: None });
+        }
+        let mut key = Vec::with_capacity(self.prefix.len() + 64);
+        let cmds = self.keyed("GET", hashes, &mut key);
+        let values = self.op(false, |conn| self.pipeline(conn, cmds))?;
+        if values.len() != hashes.len() {
+            return Err(StoreError::Server { detail: format!("{} replies to {} GETs", values.len(), hashes.len()) });
+        }
+        let c = &self.counters;
+        let format = self.cfg.format;
+        let mut stop = None;
+        let mut run = 0;
+        let mut bytes = 0u64;
+        // Check every value (each is counted), then write the leading sound run.
+        for (i, (v, h)) in values.iter().zip(hashes).enumerate() {
+            let miss = match v {
+                Value::Nil => {
+                    Counters::add(&c.absent, 1);
+                    Some(Miss::Absent)
+                }
+                Value::BulkString(bytes_) => {
+                    bytes += bytes_.len() as u64;
+                    match check_page(h, format, bytes_) {
+                        Ok(_) => None,
+                        Err(invalid) => {
+                            let counter = if invalid.is_corrupt() { &c.corrupt } else { &c.mismatched };
+                            Counters::add(counter, 1);
+                            Some(Miss::Invalid(invalid))
+                        }
+                    }
+                }
+                _ => {
+                    Counters::add(&c.corrupt, 1);
+                    Some(Miss::Invalid(Invalid::Magic))
+                }
+            };
+            match miss {
+                None if stop.is_none() => run = i + 1,
+                Some(m) if stop.is_none() => stop = Some(m),
+                _ => {}
+            }
+        }
+        Counters::add(&c.bytes_read, bytes);
+        for (i, v) in values.iter().take(run).enumerate() {
+            let Value::BulkString(value) = v else { unreachable!("checked above") };
+            write(i, &value[HEADER_BYTES..])?;
+        }
+        Counters::add(&c.pages_loaded, run as u64);
+        Ok(Loaded { pages: run, stop })
+    }
+}
+
+impl PageStore for RedisStore {
+    fn format(&self) -> PageFormat {
+        self.cfg.format
+    }
+
+    fn exists_prefix(&self, hashes: &[BlockHash]) -> Result<usize, StoreError> {
+        if hashes.is_empty() {
+            return Ok(0);
+        }
+        let mut key = Vec::with_capacity(self.prefix.len() + 64);
+        let cmds = self.keyed("EXISTS", hashes, &mut key);
+        let replies = self.op(false, |conn| self.pipeline(conn, cmds))?;
+        Ok(replies.iter().take_while(|v| matches!(v, Value::Int(1))).count())
+    }
+
+    fn put(&self, hashes: &[BlockHash], pages: &[&[u8]]) -> Result<(), StoreError> {
+        Self::check_lists(hashes, pages.len())?;
+        let want = self.cfg.format.page_bytes();
+        if let Some(p) = pages.iter().find(|p| p.len() != want) {
+            return Err(StoreError::Shape { what: "page", got: p.len(), expected: want });
+        }
+        self.put_with(hashes, |i| core::iter::once(pages[i]))
+    }
+
+    fn get(&self, hashes: &[BlockHash], pages: &mut [&mut [u8]]) -> Result<Loaded, StoreError> {
+        Self::check_lists(hashes, pages.len())?;
+        let want = self.cfg.format.page_bytes();
+        if let Some(p) = pages.iter().find(|p| p.len() != want) {
+            return Err(StoreError::Shape { what: "page", got: p.len(), expected: want });
+        }
+        self.get_with(hashes, |i, payload| {
+            pages[i].copy_from_slice(payload);
+            Ok(())
+        })
+    }
+
+    fn put_host(&self, pool: &HostKvPool, hashes: &[BlockHash], host_pages: &[u32]) -> Result<(), StoreError> {
+        Self::check_lists(hashes, host_pages.len())?;
+        self.check_pool(pool, host_pages)?;
+        self.put_with(hashes, |i| pool.page_chunks(host_pages[i]).expect("checked above"))
+    }
+
+    fn get_host(&self, pool: &mut HostKvPool, hashes: &[BlockHash], host_pages: &[u32]) -> Result<Loaded, StoreError> {
+        Self::check_lists(hashes, host_pages.len())?;
+        self.check_pool(pool, host_pages)?;
+        self.get_with(hashes, |i, payload| pool.write_page(host_pages[i], payload).map_err(StoreError::Host))
+    }
+
+    fn stats(&self) -> StoreStats {
+        self.counters.snapshot(self.backoff.failures())
+    }
+}
+
+/// A page's value as one command argument: the header, then the page's pieces, written
+/// straight into the command's buffer.
+struct PageValue<I> {
+    header: PageHeader,
+    chunks: I,
+    len: usize,
+}
+
+impl<'a, I: Iterator<Item = &'a [u8]> + Clone> ToRedisArgs for PageValue<I> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        out.reserve_space_for_args([self.len]);
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's in-memory buffer cannot fail.
+        let _ = w.write_all(self.header.as_bytes());
+        for piece in self.chunks.clone() {
+            let _ = w.write_all(piece);
+        }
+    }
+}
+
+/// A TCP stream whose every read and write waits at most until a deadline.
+struct DeadlineStream {
+    stream: TcpStream,
+    deadline: Instant,
+    /// The last timeouts set on the socket and when (re-set once they are stale by more
+    /// than 1/16 of the operation's timeout, so the deadline is overrun by at most that).
+    read_set: Option<Instant>,
+    write_set: Option<Instant>,
+    slack: Duration,
+    /// Whether a wait ran out (the error the parser returns may not say so).
+    timed_out: bool,
+}
+
+impl DeadlineStream {
+    /// Time left, after re-setting the socket's timeout if it is stale.
+    fn left(&mut self, write: bool) -> io::Result<()> {
+        let now = Instant::now();
+        let left = self.deadline.saturating_duration_since(now);
+        if left.is_zero() {
+            self.timed_out = true;
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "store operation deadline passed"));
+        }
+        let set = if write { &mut self.write_set } else { &mut self.read_set };
+        if set.map_or(true, |at| now.duration_since(at) > self.slack) {
+            if write {
+                self.stream.set_write_timeout(Some(left))?;
+            } else {
+                self.stream.set_read_timeout(Some(left))?;
+            }
+            *set = Some(now);
+        }
+        Ok(())
+    }
+
+    fn note(&mut self, r: io::Result<usize>) -> io::Result<usize> {
+        if let Err(e) = &r {
+            if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                self.timed_out = true;
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "store operation deadline passed"));
+            }
+        }
+        r
+    }
+}
+
+impl Read for DeadlineStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.left(false)?;
+        let r = self.stream.read(buf);
+        self.note(r)
+    }
+}
+
+impl Write for DeadlineStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.left(true)?;
+        let r = self.stream.write(buf);
+        self.note(r)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A single-node connection: the `redis` crate's command encoding and reply parser over
+/// a [`DeadlineStream`]. After any I/O error it is closed (the replies in flight can no
+/// longer be matched to their commands) and the store drops it.
+struct TcpConn {
+    stream: DeadlineStream,
+    parser: redis::Parser,
+    db: i64,
+    open: bool,
+}
+
+impl TcpConn {
+    fn connect(info: &ConnectionInfo, connect_timeout: Duration, timeout: Duration) -> Result<TcpConn, StoreError> {
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            return Err(StoreError::Config { detail: "not a TCP address".into() });
+        };
+        let fail = |e: io::Error| StoreError::Connection { detail: format!("{host}:{port}: {e}") };
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+        let mut stream = None;
+        for addr in (host.as_str(), *port).to_socket_addrs().map_err(fail)? {
+            match TcpStream::connect_timeout(&addr, connect_timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let stream = stream.ok_or(last).map_err(fail)?;
+        stream.set_nodelay(true).map_err(fail)?;
+        let settings = info.redis_settings();
+        let mut conn = TcpConn {
+            stream: DeadlineStream {
+                stream,
+                deadline: Instant::now(),
+                read_set: None,
+                write_set: None,
+                slack: timeout / 16,
+                timed_out: false,
+            },
+            parser: redis::Parser::new(),
+            db: settings.db(),
+            open: true,
+        };
+        conn.arm(connect_timeout.max(timeout));
+        let handshake = |conn: &mut TcpConn| -> RedisResult<()> {
+            if let Some(password) = settings.password() {
+                let mut auth = redis::cmd("AUTH");
+                if let Some(user) = settings.username() {
+                    auth.arg(user);
+                }
+                auth.arg(password).exec(conn)?;
+            }
+            if settings.db() != 0 {
+                redis::cmd("SELECT").arg(settings.db()).exec(conn)?;
+            }
+            Ok(())
+        };
+        handshake(&mut conn).map_err(|e| StoreError::Connection { detail: format!("{host}:{port}: {e}") })?;
+        Ok(conn)
+    }
+
+    fn arm(&mut self, timeout: Duration) {
+        self.stream.deadline = Instant::now() + timeout;
+        self.stream.slack = timeout / 16;
+        self.stream.read_set = None;
+        self.stream.write_set = None;
+        self.stream.timed_out = false;
+    }
+
+    fn closed<T>(&mut self, e: RedisError) -> RedisResult<T> {
+        self.open = false;
+        Err(e)
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> RedisResult<()> {
+        if !self.open {
+            return Err(RedisError::from(io::Error::new(io::ErrorKind::NotConnected, "connection closed")));
+        }
+        match self.stream.write_all(bytes) {
+            Ok(()) => Ok(()),
+            Err(e) => self.closed(e.into()),
+        }
+    }
+
+    fn recv(&mut self) -> RedisResult<Value> {
+        loop {
+            match self.parser.parse_value(&mut self.stream) {
+                Ok(Value::Push { .. }) => continue,
+                Ok(v) => return Ok(v),
+                Err(e) => return self.closed(e),
+            }
+        }
+    }
+}
+
+impl ConnectionLike for TcpConn {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
+        self.send(cmd)?;
+        self.recv()
+    }
+
+    fn req_packed_commands(&mut self, cmd: &[u8], offset: usize, count: usize) -> RedisResult<Vec<Value>> {
+        self.send(cmd)?;
+        let mut replies = Vec::with_capacity(count);
+        for i in 0..offset + count {
+            // Stop at the first error: the rest of the replies are lost with the
+            // connection (unlike the crate's own connection, which reads on).
+            let v = self.recv()?;
+            if i >= offset {
+                replies.push(v);
+            }
+        }
+        Ok(replies)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.db
+    }
+
+    fn check_connection(&mut self) -> bool {
+        redis::cmd("PING").exec(self).is_ok()
+    }
+
+    fn is_open(&self) -> bool {
+        self.open
+    }
+}

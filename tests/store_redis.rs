@@ -1,0 +1,457 @@
+//! The shared store tier on a real `redis-server` (and a real 3-node Redis Cluster):
+//! round trips, corruption and format checks, prefix lookups, and faults (kill, stop,
+//! restart, full). Each test starts its own server on a free loopback port.
+//!
+//! `cargo test --features redis --test store_redis`. Needs `redis-server` and
+//! `redis-cli` on PATH; fails without them unless `KVPOOL_SKIP_REDIS=1`.
+
+mod store_common;
+
+use std::time::{Duration, Instant};
+
+use kvpool::kv::host::{HostKvConfig, HostKvPool, HostLayout};
+use kvpool::kv::{KvConfig, KvDtype, KvLayout};
+use kvpool::radix::{page_hash, BlockHash};
+use kvpool::store::redis::{RedisStore, RedisStoreConfig};
+use kvpool::store::{
+    BackoffConfig, Invalid, Loaded, Miss, PageFormat, PageStore, StoreError, FORMAT_VERSION, HEADER_BYTES,
+};
+use store_common::{RedisCluster, RedisServer};
+
+fn kv(layout: KvLayout, layers: u32, page_size: u32) -> KvConfig {
+    KvConfig { layout, dtype: KvDtype::Bf16, layer_num: layers, size: 64 * page_size as usize, page_size }
+}
+
+fn pool(kv: KvConfig, layout: HostLayout) -> HostKvPool {
+    HostKvPool::pageable(HostKvConfig { kv, host_pages: 32, layout }).unwrap()
+}
+
+/// `n` chained page hashes of a request whose tokens start at `seed`.
+fn hashes(n: usize, page_size: u32, seed: u32) -> Vec<BlockHash> {
+    let mut out: Vec<BlockHash> = Vec::new();
+    for i in 0..n {
+        let tokens: Vec<u32> = (0..page_size).map(|t| seed + i as u32 * page_size + t).collect();
+        let h = page_hash(out.last(), &tokens);
+        out.push(h);
+    }
+    out
+}
+
+/// Allocate `n` host pages and fill each with bytes derived from `seed` and its index.
+fn filled(pool: &mut HostKvPool, n: usize, seed: u8) -> Vec<u32> {
+    let mut pages = vec![0u32; n];
+    pool.alloc_pages(&mut pages).unwrap();
+    let len = pool.config().page_bytes();
+    for (i, &p) in pages.iter().enumerate() {
+        let bytes: Vec<u8> = (0..len)
+            .map(|k| (k as u32).wrapping_mul(2654435761).wrapping_add(i as u32 * 97 + seed as u32) as u8)
+            .collect();
+        pool.write_page(p, &bytes).unwrap();
+    }
+    pages
+}
+
+fn page(pool: &HostKvPool, p: u32) -> Vec<u8> {
+    let mut out = vec![0u8; pool.config().page_bytes()];
+    pool.read_page(p, &mut out).unwrap();
+    out
+}
+
+fn store(url: String, format: PageFormat) -> RedisStore {
+    let mut cfg = RedisStoreConfig::new(url, "test-model", format);
+    cfg.timeout = Duration::from_millis(500);
+    cfg.connect_timeout = Duration::from_millis(300);
+    cfg.backoff = BackoffConfig { initial: Duration::from_millis(50), max: Duration::from_millis(400) };
+    RedisStore::new(cfg).unwrap()
+}
+
+fn sentinel(pool: &mut HostKvPool, pages: &[u32]) {
+    let fill = vec![0xee; pool.config().page_bytes()];
+    for &p in pages {
+        pool.write_page(p, &fill).unwrap();
+    }
+}
+
+fn is_sentinel(pool: &HostKvPool, p: u32) -> bool {
+    page(pool, p).iter().all(|&b| b == 0xee)
+}
+
+#[test]
+fn round_trip_of_several_sizes_and_both_layouts() {
+    let Some(server) = RedisServer::start() else { return };
+    let shapes = [
+        kv(KvLayout::Mha { head_num: 2, head_dim: 8 }, 3, 1),
+        kv(KvLayout::Mha { head_num: 1, head_dim: 64 }, 4, 4),
+        kv(KvLayout::Mla { kv_lora_rank: 16, qk_rope_head_dim: 8 }, 5, 16),
+        kv(KvLayout::Mha { head_num: 8, head_dim: 128 }, 2, 16), // 128 KiB pages
+    ];
+    for (s, &shape) in shapes.iter().enumerate() {
+        for (from, to) in [
+            (HostLayout::PageFirst, HostLayout::PageFirst),
+            (HostLayout::LayerFirst, HostLayout::LayerFirst),
+            (HostLayout::LayerFirst, HostLayout::PageFirst),
+            (HostLayout::PageFirst, HostLayout::LayerFirst),
+        ] {
+            let mut src = pool(shape, from);
+            let mut dst = pool(shape, to);
+            let format = PageFormat::of(src.config());
+            let store = store(server.url(), format);
+            let n = 5;
+            let hs = hashes(n, shape.page_size, 1000 * s as u32 + if from == to { 0 } else { 500 });
+            let src_pages = filled(&mut src, n, s as u8);
+            store.put_host(&src, &hs, &src_pages).unwrap();
+            assert_eq!(store.exists_prefix(&hs).unwrap(), n);
+            let mut dst_pages = vec![0u32; n];
+            dst.alloc_pages(&mut dst_pages).unwrap();
+            let loaded = store.get_host(&mut dst, &hs, &dst_pages).unwrap();
+            assert_eq!(loaded, Loaded { pages: n, stop: None });
+            for (&a, &b) in src_pages.iter().zip(&dst_pages) {
+                assert_eq!(page(&src, a), page(&dst, b), "{shape:?} {from:?} -> {to:?}");
+                // The layer rows land where the destination's layout says.
+                assert_eq!(src.page_rows(a, 1, 0).unwrap(), dst.page_rows(b, 1, 0).unwrap());
+            }
+            // The byte-slice API reads the same values.
+            let mut bufs = vec![vec![0u8; format.page_bytes()]; n];
+            let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+            assert_eq!(store.get(&hs, &mut refs).unwrap().pages, n);
+            assert_eq!(bufs[2], page(&src, src_pages[2]));
+            let st = store.stats();
+            assert_eq!((st.pages_put, st.pages_loaded, st.corrupt, st.failures), (n as u64, 2 * n as u64, 0, 0));
+            assert_eq!(st.bytes_written, (n * format.value_bytes()) as u64);
+        }
+    }
+    // Byte slices in, byte slices out, and the value on the server is header + payload.
+    let format = PageFormat { page_size: 2, bytes_per_token: 3 };
+    let store = store(server.url(), format);
+    let pages: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i + 1; 6]).collect();
+    let hs = hashes(3, 2, 77);
+    store.put(&hs, &pages.iter().map(|p| &p[..]).collect::<Vec<_>>()).unwrap();
+    let raw: Vec<u8> = redis::cmd("GET").arg(store.key(&hs[1])).query(&mut server.raw()).unwrap();
+    assert_eq!(raw.len(), HEADER_BYTES + 6);
+    assert_eq!(&raw[..4], b"KVPG");
+    assert_eq!(&raw[HEADER_BYTES..], &pages[1][..]);
+    let key = String::from_utf8(store.key(&hs[0])).unwrap();
+    assert!(key.starts_with("kvpool:test-model:") && key.len() == "kvpool:test-model:".len() + 64, "{key}");
+}
+
+#[test]
+fn a_flipped_byte_is_refused_and_the_host_page_is_not_written() {
+    let Some(server) = RedisServer::start() else { return };
+    let shape = kv(KvLayout::Mha { head_num: 1, head_dim: 16 }, 2, 4);
+    for layout in [HostLayout::PageFirst, HostLayout::LayerFirst] {
+        let mut host = pool(shape, layout);
+        let format = PageFormat::of(host.config());
+        let store = store(server.url(), format);
+        let hs = hashes(3, 4, if layout == HostLayout::PageFirst { 1 } else { 2 });
+        let src = filled(&mut host, 3, 9);
+        store.put_host(&host, &hs, &src).unwrap();
+        // Flip one payload byte of the middle page on the server.
+        let mut raw = server.raw();
+        let at = HEADER_BYTES + format.page_bytes() / 2;
+        let key = store.key(&hs[1]);
+        let old: Vec<u8> = redis::cmd("GETRANGE").arg(&key).arg(at).arg(at).query(&mut raw).unwrap();
+        let _: i64 = redis::cmd("SETRANGE").arg(&key).arg(at).arg(&[old[0] ^ 0x40][..]).query(&mut raw).unwrap();
+
+        let mut dst = vec![0u32; 3];
+        host.alloc_pages(&mut dst).unwrap();
+        sentinel(&mut host, &dst);
+        let loaded = store.get_host(&mut host, &hs, &dst).unwrap();
+        assert_eq!(loaded.pages, 1);
+        assert!(matches!(loaded.stop, Some(Miss::Invalid(Invalid::Checksum { .. }))), "{loaded:?}");
+        assert_eq!(page(&host, dst[0]), page(&host, src[0]));
+        assert!(is_sentinel(&host, dst[1]) && is_sentinel(&host, dst[2]), "pages from the corrupt one on untouched");
+        assert_eq!(store.stats().corrupt, 1);
+        assert_eq!(store.stats().pages_loaded, 1);
+        // Presence is not soundness: exists_prefix still counts it.
+        assert_eq!(store.exists_prefix(&hs).unwrap(), 3);
+
+        // A flipped header byte (payload length) is refused too.
+        let key0 = store.key(&hs[0]);
+        let _: i64 = redis::cmd("SETRANGE").arg(&key0).arg(24).arg(&[0x7f][..]).query(&mut raw).unwrap();
+        let loaded = store.get_host(&mut host, &hs[..1], &dst[..1]).unwrap();
+        assert_eq!(loaded.pages, 0);
+        assert_eq!(loaded.stop, Some(Miss::Invalid(Invalid::Length { found: format.page_bytes() })));
+        assert_eq!(store.stats().corrupt, 2);
+        // A value that is not a page at all.
+        let _: () = redis::cmd("SET").arg(&key0).arg("hello").query(&mut raw).unwrap();
+        let loaded = store.get_host(&mut host, &hs[..1], &dst[..1]).unwrap();
+        assert_eq!(loaded.stop, Some(Miss::Invalid(Invalid::Truncated { len: 5 })));
+        assert!(is_sentinel(&host, dst[1]));
+    }
+}
+
+#[test]
+fn a_page_of_another_format_or_version_is_a_miss() {
+    let Some(server) = RedisServer::start() else { return };
+    let pages: Vec<Vec<u8>> = (0..2u8).map(|i| vec![i; 64]).collect();
+    let refs: Vec<&[u8]> = pages.iter().map(|p| &p[..]).collect();
+    let hs = hashes(2, 4, 5);
+    let a = PageFormat { page_size: 4, bytes_per_token: 16 };
+    store(server.url(), a).put(&hs, &refs).unwrap();
+    // Same bytes per page, another page size; same page size, other bytes per token.
+    for b in [PageFormat { page_size: 8, bytes_per_token: 8 }, PageFormat { page_size: 4, bytes_per_token: 32 }] {
+        let other = store(server.url(), b);
+        let mut buf = vec![vec![0xeeu8; b.page_bytes()]; 2];
+        let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+        let loaded = other.get(&hs, &mut bufs).unwrap();
+        assert_eq!(loaded, Loaded { pages: 0, stop: Some(Miss::Invalid(Invalid::Format { found: a })) });
+        assert!(buf.iter().flatten().all(|&x| x == 0xee));
+        assert_eq!((other.stats().mismatched, other.stats().corrupt), (2, 0));
+    }
+    // Another format version (the version field is checked before the checksum).
+    let s = store(server.url(), a);
+    let _: i64 = redis::cmd("SETRANGE")
+        .arg(s.key(&hs[0]))
+        .arg(4)
+        .arg(&(FORMAT_VERSION + 1).to_le_bytes()[..])
+        .query(&mut server.raw())
+        .unwrap();
+    let mut buf = vec![vec![0u8; 64]; 2];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    let loaded = s.get(&hs, &mut bufs).unwrap();
+    assert_eq!(loaded.stop, Some(Miss::Invalid(Invalid::Version { found: FORMAT_VERSION + 1 })));
+    assert_eq!(s.stats().mismatched, 1);
+    // A host pool of another shape is refused before anything is sent.
+    let host = pool(kv(KvLayout::Mha { head_num: 1, head_dim: 8 }, 1, 4), HostLayout::PageFirst);
+    let ops = s.stats().ops;
+    let err = s.put_host(&host, &hs[..1], &[1]).unwrap_err();
+    assert!(matches!(err, StoreError::Format { .. }), "{err}");
+    assert_eq!(s.stats().ops, ops);
+}
+
+#[test]
+fn exists_prefix_stops_at_the_first_missing_page() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 4, bytes_per_token: 8 };
+    let s = store(server.url(), format);
+    let hs = hashes(6, 4, 11);
+    let pages: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 32]).collect();
+    // Everything but page 2.
+    for i in [0, 1, 3, 4, 5] {
+        s.put(&hs[i..i + 1], &[&pages[i]]).unwrap();
+    }
+    assert_eq!(s.exists_prefix(&hs).unwrap(), 2);
+    assert_eq!(s.exists_prefix(&hs[3..]).unwrap(), 3);
+    assert_eq!(s.exists_prefix(&hs[2..]).unwrap(), 0);
+    assert_eq!(s.exists_prefix(&[]).unwrap(), 0);
+    let mut buf = vec![vec![0xeeu8; 32]; 6];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    let loaded = s.get(&hs, &mut bufs).unwrap();
+    assert_eq!(loaded, Loaded { pages: 2, stop: Some(Miss::Absent) });
+    assert_eq!((buf[0][0], buf[1][0]), (0, 1));
+    assert!(buf[2..].iter().flatten().all(|&x| x == 0xee), "nothing after the gap is written");
+    assert_eq!(s.stats().absent, 1);
+    // Another namespace or model does not see these pages.
+    let mut cfg = s.config().clone();
+    cfg.model_id = "other-model".into();
+    assert_eq!(RedisStore::new(cfg).unwrap().exists_prefix(&hs).unwrap(), 0);
+}
+
+#[test]
+fn bad_input_is_refused_before_anything_is_sent() {
+    let Some(server) = RedisServer::start() else { return };
+    let shape = kv(KvLayout::Mha { head_num: 1, head_dim: 8 }, 2, 2);
+    let mut host = pool(shape, HostLayout::LayerFirst);
+    let format = PageFormat::of(host.config());
+    let s = store(server.url(), format);
+    let hs = hashes(2, 2, 3);
+    let page = vec![0u8; format.page_bytes()];
+    let short = vec![0u8; format.page_bytes() - 1];
+    assert!(matches!(s.put(&hs, &[&page]), Err(StoreError::Shape { what: "pages", got: 1, expected: 2 })));
+    assert!(matches!(s.put(&hs, &[&page, &short]), Err(StoreError::Shape { what: "page", .. })));
+    let err = s.put_host(&host, &hs, &[1, 2]).unwrap_err(); // not allocated
+    assert!(matches!(err, StoreError::Host(_)), "{err}");
+    assert!(!err.is_transient());
+    let mut p = [0u32; 1];
+    host.alloc_pages(&mut p).unwrap();
+    assert!(matches!(s.get_host(&mut host, &hs, &[p[0], 0]), Err(StoreError::Host(_))));
+    assert_eq!(s.stats().ops, 0);
+    for bad in [
+        RedisStoreConfig { nodes: vec![], ..s.config().clone() },
+        RedisStoreConfig { nodes: vec!["http://x".into()], ..s.config().clone() },
+        RedisStoreConfig { timeout: Duration::ZERO, ..s.config().clone() },
+        RedisStoreConfig { format: PageFormat { page_size: 0, bytes_per_token: 8 }, ..s.config().clone() },
+    ] {
+        assert!(matches!(RedisStore::new(bad), Err(StoreError::Config { .. })));
+    }
+}
+
+/// Kill the server mid-sequence: operations fail with typed errors within the timeout,
+/// back off without touching the network, leave host pages alone, and work again after
+/// a restart on the same port without a new client.
+#[test]
+fn kill_and_restart_recovers_without_a_new_client() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let shape = kv(KvLayout::Mha { head_num: 2, head_dim: 32 }, 2, 4);
+    let mut host = pool(shape, HostLayout::PageFirst);
+    let format = PageFormat::of(host.config());
+    let s = store(server.url(), format);
+    let timeout = s.config().timeout;
+    let hs = hashes(4, 4, 21);
+    let src = filled(&mut host, 4, 1);
+    s.put_host(&host, &hs[..2], &src[..2]).unwrap();
+    let mut dst = vec![0u32; 4];
+    host.alloc_pages(&mut dst).unwrap();
+    sentinel(&mut host, &dst);
+
+    server.kill();
+    let t = Instant::now();
+    let err = s.put_host(&host, &hs[2..], &src[2..]).unwrap_err();
+    assert!(t.elapsed() < timeout + Duration::from_millis(500), "took {:?}", t.elapsed());
+    assert!(err.is_transient() && matches!(err, StoreError::Connection { .. }), "{err}");
+    // Backing off: refused at once, nothing sent.
+    let ops = s.stats().ops;
+    let t = Instant::now();
+    match s.get_host(&mut host, &hs, &dst) {
+        Err(StoreError::Unavailable { failures: 1, .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_millis(20));
+    assert_eq!(s.stats().ops, ops);
+    // After the wait the client tries again: connection refused, a longer wait.
+    std::thread::sleep(Duration::from_millis(60));
+    let t = Instant::now();
+    assert!(matches!(s.exists_prefix(&hs), Err(StoreError::Connection { .. })));
+    assert!(t.elapsed() < s.config().connect_timeout + Duration::from_millis(200));
+    assert_eq!(s.stats().failures_in_row, 2);
+    assert!(dst.iter().all(|&p| is_sentinel(&host, p)), "a failed get writes no host page");
+
+    server.restart(); // same port, empty (no persistence)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let n = loop {
+        match s.exists_prefix(&hs) {
+            Ok(n) => break n,
+            Err(e) => {
+                assert!(e.is_transient(), "{e}");
+                assert!(Instant::now() < deadline, "no recovery after restart: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    assert_eq!(n, 0, "the restarted server is empty");
+    let st = s.stats();
+    assert!(st.reconnects >= 1 && st.failures_in_row == 0, "{st:?}");
+    s.put_host(&host, &hs, &src).unwrap();
+    assert_eq!(s.get_host(&mut host, &hs, &dst).unwrap().pages, 4);
+    assert_eq!(page(&host, dst[3]), page(&host, src[3]));
+}
+
+/// A server that stops answering (SIGSTOP): the operation times out within the
+/// configured deadline (not once per command of the pipeline), and the client recovers
+/// when it answers again.
+#[test]
+fn a_hung_server_times_out_within_the_deadline() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 16, bytes_per_token: 4096 }; // 64 KiB pages
+    let s = store(server.url(), format);
+    let timeout = s.config().timeout;
+    let hs = hashes(32, 16, 4);
+    let pages: Vec<Vec<u8>> = (0..32u8).map(|i| vec![i; format.page_bytes()]).collect();
+    let refs: Vec<&[u8]> = pages.iter().map(|p| &p[..]).collect();
+    s.put(&hs, &refs).unwrap();
+
+    server.signal("STOP");
+    let t = Instant::now();
+    let mut bufs = vec![vec![0u8; format.page_bytes()]; 32];
+    let mut muts: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let err = s.get(&hs, &mut muts).unwrap_err();
+    let took = t.elapsed();
+    server.signal("CONT");
+    assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
+    assert!(took >= timeout && took < timeout + timeout / 4, "took {took:?} for a {timeout:?} deadline");
+    assert!(bufs.iter().flatten().all(|&b| b == 0));
+    assert_eq!(s.stats().timeouts, 1);
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match s.get(&hs, &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()) {
+            Ok(l) => {
+                assert_eq!(l.pages, 32);
+                break;
+            }
+            Err(e) => {
+                assert!(e.is_transient(), "{e}");
+                assert!(Instant::now() < deadline, "no recovery: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    assert_eq!(bufs[31], pages[31]);
+    assert!(s.stats().reconnects >= 1);
+}
+
+/// A full server (maxmemory, noeviction) refuses writes: typed `Full`, writes back off,
+/// reads go on.
+#[test]
+fn a_full_store_backs_off_writes_and_keeps_serving_reads() {
+    let Some(server) = RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]) else {
+        return;
+    };
+    let format = PageFormat { page_size: 16, bytes_per_token: 4096 };
+    let s = store(server.url(), format);
+    let hs = hashes(200, 16, 8);
+    let page = vec![3u8; format.page_bytes()];
+    s.put(&hs[..1], &[&page]).unwrap();
+    let mut full = None;
+    for i in 1..hs.len() {
+        if let Err(e) = s.put(&hs[i..i + 1], &[&page]) {
+            full = Some(e);
+            break;
+        }
+    }
+    assert!(matches!(full, Some(StoreError::Full { .. })), "{full:?}");
+    assert!(matches!(s.put(&hs[199..], &[&page]), Err(StoreError::Unavailable { .. })));
+    assert!(s.exists_prefix(&hs).unwrap() >= 1, "reads go on while writes back off");
+    let st = s.stats();
+    assert_eq!((st.full, st.failures_in_row), (1, 0));
+}
+
+#[test]
+fn cluster_round_trip_spreads_pages_over_the_nodes() {
+    let Some(cluster) = RedisCluster::start() else { return };
+    let shape = kv(KvLayout::Mha { head_num: 1, head_dim: 32 }, 2, 8);
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        let mut host = pool(shape, layout);
+        let format = PageFormat::of(host.config());
+        let mut cfg = RedisStoreConfig::cluster(cluster.urls(), "test-model", format);
+        cfg.timeout = Duration::from_secs(2);
+        let s = RedisStore::new(cfg).unwrap();
+        let hs = hashes(12, 8, if layout == HostLayout::PageFirst { 0 } else { 1 << 20 });
+        let src = filled(&mut host, 12, 4);
+        s.put_host(&host, &hs, &src).unwrap();
+        assert_eq!(s.exists_prefix(&hs).unwrap(), 12);
+        let mut dst = vec![0u32; 12];
+        host.alloc_pages(&mut dst).unwrap();
+        assert_eq!(s.get_host(&mut host, &hs, &dst).unwrap(), Loaded { pages: 12, stop: None });
+        for (&a, &b) in src.iter().zip(&dst) {
+            assert_eq!(page(&host, a), page(&host, b));
+        }
+        host.free_pages(&src).unwrap();
+        host.free_pages(&dst).unwrap();
+    }
+    // The keys landed on every node.
+    for n in &cluster.nodes {
+        let keys: i64 = redis::cmd("DBSIZE").query(&mut n.raw()).unwrap();
+        assert!(keys > 0, "node {} holds no page", n.port);
+    }
+    // A corrupt page on whichever node holds it is refused there too.
+    let format = PageFormat { page_size: 2, bytes_per_token: 4 };
+    let s = RedisStore::new(RedisStoreConfig::cluster(cluster.urls(), "m", format)).unwrap();
+    let hs = hashes(3, 2, 99);
+    s.put(&hs, &[&[1u8; 8][..], &[2; 8], &[3; 8]]).unwrap();
+    let key = s.key(&hs[1]);
+    for n in &cluster.nodes {
+        let mut raw = n.raw();
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query(&mut raw).unwrap();
+        let here: i64 = redis::cmd("CLUSTER").arg("COUNTKEYSINSLOT").arg(slot).query(&mut raw).unwrap();
+        let has: Option<Vec<u8>> = if here > 0 { redis::cmd("GET").arg(&key).query(&mut raw).ok() } else { None };
+        if has.is_some() {
+            let _: i64 = redis::cmd("SETRANGE").arg(&key).arg(HEADER_BYTES).arg(&[9u8][..]).query(&mut raw).unwrap();
+        }
+    }
+    let mut buf = vec![vec![0u8; 8]; 3];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    let loaded = s.get(&hs, &mut bufs).unwrap();
+    assert_eq!(loaded.pages, 1);
+    assert!(matches!(loaded.stop, Some(Miss::Invalid(Invalid::Checksum { .. }))));
+}
