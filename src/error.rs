@@ -319,6 +319,12 @@ pub enum ConfigError {
         /// Bytes it needs (`u64::MAX` when the size overflows 64 bits).
         bytes: u64,
     },
+    /// A host KV pool a host tier cannot take (its page size differs from the device
+    /// allocator's, or pages of it are in use already).
+    HostPool {
+        /// Why.
+        why: &'static str,
+    },
     /// Two options that cannot be combined (the first is refused with the second).
     Unsupported {
         /// What was asked for.
@@ -371,6 +377,7 @@ impl fmt::Display for ConfigError {
             }
             ConfigError::Zero(what) => write!(f, "{what} must be at least 1"),
             ConfigError::Unsupported { what, with } => write!(f, "{what} is not supported with {with}"),
+            ConfigError::HostPool { why } => write!(f, "the host KV pool cannot be the host tier: {why}"),
             ConfigError::NotAMultiple { what, value, of, unit } => {
                 write!(f, "{what} ({value}) must be a whole multiple of {of} ({unit})")
             }

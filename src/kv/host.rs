@@ -519,6 +519,12 @@ impl HostKvPool {
         self.pages.is_allocated(page)
     }
 
+    /// The page allocator itself (a host tier that takes the pool frees through its
+    /// free groups).
+    pub(crate) fn page_allocator(&self) -> &SlotPool {
+        &self.pages
+    }
+
     /// Allocate `out.len()` pages into `out`, all or nothing; lock-free, no heap
     /// allocation. Single-threaded, a fresh pool hands out the lowest free pages,
     /// ascending.

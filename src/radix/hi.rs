@@ -117,9 +117,11 @@ use super::writer::{run_at, Runs, Writer};
 use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
 use crate::error::ConfigError;
+use crate::kv::host::HostKvPool;
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
 use crate::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 
 /// When a node's KV is copied to host memory (SGLang's `--hicache-write-policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -296,8 +298,10 @@ impl HostTier {
 /// The host-tier variant (see the [module docs](self)).
 pub struct Hi {
     tier: HostTier,
-    /// Host pages `1..=host_pages` (tree pages `num_pages + 1..`).
+    /// Host pages `1..=host_pages` (tree pages `num_pages + 1..`): the tree's own, or
+    /// the allocator of the [`HostKvPool`] it was given.
     host: SlotPool,
+    pool: Option<Arc<HostKvPool>>,
     written: AtomicU64,
     loaded: AtomicU64,
     device_evicted: AtomicU64,
@@ -305,9 +309,33 @@ pub struct Hi {
     backup_refused: AtomicU64,
 }
 
+impl Hi {
+    /// The host page allocator.
+    #[inline]
+    fn host(&self) -> &SlotPool {
+        match &self.pool {
+            Some(p) => p.page_allocator(),
+            None => &self.host,
+        }
+    }
+
+    fn new(tier: HostTier, pool: Option<Arc<HostKvPool>>) -> Hi {
+        Hi {
+            tier,
+            host: SlotPool::without_magazines(if pool.is_some() { 0 } else { tier.host_pages }),
+            pool,
+            written: AtomicU64::new(0),
+            loaded: AtomicU64::new(0),
+            device_evicted: AtomicU64::new(0),
+            host_evicted: AtomicU64::new(0),
+            backup_refused: AtomicU64::new(0),
+        }
+    }
+}
+
 impl fmt::Debug for Hi {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Hi").field("tier", &self.tier).field("host_free", &self.host.available()).finish()
+        f.debug_struct("Hi").field("tier", &self.tier).field("host_free", &self.host().available()).finish()
     }
 }
 
@@ -523,7 +551,7 @@ fn copy_tokens<A: KvAllocator>(w: &Writer<'_, A, Hi>, mut src: Runs<'_>, mut dst
 /// completes.
 fn free_host_chain<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, first: u32, first_run: u32, count: u32) {
     let base = w.c.num_pages;
-    let mut group = w.c.variant.host.free_group();
+    let mut group = w.c.variant.host().free_group();
     for (start, len) in w.chain(first, first_run, count) {
         w.set_in_tree_range(start, len, false);
         if w.s.ext.in_flight_pages == 0 {
@@ -635,7 +663,7 @@ fn entry_of<A: KvAllocator>(w: &Writer<'_, A, Hi>, t: &Transfer) -> Result<Entry
 fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
     let e = w.s.ext.entries[slot as usize];
     let base = w.c.num_pages;
-    let mut group = w.c.variant.host.free_group();
+    let mut group = w.c.variant.host().free_group();
     for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
         for p in start..start + len {
             set_bit(&mut w.s.ext.in_flight, p - base, false);
@@ -670,7 +698,7 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind
     let v = &w.c.variant;
     let n = w.span(id).1 as usize;
     let ps = w.c.ps;
-    let avail = v.host.available();
+    let avail = v.host().available();
     if avail < n {
         evict_host(w, (n - avail) * ps);
     }
@@ -682,7 +710,7 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind
     let mut pages = core::mem::take(&mut w.s.ext.pages);
     pages.clear();
     pages.resize(n, 0); // within the capacity reserved at construction
-    if w.c.variant.host.alloc(&mut pages).is_err() {
+    if w.c.variant.host().alloc(&mut pages).is_err() {
         w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
         w.s.ext.pages = pages;
         return false;
@@ -1034,7 +1062,7 @@ impl Variant for Hi {
             let host_pages = |first: u32, run: u32| -> Result<(), String> {
                 for (start, len) in w.chain(first, run, count) {
                     for p in start..start + len {
-                        if p <= base || !w.in_tree(p) || !v.host.is_allocated(p - base) {
+                        if p <= base || !w.in_tree(p) || !v.host().is_allocated(p - base) {
                             return Err(format!("node {id}'s host page {p} is not a held host page"));
                         }
                     }
@@ -1097,7 +1125,7 @@ impl Variant for Hi {
                     let Some(h) = h else {
                         return Err(format!("transfer {slot} names page {p}, not a host page"));
                     };
-                    if !bit(&w.s.ext.in_flight, h) || bit(&seen, h) || !v.host.is_allocated(h) {
+                    if !bit(&w.s.ext.in_flight, h) || bit(&seen, h) || !v.host().is_allocated(h) {
                         return Err(format!("transfer {slot}'s host page {h} is unmarked, shared or free"));
                     }
                     set_bit(&mut seen, h, true);
@@ -1117,7 +1145,7 @@ impl Variant for Hi {
         if live + w.s.ext.free_entries.len() != w.s.ext.entries.len() {
             return Err(format!("{live} transfers live, {} slots free", w.s.ext.free_entries.len()));
         }
-        let used = v.host.capacity() as usize - v.host.available();
+        let used = v.host().capacity() as usize - v.host().available();
         if held != used {
             return Err(format!("nodes and transfers hold {held} host pages, the host pool has {used} allocated"));
         }
@@ -1302,16 +1330,48 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         if config.event_capacity.is_some() {
             return Err(ConfigError::Unsupported { what: "the host tier", with: "KV events" });
         }
-        let variant = Hi {
-            tier,
-            host: SlotPool::without_magazines(tier.host_pages),
-            written: AtomicU64::new(0),
-            loaded: AtomicU64::new(0),
-            device_evicted: AtomicU64::new(0),
-            host_evicted: AtomicU64::new(0),
-            backup_refused: AtomicU64::new(0),
-        };
-        Self::with_variant(alloc, req_pool, config, variant)
+        Self::with_variant(alloc, req_pool, config, Hi::new(tier, None))
+    }
+
+    /// A prefix cache over `alloc` whose host tier is `pool`'s pages: the host page
+    /// numbers of [`transfer_pages`](Self::transfer_pages) are `pool`'s, for
+    /// [`DeviceHostTransfer`](crate::kv::host) and the store tier to copy. The tree
+    /// allocates and frees them; allocate none of them yourself (the invariant check
+    /// counts every allocated page as the tree's). `write_policy` and
+    /// `load_back_threshold` as in [`HostTier`].
+    ///
+    /// # Errors
+    ///
+    /// As [`with_host_tier`](Self::with_host_tier); [`ConfigError::HostPool`] when the
+    /// pool's page size is not the allocator's or some of its pages are allocated.
+    pub fn with_host_pool(
+        alloc: A,
+        req_pool: ReqToTokenPool,
+        config: RadixConfig,
+        pool: Arc<HostKvPool>,
+        write_policy: WritePolicy,
+        load_back_threshold: usize,
+    ) -> Result<Self, ConfigError> {
+        if config.event_capacity.is_some() {
+            return Err(ConfigError::Unsupported { what: "the host tier", with: "KV events" });
+        }
+        let ps = pool.config().kv.page_size;
+        if ps != alloc.page_size() {
+            return Err(ConfigError::HostPool { why: "its page size is not the device allocator's" });
+        }
+        if pool.available_pages() != pool.capacity_pages() {
+            return Err(ConfigError::HostPool { why: "some of its pages are allocated already" });
+        }
+        let host_pages = u32::try_from(pool.capacity_pages())
+            .map_err(|_| ConfigError::HostPool { why: "it has more than 2^32 - 1 pages" })?;
+        let tier = HostTier { host_pages, write_policy, load_back_threshold };
+        Self::with_variant(alloc, req_pool, config, Hi::new(tier, Some(pool)))
+    }
+
+    /// The host KV pool whose pages the tree holds, if it was given one
+    /// ([`with_host_pool`](Self::with_host_pool)).
+    pub fn host_pool(&self) -> Option<&Arc<HostKvPool>> {
+        self.variant.pool.as_ref()
     }
 
     /// The host tier's configuration.
@@ -1333,13 +1393,13 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
 
     /// Tokens held in host pages (backups and host-only nodes).
     pub fn host_size(&self) -> usize {
-        let h = &self.variant.host;
+        let h = self.variant.host();
         (h.capacity() as usize - h.available()) * self.ps
     }
 
     /// Host tokens free.
     pub fn host_available(&self) -> usize {
-        self.variant.host.available() * self.ps
+        self.variant.host().available() * self.ps
     }
 
     /// Insert `key -> slots` (whole pages of the caller's device slots): the rules of

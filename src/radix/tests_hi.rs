@@ -265,3 +265,52 @@ fn reset_drops_transfers_in_flight() {
     assert_eq!((c.transfers_in_flight(), c.host_size(), c.allocator().available_size()), (0, 0, 16));
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn a_host_kv_pool_is_the_host_tier() {
+    use crate::kv::host::{HostKvConfig, HostKvPool, HostLayout};
+    use crate::kv::{KvConfig, KvDtype, KvLayout};
+    let kv = |page_size| KvConfig {
+        layout: KvLayout::Mha { head_num: 1, head_dim: 4 },
+        dtype: KvDtype::F16,
+        layer_num: 2,
+        size: 16,
+        page_size,
+    };
+    let pool = |page_size| {
+        let cfg = HostKvConfig::with_ratio(kv(page_size), 1.0, HostLayout::PageFirst).unwrap();
+        std::sync::Arc::new(HostKvPool::pageable(cfg).unwrap())
+    };
+    let make = |p| {
+        HiRadixCache::with_host_pool(
+            PagedAllocator::new(16, 2).unwrap(),
+            ReqToTokenPool::new(2, 16).unwrap(),
+            RadixConfig::default(),
+            p,
+            WritePolicy::WriteThrough,
+            1,
+        )
+    };
+    assert!(matches!(make(pool(4)), Err(ConfigError::HostPool { .. })));
+    let used = pool(2);
+    used.alloc_pages(&mut [0u32; 1]).unwrap();
+    assert!(matches!(make(used), Err(ConfigError::HostPool { .. })));
+
+    let p = pool(2);
+    let c = make(p.clone()).unwrap();
+    assert_eq!((c.host_tier().host_pages, c.host_available()), (8, 16));
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    let t = take_one(&c);
+    let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut dev, &mut host).unwrap();
+    // The tree's host pages are the pool's: a transfer copies into them.
+    assert!(host.iter().all(|&h| p.is_allocated(h)));
+    assert_eq!(p.available_pages(), 6);
+    c.complete(t).unwrap();
+    assert_eq!(c.evict(4), 4);
+    assert_eq!(c.evict_host(4), 4);
+    assert_eq!(p.available_pages(), 8);
+    assert!(std::sync::Arc::ptr_eq(c.host_pool().unwrap(), &p));
+    c.check_invariants().unwrap();
+}
