@@ -116,10 +116,10 @@ use super::variant::Variant;
 use super::writer::{run_at, Runs, Writer};
 use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, Unit};
 use crate::kv::host::HostKvPool;
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
-use crate::slots::SlotPool;
+use crate::slots::{bit_words, SlotPool};
 use crate::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
@@ -401,8 +401,8 @@ impl Slot<HiNode> for HostLeaves {
 #[derive(Debug)]
 pub struct HiState {
     order: Vec<u32>,
-    /// Host pages of a backup being made.
-    pages: Vec<u32>,
+    /// Host page runs of a backup being made, as (first, pages).
+    runs: Vec<(u32, u32)>,
     /// The nodes of a load-back, top down.
     chain: Vec<u32>,
     /// Host leaves a host eviction passed over (pages in flight), put back after it.
@@ -459,17 +459,6 @@ fn ext_mut<'w, A: KvAllocator>(w: &'w mut Writer<'_, A, Hi>, id: u32) -> &'w mut
 
 fn is_host_leaf(e: &HiNode) -> bool {
     e.host_only && e.first_child == NIL && e.host_lock == 0
-}
-
-/// Runs of consecutive numbers in `pages`, as (first, count).
-fn runs_of(pages: &[u32]) -> impl Iterator<Item = (u32, u32)> + '_ {
-    let mut i = 0;
-    core::iter::from_fn(move || {
-        let start = *pages.get(i)?;
-        let len = run_at(&pages[i..], 1, 0);
-        i += len;
-        Some((start, len as u32))
-    })
 }
 
 /// Runs of the whole pages of `slots` (a checked shape), as (first page, pages).
@@ -554,7 +543,7 @@ fn free_host_chain<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, first: u32, first_
     let mut group = w.c.variant.host().free_group();
     for (start, len) in w.chain(first, first_run, count) {
         w.set_in_tree_range(start, len, false);
-        if w.s.ext.in_flight_pages == 0 {
+        if w.s.ext.in_flight_pages == 0 || !run_in_flight(&w.s.ext.in_flight, start - base, len) {
             let r = group.free_range(start - base, len);
             debug_assert!(r.is_ok(), "the tree frees host pages it holds: {r:?}");
             continue;
@@ -587,14 +576,29 @@ fn set_bit(words: &mut [u64], h: u32, on: bool) {
     }
 }
 
+/// Whether any of host pages `h..h + len` is in flight, a word at a time.
+fn run_in_flight(words: &[u64], h: u32, len: u32) -> bool {
+    bit_words(h as usize - 1, len as usize).any(|(i, mask)| words[i] & mask != 0)
+}
+
+/// Mark host pages `h..h + len` in flight or not, a word at a time.
+fn mark_run(words: &mut [u64], h: u32, len: u32, on: bool) {
+    for (i, mask) in bit_words(h as usize - 1, len as usize) {
+        if on {
+            words[i] |= mask;
+        } else {
+            words[i] &= !mask;
+        }
+    }
+}
+
 /// Whether any page of the chain (tree pages, host) is in flight.
 fn chain_in_flight<A: KvAllocator>(w: &Writer<'_, A, Hi>, first: u32, first_run: u32, count: u32) -> bool {
     if w.s.ext.in_flight_pages == 0 {
         return false;
     }
     let base = w.c.num_pages;
-    w.chain(first, first_run, count)
-        .any(|(start, len)| (start - base..start - base + len).any(|h| bit(&w.s.ext.in_flight, h)))
+    w.chain(first, first_run, count).any(|(start, len)| run_in_flight(&w.s.ext.in_flight, start - base, len))
 }
 
 /// Whether the host-only node `id`'s pages are in flight (a write-back not complete).
@@ -619,12 +623,22 @@ fn start<A: KvAllocator>(
     lock_page: u32,
 ) {
     let base = w.c.num_pages;
-    let host = w.chain(host_first, host_run, count).flat_map(|(s, l)| s..s + l);
-    for (d, h) in device.flat_map(|(s, l)| s..s + l).zip(host) {
-        let h = h - base;
-        debug_assert!(!bit(&w.s.ext.in_flight, h), "host page {h} in two transfers");
-        w.s.ext.dev_of_host[h as usize] = d;
-        set_bit(&mut w.s.ext.in_flight, h, true);
+    let mut host = w.chain(host_first, host_run, count);
+    let (mut h, mut hl) = (0u32, 0u32);
+    for (mut d, mut dl) in device {
+        while dl > 0 {
+            if hl == 0 {
+                let Some(next) = host.next() else { break };
+                (h, hl) = (next.0 - base, next.1);
+            }
+            let k = dl.min(hl);
+            for (slot, page) in w.s.ext.dev_of_host[h as usize..(h + k) as usize].iter_mut().zip(d..) {
+                *slot = page;
+            }
+            debug_assert!(!run_in_flight(&w.s.ext.in_flight, h, k), "host pages {h}.. in two transfers");
+            mark_run(&mut w.s.ext.in_flight, h, k, true);
+            (d, dl, h, hl) = (d + k, dl - k, h + k, hl - k);
+        }
     }
     w.s.ext.in_flight_pages += count as usize;
     // Every transfer holds at least one host page of its own: the table has a slot
@@ -665,8 +679,11 @@ fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
     let base = w.c.num_pages;
     let mut group = w.c.variant.host().free_group();
     for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+        mark_run(&mut w.s.ext.in_flight, start - base, len, false);
+        if w.in_tree_all(start, len) {
+            continue;
+        }
         for p in start..start + len {
-            set_bit(&mut w.s.ext.in_flight, p - base, false);
             if !w.in_tree(p) {
                 let r = group.free_range(p - base, 1);
                 debug_assert!(r.is_ok(), "an orphaned page in flight is held: {r:?}");
@@ -702,29 +719,36 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind
     if avail < n {
         evict_host(w, (n - avail) * ps);
     }
-    if n > w.s.ext.pages.capacity() {
-        // More pages than the host pool has.
+    if w.c.variant.host().reserve(n, Unit::Pages).is_err() {
         w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
-        return false;
-    }
-    let mut pages = core::mem::take(&mut w.s.ext.pages);
-    pages.clear();
-    pages.resize(n, 0); // within the capacity reserved at construction
-    if w.c.variant.host().alloc(&mut pages).is_err() {
-        w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
-        w.s.ext.pages = pages;
         return false;
     }
     let base = w.c.num_pages;
+    // The claimed pages, a run of consecutive ones at a time (at most one run per page:
+    // within the capacity reserved at construction).
+    let mut runs = core::mem::take(&mut w.s.ext.runs);
+    runs.clear();
+    w.c.variant.host().claim_with(n, |word, mut bits| {
+        while bits != 0 {
+            let low = bits.trailing_zeros();
+            let len = (!(bits >> low)).trailing_zeros().min(64 - low);
+            let start = (word * 64) as u32 + low + 1 + base;
+            match runs.last_mut() {
+                Some((s, l)) if *s + *l == start => *l += len,
+                _ => runs.push((start, len)),
+            }
+            bits &= !((((1u128 << len) - 1) as u64) << low);
+        }
+    });
     // Release: a stale reader that sees a token or link written below (recycled host
     // pages) and validates with an Acquire fence is ordered after their last owner's
     // retirement.
     fence(Ordering::Release);
-    let (first, first_run, _) = w.link_runs(runs_of(&pages).map(|(s, l)| (s + base, l)));
-    for (start, len) in runs_of(&pages) {
-        w.set_in_tree_range(start + base, len, true);
+    let (first, first_run, _) = w.link_runs(runs.iter().copied());
+    for &(start, len) in &runs {
+        w.set_in_tree_range(start, len, true);
     }
-    w.s.ext.pages = pages;
+    w.s.ext.runs = runs;
     let (own, count) = w.span(id);
     let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
     copy_tokens(w, w.chain(own, own_run, count), w.chain(first, first_run, count));
@@ -907,7 +931,7 @@ impl Variant for Hi {
         in_flight.resize(hp.div_ceil(64), 0u64);
         Ok(HiState {
             order: crate::arena::try_with_capacity(nodes, "host order")?,
-            pages: crate::arena::try_with_capacity(hp, "host backup pages")?,
+            runs: crate::arena::try_with_capacity(hp, "host backup runs")?,
             chain: crate::arena::try_with_capacity(nodes, "host load-back chain")?,
             skipped: crate::arena::try_with_capacity(nodes, "host eviction scratch")?,
             entries,

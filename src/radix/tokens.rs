@@ -94,6 +94,24 @@ impl Tokens {
     /// Copy the tokens of slots `src..src + len` to `dst..dst + len` (the ranges do not
     /// overlap; the latch holder only, as [`write`](Self::write)).
     pub(super) fn copy(&self, src: usize, dst: usize, len: usize) {
+        if src % 2 == dst % 2 && len > 2 {
+            // Same alignment: whole words move as they are, the odd ends as tokens.
+            assert!(src.max(dst) + len <= self.slots, "token range out of bounds");
+            let (mut s, mut d, mut left) = (src, dst, len);
+            if s % 2 == 1 {
+                self.write(d, &[self.get(s)]);
+                (s, d, left) = (s + 1, d + 1, left - 1);
+            }
+            let pairs = left / 2;
+            let from = &self.words[s / 2..s / 2 + pairs];
+            for (w, v) in self.words[d / 2..d / 2 + pairs].iter().zip(from) {
+                w.store(v.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            if left % 2 == 1 {
+                self.write(d + left - 1, &[self.get(s + left - 1)]);
+            }
+            return;
+        }
         let mut buf = [0u32; 256];
         let mut done = 0;
         while done < len {
@@ -141,6 +159,24 @@ mod tests {
 
     /// Writes at odd and even boundaries keep the neighbouring slots, and the atomic
     /// comparison finds the first difference wherever it falls.
+    #[test]
+    fn copies_at_any_alignment() {
+        for src in 0..5 {
+            for dst in 12..17 {
+                for len in 0..7 {
+                    let t = Tokens::new(24).unwrap();
+                    let all: Vec<u32> = (100..124).collect();
+                    t.write(0, &all);
+                    t.copy(src, dst, len);
+                    for slot in 0..24 {
+                        let want = if (dst..dst + len).contains(&slot) { 100 + (src + slot - dst) as u32 } else { 100 + slot as u32 };
+                        assert_eq!(t.get(slot), want, "copy {src} -> {dst} x {len}: slot {slot}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn runs_at_any_alignment() {
         let t = Tokens::new(20).unwrap();

@@ -181,6 +181,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
+    /// Whether every page of `start..start + len` is in the tree, a word at a time.
+    pub(super) fn in_tree_all(&self, start: u32, len: u32) -> bool {
+        bit_words(start as usize, len as usize).all(|(w, mask)| self.s.in_tree[w] & mask == mask)
+    }
+
     /// Whether no page of `start..start + len` is in the tree, a word at a time.
     fn in_tree_clear(&self, start: u32, len: u32) -> bool {
         bit_words(start as usize, len as usize).all(|(w, mask)| self.s.in_tree[w] & mask == 0)
