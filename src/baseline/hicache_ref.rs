@@ -203,7 +203,11 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
     /// let mut c = ReferenceHiCache::new(PagedAllocator::new(8, 4)?, 4, EvictionPolicy::Lru, WritePolicy::WriteThrough, 1)?;
     /// let mut a = [0u32; 8];
     /// kvpool::KvAllocator::alloc(c.allocator(), &mut a)?;
-    /// assert_eq!(c.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &a), 0); // backed up at once
+    /// assert_eq!(c.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &a), 0); // a backup starts at once
+    /// assert_eq!(c.evict(8), 0); // locked while the backup is in flight
+    /// for t in c.take_transfers() {
+    ///     c.complete(t.id);
+    /// }
     /// assert_eq!(c.evict(8), 8); // the device copy goes, the host copy stays
     /// let m = c.match_prefix(0, &[1, 2, 3, 4, 5, 6, 7, 8]);
     /// assert_eq!((m.device.len(), m.host_len), (0, 8));
