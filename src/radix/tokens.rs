@@ -169,7 +169,11 @@ mod tests {
                     t.write(0, &all);
                     t.copy(src, dst, len);
                     for slot in 0..24 {
-                        let want = if (dst..dst + len).contains(&slot) { 100 + (src + slot - dst) as u32 } else { 100 + slot as u32 };
+                        let want = if (dst..dst + len).contains(&slot) {
+                            100 + (src + slot - dst) as u32
+                        } else {
+                            100 + slot as u32
+                        };
                         assert_eq!(t.get(slot), want, "copy {src} -> {dst} x {len}: slot {slot}");
                     }
                 }
