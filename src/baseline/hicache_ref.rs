@@ -821,6 +821,13 @@ mod tests {
         ReferenceHiCache::new(PagedAllocator::new(device, 2).unwrap(), host, EvictionPolicy::Lru, write, 1).unwrap()
     }
 
+    /// Complete every transfer in flight (copies that take no time).
+    fn settle(c: &mut ReferenceHiCache<PagedAllocator>) {
+        for tr in c.take_transfers() {
+            assert!(c.complete(tr.id));
+        }
+    }
+
     fn slots(c: &ReferenceHiCache<PagedAllocator>, n: usize) -> Vec<u32> {
         let mut s = vec![0u32; n];
         c.allocator().alloc(&mut s).unwrap();
@@ -832,12 +839,14 @@ mod tests {
         let mut c = cache(8, 8, WritePolicy::WriteThrough);
         let s = slots(&c, 4);
         assert_eq!(c.insert(0, &[1, 2, 3, 4], &s), 0);
+        settle(&mut c);
         assert_eq!(c.counters().written, 4);
         assert_eq!(c.evict(4), 4);
         c.check().unwrap();
         let m = c.match_prefix(0, &[1, 2, 3, 4, 5, 6]);
         assert_eq!((m.device.len(), m.host_len), (0, 4));
         let back = c.load_back(m.host_node, None).unwrap();
+        settle(&mut c);
         assert_eq!(c.counters().loaded, 4);
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4]).device, back);
         c.check().unwrap();
@@ -848,13 +857,16 @@ mod tests {
         let mut c = cache(8, 8, WritePolicy::WriteThroughSelective);
         let s = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &s);
+        settle(&mut c);
         assert_eq!(c.counters().written, 0);
         let dup = slots(&c, 4);
         assert_eq!(c.insert(0, &[1, 2, 3, 4], &dup), 4); // second hit: backed up
+        settle(&mut c);
         c.allocator().free(&dup).unwrap();
         assert_eq!(c.counters().written, 4);
         let t = slots(&c, 2);
         c.insert(0, &[9, 9], &t); // one hit: device only
+        settle(&mut c);
         assert_eq!(c.evict(8), 6);
         assert_eq!(c.node_count(), 1); // [9, 9] is gone, [1..4] stays on host
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4]).host_len, 4);
@@ -866,6 +878,7 @@ mod tests {
         let mut c = cache(8, 8, WritePolicy::WriteBack);
         let s = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &s);
+        settle(&mut c);
         assert_eq!(c.counters().written, 0);
         c.evict(4);
         assert_eq!(c.counters().written, 4);
@@ -878,12 +891,15 @@ mod tests {
         let mut c = cache(16, 3, WritePolicy::WriteThrough);
         let a = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &a); // host pages 1, 2
+        settle(&mut c);
         c.evict(4);
         let b = slots(&c, 2);
         c.insert(0, &[7, 7], &b); // host page 3
+        settle(&mut c);
         c.evict(2);
         let d = slots(&c, 2);
         c.insert(0, &[8, 8], &d); // host full: [1..4] (LRU) is removed for room
+        settle(&mut c);
         assert_eq!(c.counters().host_evicted, 4);
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4]).host_len, 0);
         c.check().unwrap();
@@ -894,10 +910,12 @@ mod tests {
         let mut c = cache(8, 8, WritePolicy::WriteThrough);
         let s = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &s);
+        settle(&mut c);
         c.evict(4);
         let r = slots(&c, 6);
         // The evicted part is not a duplicate: the request's slots replace it.
         assert_eq!(c.insert(0, &[1, 2, 3, 4, 5, 6], &r), 0);
+        settle(&mut c);
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4, 5, 6]).device, r);
         assert_eq!(c.counters().written, 6);
         c.check().unwrap();
@@ -915,19 +933,24 @@ mod tests {
         .unwrap();
         let s = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &s);
+        settle(&mut c);
         c.evict(4);
         let m = c.match_prefix(0, &[1, 2, 3, 4]);
         assert_eq!(c.load_back(m.host_node, None), None); // 4 < 10
         let mut c = cache(4, 8, WritePolicy::WriteThrough);
         let s = slots(&c, 4);
         c.insert(0, &[1, 2, 3, 4], &s);
+        settle(&mut c);
         c.evict(4);
         let held = slots(&c, 4); // the device is full and nothing is evictable
         let m = c.match_prefix(0, &[1, 2, 3, 4]);
         assert_eq!(c.load_back(m.host_node, None), None);
+        settle(&mut c);
         assert_eq!(c.load_back(m.host_node, Some(2)), None);
+        settle(&mut c);
         c.allocator().free(&held).unwrap();
         assert_eq!(c.load_back(m.host_node, Some(4)).map(|v| v.len()), Some(4));
+        settle(&mut c);
         c.check().unwrap();
     }
 
@@ -936,6 +959,7 @@ mod tests {
         let mut c = cache(8, 8, WritePolicy::WriteThrough);
         let s = slots(&c, 6);
         c.insert(0, &[1, 2, 3, 4, 5, 6], &s);
+        settle(&mut c);
         c.evict(6);
         let m = c.match_prefix(0, &[1, 2, 3, 4, 9, 9]);
         assert_eq!((m.device.len(), m.host_len), (0, 4));
