@@ -580,6 +580,12 @@ impl Kernel {
         self.ins(format_args!("or.pred {p}, {a}, {b}"));
         p
     }
+    /// `and.pred`
+    pub fn and_pred(&mut self, a: Pred, b: Pred) -> Pred {
+        let p = self.pred();
+        self.ins(format_args!("and.pred {p}, {a}, {b}"));
+        p
+    }
 
     // ---- float ----------------------------------------------------------------------
 
@@ -723,6 +729,13 @@ impl Kernel {
     pub fn bra_if(&mut self, p: Pred, when: bool, l: Label) {
         let name = self.label_name(l);
         self.ins_if(Some((p, when)), format_args!("bra {name}"));
+    }
+
+    /// `bar.sync 0`: every thread of the block waits here; global and shared memory
+    /// accesses before it are visible to the block's threads after it. Every thread
+    /// of the block must reach it (no thread may have returned).
+    pub fn bar_sync(&mut self) {
+        self.ins(format_args!("bar.sync 0"));
     }
 
     /// `ret`

@@ -154,6 +154,8 @@ fn modules_hold_every_variant() {
     for ps in ["ps1", "ps16", "ps32", "ps64", "psn"] {
         assert!(alloc.contains(&format!("alloc_extend_{ps}")));
         assert!(alloc.contains(&format!("alloc_decode_{ps}")));
+        assert!(alloc.contains(&format!("decode_step_{ps}")));
+        assert!(alloc.contains(&format!("decode_delta_{ps}")));
     }
     let scatter = names("kv_scatter");
     for w in [16, 8, 4, 2, 1] {
@@ -243,4 +245,26 @@ fn fp8_gather_is_refused() {
 #[should_panic(expected = "powers of two")]
 fn non_power_of_two_constant_page_is_refused() {
     kernels::alloc_extend(PageSize::Const(12));
+}
+
+#[test]
+fn delta_step_reads_its_list_once_and_syncs_the_block_once() {
+    for t in Target::ALL {
+        let text = kernel_text(t, "alloc", "decode_delta_ps16");
+        // One barrier, between applying the entries and advancing the requests; no
+        // return before it (every thread of the block must reach it).
+        assert_eq!(text.matches("bar.sync 0;").count(), 1, "{text}");
+        let (before, after) = text.split_once("bar.sync 0;").unwrap();
+        assert!(!before.contains("ret;"), "a thread returns before the barrier:\n{text}");
+        // The list (mapped host memory) through the read-only path: the count, the
+        // speculative first entry and the loop's later entries.
+        assert_eq!(before.matches("ld.global.nc.u32").count(), 1);
+        assert_eq!(before.matches("ld.global.nc.v4.u32").count(), 2);
+        // The state is read back after the barrier through the coherent path (this
+        // block wrote it), and the row write is predicated.
+        assert!(after.contains("ld.global.v4.u32") && !after.contains("ld.global.nc"));
+        assert!(after.contains("@%p") && after.contains("st.global.u32"));
+        let psn = kernel_text(t, "alloc", "decode_delta_psn");
+        assert!(psn.contains("rem.u32") && !text.contains("rem.u32"));
+    }
 }
