@@ -18,8 +18,9 @@
 //!    layer of `kv_scatter` at the new slots.
 //! 4. The decode step's memory operations without host synchronization (section
 //!    `decode`): wall time per step over 10,000 steps for 1..1024 requests, eager
-//!    (`DevicePagedAllocator::alloc_decode`) and from captured graphs (`DecodeGraphs`),
-//!    against the floor graph (one copy of the same bytes and one empty kernel).
+//!    (`DevicePagedAllocator::alloc_decode`), from captured graphs (`DecodeGraphs`) and
+//!    from captured graphs fed only the changes (`DeltaDecode`), against the floor
+//!    graph (one copy of the full records' bytes and one empty kernel).
 //! 5. `kv_scatter` through kvpool's own cache and through a view of separately
 //!    allocated layers on another stream (the interop path), same run.
 //!
@@ -35,9 +36,10 @@ use cust::event::{Event, EventFlags};
 use cust::memory::{AsyncCopyDestination, CopyDestination, DeviceBuffer, DeviceSlice};
 use cust::stream::{Stream, StreamFlags};
 use kvpool::cuda::{
-    DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
-    Layers, Rows, Staging,
+    DecodeGraphs, DeltaDecode, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView,
+    KvDevice, LastLocs, Layers, Rows, Staging,
 };
+use kvpool::kv::delta::{delta_block_words, DeltaPlanner};
 use kvpool::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
 use kvpool::{KvAllocator, PagedAllocator};
@@ -469,6 +471,86 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         })?
         .0
     };
+    // Delta graphs: the batch lives in `DeltaDecode`, which tracks the lengths, so the
+    // bench's own bookkeeping is O(changes) too: record each fresh page with its
+    // request, and restart (free, length 0) a request the step before it would pass
+    // LIMIT; it took its last page `ps` steps earlier, at a step of the same phase.
+    let (delta, entries) = {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let mut graphs = DeltaDecode::new(dev, Arc::clone(&host), &table, batch)?;
+        for (&row, &len) in b.rows.iter().zip(&b.seq) {
+            graphs.join(row, len)?;
+        }
+        let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
+        let mut entries = 0usize;
+        let mut counted = 0usize;
+        let t = per_step(dev, steps, || {
+            let phase = (graphs.planner().clock() % ps as u64) as usize;
+            for &i in &due[phase] {
+                let pages = &mut b.pages[i as usize];
+                let mut group = host.free_group();
+                for &p in pages.iter() {
+                    group.free(&[p * ps])?;
+                }
+                group.end();
+                pages.clear();
+                graphs.set_len(i, 0)?;
+            }
+            due[phase].clear();
+            let step = graphs.step(dev.stream())?;
+            for (&p, &i) in graphs.pages(&step)?.iter().zip(graphs.page_owners(&step)?) {
+                b.pages[i as usize].push(p);
+                if graphs.len(i)? - 1 + ps >= LIMIT {
+                    due[phase].push(i);
+                }
+            }
+            entries += step.entries();
+            counted += 1;
+            Ok(())
+        })?;
+        (t, entries as f64 / counted as f64)
+    };
+    // The delta path's host share: the same planning and bookkeeping, no device.
+    let delta_host = {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let limits = RowLimits { rows: table.rows(), max_context_len: table.max_context_len() };
+        let cap = bucket_for(batch);
+        let mut plan = DeltaPlanner::new(ps, limits, cap)?;
+        let mut block = vec![0u32; delta_block_words(cap)];
+        for (&row, &len) in b.rows.iter().zip(&b.seq) {
+            plan.join(row, len)?;
+        }
+        let mut pages = b.pages;
+        let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
+        per_step(dev, steps, || {
+            let phase = (plan.clock() % ps as u64) as usize;
+            for &i in &due[phase] {
+                let held = &mut pages[i as usize];
+                let mut group = host.free_group();
+                for &p in held.iter() {
+                    group.free(&[p * ps])?;
+                }
+                group.end();
+                held.clear();
+                plan.set_len(i, 0)?;
+            }
+            due[phase].clear();
+            let staged = plan.stage(&host, &mut block)?;
+            plan.commit();
+            for (&p, &i) in plan.pages(&block, &staged).iter().zip(plan.page_owners(&block, &staged)) {
+                pages[i as usize].push(p);
+                if plan.len(i)? - 1 + ps >= LIMIT {
+                    due[phase].push(i);
+                }
+            }
+            Ok(())
+        })?
+        .0
+    };
     // The floor: a graph of one copy of the same bytes and one empty kernel; and a
     // graph of the empty kernel alone.
     let floor_graph = FloorGraph::new(dev, decode_records_bytes(bucket_for(batch)))?;
@@ -477,7 +559,7 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     let empty = per_step(dev, steps, || Ok(empty_graph.launch(dev.stream())?))?;
     let us = |(wall, issue): (f64, f64)| format!("{wall:.2} ({issue:.2})");
     out.line(format!(
-        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
+        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x | {delta_host:.2} | {} | {:.2}x | {entries:.1} |",
         bucket_for(batch),
         us((eager, eager_issue)),
         us(graph[0]),
@@ -486,6 +568,8 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         us(empty),
         graph[0].0 / floor.0,
         graph[1].0 / floor.0,
+        us(delta),
+        delta.0 / floor.0,
     ));
     Ok(())
 }
@@ -629,8 +713,8 @@ fn main() -> Result<()> {
         out.line("");
         out.line("wall us per step (host issue us per step in brackets)");
         out.line("");
-        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor |");
-        out.line("|---|---|---|---|---|---|---|---|---|---|");
+        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor | delta host share | graph, delta | delta graph / floor | delta entries per step |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &batch in &[1usize, 8, 64, 256, 1024] {
             decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
         }
