@@ -337,12 +337,22 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
     Ok(())
 }
 
-/// Requests of the decode-step benchmark: rows, lengths and the pages each holds (to
-/// free them when a request reaches `LIMIT` tokens and starts over).
+/// Requests of the decode-step benchmark: rows, lengths and the pages each holds, as
+/// their first slots (to free them, in one call per request, when a request reaches
+/// `LIMIT` tokens and starts over).
 struct Batch {
     rows: Vec<u32>,
     seq: Vec<u32>,
     pages: Vec<Vec<u32>>,
+}
+
+/// Free a request's pages (given by their first slots) in one call.
+fn free_request(host: &PagedAllocator, page_slots: &mut Vec<u32>) -> Result<()> {
+    let mut group = host.free_group();
+    group.free(page_slots)?;
+    group.end();
+    page_slots.clear();
+    Ok(())
 }
 
 const LIMIT: u32 = 4096;
@@ -365,7 +375,7 @@ impl Batch {
             let o = out.index(..seq[i] as usize);
             let staged =
                 dalloc.alloc_extend(dev, &[0], &[seq[i]], LastLocs::FromRows, Some((table, &rows[i..i + 1])), &o)?;
-            pages[i].extend_from_slice(dalloc.pages(&staged)?);
+            pages[i].extend(dalloc.pages(&staged)?.iter().map(|&p| p * ps));
         }
         dev.synchronize()?;
         Ok(Batch { rows, seq, pages })
@@ -374,15 +384,9 @@ impl Batch {
     /// Advance every request by one token (requests at `LIMIT` free their pages and
     /// start over at one token).
     fn advance(&mut self, host: &PagedAllocator) -> Result<()> {
-        let ps = host.page_size();
         for (s, pages) in self.seq.iter_mut().zip(&mut self.pages) {
             if *s >= LIMIT {
-                let mut group = host.free_group();
-                for &p in pages.iter() {
-                    group.free(&[p * ps])?;
-                }
-                group.end();
-                pages.clear();
+                free_request(host, pages)?;
                 *s = 0;
             }
             *s += 1;
@@ -396,7 +400,7 @@ impl Batch {
         let mut it = fresh.iter();
         for (s, pages) in self.seq.iter().zip(&mut self.pages) {
             if (s - 1) % ps == 0 {
-                pages.push(*it.next().expect("one fresh page per page-starting request"));
+                pages.push(*it.next().expect("one fresh page per page-starting request") * ps);
             }
         }
     }
@@ -489,19 +493,13 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         let t = per_step(dev, steps, || {
             let phase = (graphs.planner().clock() % ps as u64) as usize;
             for &i in &due[phase] {
-                let pages = &mut b.pages[i as usize];
-                let mut group = host.free_group();
-                for &p in pages.iter() {
-                    group.free(&[p * ps])?;
-                }
-                group.end();
-                pages.clear();
+                free_request(&host, &mut b.pages[i as usize])?;
                 graphs.set_len(i, 0)?;
             }
             due[phase].clear();
             let step = graphs.step(dev.stream())?;
             for (&p, &i) in graphs.pages(&step)?.iter().zip(graphs.page_owners(&step)?) {
-                b.pages[i as usize].push(p);
+                b.pages[i as usize].push(p * ps);
                 if graphs.len(i)? - 1 + ps >= LIMIT {
                     due[phase].push(i);
                 }
@@ -529,20 +527,14 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         per_step(dev, steps, || {
             let phase = (plan.clock() % ps as u64) as usize;
             for &i in &due[phase] {
-                let held = &mut pages[i as usize];
-                let mut group = host.free_group();
-                for &p in held.iter() {
-                    group.free(&[p * ps])?;
-                }
-                group.end();
-                held.clear();
+                free_request(&host, &mut pages[i as usize])?;
                 plan.set_len(i, 0)?;
             }
             due[phase].clear();
             let staged = plan.stage(&host, &mut block)?;
             plan.commit();
             for (&p, &i) in plan.pages(&block, &staged).iter().zip(plan.page_owners(&block, &staged)) {
-                pages[i as usize].push(p);
+                pages[i as usize].push(p * ps);
                 if plan.len(i)? - 1 + ps >= LIMIT {
                     due[phase].push(i);
                 }

@@ -8,7 +8,8 @@
 //! ([`DeltaPlanner`]) stages only the changes: requests that joined, left or were
 //! extended, and the fresh page of each request whose next token starts a page (at
 //! page size 16, one request in 16 per step). The kernel reads that list in place from
-//! pinned, device-mapped staging (one round trip for up to `DELTA_SPEC` entries).
+//! pinned, device-mapped staging: the counts, up to 128 page entries (8 bytes each)
+//! and 8 full entries (16 bytes) in one round trip.
 //!
 //! # Why a staging buffer is never overwritten while the device may read it
 //!
@@ -65,9 +66,10 @@ impl DeltaStep {
         self.staged.new_pages
     }
 
-    /// Entries it staged (changed batch indices plus page-starting requests).
+    /// Entries it staged: changed batch indices (full entries) plus unchanged
+    /// page-starting requests (page entries).
     pub fn entries(&self) -> usize {
-        self.staged.entries
+        self.staged.full + self.staged.paged
     }
 }
 

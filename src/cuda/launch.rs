@@ -415,9 +415,10 @@ impl KvKernels {
     /// # Safety
     ///
     /// `a.deltas` holds a delta block as `kvpool::kv::delta::DeltaPlanner::stage`
-    /// writes it for `a.capacity` batch indices (the count, then `a.capacity` entries
-    /// of `DELTA_ENTRY_BYTES`; the kernel reads at most `a.capacity` entries whatever
-    /// the count says); `a.state` holds `a.capacity` records of `DELTA_STATE_BYTES`;
+    /// writes it for `a.capacity` batch indices (the two counts, then `a.capacity` full
+    /// entries of `DELTA_ENTRY_BYTES` and `a.capacity` page entries of
+    /// `DELTA_PAGE_BYTES`; the kernel reads at most `a.capacity` of each whatever the
+    /// counts say), 16-byte aligned; `a.state` holds `a.capacity` records of `DELTA_STATE_BYTES`;
     /// `a.bucket <= a.capacity`; `a.out` holds `a.bucket` slots; `a.table` holds
     /// `a.rows * a.table_stride` u32 (a product below 2^32). All of it stays allocated
     /// (and the block unchanged) until the stream has run the kernel, and no other
@@ -429,8 +430,9 @@ impl KvKernels {
         // SAFETY: the arguments are, in order and type, the kernel's `.param` list
         // (deltas u64, state u64, capacity u32, bucket u32, out u64, table u64, rows
         // u32, table_stride u32, page_size u32; checked against the PTX at load). One
-        // block; it reads the count and entries `< min(count, capacity)` of `deltas`,
-        // writes `state[index]` only for `index < capacity`, reads and writes
+        // block; it reads the counts and entries `< min(count, capacity)` of each kind
+        // of `deltas` (the speculative first reads only below `capacity` too), writes
+        // `state[index]` only for `index < capacity`, reads and writes
         // `state[i]` and `out[i]` for `i < bucket <= capacity`, reads table cells only
         // for `row < rows` and `len <= table_stride` (column `len - 1`) and writes them
         // only for `row < rows` and `len < table_stride`: all in bounds by the

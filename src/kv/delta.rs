@@ -24,27 +24,31 @@
 //! O(log batch) except [`stage`](DeltaPlanner::stage), which is O(changes + fresh pages
 //! + batch / 64); nothing allocates after [`new`](DeltaPlanner::new).
 //!
-//! The block [`stage`](DeltaPlanner::stage) writes (`u32` words):
+//! The block [`stage`](DeltaPlanner::stage) writes (`u32` words, `c` = capacity):
 //!
 //! | words | what | read by |
 //! |---|---|---|
-//! | `0` | entry count `n` | device |
-//! | `1..4` | 0 | — |
-//! | `4..4 + 4 * capacity` | `n` [`DeltaEntry`]s | device |
-//! | next `capacity` | the step's fresh pages, in batch order | host |
-//! | next `capacity` | the batch index of each fresh page | host |
+//! | `0`, `1` | counts: full entries `f`, page entries `p` | device |
+//! | `2`, `3` | 0 | — |
+//! | `4..4 + 4c` | `f` [`DeltaEntry`]s: changed batch indices, whole state | device |
+//! | `4 + 4c..4 + 6c` | `p` [`DeltaPage`]s: fresh pages of unchanged requests | device |
+//! | next `c` | the step's fresh pages, in batch order | host |
+//! | next `c` | the batch index of each fresh page | host |
+//!
+//! At 1,024 requests and page size 16 the device reads the counts and about 64 page
+//! entries (512 bytes) a step, in one round trip.
 //!
 //! [`decode_delta`](super::reference::decode_delta) is the host reference of the
 //! kernel that reads it.
 
 use bytemuck::{Pod, Zeroable};
 
-use super::ptx::{DELTA_ENTRY_BYTES, DELTA_HEADER_BYTES, DELTA_STATE_BYTES, PAD_ROW};
+use super::ptx::{DELTA_ENTRY_BYTES, DELTA_HEADER_BYTES, DELTA_PAGE_BYTES, DELTA_STATE_BYTES, PAD_ROW};
 use super::staging::{bucket_for, RowLimits};
 use super::KvError;
 use crate::{KvAllocator, PagedAllocator};
 
-/// One change of a delta step, as `decode_delta_*` reads it: batch index `index`
+/// A full entry of a delta step, as `decode_delta_*` reads it: batch index `index`
 /// holds request row `row` ([`PAD_ROW`]: no request) with `len` tokens before the step,
 /// and `page` is the fresh page its next token starts (when `len % page_size == 0`).
 #[repr(C)]
@@ -61,6 +65,19 @@ pub struct DeltaEntry {
 }
 
 const _: () = assert!(core::mem::size_of::<DeltaEntry>() == DELTA_ENTRY_BYTES as usize);
+
+/// A page entry of a delta step: the unchanged request at batch index `index` starts
+/// fresh page `page` with its next token.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct DeltaPage {
+    /// The batch index.
+    pub index: u32,
+    /// The fresh page.
+    pub page: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<DeltaPage>() == DELTA_PAGE_BYTES as usize);
 
 /// One batch index of the device state `decode_delta_*` keeps between steps.
 #[repr(C)]
@@ -85,8 +102,12 @@ impl DeltaSlot {
 
 /// Words of a delta block for a planner of `capacity` batch indices.
 pub const fn delta_block_words(capacity: usize) -> usize {
-    (DELTA_HEADER_BYTES as usize + capacity * DELTA_ENTRY_BYTES as usize) / 4 + 2 * capacity
+    (DELTA_HEADER_BYTES as usize + capacity * (DELTA_ENTRY_BYTES + DELTA_PAGE_BYTES) as usize) / 4 + 2 * capacity
 }
+
+const HEAD: usize = DELTA_HEADER_BYTES as usize / 4;
+const FULL_WORDS: usize = DELTA_ENTRY_BYTES as usize / 4;
+const PAGE_WORDS: usize = DELTA_PAGE_BYTES as usize / 4;
 
 /// What [`DeltaPlanner::stage`] wrote.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,8 +116,10 @@ pub struct StagedDelta {
     pub batch: usize,
     /// The bucket (captured batch size) it runs in: `bucket_for(batch)`.
     pub bucket: usize,
-    /// Entries written (changed batch indices plus page-starting requests).
-    pub entries: usize,
+    /// Full entries written (changed batch indices).
+    pub full: usize,
+    /// Page entries written (page-starting requests that did not change).
+    pub paged: usize,
     /// Fresh pages reserved.
     pub new_pages: usize,
 }
@@ -126,7 +149,8 @@ const NONE: u32 = u32::MAX;
 /// let mut out = [0u32; 1];
 /// for step in 0..3 {
 ///     let staged = plan.stage(&host, &mut block)?;
-///     decode_delta(4, &mut state, plan.entries(&block, &staged), 1, &mut out, &mut table, 8, 64)?;
+///     let (full, paged) = (plan.full_entries(&block, &staged), plan.page_entries(&block, &staged));
+///     decode_delta(4, &mut state, full, paged, 1, &mut out, &mut table, 8, 64)?;
 ///     plan.commit();
 ///     if step == 0 {
 ///         assert_eq!(out[0], 43); // token 3 continues the prefill's page
@@ -377,13 +401,14 @@ impl DeltaPlanner {
         let ph = (self.clock % self.page_size as u64) as usize;
         let class = &self.bits[ph * self.words..(ph + 1) * self.words];
         let fresh: usize = class.iter().map(|w| w.count_ones() as usize).sum();
-        let head = DELTA_HEADER_BYTES as usize / 4;
-        let (header, rest) = block.split_at_mut(head);
-        let (entries, rest) = rest.split_at_mut(cap * 4);
+        let (header, rest) = block.split_at_mut(HEAD);
+        let (full, rest) = rest.split_at_mut(cap * FULL_WORDS);
+        let (paged, rest) = rest.split_at_mut(cap * PAGE_WORDS);
         let (pages, owners) = rest.split_at_mut(cap);
         host.reserve_pages(&mut pages[..fresh])?;
-        let entries: &mut [DeltaEntry] = bytemuck::cast_slice_mut(entries);
-        let mut n = 0;
+        let full: &mut [DeltaEntry] = bytemuck::cast_slice_mut(full);
+        let paged: &mut [DeltaPage] = bytemuck::cast_slice_mut(paged);
+        let mut np = 0;
         let mut j = 0;
         for (w, &word) in class.iter().enumerate() {
             let mut m = word;
@@ -396,24 +421,25 @@ impl DeltaPlanner {
                 if self.is_dirty[i] {
                     self.page_of[i] = page;
                 } else {
-                    entries[n] = DeltaEntry { index: i as u32, row: self.row[i], len: self.len_of(i), page };
-                    n += 1;
+                    paged[np] = DeltaPage { index: i as u32, page };
+                    np += 1;
                 }
             }
         }
+        let mut nf = 0;
         for &d in &self.dirty {
             let i = d as usize;
-            entries[n] = if i < self.batch {
+            full[nf] = if i < self.batch {
                 let len = self.len_of(i);
                 let page = if self.phase[i] as usize == ph { self.page_of[i] } else { 0 };
                 DeltaEntry { index: d, row: self.row[i], len, page }
             } else {
                 DeltaEntry { index: d, row: PAD_ROW, len: 0, page: 0 }
             };
-            n += 1;
+            nf += 1;
         }
-        header.copy_from_slice(&[n as u32, 0, 0, 0]);
-        Ok(StagedDelta { batch: self.batch, bucket: bucket_for(self.batch), entries: n, new_pages: fresh })
+        header.copy_from_slice(&[nf as u32, np as u32, 0, 0]);
+        Ok(StagedDelta { batch: self.batch, bucket: bucket_for(self.batch), full: nf, paged: np, new_pages: fresh })
     }
 
     /// The step staged last was launched: the device has seen every change, and every
@@ -426,22 +452,27 @@ impl DeltaPlanner {
         self.clock += 1;
     }
 
-    /// The entries of a staged block.
-    pub fn entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaEntry] {
-        let head = DELTA_HEADER_BYTES as usize / 4;
-        bytemuck::cast_slice(&block[head..head + 4 * staged.entries])
+    /// The full entries of a staged block.
+    pub fn full_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaEntry] {
+        bytemuck::cast_slice(&block[HEAD..HEAD + FULL_WORDS * staged.full])
+    }
+
+    /// The page entries of a staged block.
+    pub fn page_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaPage] {
+        let at = HEAD + FULL_WORDS * self.capacity;
+        bytemuck::cast_slice(&block[at..at + PAGE_WORDS * staged.paged])
     }
 
     /// The fresh pages of a staged block, in batch order.
     pub fn pages<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [u32] {
-        let at = DELTA_HEADER_BYTES as usize / 4 + 4 * self.capacity;
+        let at = HEAD + (FULL_WORDS + PAGE_WORDS) * self.capacity;
         &block[at..at + staged.new_pages]
     }
 
     /// The batch index of each fresh page of a staged block (valid until the next
     /// [`leave`](Self::leave) moves a request).
     pub fn page_owners<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [u32] {
-        let at = DELTA_HEADER_BYTES as usize / 4 + 5 * self.capacity;
+        let at = HEAD + (FULL_WORDS + PAGE_WORDS + 1) * self.capacity;
         &block[at..at + staged.new_pages]
     }
 
@@ -633,8 +664,13 @@ mod tests {
                 let staged = plan.stage(&d.host, &mut block).unwrap();
                 assert_eq!((staged.batch, staged.bucket), (batch, bucket_for(batch)));
                 let mut out = vec![u32::MAX; staged.bucket];
-                let ents = plan.entries(&block, &staged).to_vec();
-                decode_delta(ps, &mut state, &ents, staged.bucket, &mut out, &mut d.cells, rows, stride).unwrap();
+                let full = plan.full_entries(&block, &staged).to_vec();
+                let paged = plan.page_entries(&block, &staged).to_vec();
+                // Every page-starting request got its page in exactly one entry.
+                let with_page = full.iter().filter(|e| e.row != PAD_ROW && e.len % ps == 0).count();
+                assert_eq!(with_page + paged.len(), staged.new_pages);
+                decode_delta(ps, &mut state, &full, &paged, staged.bucket, &mut out, &mut d.cells, rows, stride)
+                    .unwrap();
                 let pages = plan.pages(&block, &staged).to_vec();
                 let owners = plan.page_owners(&block, &staged).to_vec();
                 plan.commit();
@@ -663,7 +699,7 @@ mod tests {
                 }
                 decodes += 1;
                 widest = widest.max(batch);
-                entries += staged.entries;
+                entries += staged.full + staged.paged;
                 fresh += staged.new_pages;
             }
             assert_eq!(plan.batch(), live.len());
@@ -714,11 +750,11 @@ mod tests {
         group.free(&[hold[1] * ps]).unwrap();
         group.end();
         let s = plan.stage(&host, &mut block).unwrap();
-        assert_eq!((s.new_pages, s.entries), (2, 2));
+        assert_eq!((s.new_pages, s.full, s.paged), (2, 2, 0));
         plan.commit();
         // Request 0 reaches 10 tokens (the row's end) after one more step.
         let s = plan.stage(&host, &mut block).unwrap();
-        assert_eq!((s.new_pages, s.entries), (0, 0));
+        assert_eq!((s.new_pages, s.full, s.paged), (0, 0, 0));
         plan.commit();
         let before = host.available_pages();
         assert!(matches!(plan.stage(&host, &mut block), Err(KvError::Shape { what: "seq_len (max_context_len)", .. })));
@@ -729,8 +765,9 @@ mod tests {
         assert_eq!((plan.row(0).unwrap(), plan.len(0).unwrap()), (1, 6));
         let s = plan.stage(&host, &mut block).unwrap();
         // Index 0 gets request 1's state, index 1 becomes padding.
+        assert!(plan.page_entries(&block, &s).is_empty());
         assert_eq!(
-            plan.entries(&block, &s),
+            plan.full_entries(&block, &s),
             &[DeltaEntry { index: 0, row: 1, len: 6, page: 0 }, DeltaEntry { index: 1, row: PAD_ROW, len: 0, page: 0 },]
         );
         assert!(DeltaPlanner::new(4, limits, 0).is_err());

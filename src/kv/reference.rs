@@ -15,7 +15,7 @@
 //! destination rows `row_stride` bytes apart (a stride larger than a row is a view into
 //! a wider tensor, e.g. the K part of a fused QKV projection).
 
-use super::delta::{DeltaEntry, DeltaSlot};
+use super::delta::{DeltaEntry, DeltaPage, DeltaSlot};
 use super::{fp8, KvError, RowStore};
 use crate::alloc::{expand_decode, expand_extend, plan_decode, plan_extend};
 
@@ -157,15 +157,16 @@ pub fn decode_with_rows(
     Ok(())
 }
 
-/// The host reference of `decode_delta_*`: apply a delta step's `entries` to the
-/// device `state` (one [`DeltaSlot`] per batch index), then advance batch indices
-/// `0..bucket`, writing each one's slot to `out` and to its row of `table` (`rows`
-/// rows of `stride` cells).
+/// The host reference of `decode_delta_*`: apply a delta step's `full` and `paged`
+/// entries to the device `state` (one [`DeltaSlot`] per batch index), then advance
+/// batch indices `0..bucket`, writing each one's slot to `out` and to its row of
+/// `table` (`rows` rows of `stride` cells).
 ///
-/// Entry `e` sets `state[e.index] = {e.row, e.len, last, e.page}` with `last` read
+/// Full entry `e` sets `state[e.index] = {e.row, e.len, last, e.page}` with `last` read
 /// from column `e.len - 1` of the row when the next token continues a page (`e.len %
-/// page_size != 0`, the row inside the table and `e.len <= stride`), else 0; entries
-/// with `index >= state.len()` are skipped. Then, for `i < bucket` with `{row, len,
+/// page_size != 0`, the row inside the table and `e.len <= stride`), else 0; page entry
+/// `p` sets `state[p.index].page = p.page`; entries with an index `>= state.len()` are
+/// skipped. Then, for `i < bucket` with `{row, len,
 /// last, page} = state[i]`: `row >= rows` (padding) gives `out[i] = 0` and nothing
 /// else; otherwise the token at column `len` gets `page * page_size` when it starts a
 /// page (`len % page_size == 0`), else `last + 1`; it goes to `out[i]`, to the row
@@ -179,7 +180,8 @@ pub fn decode_with_rows(
 pub fn decode_delta(
     page_size: u32,
     state: &mut [DeltaSlot],
-    entries: &[DeltaEntry],
+    full: &[DeltaEntry],
+    paged: &[DeltaPage],
     bucket: usize,
     out: &mut [u32],
     table: &mut [u32],
@@ -198,11 +200,16 @@ pub fn decode_delta(
     if page_size == 0 {
         return Err(KvError::Shape { what: "page_size", got: 0, expected: 1 });
     }
-    for e in entries {
+    for e in full {
         let Some(s) = state.get_mut(e.index as usize) else { continue };
         let need = e.len % page_size != 0 && e.row < rows && e.len as usize <= stride;
         let last = if need { table[e.row as usize * stride + e.len as usize - 1] } else { 0 };
         *s = DeltaSlot { row: e.row, len: e.len, last, page: e.page };
+    }
+    for p in paged {
+        if let Some(s) = state.get_mut(p.index as usize) {
+            s.page = p.page;
+        }
     }
     for (s, o) in state[..bucket].iter_mut().zip(out.iter_mut()) {
         if s.row >= rows {
