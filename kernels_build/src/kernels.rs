@@ -640,8 +640,7 @@ pub fn decode_delta(page: PageSize) -> Kernel {
     let t = k.mad_wide_u32(cell, 4u32, table);
     k.st_global_u32(t, 0, slot, Some((write, true)));
     let len1 = k.add_u32(len, 1u32);
-    k.st_global_u32(s_at, 4, len1, Some((live, true)));
-    k.st_global_u32(s_at, 8, slot, Some((live, true)));
+    k.st_global(Width::B16, s_at, 0, &[row, len1, slot, pg], Some((live, true)));
     k.add_u32_to(i, nt);
     k.bra(advance);
     k.place(done);

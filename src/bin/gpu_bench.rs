@@ -24,7 +24,9 @@
 //! 5. `kv_scatter` through kvpool's own cache and through a view of separately
 //!    allocated layers on another stream (the interop path), same run.
 //!
-//! `--section decode` (or `scatter`, `alloc`, `step`, `view`) runs one section only.
+//! `--section decode` (or `scatter`, `alloc`, `step`, `delta`, `view`) runs one section
+//! only; `delta` is a diagnostic of the delta decode step (page size 16 against 1024,
+//! and how often the host waits for the device).
 //!
 //! Timing: CUDA events around `reps` back-to-back operations, after a warm-up, median
 //! of `samples` such measurements; inputs rotate among buffer sets larger than L2.
@@ -429,6 +431,70 @@ fn per_step(dev: &KvDevice, steps: usize, mut op: impl FnMut() -> Result<()>) ->
     Ok(runs[2])
 }
 
+/// What [`delta_graph_run`] measured.
+struct DeltaRun {
+    wall: f64,
+    issue: f64,
+    /// Entries staged per step.
+    entries: f64,
+    /// Share of steps (over 2,000 more) that found their staging buffer still in use:
+    /// the host was two steps ahead of the device.
+    busy: f64,
+}
+
+/// Delta graphs: the batch lives in `DeltaDecode`, which tracks the lengths, so the
+/// bench's own bookkeeping is O(changes) too: record each fresh page with its request,
+/// and restart (free, length 0) a request the step before it would pass LIMIT; it took
+/// its last page `ps` steps earlier, at a step of the same phase.
+fn delta_graph_run(
+    dev: &KvDevice,
+    rng: &mut Rng,
+    table: &DeviceReqToToken,
+    batch: usize,
+    steps: usize,
+    ps: u32,
+) -> Result<DeltaRun> {
+    let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let mut b = Batch::new(dev, &mut dalloc, table, rng, batch)?;
+    let mut graphs = DeltaDecode::new(dev, Arc::clone(&host), table, batch)?;
+    for (&row, &len) in b.rows.iter().zip(&b.seq) {
+        graphs.join(row, len)?;
+    }
+    let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
+    let mut entries = 0usize;
+    let mut counted = 0usize;
+    let mut one = |busy: &mut usize, probe: bool| -> Result<()> {
+        let phase = (graphs.planner().clock() % ps as u64) as usize;
+        for &i in &due[phase] {
+            free_request(&host, &mut b.pages[i as usize])?;
+            graphs.set_len(i, 0)?;
+        }
+        due[phase].clear();
+        if probe && !graphs.next_staging_free()? {
+            *busy += 1;
+        }
+        let step = graphs.step(dev.stream())?;
+        for (&p, &i) in graphs.pages(&step)?.iter().zip(graphs.page_owners(&step)?) {
+            b.pages[i as usize].push(p * ps);
+            if graphs.len(i)? - 1 + ps >= LIMIT {
+                due[phase].push(i);
+            }
+        }
+        entries += step.entries();
+        counted += 1;
+        Ok(())
+    };
+    let mut busy = 0;
+    let (wall, issue) = per_step(dev, steps, || one(&mut busy, false))?;
+    let probes = 2_000;
+    for _ in 0..probes {
+        one(&mut busy, true)?;
+    }
+    dev.synchronize()?;
+    Ok(DeltaRun { wall, issue, entries: entries as f64 / counted as f64, busy: busy as f64 / probes as f64 })
+}
+
 fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, steps: usize) -> Result<()> {
     let ps = 16;
     let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
@@ -479,37 +545,8 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     // bench's own bookkeeping is O(changes) too: record each fresh page with its
     // request, and restart (free, length 0) a request the step before it would pass
     // LIMIT; it took its last page `ps` steps earlier, at a step of the same phase.
-    let (delta, entries) = {
-        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
-        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
-        let mut b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
-        let mut graphs = DeltaDecode::new(dev, Arc::clone(&host), &table, batch)?;
-        for (&row, &len) in b.rows.iter().zip(&b.seq) {
-            graphs.join(row, len)?;
-        }
-        let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
-        let mut entries = 0usize;
-        let mut counted = 0usize;
-        let t = per_step(dev, steps, || {
-            let phase = (graphs.planner().clock() % ps as u64) as usize;
-            for &i in &due[phase] {
-                free_request(&host, &mut b.pages[i as usize])?;
-                graphs.set_len(i, 0)?;
-            }
-            due[phase].clear();
-            let step = graphs.step(dev.stream())?;
-            for (&p, &i) in graphs.pages(&step)?.iter().zip(graphs.page_owners(&step)?) {
-                b.pages[i as usize].push(p * ps);
-                if graphs.len(i)? - 1 + ps >= LIMIT {
-                    due[phase].push(i);
-                }
-            }
-            entries += step.entries();
-            counted += 1;
-            Ok(())
-        })?;
-        (t, entries as f64 / counted as f64)
-    };
+    let run = delta_graph_run(dev, rng, &table, batch, steps, ps)?;
+    let (delta, entries) = ((run.wall, run.issue), run.entries);
     // The delta path's host share: the same planning and bookkeeping, no device.
     let delta_host = {
         let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
@@ -709,6 +746,29 @@ fn main() -> Result<()> {
         out.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &batch in &[1usize, 8, 64, 256, 1024] {
             decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
+        }
+    }
+    if run("delta") {
+        let steps = if quick { 2_000 } else { 10_000 };
+        out.line("");
+        out.line(format!(
+            "### delta decode step: where the time goes ({steps} steps, median of 5 runs; busy = share of 2,000 further steps whose staging was still in use, i.e. the host was two steps ahead of the device)"
+        ));
+        out.line("");
+        out.line("| requests | page size | wall us (issue) | entries per step | busy |");
+        out.line("|---|---|---|---|---|");
+        let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
+        for &batch in &[1usize, 256, 1024] {
+            for ps in [16u32, 1024] {
+                let r = delta_graph_run(&dev, &mut rng, &table, batch, steps, ps)?;
+                out.line(format!(
+                    "| {batch} | {ps} | {:.2} ({:.2}) | {:.1} | {:.0}% |",
+                    r.wall,
+                    r.issue,
+                    r.entries,
+                    100.0 * r.busy
+                ));
+            }
         }
     }
     if run("view") {
