@@ -755,9 +755,57 @@ fn main() -> Result<()> {
             "### delta decode step: where the time goes ({steps} steps, median of 5 runs; busy = share of 2,000 further steps whose staging was still in use, i.e. the host was two steps ahead of the device)"
         ));
         out.line("");
+        let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
+        // Host costs of the driver calls a step makes, and of the planner alone.
+        let n = 20_000;
+        let ev = Event::new(EventFlags::DISABLE_TIMING)?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            ev.record(dev.stream())?;
+        }
+        let record_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            ev.synchronize()?;
+        }
+        let sync_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        let empty = FloorGraph::new(&dev, 0)?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            empty.launch(dev.stream())?;
+        }
+        let launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        dev.synchronize()?;
+        let plan_us = {
+            let host = PagedAllocator::new(1 << 23, 16)?;
+            let limits = RowLimits { rows: 1024, max_context_len: 1 << 20 };
+            let mut plan = DeltaPlanner::new(16, limits, 1024)?;
+            let mut block = vec![0u32; delta_block_words(1024)];
+            for r in 0..1024 {
+                plan.join(r, 1 + rng.below(1000) as u32)?;
+            }
+            let mut slots = Vec::with_capacity(64 * 1024);
+            let t0 = Instant::now();
+            for k in 0..n {
+                let staged = plan.stage(&host, &mut block)?;
+                plan.commit();
+                slots.extend(plan.pages(&block, &staged).iter().map(|&p| p * 16));
+                if k % 1000 == 999 {
+                    let mut group = host.free_group();
+                    group.free(&slots)?;
+                    group.end();
+                    slots.clear();
+                }
+            }
+            t0.elapsed().as_secs_f64() * 1e6 / n as f64
+        };
+        out.line(format!(
+            "host us per call: cuEventRecord {record_us:.2}, cuEventSynchronize (done) {sync_us:.2}, cuGraphLaunch (empty graph, issue) {launch_us:.2}; DeltaPlanner stage + commit alone, 1,024 requests, page size 16: {plan_us:.2}"
+        ));
+        out.line("");
         out.line("| requests | page size | wall us (issue) | entries per step | busy |");
         out.line("|---|---|---|---|---|");
-        let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
         for &batch in &[1usize, 256, 1024] {
             for ps in [16u32, 1024] {
                 let r = delta_graph_run(&dev, &mut rng, &table, batch, steps, ps)?;
