@@ -182,6 +182,7 @@ fn delta_step_staging() {
     let limits = RowLimits { rows: 1024, max_context_len: 4096 };
     let mut plan = DeltaPlanner::new(16, limits, 1024).unwrap();
     let mut block = vec![0u32; delta_block_words(1024)];
+    let (mut fresh, mut owners) = (vec![0u32; 1024], vec![0u32; 1024]);
     assert_no_alloc("DeltaPlanner", || {
         for r in 0..1024 {
             plan.join(r, r % 100).unwrap();
@@ -194,11 +195,11 @@ fn delta_step_staging() {
                 plan.join(row, 3).unwrap();
                 plan.set_len(step % 50, 2000).unwrap();
             }
-            black_box(plan.stage(&host, &mut block).unwrap());
+            black_box(plan.stage(&host, &mut block, &mut fresh, &mut owners).unwrap());
             plan.commit();
         }
-        assert!(plan.stage(&host, &mut block[1..]).is_err());
+        assert!(plan.stage(&host, &mut block[1..], &mut fresh, &mut owners).is_err());
         plan.set_len(0, 4096).unwrap();
-        assert!(plan.stage(&host, &mut block).is_err());
+        assert!(plan.stage(&host, &mut block, &mut fresh, &mut owners).is_err());
     });
 }

@@ -118,6 +118,10 @@ pub struct DeltaDecode<'t> {
     graphs: Vec<[GraphExec; 2]>,
     done: [RawEvent; 2],
     staging: [LockedBuffer<u32>; 2],
+    /// Each step's fresh pages and their batch indices, per staging buffer (host
+    /// memory: the pinned staging is written, never read, by the host).
+    fresh: [Vec<u32>; 2],
+    owners: [Vec<u32>; 2],
     state: DeviceBuffer<u32>,
     out: DeviceBuffer<u32>,
     host: Arc<PagedAllocator>,
@@ -200,6 +204,8 @@ impl<'t> DeltaDecode<'t> {
             graphs,
             done: [RawEvent::new()?, RawEvent::new()?],
             staging,
+            fresh: [vec![0; max_bucket], vec![0; max_bucket]],
+            owners: [vec![0; max_bucket], vec![0; max_bucket]],
             state,
             out,
             host,
@@ -329,12 +335,13 @@ impl<'t> DeltaDecode<'t> {
         let half = self.next;
         // The graph that last read this buffer (two steps ago) must have run.
         self.done[half].synchronize()?;
-        let staged = self.planner.stage(&self.host, &mut self.staging[half])?;
+        let staged =
+            self.planner.stage(&self.host, &mut self.staging[half], &mut self.fresh[half], &mut self.owners[half])?;
         let graph = &self.graphs[staged.bucket.trailing_zeros() as usize][half];
         let raw = stream.as_raw() as usize;
         let queued = self.order_after_previous(stream, raw).and_then(|()| graph.launch(stream));
         if let Err(e) = queued.and_then(|()| self.done[half].record(stream)) {
-            let _ = free_pages(&self.host, self.planner.pages(&self.staging[half], &staged));
+            let _ = free_pages(&self.host, &self.fresh[half][..staged.new_pages]);
             return Err(e);
         }
         self.planner.commit();
@@ -385,7 +392,7 @@ impl<'t> DeltaDecode<'t> {
     /// later).
     pub fn pages(&self, step: &DeltaStep) -> Result<&[u32], CudaKvError> {
         self.check_held(step)?;
-        Ok(self.planner.pages(&self.staging[step.half], &step.staged))
+        Ok(&self.fresh[step.half][..step.staged.new_pages])
     }
 
     /// The batch index of each of [`pages`](Self::pages), as of `step` (a later
@@ -396,7 +403,7 @@ impl<'t> DeltaDecode<'t> {
     /// As [`pages`](Self::pages).
     pub fn page_owners(&self, step: &DeltaStep) -> Result<&[u32], CudaKvError> {
         self.check_held(step)?;
-        Ok(self.planner.page_owners(&self.staging[step.half], &step.staged))
+        Ok(&self.owners[step.half][..step.staged.new_pages])
     }
 
     /// The device slots of the latest step, one per bucket entry (padding entries get

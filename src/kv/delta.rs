@@ -24,19 +24,21 @@
 //! O(log batch) except [`stage`](DeltaPlanner::stage), which is O(changes + fresh pages
 //! + batch / 64); nothing allocates after [`new`](DeltaPlanner::new).
 //!
-//! The block [`stage`](DeltaPlanner::stage) writes (`u32` words, `c` = capacity):
+//! The block [`stage`](DeltaPlanner::stage) writes for the device (`u32` words, `c` =
+//! capacity):
 //!
-//! | words | what | read by |
-//! |---|---|---|
-//! | `0`, `1` | counts: full entries `f`, page entries `p` | device |
-//! | `2`, `3` | 0 | — |
-//! | `4..4 + 4c` | `f` [`DeltaEntry`]s: changed batch indices, whole state | device |
-//! | `4 + 4c..4 + 6c` | `p` [`DeltaPage`]s: fresh pages of unchanged requests | device |
-//! | next `c` | the step's fresh pages, in batch order | host |
-//! | next `c` | the batch index of each fresh page | host |
+//! | words | what |
+//! |---|---|
+//! | `0`, `1` | counts: full entries `f`, page entries `p` |
+//! | `2`, `3` | 0 |
+//! | `4..4 + 4c` | `f` [`DeltaEntry`]s: changed batch indices, whole state |
+//! | `4 + 4c..4 + 6c` | `p` [`DeltaPage`]s: fresh pages of unchanged requests |
 //!
-//! At 1,024 requests and page size 16 the device reads the counts and about 64 page
-//! entries (512 bytes) a step, in one round trip.
+//! It only writes the block, in address order, and never reads it back: the block is
+//! pinned memory the device reads across the bus, and the host's own results (the
+//! step's fresh pages in batch order, and the batch index of each) go to separate
+//! host arrays. At 1,024 requests and page size 16 the device reads the counts and
+//! about 64 page entries (512 bytes) a step, in one round trip.
 //!
 //! [`decode_delta`](super::reference::decode_delta) is the host reference of the
 //! kernel that reads it.
@@ -102,7 +104,7 @@ impl DeltaSlot {
 
 /// Words of a delta block for a planner of `capacity` batch indices.
 pub const fn delta_block_words(capacity: usize) -> usize {
-    (DELTA_HEADER_BYTES as usize + capacity * (DELTA_ENTRY_BYTES + DELTA_PAGE_BYTES) as usize) / 4 + 2 * capacity
+    (DELTA_HEADER_BYTES as usize + capacity * (DELTA_ENTRY_BYTES + DELTA_PAGE_BYTES) as usize) / 4
 }
 
 const HEAD: usize = DELTA_HEADER_BYTES as usize / 4;
@@ -141,6 +143,7 @@ const NONE: u32 = u32::MAX;
 /// let limits = RowLimits { rows: 8, max_context_len: 64 };
 /// let mut plan = DeltaPlanner::new(4, limits, 4)?;
 /// let mut block = vec![0u32; delta_block_words(4)];
+/// let (mut pages, mut owners) = ([0u32; 4], [0u32; 4]);
 /// // The device side, simulated: state per batch index, the table of 8 rows of 64.
 /// let mut state = [DeltaSlot::PAD; 4];
 /// let mut table = vec![0u32; 8 * 64];
@@ -148,7 +151,7 @@ const NONE: u32 = u32::MAX;
 /// assert_eq!(plan.join(5, 3)?, 0);
 /// let mut out = [0u32; 1];
 /// for step in 0..3 {
-///     let staged = plan.stage(&host, &mut block)?;
+///     let staged = plan.stage(&host, &mut block, &mut pages, &mut owners)?;
 ///     let (full, paged) = (plan.full_entries(&block, &staged), plan.page_entries(&block, &staged));
 ///     decode_delta(4, &mut state, full, paged, 1, &mut out, &mut table, 8, 64)?;
 ///     plan.commit();
@@ -156,7 +159,7 @@ const NONE: u32 = u32::MAX;
 ///         assert_eq!(out[0], 43); // token 3 continues the prefill's page
 ///     } else if step == 1 {
 ///         assert_eq!(staged.new_pages, 1); // token 4 starts a page
-///         assert_eq!(out[0], plan.pages(&block, &staged)[0] * 4);
+///         assert_eq!(out[0], pages[0] * 4);
 ///     }
 /// }
 /// assert_eq!(plan.len(0)?, 6);
@@ -367,19 +370,34 @@ impl DeltaPlanner {
 
     /// Plan the next step, reserve its fresh pages from `host` and write its block into
     /// `block` ([`delta_block_words`]`(capacity)` words; the module docs give the
-    /// layout). Every request grows by one token. Nothing is committed:
+    /// layout). Every request grows by one token. The fresh pages go to
+    /// `pages[..new_pages]`, in batch order, and the batch index of each to
+    /// `owners[..new_pages]` (both `capacity` long). Nothing is committed:
     /// [`commit`](Self::commit) once the step is launched (otherwise the next `stage`
     /// plans the same step again, and the caller frees the pages).
     ///
     /// # Errors
     ///
-    /// [`KvError::Shape`] for a block of the wrong size or a request that would pass
-    /// `max_context_len`; [`KvError::Alloc`] when pages run out. Nothing is reserved
-    /// then.
-    pub fn stage(&mut self, host: &PagedAllocator, block: &mut [u32]) -> Result<StagedDelta, KvError> {
+    /// [`KvError::Shape`] for a block, `pages` or `owners` of the wrong size or a
+    /// request that would pass `max_context_len`; [`KvError::Alloc`] when pages run
+    /// out. Nothing is reserved then.
+    pub fn stage(
+        &mut self,
+        host: &PagedAllocator,
+        block: &mut [u32],
+        pages: &mut [u32],
+        owners: &mut [u32],
+    ) -> Result<StagedDelta, KvError> {
         let cap = self.capacity;
         if block.len() != delta_block_words(cap) {
             return Err(KvError::Shape { what: "block", got: block.len(), expected: delta_block_words(cap) });
+        }
+        if pages.len() != cap || owners.len() != cap {
+            return Err(KvError::Shape {
+                what: "pages / owners (capacity)",
+                got: pages.len().min(owners.len()),
+                expected: cap,
+            });
         }
         if host.page_size() != self.page_size {
             return Err(KvError::Shape {
@@ -403,8 +421,7 @@ impl DeltaPlanner {
         let fresh: usize = class.iter().map(|w| w.count_ones() as usize).sum();
         let (header, rest) = block.split_at_mut(HEAD);
         let (full, rest) = rest.split_at_mut(cap * FULL_WORDS);
-        let (paged, rest) = rest.split_at_mut(cap * PAGE_WORDS);
-        let (pages, owners) = rest.split_at_mut(cap);
+        let paged = &mut rest[..cap * PAGE_WORDS];
         host.reserve_pages(&mut pages[..fresh])?;
         let full: &mut [DeltaEntry] = bytemuck::cast_slice_mut(full);
         let paged: &mut [DeltaPage] = bytemuck::cast_slice_mut(paged);
@@ -461,19 +478,6 @@ impl DeltaPlanner {
     pub fn page_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaPage] {
         let at = HEAD + FULL_WORDS * self.capacity;
         bytemuck::cast_slice(&block[at..at + PAGE_WORDS * staged.paged])
-    }
-
-    /// The fresh pages of a staged block, in batch order.
-    pub fn pages<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [u32] {
-        let at = HEAD + (FULL_WORDS + PAGE_WORDS) * self.capacity;
-        &block[at..at + staged.new_pages]
-    }
-
-    /// The batch index of each fresh page of a staged block (valid until the next
-    /// [`leave`](Self::leave) moves a request).
-    pub fn page_owners<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [u32] {
-        let at = HEAD + (FULL_WORDS + PAGE_WORDS + 1) * self.capacity;
-        &block[at..at + staged.new_pages]
     }
 
     // ---- bookkeeping -----------------------------------------------------------------
@@ -610,6 +614,7 @@ mod tests {
         let mut rng = Rng(seed);
         let mut plan = DeltaPlanner::new(ps, limits, cap).unwrap();
         let mut block = vec![0u32; delta_block_words(cap)];
+        let (mut fresh_pages, mut fresh_owners) = (vec![0u32; cap], vec![0u32; cap]);
         let mut state = vec![DeltaSlot::PAD; cap];
         let mut d = Side { host: PagedAllocator::new(1 << 14, ps).unwrap(), cells: vec![0; rows as usize * stride] };
         let mut m = Side { host: PagedAllocator::new(1 << 14, ps).unwrap(), cells: vec![0; rows as usize * stride] };
@@ -661,7 +666,7 @@ mod tests {
                     }
                 }
                 let batch = live.len();
-                let staged = plan.stage(&d.host, &mut block).unwrap();
+                let staged = plan.stage(&d.host, &mut block, &mut fresh_pages, &mut fresh_owners).unwrap();
                 assert_eq!((staged.batch, staged.bucket), (batch, bucket_for(batch)));
                 let mut out = vec![u32::MAX; staged.bucket];
                 let full = plan.full_entries(&block, &staged).to_vec();
@@ -671,8 +676,8 @@ mod tests {
                 assert_eq!(with_page + paged.len(), staged.new_pages);
                 decode_delta(ps, &mut state, &full, &paged, staged.bucket, &mut out, &mut d.cells, rows, stride)
                     .unwrap();
-                let pages = plan.pages(&block, &staged).to_vec();
-                let owners = plan.page_owners(&block, &staged).to_vec();
+                let pages = fresh_pages[..staged.new_pages].to_vec();
+                let owners = fresh_owners[..staged.new_pages].to_vec();
                 plan.commit();
                 // The model.
                 let seq: Vec<u32> = live.iter().map(|r| r.1 + 1).collect();
@@ -731,6 +736,7 @@ mod tests {
         let host = PagedAllocator::new(16, 4).unwrap();
         let mut plan = DeltaPlanner::new(4, limits, 2).unwrap();
         let mut block = vec![0u32; delta_block_words(2)];
+        let (mut p, mut o) = ([0u32; 2], [0u32; 2]);
         assert!(matches!(plan.join(4, 0), Err(KvError::SlotOutOfRange { .. })));
         assert!(matches!(plan.join(0, 11), Err(KvError::Shape { .. })));
         assert_eq!(plan.join(0, 8).unwrap(), 0);
@@ -738,32 +744,38 @@ mod tests {
         assert!(matches!(plan.join(2, 0), Err(KvError::Shape { what: "batch (capacity)", .. })));
         assert!(matches!(plan.leave(2), Err(KvError::Shape { .. })));
         assert!(matches!(plan.set_len(0, 11), Err(KvError::Shape { .. })));
-        assert!(matches!(plan.stage(&host, &mut block[1..]), Err(KvError::Shape { what: "block", .. })));
+        assert!(matches!(
+            plan.stage(&host, &mut block[1..], &mut p, &mut o),
+            Err(KvError::Shape { what: "block", .. })
+        ));
         // Pages: 4 in the pool; both requests start one, with one left.
         let mut hold = [0u32; 3];
         host.reserve_pages(&mut hold).unwrap();
-        assert!(matches!(plan.stage(&host, &mut block), Err(KvError::Alloc(_))));
+        assert!(matches!(plan.stage(&host, &mut block, &mut p, &mut o), Err(KvError::Alloc(_))));
         assert_eq!(host.available_pages(), 1);
         let ps = host.page_size();
         let mut group = host.free_group();
         group.free(&[hold[0] * ps]).unwrap();
         group.free(&[hold[1] * ps]).unwrap();
         group.end();
-        let s = plan.stage(&host, &mut block).unwrap();
+        let s = plan.stage(&host, &mut block, &mut p, &mut o).unwrap();
         assert_eq!((s.new_pages, s.full, s.paged), (2, 2, 0));
         plan.commit();
         // Request 0 reaches 10 tokens (the row's end) after one more step.
-        let s = plan.stage(&host, &mut block).unwrap();
+        let s = plan.stage(&host, &mut block, &mut p, &mut o).unwrap();
         assert_eq!((s.new_pages, s.full, s.paged), (0, 0, 0));
         plan.commit();
         let before = host.available_pages();
-        assert!(matches!(plan.stage(&host, &mut block), Err(KvError::Shape { what: "seq_len (max_context_len)", .. })));
+        assert!(matches!(
+            plan.stage(&host, &mut block, &mut p, &mut o),
+            Err(KvError::Shape { what: "seq_len (max_context_len)", .. })
+        ));
         assert_eq!(host.available_pages(), before);
         assert_eq!(plan.len(0).unwrap(), 10);
         // Once the long request leaves, the other one (now at index 0) goes on.
         assert_eq!(plan.leave(0).unwrap(), Some(1));
         assert_eq!((plan.row(0).unwrap(), plan.len(0).unwrap()), (1, 6));
-        let s = plan.stage(&host, &mut block).unwrap();
+        let s = plan.stage(&host, &mut block, &mut p, &mut o).unwrap();
         // Index 0 gets request 1's state, index 1 becomes padding.
         assert!(plan.page_entries(&block, &s).is_empty());
         assert_eq!(
