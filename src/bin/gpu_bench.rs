@@ -830,7 +830,7 @@ fn main() -> Result<()> {
             let (hw, hr) = time(&mut heap[..]);
             format!("256 words written / read: pinned {pw:.2} / {pr:.2} us, heap {hw:.2} / {hr:.2} us")
         };
-        out.line(format!("{pinned_vs_heap}"));
+        out.line(pinned_vs_heap);
         out.line("");
         out.line(format!(
             "host us per call: cuEventRecord {record_us:.2}, cuEventSynchronize (done) {sync_us:.2}, cuGraphLaunch (empty graph, issue) {launch_us:.2}; DeltaPlanner stage + commit alone, 1,024 requests, page size 16: {plan_us:.2}"
