@@ -181,7 +181,6 @@ fn delta_step_staging() {
     let host = PagedAllocator::new(1 << 20, 16).unwrap();
     let limits = RowLimits { rows: 1024, max_context_len: 4096 };
     let mut plan = DeltaPlanner::new(16, limits, 1024).unwrap();
-    plan.set_streaming_stores(true);
     let mut block = vec![0u32; delta_block_words(1024)];
     let (mut fresh, mut owners) = (vec![0u32; 1024], vec![0u32; 1024]);
     assert_no_alloc("DeltaPlanner", || {

@@ -453,13 +453,11 @@ fn delta_graph_run(
     batch: usize,
     steps: usize,
     ps: u32,
-    streaming: bool,
 ) -> Result<DeltaRun> {
     let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
     let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
     let mut b = Batch::new(dev, &mut dalloc, table, rng, batch)?;
     let mut graphs = DeltaDecode::new(dev, Arc::clone(&host), table, batch)?;
-    graphs.set_streaming_stores(streaming);
     for (&row, &len) in b.rows.iter().zip(&b.seq) {
         graphs.join(row, len)?;
     }
@@ -547,7 +545,7 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     // bench's own bookkeeping is O(changes) too: record each fresh page with its
     // request, and restart (free, length 0) a request the step before it would pass
     // LIMIT; it took its last page `ps` steps earlier, at a step of the same phase.
-    let run = delta_graph_run(dev, rng, &table, batch, steps, ps, true)?;
+    let run = delta_graph_run(dev, rng, &table, batch, steps, ps)?;
     let (delta, entries) = ((run.wall, run.issue), run.entries);
     // The delta path's host share: the same planning and bookkeeping, no device.
     let delta_host = {
@@ -838,14 +836,13 @@ fn main() -> Result<()> {
             "host us per call: cuEventRecord {record_us:.2}, cuEventSynchronize (done) {sync_us:.2}, cuGraphLaunch (empty graph, issue) {launch_us:.2}; DeltaPlanner stage + commit alone, 1,024 requests, page size 16: {plan_us:.2}"
         ));
         out.line("");
-        out.line("| requests | page size | staging stores | wall us (issue) | entries per step | busy |");
-        out.line("|---|---|---|---|---|---|");
+        out.line("| requests | page size | wall us (issue) | entries per step | busy |");
+        out.line("|---|---|---|---|---|");
         for &batch in &[1usize, 256, 1024] {
-            for (ps, streaming) in [(16u32, true), (16, false), (1024, true)] {
-                let r = delta_graph_run(&dev, &mut rng, &table, batch, steps, ps, streaming)?;
+            for ps in [16u32, 1024] {
+                let r = delta_graph_run(&dev, &mut rng, &table, batch, steps, ps)?;
                 out.line(format!(
-                    "| {batch} | {ps} | {} | {:.2} ({:.2}) | {:.1} | {:.0}% |",
-                    if streaming { "non-temporal" } else { "plain" },
+                    "| {batch} | {ps} | {:.2} ({:.2}) | {:.1} | {:.0}% |",
                     r.wall,
                     r.issue,
                     r.entries,

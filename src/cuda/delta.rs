@@ -171,8 +171,7 @@ impl<'t> DeltaDecode<'t> {
         }
         let max_bucket = bucket_for(max_batch);
         let limits = RowLimits { rows: table.rows(), max_context_len: table.max_context_len() };
-        let mut planner = DeltaPlanner::new(host.page_size(), limits, max_bucket)?;
-        planner.set_streaming_stores(true);
+        let planner = DeltaPlanner::new(host.page_size(), limits, max_bucket)?;
         let words = delta_block_words(max_bucket);
         let staging = [LockedBuffer::new(&0u32, words)?, LockedBuffer::new(&0u32, words)?];
         let mapped = [mapped_address(&staging[0])?, mapped_address(&staging[1])?];
@@ -312,12 +311,6 @@ impl<'t> DeltaDecode<'t> {
     /// [`CudaKvError::Kv`] for an index past the batch.
     pub fn row(&self, index: u32) -> Result<u32, CudaKvError> {
         Ok(self.planner.row(index)?)
-    }
-
-    /// Write the pinned staging with non-temporal stores on x86-64 (on by default):
-    /// see [`DeltaPlanner::set_streaming_stores`].
-    pub fn set_streaming_stores(&mut self, on: bool) {
-        self.planner.set_streaming_stores(on);
     }
 
     /// The host planner (read-only: lengths, rows, the clock).

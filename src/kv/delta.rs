@@ -190,31 +190,6 @@ pub struct DeltaPlanner {
     /// Max-heap of live batch indices by `base`; `heap_at[i]` is `i`'s position.
     heap: Vec<u32>,
     heap_at: Vec<u32>,
-    /// The step's entries, built here and then copied into the block in one pass.
-    scratch_full: Vec<DeltaEntry>,
-    scratch_page: Vec<DeltaPage>,
-    /// Copy them with non-temporal stores (x86-64).
-    streaming: bool,
-}
-
-/// Copy `src` into `dst` (same length), with non-temporal stores when `streaming` on
-/// x86-64 (then fenced), with plain stores otherwise.
-fn copy_words(dst: &mut [u32], src: &[u32], streaming: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if streaming {
-        for (d, &w) in dst.iter_mut().zip(src) {
-            // SAFETY: `d` is an exclusive, aligned, live reference to a `u32`, which
-            // is what the 4-byte non-temporal store writes.
-            unsafe { core::arch::x86_64::_mm_stream_si32((d as *mut u32).cast::<i32>(), w as i32) };
-        }
-        // SAFETY: `sfence` has no operands and only orders stores; SSE is part of the
-        // x86-64 baseline. It makes the streamed stores visible before whatever the
-        // caller does next (the launch that lets the device read them).
-        unsafe { core::arch::x86_64::_mm_sfence() };
-        return;
-    }
-    let _ = streaming;
-    dst.copy_from_slice(src);
 }
 
 impl DeltaPlanner {
@@ -251,24 +226,12 @@ impl DeltaPlanner {
             page_of: vec![0; capacity],
             heap: Vec::with_capacity(capacity),
             heap_at: vec![NONE; capacity],
-            scratch_full: vec![DeltaEntry::default(); capacity],
-            scratch_page: vec![DeltaPage::default(); capacity],
-            streaming: false,
         })
     }
 
     /// Requests in the batch.
     pub fn batch(&self) -> usize {
         self.batch
-    }
-
-    /// Write the block with non-temporal (cache-bypassing) stores on x86-64, fenced
-    /// before [`stage`](Self::stage) returns (off by default; no effect on other
-    /// targets). For a block in pinned memory that the device reads across the bus:
-    /// the lines it reads are then not dirty in the CPU's caches, and the CPU does not
-    /// fetch the lines the device read two steps ago before rewriting them.
-    pub fn set_streaming_stores(&mut self, on: bool) {
-        self.streaming = on;
     }
 
     /// The most requests a batch may hold.
@@ -456,10 +419,12 @@ impl DeltaPlanner {
         let ph = (self.clock % self.page_size as u64) as usize;
         let class = &self.bits[ph * self.words..(ph + 1) * self.words];
         let fresh: usize = class.iter().map(|w| w.count_ones() as usize).sum();
+        let (header, rest) = block.split_at_mut(HEAD);
+        let (full, rest) = rest.split_at_mut(cap * FULL_WORDS);
+        let paged = &mut rest[..cap * PAGE_WORDS];
         host.reserve_pages(&mut pages[..fresh])?;
-        let (full, paged) = (&mut self.scratch_full, &mut self.scratch_page);
-        let (base, clock) = (&self.base, self.clock as i64);
-        let len_of = |i: usize| (base[i] + clock) as u32;
+        let full: &mut [DeltaEntry] = bytemuck::cast_slice_mut(full);
+        let paged: &mut [DeltaPage] = bytemuck::cast_slice_mut(paged);
         let mut np = 0;
         let mut j = 0;
         for (w, &word) in class.iter().enumerate() {
@@ -482,7 +447,7 @@ impl DeltaPlanner {
         for &d in &self.dirty {
             let i = d as usize;
             full[nf] = if i < self.batch {
-                let len = len_of(i);
+                let len = self.len_of(i);
                 let page = if self.phase[i] as usize == ph { self.page_of[i] } else { 0 };
                 DeltaEntry { index: d, row: self.row[i], len, page }
             } else {
@@ -490,14 +455,7 @@ impl DeltaPlanner {
             };
             nf += 1;
         }
-        // The block: full entries, page entries, then the counts, in one pass each.
-        let (header, rest) = block.split_at_mut(HEAD);
-        let (full_words, rest) = rest.split_at_mut(cap * FULL_WORDS);
-        let page_words = &mut rest[..cap * PAGE_WORDS];
-        let streaming = self.streaming;
-        copy_words(&mut full_words[..nf * FULL_WORDS], bytemuck::cast_slice(&full[..nf]), streaming);
-        copy_words(&mut page_words[..np * PAGE_WORDS], bytemuck::cast_slice(&paged[..np]), streaming);
-        copy_words(header, &[nf as u32, np as u32, 0, 0], streaming);
+        header.copy_from_slice(&[nf as u32, np as u32, 0, 0]);
         Ok(StagedDelta { batch: self.batch, bucket: bucket_for(self.batch), full: nf, paged: np, new_pages: fresh })
     }
 
@@ -655,7 +613,6 @@ mod tests {
         let limits = RowLimits { rows, max_context_len: stride as u32 };
         let mut rng = Rng(seed);
         let mut plan = DeltaPlanner::new(ps, limits, cap).unwrap();
-        plan.set_streaming_stores(ps % 2 == 0);
         let mut block = vec![0u32; delta_block_words(cap)];
         let (mut fresh_pages, mut fresh_owners) = (vec![0u32; cap], vec![0u32; cap]);
         let mut state = vec![DeltaSlot::PAD; cap];
