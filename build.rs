@@ -52,7 +52,14 @@ fn main() {
          /// `flags` bit: read `last_loc` from the request rows.\npub const FLAG_LAST_LOC_FROM_ROWS: u32 = {};\n\
          /// Bytes per allocation record (`kernels_build::kernels::RECORD_BYTES`).\npub const RECORD_BYTES: u32 = {};\n\
          /// The `row` of a padding decode record: slot 0, no row access.\npub const PAD_ROW: u32 = {:#x};\n\
-         /// Bytes per `decode_step_*` record.\npub const STEP_RECORD_BYTES: u32 = {};\n",
+         /// Bytes per `decode_step_*` record.\npub const STEP_RECORD_BYTES: u32 = {};\n\
+         /// Bytes per full entry of a `decode_delta_*` list.\npub const DELTA_ENTRY_BYTES: u32 = {};\n\
+         /// Bytes per page entry of a `decode_delta_*` list.\npub const DELTA_PAGE_BYTES: u32 = {};\n\
+         /// Bytes before the first entry of a `decode_delta_*` list (the count, padding).\npub const DELTA_HEADER_BYTES: u32 = {};\n\
+         /// Bytes per request of the device state of `decode_delta_*`.\npub const DELTA_STATE_BYTES: u32 = {};\n\
+         /// Threads of `decode_delta_*` that read their first page entry together with the counts.\npub const DELTA_SPEC: u32 = {};\n\
+         /// Threads of `decode_delta_*` that read their first full entry together with the counts.\npub const DELTA_FULL_SPEC: u32 = {};\n\
+         /// The most threads `decode_delta_*` runs with (one block).\npub const DELTA_MAX_THREADS: u32 = {};\n",
         k::ALLOC_EXTEND_THREADS,
         k::ALLOC_DECODE_THREADS,
         k::ROW_BLOCK_THREADS,
@@ -64,6 +71,13 @@ fn main() {
         k::RECORD_BYTES,
         k::PAD_ROW,
         k::STEP_RECORD_BYTES,
+        k::DELTA_ENTRY_BYTES,
+        k::DELTA_PAGE_BYTES,
+        k::DELTA_HEADER_BYTES,
+        k::DELTA_STATE_BYTES,
+        k::DELTA_SPEC,
+        k::DELTA_FULL_SPEC,
+        k::DELTA_MAX_THREADS,
     );
     std::fs::write(out.join("kernels.rs"), rs).expect("write kernels.rs");
 }

@@ -1,12 +1,13 @@
-//! GPU tests of the graph-captured decode step ([`DecodeGraphs`]):
+//! GPU tests of the graph-captured decode steps ([`DecodeGraphs`], [`DeltaDecode`]):
 //!
 //! * random decode and extend steps — requests joining, finishing and being evicted —
-//!   through the graphs and through the eager [`DevicePagedAllocator`], each against
-//!   the host reference on its own host [`PagedAllocator`], comparing every request
-//!   row and every slot after every step;
+//!   through the graphs, the delta graphs and the eager [`DevicePagedAllocator`], each
+//!   against the host reference on its own host [`PagedAllocator`], comparing every
+//!   request row and every slot after every step;
 //! * the staging guard: with the stream held by a closed gate, the staging buffer of
 //!   the step before last is reported busy, a third step waits for the gate, and all
-//!   three steps' results are right;
+//!   three steps' results are right (for the delta graphs, with the middle step on
+//!   another stream, which must wait for the first on the device);
 //! * no heap allocation in a step (a counting global allocator);
 //! * the views' constructors refuse what they can check.
 //!
@@ -19,8 +20,8 @@ use std::sync::Arc;
 
 use cust::memory::{CopyDestination, DeviceBuffer, DeviceSlice};
 use kvpool::cuda::{
-    CudaKvError, DecodeGraphs, DevicePagedAllocator, DeviceReqToToken, KvCacheView, KvDevice, LastLocs, ReqToTokenView,
-    Staging,
+    CudaKvError, DecodeGraphs, DeltaDecode, DevicePagedAllocator, DeviceReqToToken, KvCacheView, KvDevice, LastLocs,
+    ReqToTokenView, Staging,
 };
 use kvpool::kv::reference::{decode_with_rows, extend_with_rows, RowTable};
 use kvpool::kv::{KvConfig, KvDtype, KvError, KvLayout};
@@ -114,12 +115,18 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
     let (n_rows, stride, size) = (48u32, 512u32, 1 << 15);
     let mut g = Path::new(size, ps, n_rows, stride);
     let mut e = Path::new(size, ps, n_rows, stride);
+    let mut d = Path::new(size, ps, n_rows, stride);
     let whole = g.host.available_size();
-    // A second view of the graph path's table, so that `g` stays usable for extends.
-    // SAFETY: `g.table` is alive, in this context, until after `graphs` (declared
-    // later) is dropped; its cells are written only by work on the device's stream.
+    // A second view of the graph paths' tables, so that `g` and `d` stay usable for
+    // extends.
+    // SAFETY: `g.table` and `d.table` are alive, in this context, until after
+    // `graphs` and `delta` (declared later) are dropped; their cells are written only
+    // by work on the device's stream.
     let g_table = unsafe { ReqToTokenView::from_raw(g.table.device_address(), n_rows, stride) }.unwrap();
+    let d_table = unsafe { ReqToTokenView::from_raw(d.table.device_address(), n_rows, stride) }.unwrap();
     let mut graphs = DecodeGraphs::new(dev, Arc::clone(&g.host), &g_table, 64, staging).unwrap();
+    let mut delta = DeltaDecode::new(dev, Arc::clone(&d.host), &d_table, 64).unwrap();
+    let (mut d_same, mut d_entries, mut d_moves) = (true, 0usize, 0usize);
     let mut live: Vec<Request> = Vec::new();
     let mut evicted: Vec<Request> = Vec::new();
     let mut free_rows: Vec<u32> = (0..n_rows).rev().collect();
@@ -137,13 +144,16 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             let row = free_rows.pop().unwrap();
             let a = g.extend(dev, row, 0, seq);
             let b = e.extend(dev, row, 0, seq);
-            match (a, b) {
-                (Ok(a), Ok(b)) => {
+            let c = d.extend(dev, row, 0, seq);
+            match (a, b, c) {
+                (Ok(a), Ok(b), Ok(c)) => {
                     same_pages &= a == b;
+                    d_same &= c == b;
+                    assert_eq!(delta.join(row, seq).unwrap() as usize, live.len());
                     live.push(Request { row, seq });
                     extends += 1;
                 }
-                (a, b) => panic!("extend failed: {a:?} {b:?}"),
+                (a, b, c) => panic!("extend failed: {a:?} {b:?} {c:?}"),
             }
         } else if dice < 35 && !live.is_empty() {
             // Chunked prefill continues: extend a live request from inside its page.
@@ -153,16 +163,24 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             if seq > r.seq {
                 let a = g.extend(dev, r.row, r.seq, seq).unwrap();
                 let b = e.extend(dev, r.row, r.seq, seq).unwrap();
+                let c = d.extend(dev, r.row, r.seq, seq).unwrap();
                 same_pages &= a == b;
+                d_same &= c == b;
+                delta.set_len(i as u32, seq).unwrap();
                 live[i].seq = seq;
                 extends += 1;
             }
         } else if dice < 45 && !live.is_empty() {
             // Finish (or, one time in three, evict to rejoin later).
-            let r = live.swap_remove(rng.below(live.len() as u64) as usize);
+            let i = rng.below(live.len() as u64) as usize;
+            let r = live.swap_remove(i);
             g.finish(r.row, r.seq);
             e.finish(r.row, r.seq);
+            d.finish(r.row, r.seq);
             free_rows.push(r.row);
+            let moved = delta.leave(i as u32).unwrap();
+            assert_eq!(moved, (i < live.len()).then_some(live.len() as u32));
+            d_moves += moved.is_some() as usize;
             if rng.below(3) == 0 {
                 evicted.push(r);
                 evictions += 1;
@@ -171,17 +189,21 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             }
         } else if !live.is_empty() {
             // Decode: every live request gets one token (requests at the end of
-            // their row finish first).
-            live.retain(|r| {
+            // their row finish first; `swap_remove` order, as the delta batch's).
+            let mut i = 0;
+            while i < live.len() {
+                let r = live[i];
                 if r.seq + 1 >= stride {
                     g.finish(r.row, r.seq);
                     e.finish(r.row, r.seq);
+                    d.finish(r.row, r.seq);
                     free_rows.push(r.row);
-                    false
+                    live.swap_remove(i);
+                    delta.leave(i as u32).unwrap();
                 } else {
-                    true
+                    i += 1;
                 }
-            });
+            }
             if live.is_empty() {
                 continue;
             }
@@ -216,6 +238,28 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             if same_pages {
                 assert_eq!(g_slots[..batch], e_want[..], "graph and eager disagree on the same pages");
             }
+            // Delta path: the batch order is `live`'s.
+            let step = delta.step(dev.stream()).unwrap();
+            assert_eq!((step.batch(), step.bucket()), (batch, g_slots.len()));
+            let d_pages = delta.pages(&step).unwrap().to_vec();
+            let starters: Vec<u32> = (0..batch as u32).filter(|&i| (seq[i as usize] - 1) % ps == 0).collect();
+            assert_eq!(delta.page_owners(&step).unwrap(), &starters[..]);
+            let mut d_want = vec![0u32; batch];
+            let rt = RowTable { cells: &mut d.mirror, stride: stride as usize, rows: &rows };
+            decode_with_rows(ps, &seq, None, &d_pages, &mut d_want, Some(rt)).unwrap();
+            dev.synchronize().unwrap();
+            let mut d_slots = vec![u32::MAX; step.bucket()];
+            delta.slots(&step).copy_to(&mut d_slots[..]).unwrap();
+            assert_eq!(&d_slots[..batch], &d_want[..], "delta slots, step {decodes}");
+            assert!(d_slots[batch..].iter().all(|&s| s == 0), "delta padding entries get the dummy slot 0");
+            d_same &= d_pages == e_pages;
+            if d_same {
+                assert_eq!(d_slots[..batch], e_want[..], "delta and eager disagree on the same pages");
+            }
+            d_entries += step.entries();
+            for (i, &s) in seq.iter().enumerate() {
+                assert_eq!(delta.len(i as u32).unwrap(), s);
+            }
             for r in live.iter_mut() {
                 r.seq += 1;
             }
@@ -227,6 +271,8 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
         // is allocated in its host allocator.
         assert!(read_table(dev, g.table.view()) == g.mirror, "graph path rows differ after step {}", decodes + extends);
         assert!(read_table(dev, e.table.view()) == e.mirror, "eager path rows differ after step {}", decodes + extends);
+        assert!(read_table(dev, d.table.view()) == d.mirror, "delta path rows differ after step {}", decodes + extends);
+        assert_eq!(delta.batch(), live.len());
         for r in &live {
             let at = r.row as usize * stride as usize;
             assert!(g.mirror[at..at + r.seq as usize].iter().all(|&s| g.host.is_allocated(s)));
@@ -236,12 +282,16 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
     for r in live.drain(..) {
         g.finish(r.row, r.seq);
         e.finish(r.row, r.seq);
+        d.finish(r.row, r.seq);
     }
     assert_eq!(g.host.available_size(), whole);
     assert_eq!(e.host.available_size(), whole);
+    assert_eq!(d.host.available_size(), whole);
+    assert!(d_moves > 0);
     println!(
         "{staging:?} staging, page size {ps}: {decodes} decode and {extends} extend steps, {finished} finished, {evictions} evicted, \
-         {padded} padding entries; graph and eager took the same pages: {same_pages}"
+         {padded} padding entries; graph and eager took the same pages: {same_pages}; delta: {d_entries} entries, \
+         {d_moves} moves, same pages as eager: {d_same}"
     );
 }
 
@@ -336,6 +386,95 @@ fn staging_guard(dev: &KvDevice, staging: Staging) {
 }
 
 #[test]
+fn delta_staging_is_not_overwritten_and_steps_stay_ordered_across_streams() {
+    let Some(dev) = device() else { return };
+    let ps = 4;
+    let host = Arc::new(PagedAllocator::new(4096, ps).unwrap());
+    let table = DeviceReqToToken::new(8, 64).unwrap();
+    let mut eager = DevicePagedAllocator::new(Arc::clone(&host), 8, 64).unwrap();
+    let rows = [1u32, 4, 6];
+    let mut seq = [3u32, 4, 9];
+    let mut mirror = vec![0u32; 8 * 64];
+    let out = DeviceBuffer::<u32>::zeroed(16).unwrap();
+    let mut delta = DeltaDecode::new(&dev, Arc::clone(&host), table.view(), 4).unwrap();
+    for (&r, &s) in rows.iter().zip(&seq) {
+        let o = out.index(..s as usize);
+        let staged = eager.alloc_extend(&dev, &[0], &[s], LastLocs::FromRows, Some((table.view(), &[r])), &o).unwrap();
+        let pages = eager.pages(&staged).unwrap().to_vec();
+        let mut want = vec![0u32; s as usize];
+        let rt = RowTable { cells: &mut mirror, stride: 64, rows: &[r] };
+        extend_with_rows(ps, &[0], &[s], None, &pages, &mut want, Some(rt)).unwrap();
+        delta.join(r, s).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert!(delta.next_staging_free().unwrap());
+    let other = cust::stream::Stream::new(cust::stream::StreamFlags::NON_BLOCKING, None).unwrap();
+
+    // Hold the device's stream: nothing queued after the gate runs until it opens.
+    let gate = Arc::new(AtomicBool::new(false));
+    // SAFETY: a host function on the device's stream with the gate's address, which
+    // lives until after the final synchronize below.
+    let r = unsafe {
+        cust::sys::cuLaunchHostFunc(dev.stream().as_inner(), Some(wait_for_gate), Arc::as_ptr(&gate) as *mut _)
+    };
+    assert_eq!(r, cust::sys::cudaError_enum::CUDA_SUCCESS);
+    let mut pages = Vec::new();
+    let mut steps = Vec::new();
+    // Step 1 on the held stream; step 2 on another stream, free to run at once: it
+    // must wait on the device for step 1 (the state is carried from step to step).
+    for s in [dev.stream(), &other] {
+        seq.iter_mut().for_each(|s| *s += 1);
+        let step = delta.step(s).unwrap();
+        pages.push(delta.pages(&step).unwrap().to_vec());
+        steps.push((step, seq));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!delta.next_staging_free().unwrap(), "the staging of a step still queued is reported free");
+    let opener = {
+        let gate = Arc::clone(&gate);
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            gate.store(true, Ordering::Release);
+        })
+    };
+    seq.iter_mut().for_each(|s| *s += 1);
+    let step3 = delta.step(dev.stream()).unwrap();
+    assert!(gate.load(Ordering::Acquire), "step 3 overwrote the staging before step 1 had run");
+    pages.push(delta.pages(&step3).unwrap().to_vec());
+    steps.push((step3, seq));
+    opener.join().unwrap();
+    dev.synchronize().unwrap();
+    other.synchronize().unwrap();
+    assert!(matches!(delta.pages(&steps[0].0), Err(CudaKvError::StaleBatch)));
+    assert!(matches!(delta.page_owners(&steps[0].0), Err(CudaKvError::StaleBatch)));
+    let mut want = [0u32; 3];
+    for ((_, s), p) in steps.iter().zip(&pages) {
+        let rt = RowTable { cells: &mut mirror, stride: 64, rows: &rows };
+        decode_with_rows(ps, s, None, p, &mut want, Some(rt)).unwrap();
+    }
+    let mut got = [0u32; 4];
+    delta.slots(&steps[2].0).copy_to(&mut got[..]).unwrap();
+    assert_eq!((&got[..3], got[3]), (&want[..], 0), "step 3's slots");
+    assert!(read_table(&dev, table.view()) == mirror, "rows differ from the reference");
+    // The device state holds each request's length and last slot.
+    let state = delta.read_state().unwrap();
+    for (i, (&r, &s)) in rows.iter().zip(&seq).enumerate() {
+        assert_eq!((state[i].row, state[i].len, state[i].last), (r, s, want[i]));
+    }
+    assert_eq!(state[3].row, u32::MAX);
+    // Refusals: a full batch, a row past the table, a request past its row.
+    delta.join(0, 1).unwrap();
+    assert!(matches!(delta.join(2, 1), Err(CudaKvError::Kv(KvError::Shape { .. }))));
+    delta.leave(3).unwrap();
+    assert!(matches!(delta.join(8, 1), Err(CudaKvError::Kv(KvError::SlotOutOfRange { .. }))));
+    assert!(matches!(delta.set_len(0, 65), Err(CudaKvError::Kv(KvError::Shape { .. }))));
+    delta.set_len(0, 64).unwrap();
+    let before = host.available_pages();
+    assert!(matches!(delta.step(dev.stream()), Err(CudaKvError::Kv(KvError::Shape { .. }))));
+    assert_eq!(host.available_pages(), before);
+}
+
+#[test]
 fn a_decode_step_does_not_allocate() {
     let Some(dev) = device() else { return };
     let host = Arc::new(PagedAllocator::new(1 << 20, 16).unwrap());
@@ -345,7 +484,35 @@ fn a_decode_step_does_not_allocate() {
     let out = DeviceBuffer::<u32>::zeroed(1024).unwrap();
     let rows: Vec<u32> = (0..1000).collect();
     let mut seq = vec![0u32; 1000];
+    let d_host = Arc::new(PagedAllocator::new(1 << 20, 16).unwrap());
+    let d_table = DeviceReqToToken::new(1024, 2048).unwrap();
+    let mut delta = DeltaDecode::new(&dev, Arc::clone(&d_host), d_table.view(), 1024).unwrap();
     let (n, ()) = allocations(|| {
+        // Delta steps: 1,000 requests join, 200 steps with requests leaving, joining
+        // and being extended (their rows are not filled: slot values do not matter
+        // here), then the batch shrinks to 7 and 1.
+        for r in 0..1000 {
+            delta.join(r, r % 40).unwrap();
+        }
+        for k in 0..200u32 {
+            if k % 10 == 3 {
+                let i = (k * 37) % delta.batch() as u32;
+                let row = delta.row(i).unwrap();
+                delta.leave(i).unwrap();
+                delta.join(row, 5).unwrap();
+                delta.set_len(k % 100, delta.len(k % 100).unwrap() + 3).unwrap();
+            }
+            let step = delta.step(dev.stream()).unwrap();
+            std::hint::black_box(delta.pages(&step).unwrap());
+        }
+        while delta.batch() > 7 {
+            delta.leave(0).unwrap();
+        }
+        delta.step(dev.stream()).unwrap();
+        while delta.batch() > 1 {
+            delta.leave(0).unwrap();
+        }
+        delta.step(dev.stream()).unwrap();
         for _ in 0..200 {
             seq.iter_mut().for_each(|s| *s += 1);
             graphs.step(dev.stream(), &seq, &rows).unwrap();

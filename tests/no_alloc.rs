@@ -170,3 +170,36 @@ fn decode_step_staging() {
         assert!(stage_decode(&host, &[1, 2, 3], &rows[..3], 2, limits, b).is_err());
     });
 }
+
+/// The host half of a delta decode step (`kvpool::kv::delta::DeltaPlanner`: joins,
+/// leaves, extends, staging the changes and the page-starting requests, committing)
+/// touches no heap, and neither does a refused step.
+#[test]
+fn delta_step_staging() {
+    use kvpool::kv::delta::{delta_block_words, DeltaPlanner};
+    use kvpool::kv::staging::RowLimits;
+    let host = PagedAllocator::new(1 << 20, 16).unwrap();
+    let limits = RowLimits { rows: 1024, max_context_len: 4096 };
+    let mut plan = DeltaPlanner::new(16, limits, 1024).unwrap();
+    let mut block = vec![0u32; delta_block_words(1024)];
+    let (mut fresh, mut owners) = (vec![0u32; 1024], vec![0u32; 1024]);
+    assert_no_alloc("DeltaPlanner", || {
+        for r in 0..1024 {
+            plan.join(r, r % 100).unwrap();
+        }
+        for step in 0..300u32 {
+            if step % 7 == 0 {
+                let i = (step * 31) % plan.batch() as u32;
+                let row = plan.row(i).unwrap();
+                plan.leave(i).unwrap();
+                plan.join(row, 3).unwrap();
+                plan.set_len(step % 50, 2000).unwrap();
+            }
+            black_box(plan.stage(&host, &mut block, &mut fresh, &mut owners).unwrap());
+            plan.commit();
+        }
+        assert!(plan.stage(&host, &mut block[1..], &mut fresh, &mut owners).is_err());
+        plan.set_len(0, 4096).unwrap();
+        assert!(plan.stage(&host, &mut block, &mut fresh, &mut owners).is_err());
+    });
+}

@@ -8,6 +8,7 @@
 //! | `alloc_extend_*` | `(batch)` | [`ALLOC_EXTEND_THREADS`] | tokens `tid, tid+ntid, ...` of request `ctaid.x` |
 //! | `alloc_decode_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` |
 //! | `decode_step_*` | `(ceil(batch/ALLOC_DECODE_THREADS))` | [`ALLOC_DECODE_THREADS`] | request `ctaid.x*ntid.x+tid` (compact records) |
+//! | `decode_delta_*` | `(1)` | `min(max(bucket, DELTA_SPEC), DELTA_MAX_THREADS)` | delta entries `tid, tid+ntid, ..`, then requests `tid, tid+ntid, ..` |
 //! | `kv_*` row kernels | `(ceil(n/ROWS_PER_BLOCK), layers, buffers)` | [`ROW_BLOCK_THREADS`] | vectors `lane, lane+32, ...` of row `ctaid.x*8 + warp` |
 //!
 //! The paged-allocation kernels read one record per request from `meta` (an array of
@@ -42,6 +43,27 @@ pub const PAD_ROW: u32 = u32::MAX;
 /// Bytes per record of `decode_step_*`: `seq_len`, `row`, `page`, one unused word (16
 /// bytes, so one vector load reads a record).
 pub const STEP_RECORD_BYTES: u32 = 16;
+/// Bytes per full entry of a delta-staged decode step (`decode_delta_*`): `index`,
+/// `row`, `len`, `page` (one vector load): a batch index whose request joined, left or
+/// was extended.
+pub const DELTA_ENTRY_BYTES: u32 = 16;
+/// Bytes per page entry of a delta step: `index`, `page` (the fresh page of a request
+/// whose next token starts one).
+pub const DELTA_PAGE_BYTES: u32 = 8;
+/// Bytes before the first entry of a delta block: the full and page entry counts, then
+/// two unused words (so entries stay 16-byte aligned).
+pub const DELTA_HEADER_BYTES: u32 = 16;
+/// Bytes per request of the device state `decode_delta_*` keeps between steps: `row`,
+/// `len`, `last`, `page`.
+pub const DELTA_STATE_BYTES: u32 = 16;
+/// Threads of `decode_delta_*` that read their first page entry together with the
+/// counts (one round trip to mapped host memory for up to this many).
+pub const DELTA_SPEC: u32 = 128;
+/// Threads of `decode_delta_*` that read their first full entry together with the
+/// counts.
+pub const DELTA_FULL_SPEC: u32 = 8;
+/// The most threads (one block) `decode_delta_*` runs with.
+pub const DELTA_MAX_THREADS: u32 = 1024;
 /// `flags` bit of the allocation kernels: also write each slot into the request's row
 /// of the `req_to_token` table (columns `prefix_len..seq_len`).
 pub const FLAG_WRITE_ROWS: u32 = 1;
@@ -455,6 +477,173 @@ pub fn decode_step(page: PageSize) -> Kernel {
     let slot = k.selp_b32(fresh, old, new_page);
     k.st_global_u32(o, 0, slot, None);
     k.st_global_u32(at, 0, slot, None);
+    k.ret();
+    k
+}
+
+/// The name of a delta decode-step kernel.
+pub fn decode_delta_name(page: PageSize) -> String {
+    format!("decode_delta_{}", page.suffix())
+}
+
+/// `decode_delta`: the decode step of a captured graph from a delta list, with each
+/// request's state kept on the device between steps.
+///
+/// Parameters: `deltas` (u64, usually mapped host memory: the block `kvpool`'s
+/// `DeltaPlanner` writes for `capacity` batch indices: at byte 0 the counts `n_full`
+/// and `n_page`; from byte [`DELTA_HEADER_BYTES`] `capacity` full entries of
+/// [`DELTA_ENTRY_BYTES`] (`index`, `row`, `len`, `page`); after them `capacity` page
+/// entries of [`DELTA_PAGE_BYTES`] (`index`, `page`)), `state` (u64: `capacity`
+/// records of [`DELTA_STATE_BYTES`]: `row`, `len`, `last`, `page`), `capacity` (u32),
+/// `bucket` (u32), `out` (u64, `bucket` slots), `table` (u64, `rows * table_stride`
+/// u32), `rows` (u32), `table_stride` (u32), `page_size` (u32, read only by `_psn`).
+///
+/// One block (up to [`DELTA_MAX_THREADS`] threads). Thread 0 reads the counts while
+/// the threads below [`DELTA_SPEC`] and [`DELTA_FULL_SPEC`] read their first page and
+/// full entry (one round trip to host memory in all); the counts reach the block
+/// through shared memory. Phase 1 (entries `< min(count, capacity)`, entry `e` by
+/// thread `e % ntid`, indices `>= capacity` skipped): a full entry sets `state[index]
+/// = {row, len, last, page}` with `last` read from column `len - 1` of the row when the
+/// request's next token continues a page (`len % ps != 0`, `row < rows`, `len <=
+/// table_stride`), else 0; a page entry sets `state[index].page`. (The host never sends
+/// both kinds for one index in a step.) `bar.sync`. Phase 2: for `i < bucket` (thread
+/// `i % ntid`), with `{row, len, last, page} = state[i]`: a request whose `row >= rows`
+/// (padding: `PAD_ROW`) gets slot 0 in `out[i]` and nothing else; otherwise the new
+/// token at position `len` gets `page * ps` when it starts a page (`len % ps == 0`),
+/// else `last + 1`; the slot goes to `out[i]`, to column `len` of the row (only if `len
+/// < table_stride`), and `state[i]` becomes `{row, len + 1, slot, page}`.
+pub fn decode_delta(page: PageSize) -> Kernel {
+    if let PageSize::Const(c) = page {
+        assert!(c.is_power_of_two(), "constant page sizes must be powers of two");
+    }
+    let mut k = Kernel::new(decode_delta_name(page));
+    let deltas = k.param_u64("deltas");
+    let state = k.param_u64("state");
+    let capacity = k.param_u32("capacity");
+    let bucket = k.param_u32("bucket");
+    let out = k.param_u64("out");
+    let table = k.param_u64("table");
+    let rows = k.param_u32("rows");
+    let table_stride = k.param_u32("table_stride");
+    let page_size = k.param_u32("page_size");
+    let counts = k.shared_words("counts", 2, 8);
+    let deltas = k.ld_param_u64(deltas);
+    let state = k.ld_param_u64(state);
+    let capacity = k.ld_param_u32(capacity);
+    let table = k.ld_param_u64(table);
+    let rows = k.ld_param_u32(rows);
+    let stride = k.ld_param_u32(table_stride);
+    let ps = k.ld_param_u32(page_size);
+    let tid = k.special(Special::TidX);
+    let nt = k.special(Special::NtidX);
+    let full_base = k.add_u64(deltas, DELTA_HEADER_BYTES as u64);
+    let full_bytes = k.mul_wide_u32(capacity, DELTA_ENTRY_BYTES);
+    let page_base = k.add_u64(full_base, full_bytes);
+    let below_cap = k.setp_u32(Cmp::Lt, tid, capacity);
+    k.comment("one round trip: the counts (thread 0) and each thread's first entries");
+    let is0 = k.setp_u32(Cmp::Eq, tid, 0u32);
+    let c = k.ld_global(Width::B8, deltas, 0, true, Some((is0, true)));
+    let below = k.setp_u32(Cmp::Lt, tid, DELTA_SPEC);
+    let page_spec = k.and_pred(below, below_cap);
+    let pe_at = k.mad_wide_u32(tid, DELTA_PAGE_BYTES, page_base);
+    let pe_spec = k.ld_global(Width::B8, pe_at, 0, true, Some((page_spec, true)));
+    let below = k.setp_u32(Cmp::Lt, tid, DELTA_FULL_SPEC);
+    let full_spec = k.and_pred(below, below_cap);
+    let fe_at = k.mad_wide_u32(tid, DELTA_ENTRY_BYTES, full_base);
+    let fe_spec = k.ld_global(Width::B16, fe_at, 0, true, Some((full_spec, true)));
+    k.st_shared(Width::B8, &counts, 0, &c, Some((is0, true)));
+    k.bar_sync();
+    let n = k.ld_shared(Width::B8, &counts, 0);
+    let n_full = k.min_u32(n[0], capacity);
+    let n_page = k.min_u32(n[1], capacity);
+
+    k.comment("full entries: a request's whole state");
+    let e = k.mov_u32(tid);
+    let (top, next, done) = (k.label(), k.label(), k.label());
+    k.place(top);
+    let past = k.setp_u32(Cmp::Ge, e, n_full);
+    k.bra_if(past, true, done);
+    let first = k.setp_u32(Cmp::Eq, e, tid);
+    let use_spec = k.and_pred(first, full_spec);
+    let at = k.mad_wide_u32(e, DELTA_ENTRY_BYTES, full_base);
+    let fresh = k.ld_global(Width::B16, at, 0, true, Some((use_spec, false)));
+    let w: Vec<R32> = (0..4).map(|j| k.selp_b32(fe_spec[j], fresh[j], use_spec)).collect();
+    let (index, row, len, pg) = (w[0], w[1], w[2], w[3]);
+    let bad = k.setp_u32(Cmp::Ge, index, capacity);
+    k.bra_if(bad, true, next);
+    k.comment("last_loc from the row when the next token continues a page");
+    let (_, r) = div_rem_page(&mut k, page, ps, len);
+    let cont = k.setp_u32(Cmp::Ne, r, 0u32);
+    let row_ok = k.setp_u32(Cmp::Lt, row, rows);
+    let len_ok = k.setp_u32(Cmp::Le, len, stride);
+    let need = k.and_pred(cont, row_ok);
+    let need = k.and_pred(need, len_ok);
+    let cell = k.mad_lo_u32(row, stride, len);
+    let prev_cell = k.sub_u32(cell, 1u32);
+    let prev_at = k.mad_wide_u32(prev_cell, 4u32, table);
+    let prev = k.ld_global(Width::B4, prev_at, 0, false, Some((need, true)))[0];
+    let last = k.selp_b32(prev, 0u32, need);
+    let s_at = k.mad_wide_u32(index, DELTA_STATE_BYTES, state);
+    k.st_global(Width::B16, s_at, 0, &[row, len, last, pg], None);
+    k.place(next);
+    k.add_u32_to(e, nt);
+    k.bra(top);
+    k.place(done);
+
+    k.comment("page entries: the fresh page of a request whose next token starts one");
+    let e = k.mov_u32(tid);
+    let (top, next, done) = (k.label(), k.label(), k.label());
+    k.place(top);
+    let past = k.setp_u32(Cmp::Ge, e, n_page);
+    k.bra_if(past, true, done);
+    let first = k.setp_u32(Cmp::Eq, e, tid);
+    let use_spec = k.and_pred(first, page_spec);
+    let at = k.mad_wide_u32(e, DELTA_PAGE_BYTES, page_base);
+    let fresh = k.ld_global(Width::B8, at, 0, true, Some((use_spec, false)));
+    let index = k.selp_b32(pe_spec[0], fresh[0], use_spec);
+    let pg = k.selp_b32(pe_spec[1], fresh[1], use_spec);
+    let bad = k.setp_u32(Cmp::Ge, index, capacity);
+    k.bra_if(bad, true, next);
+    let s_at = k.mad_wide_u32(index, DELTA_STATE_BYTES, state);
+    k.st_global_u32(s_at, 12, pg, None);
+    k.place(next);
+    k.add_u32_to(e, nt);
+    k.bra(top);
+    k.place(done);
+    k.comment("every entry is in the state before any request advances");
+    k.bar_sync();
+
+    let bucket = k.ld_param_u32(bucket);
+    let out = k.ld_param_u64(out);
+    let i = k.mov_u32(tid);
+    let advance = k.label();
+    let done = k.label();
+    k.place(advance);
+    let past = k.setp_u32(Cmp::Ge, i, bucket);
+    k.bra_if(past, true, done);
+    let s_at = k.mad_wide_u32(i, DELTA_STATE_BYTES, state);
+    let s = k.ld_global(Width::B16, s_at, 0, false, None);
+    let (row, len, last, pg) = (s[0], s[1], s[2], s[3]);
+    let live = k.setp_u32(Cmp::Lt, row, rows);
+    let (_, r) = div_rem_page(&mut k, page, ps, len);
+    let new_page = k.setp_u32(Cmp::Eq, r, 0u32);
+    let zero = k.mov_u32(0u32);
+    let fresh = page_slot(&mut k, page, ps, pg, zero);
+    let old = k.add_u32(last, 1u32);
+    let slot = k.selp_b32(fresh, old, new_page);
+    let shown = k.selp_b32(slot, 0u32, live);
+    let o = k.mad_wide_u32(i, 4u32, out);
+    k.st_global_u32(o, 0, shown, None);
+    let fits = k.setp_u32(Cmp::Lt, len, stride);
+    let write = k.and_pred(live, fits);
+    let cell = k.mad_lo_u32(row, stride, len);
+    let t = k.mad_wide_u32(cell, 4u32, table);
+    k.st_global_u32(t, 0, slot, Some((write, true)));
+    let len1 = k.add_u32(len, 1u32);
+    k.st_global(Width::B16, s_at, 0, &[row, len1, slot, pg], Some((live, true)));
+    k.add_u32_to(i, nt);
+    k.bra(advance);
+    k.place(done);
     k.ret();
     k
 }
@@ -903,7 +1092,8 @@ pub fn unroll(store: Store) -> u32 {
 
 /// The PTX modules, in a fixed order: `(file stem, module)`.
 ///
-/// * `alloc`: `noop`, `alloc_extend_*`, `alloc_decode_*`;
+/// * `alloc`: `noop`, `alloc_extend_*`, `alloc_decode_*`, `decode_step_*`,
+///   `decode_delta_*`;
 /// * `kv_scatter`: `kv_scatter_*` and `kv_scatter_mla_*`, copy and fp8 stores;
 /// * `kv_copy`: `kv_gather_*` and `kv_move_*`.
 pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
@@ -916,6 +1106,9 @@ pub fn modules(target: Target) -> Vec<(&'static str, Module)> {
     }
     for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
         alloc.push(decode_step(page));
+    }
+    for page in CONST_PAGE_SIZES.iter().map(|&c| PageSize::Const(c)).chain([PageSize::Runtime]) {
+        alloc.push(decode_delta(page));
     }
     let mut scatter = Module::new(target);
     for op in [RowOp::Scatter, RowOp::ScatterMla] {

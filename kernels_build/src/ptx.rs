@@ -301,7 +301,13 @@ pub struct Kernel {
     n_f32: u32,
     n_h16: u32,
     n_label: u32,
+    /// `.shared` arrays: (name, words, alignment in bytes).
+    shared: Vec<(String, u32, u32)>,
 }
+
+/// A `.shared` array of 32-bit words declared in one kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shared(String);
 
 impl Kernel {
     /// A kernel named `name` with no parameters and an empty body.
@@ -316,6 +322,7 @@ impl Kernel {
             n_f32: 0,
             n_h16: 0,
             n_label: 0,
+            shared: Vec::new(),
         }
     }
 
@@ -580,6 +587,12 @@ impl Kernel {
         self.ins(format_args!("or.pred {p}, {a}, {b}"));
         p
     }
+    /// `and.pred`
+    pub fn and_pred(&mut self, a: Pred, b: Pred) -> Pred {
+        let p = self.pred();
+        self.ins(format_args!("and.pred {p}, {a}, {b}"));
+        p
+    }
 
     // ---- float ----------------------------------------------------------------------
 
@@ -695,6 +708,32 @@ impl Kernel {
         self.ins_if(guard, format_args!("st.global.u32 {at}, {}", a.text()));
     }
 
+    /// Declare a `.shared` array of `words` 32-bit words, aligned to `align` bytes
+    /// (named after the kernel, so names never clash within a module).
+    pub fn shared_words(&mut self, name: &str, words: u32, align: u32) -> Shared {
+        let sym = format!("{}_{name}", self.name);
+        assert!(self.shared.iter().all(|(n, _, _)| *n != sym), "duplicate shared array {name}");
+        self.shared.push((sym.clone(), words, align));
+        Shared(sym)
+    }
+
+    /// A shared-memory store of `width` bytes from `regs` at byte `off` of `at`.
+    pub fn st_shared(&mut self, width: Width, at: &Shared, off: u32, regs: &[R32], guard: Option<(Pred, bool)>) {
+        assert_eq!(regs.len(), width.words(), "store of {width:?} needs {} registers", width.words());
+        let src = reg_list(regs);
+        let addr = if off == 0 { format!("[{}]", at.0) } else { format!("[{}+{off}]", at.0) };
+        self.ins_if(guard, format_args!("st.shared.{} {addr}, {src}", width.suffix()));
+    }
+
+    /// A shared-memory load of `width` bytes at byte `off` of `at` into fresh registers.
+    pub fn ld_shared(&mut self, width: Width, at: &Shared, off: u32) -> Vec<R32> {
+        let regs: Vec<R32> = (0..width.words()).map(|_| self.r32()).collect();
+        let dst = reg_list(&regs);
+        let addr = if off == 0 { format!("[{}]", at.0) } else { format!("[{}+{off}]", at.0) };
+        self.ins(format_args!("ld.shared.{} {dst}, {addr}", width.suffix()));
+        regs
+    }
+
     // ---- control flow -------------------------------------------------------------------
 
     /// A new label (placed later with [`place`](Self::place)).
@@ -723,6 +762,13 @@ impl Kernel {
     pub fn bra_if(&mut self, p: Pred, when: bool, l: Label) {
         let name = self.label_name(l);
         self.ins_if(Some((p, when)), format_args!("bra {name}"));
+    }
+
+    /// `bar.sync 0`: every thread of the block waits here; global and shared memory
+    /// accesses before it are visible to the block's threads after it. Every thread
+    /// of the block must reach it (no thread may have returned).
+    pub fn bar_sync(&mut self) {
+        self.ins(format_args!("bar.sync 0"));
     }
 
     /// `ret`
@@ -758,6 +804,9 @@ impl Kernel {
             if n > 0 {
                 let _ = writeln!(s, "\t.reg .{ty} {prefix}<{n}>;");
             }
+        }
+        for (name, words, align) in &self.shared {
+            let _ = writeln!(s, "\t.shared .align {align} .b32 {name}[{words}];");
         }
         if !self.body.is_empty() {
             s.push('\n');

@@ -154,6 +154,8 @@ fn modules_hold_every_variant() {
     for ps in ["ps1", "ps16", "ps32", "ps64", "psn"] {
         assert!(alloc.contains(&format!("alloc_extend_{ps}")));
         assert!(alloc.contains(&format!("alloc_decode_{ps}")));
+        assert!(alloc.contains(&format!("decode_step_{ps}")));
+        assert!(alloc.contains(&format!("decode_delta_{ps}")));
     }
     let scatter = names("kv_scatter");
     for w in [16, 8, 4, 2, 1] {
@@ -243,4 +245,29 @@ fn fp8_gather_is_refused() {
 #[should_panic(expected = "powers of two")]
 fn non_power_of_two_constant_page_is_refused() {
     kernels::alloc_extend(PageSize::Const(12));
+}
+
+#[test]
+fn delta_step_reads_its_list_once_and_syncs_the_block_twice() {
+    for t in Target::ALL {
+        let text = kernel_text(t, "alloc", "decode_delta_ps16");
+        // Two barriers (counts in shared memory; entries applied) and no return before
+        // the last one (every thread of the block must reach both).
+        assert_eq!(text.matches("bar.sync 0;").count(), 2, "{text}");
+        let (before, after) = text.rsplit_once("bar.sync 0;").unwrap();
+        assert!(!before.contains("ret;"), "a thread returns before a barrier:\n{text}");
+        // The list (mapped host memory) through the read-only path: thread 0's counts,
+        // the speculative first page and full entries, the loops' later entries.
+        let (head, _) = before.split_once("bar.sync 0;").unwrap();
+        assert_eq!(head.matches("ld.global.nc.v2.u32").count(), 2, "{head}");
+        assert_eq!(head.matches("ld.global.nc.v4.u32").count(), 1, "{head}");
+        assert!(head.contains(".shared .align 8 .b32 decode_delta_ps16_counts[2];"));
+        assert!(head.contains("st.shared.v2.u32 [decode_delta_ps16_counts]"));
+        // The state is read back after the last barrier through the coherent path
+        // (this block wrote it), and the row write is predicated.
+        assert!(after.contains("ld.global.v4.u32") && !after.contains("ld.global.nc"));
+        assert!(after.contains("@%p") && after.contains("st.global.u32"));
+        let psn = kernel_text(t, "alloc", "decode_delta_psn");
+        assert!(psn.contains("rem.u32") && !text.contains("rem.u32"));
+    }
 }

@@ -18,12 +18,15 @@
 //!    layer of `kv_scatter` at the new slots.
 //! 4. The decode step's memory operations without host synchronization (section
 //!    `decode`): wall time per step over 10,000 steps for 1..1024 requests, eager
-//!    (`DevicePagedAllocator::alloc_decode`) and from captured graphs (`DecodeGraphs`),
-//!    against the floor graph (one copy of the same bytes and one empty kernel).
+//!    (`DevicePagedAllocator::alloc_decode`), from captured graphs (`DecodeGraphs`) and
+//!    from captured graphs fed only the changes (`DeltaDecode`), against the floor
+//!    graph (one copy of the full records' bytes and one empty kernel).
 //! 5. `kv_scatter` through kvpool's own cache and through a view of separately
 //!    allocated layers on another stream (the interop path), same run.
 //!
-//! `--section decode` (or `scatter`, `alloc`, `step`, `view`) runs one section only.
+//! `--section decode` (or `scatter`, `alloc`, `step`, `delta`, `view`) runs one section
+//! only; `delta` is a diagnostic of the delta decode step (page size 16 against 1024,
+//! and how often the host waits for the device).
 //!
 //! Timing: CUDA events around `reps` back-to-back operations, after a warm-up, median
 //! of `samples` such measurements; inputs rotate among buffer sets larger than L2.
@@ -35,9 +38,10 @@ use cust::event::{Event, EventFlags};
 use cust::memory::{AsyncCopyDestination, CopyDestination, DeviceBuffer, DeviceSlice};
 use cust::stream::{Stream, StreamFlags};
 use kvpool::cuda::{
-    DecodeGraphs, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView, KvDevice, LastLocs,
-    Layers, Rows, Staging,
+    DecodeGraphs, DeltaDecode, DeviceKvCache, DevicePagedAllocator, DeviceReqToToken, FloorGraph, KvCacheView,
+    KvDevice, LastLocs, Layers, Rows, Staging,
 };
+use kvpool::kv::delta::{delta_block_words, DeltaPlanner};
 use kvpool::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits};
 use kvpool::kv::{KvConfig, KvDtype, KvLayout, SrcFloat};
 use kvpool::{KvAllocator, PagedAllocator};
@@ -335,12 +339,22 @@ fn decode_step(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, quick
     Ok(())
 }
 
-/// Requests of the decode-step benchmark: rows, lengths and the pages each holds (to
-/// free them when a request reaches `LIMIT` tokens and starts over).
+/// Requests of the decode-step benchmark: rows, lengths and the pages each holds, as
+/// their first slots (to free them, in one call per request, when a request reaches
+/// `LIMIT` tokens and starts over).
 struct Batch {
     rows: Vec<u32>,
     seq: Vec<u32>,
     pages: Vec<Vec<u32>>,
+}
+
+/// Free a request's pages (given by their first slots) in one call.
+fn free_request(host: &PagedAllocator, page_slots: &mut Vec<u32>) -> Result<()> {
+    let mut group = host.free_group();
+    group.free(page_slots)?;
+    group.end();
+    page_slots.clear();
+    Ok(())
 }
 
 const LIMIT: u32 = 4096;
@@ -363,7 +377,7 @@ impl Batch {
             let o = out.index(..seq[i] as usize);
             let staged =
                 dalloc.alloc_extend(dev, &[0], &[seq[i]], LastLocs::FromRows, Some((table, &rows[i..i + 1])), &o)?;
-            pages[i].extend_from_slice(dalloc.pages(&staged)?);
+            pages[i].extend(dalloc.pages(&staged)?.iter().map(|&p| p * ps));
         }
         dev.synchronize()?;
         Ok(Batch { rows, seq, pages })
@@ -372,15 +386,9 @@ impl Batch {
     /// Advance every request by one token (requests at `LIMIT` free their pages and
     /// start over at one token).
     fn advance(&mut self, host: &PagedAllocator) -> Result<()> {
-        let ps = host.page_size();
         for (s, pages) in self.seq.iter_mut().zip(&mut self.pages) {
             if *s >= LIMIT {
-                let mut group = host.free_group();
-                for &p in pages.iter() {
-                    group.free(&[p * ps])?;
-                }
-                group.end();
-                pages.clear();
+                free_request(host, pages)?;
                 *s = 0;
             }
             *s += 1;
@@ -394,7 +402,7 @@ impl Batch {
         let mut it = fresh.iter();
         for (s, pages) in self.seq.iter().zip(&mut self.pages) {
             if (s - 1) % ps == 0 {
-                pages.push(*it.next().expect("one fresh page per page-starting request"));
+                pages.push(*it.next().expect("one fresh page per page-starting request") * ps);
             }
         }
     }
@@ -421,6 +429,70 @@ fn per_step(dev: &KvDevice, steps: usize, mut op: impl FnMut() -> Result<()>) ->
     }
     runs.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
     Ok(runs[2])
+}
+
+/// What [`delta_graph_run`] measured.
+struct DeltaRun {
+    wall: f64,
+    issue: f64,
+    /// Entries staged per step.
+    entries: f64,
+    /// Share of steps (over 2,000 more) that found their staging buffer still in use:
+    /// the host was two steps ahead of the device.
+    busy: f64,
+}
+
+/// Delta graphs: the batch lives in `DeltaDecode`, which tracks the lengths, so the
+/// bench's own bookkeeping is O(changes) too: record each fresh page with its request,
+/// and restart (free, length 0) a request the step before it would pass LIMIT; it took
+/// its last page `ps` steps earlier, at a step of the same phase.
+fn delta_graph_run(
+    dev: &KvDevice,
+    rng: &mut Rng,
+    table: &DeviceReqToToken,
+    batch: usize,
+    steps: usize,
+    ps: u32,
+) -> Result<DeltaRun> {
+    let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+    let mut b = Batch::new(dev, &mut dalloc, table, rng, batch)?;
+    let mut graphs = DeltaDecode::new(dev, Arc::clone(&host), table, batch)?;
+    for (&row, &len) in b.rows.iter().zip(&b.seq) {
+        graphs.join(row, len)?;
+    }
+    let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
+    let mut entries = 0usize;
+    let mut counted = 0usize;
+    let mut one = |busy: &mut usize, probe: bool| -> Result<()> {
+        let phase = (graphs.planner().clock() % ps as u64) as usize;
+        for &i in &due[phase] {
+            free_request(&host, &mut b.pages[i as usize])?;
+            graphs.set_len(i, 0)?;
+        }
+        due[phase].clear();
+        if probe && !graphs.next_staging_free()? {
+            *busy += 1;
+        }
+        let step = graphs.step(dev.stream())?;
+        for (&p, &i) in graphs.pages(&step)?.iter().zip(graphs.page_owners(&step)?) {
+            b.pages[i as usize].push(p * ps);
+            if graphs.len(i)? - 1 + ps >= LIMIT {
+                due[phase].push(i);
+            }
+        }
+        entries += step.entries();
+        counted += 1;
+        Ok(())
+    };
+    let mut busy = 0;
+    let (wall, issue) = per_step(dev, steps, || one(&mut busy, false))?;
+    let probes = 2_000;
+    for _ in 0..probes {
+        one(&mut busy, true)?;
+    }
+    dev.synchronize()?;
+    Ok(DeltaRun { wall, issue, entries: entries as f64 / counted as f64, busy: busy as f64 / probes as f64 })
 }
 
 fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, steps: usize) -> Result<()> {
@@ -469,6 +541,47 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         })?
         .0
     };
+    // Delta graphs: the batch lives in `DeltaDecode`, which tracks the lengths, so the
+    // bench's own bookkeeping is O(changes) too: record each fresh page with its
+    // request, and restart (free, length 0) a request the step before it would pass
+    // LIMIT; it took its last page `ps` steps earlier, at a step of the same phase.
+    let run = delta_graph_run(dev, rng, &table, batch, steps, ps)?;
+    let (delta, entries) = ((run.wall, run.issue), run.entries);
+    // The delta path's host share: the same planning and bookkeeping, no device.
+    let delta_host = {
+        let host = Arc::new(PagedAllocator::new(1 << 23, ps)?);
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 1024, 1 << 16)?;
+        let b = Batch::new(dev, &mut dalloc, &table, rng, batch)?;
+        let limits = RowLimits { rows: table.rows(), max_context_len: table.max_context_len() };
+        let cap = bucket_for(batch);
+        let mut plan = DeltaPlanner::new(ps, limits, cap)?;
+        let mut block = vec![0u32; delta_block_words(cap)];
+        let (mut fresh, mut owners) = (vec![0u32; cap], vec![0u32; cap]);
+        for (&row, &len) in b.rows.iter().zip(&b.seq) {
+            plan.join(row, len)?;
+        }
+        let mut pages = b.pages;
+        let mut due: Vec<Vec<u32>> = (0..ps).map(|_| Vec::with_capacity(batch)).collect();
+        per_step(dev, steps, || {
+            let phase = (plan.clock() % ps as u64) as usize;
+            for &i in &due[phase] {
+                free_request(&host, &mut pages[i as usize])?;
+                plan.set_len(i, 0)?;
+            }
+            due[phase].clear();
+            let staged = plan.stage(&host, &mut block, &mut fresh, &mut owners)?;
+            plan.commit();
+            let n = staged.new_pages;
+            for (&p, &i) in fresh[..n].iter().zip(&owners[..n]) {
+                pages[i as usize].push(p * ps);
+                if plan.len(i)? - 1 + ps >= LIMIT {
+                    due[phase].push(i);
+                }
+            }
+            Ok(())
+        })?
+        .0
+    };
     // The floor: a graph of one copy of the same bytes and one empty kernel; and a
     // graph of the empty kernel alone.
     let floor_graph = FloorGraph::new(dev, decode_records_bytes(bucket_for(batch)))?;
@@ -477,7 +590,7 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
     let empty = per_step(dev, steps, || Ok(empty_graph.launch(dev.stream())?))?;
     let us = |(wall, issue): (f64, f64)| format!("{wall:.2} ({issue:.2})");
     out.line(format!(
-        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
+        "| {batch} | {} | {host_only:.2} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x | {delta_host:.2} | {} | {:.2}x | {entries:.1} |",
         bucket_for(batch),
         us((eager, eager_issue)),
         us(graph[0]),
@@ -486,6 +599,8 @@ fn decode_graph_row(dev: &KvDevice, out: &mut Out, rng: &mut Rng, batch: usize, 
         us(empty),
         graph[0].0 / floor.0,
         graph[1].0 / floor.0,
+        us(delta),
+        delta.0 / floor.0,
     ));
     Ok(())
 }
@@ -629,10 +744,111 @@ fn main() -> Result<()> {
         out.line("");
         out.line("wall us per step (host issue us per step in brackets)");
         out.line("");
-        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor |");
-        out.line("|---|---|---|---|---|---|---|---|---|---|");
+        out.line("| requests | bucket | host share (plan + stage, no device) | eager | graph, copy | graph, mapped | floor: copy + empty kernel | empty-kernel graph | copy graph / floor | mapped graph / floor | delta host share | graph, delta | delta graph / floor | delta entries per step |");
+        out.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
         for &batch in &[1usize, 8, 64, 256, 1024] {
             decode_graph_row(&dev, &mut out, &mut rng, batch, steps)?;
+        }
+    }
+    if run("delta") {
+        let steps = if quick { 2_000 } else { 10_000 };
+        out.line("");
+        out.line(format!(
+            "### delta decode step: where the time goes ({steps} steps, median of 5 runs; busy = share of 2,000 further steps whose staging was still in use, i.e. the host was two steps ahead of the device)"
+        ));
+        out.line("");
+        let table = DeviceReqToToken::new(1024, LIMIT + 1)?;
+        // Host costs of the driver calls a step makes, and of the planner alone.
+        let n = 20_000;
+        let ev = Event::new(EventFlags::DISABLE_TIMING)?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            ev.record(dev.stream())?;
+        }
+        let record_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            ev.synchronize()?;
+        }
+        let sync_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        let empty = FloorGraph::new(&dev, 0)?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            empty.launch(dev.stream())?;
+        }
+        let launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+        dev.synchronize()?;
+        let plan_us = {
+            let host = PagedAllocator::new(1 << 23, 16)?;
+            let limits = RowLimits { rows: 1024, max_context_len: 1 << 20 };
+            let mut plan = DeltaPlanner::new(16, limits, 1024)?;
+            let mut block = vec![0u32; delta_block_words(1024)];
+            let (mut fresh, mut owners) = (vec![0u32; 1024], vec![0u32; 1024]);
+            for r in 0..1024 {
+                plan.join(r, 1 + rng.below(1000) as u32)?;
+            }
+            let mut slots = Vec::with_capacity(64 * 1024);
+            let t0 = Instant::now();
+            for k in 0..n {
+                let staged = plan.stage(&host, &mut block, &mut fresh, &mut owners)?;
+                plan.commit();
+                slots.extend(fresh[..staged.new_pages].iter().map(|&p| p * 16));
+                if k % 1000 == 999 {
+                    let mut group = host.free_group();
+                    group.free(&slots)?;
+                    group.end();
+                    slots.clear();
+                }
+            }
+            t0.elapsed().as_secs_f64() * 1e6 / n as f64
+        };
+        // Host access to pinned memory (the staging) against ordinary memory: 256
+        // words written, then read back, per round.
+        let pinned_vs_heap = {
+            let mut pinned = cust::memory::LockedBuffer::new(&0u32, 4096)?;
+            let mut heap = vec![0u32; 4096];
+            let time = |buf: &mut [u32]| {
+                let rounds = 20_000;
+                let t0 = Instant::now();
+                for r in 0..rounds {
+                    let w = &mut buf[(r % 16) * 256..][..256];
+                    for (k, x) in w.iter_mut().enumerate() {
+                        *x = (r + k) as u32;
+                    }
+                }
+                let write = t0.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+                let t0 = Instant::now();
+                let mut sum = 0u64;
+                for r in 0..rounds {
+                    sum += buf[(r % 16) * 256..][..256].iter().map(|&x| x as u64).sum::<u64>();
+                }
+                std::hint::black_box(sum);
+                (write, t0.elapsed().as_secs_f64() * 1e6 / rounds as f64)
+            };
+            let (pw, pr) = time(&mut pinned[..]);
+            let (hw, hr) = time(&mut heap[..]);
+            format!("256 words written / read: pinned {pw:.2} / {pr:.2} us, heap {hw:.2} / {hr:.2} us")
+        };
+        out.line(pinned_vs_heap);
+        out.line("");
+        out.line(format!(
+            "host us per call: cuEventRecord {record_us:.2}, cuEventSynchronize (done) {sync_us:.2}, cuGraphLaunch (empty graph, issue) {launch_us:.2}; DeltaPlanner stage + commit alone, 1,024 requests, page size 16: {plan_us:.2}"
+        ));
+        out.line("");
+        out.line("| requests | page size | wall us (issue) | entries per step | busy |");
+        out.line("|---|---|---|---|---|");
+        for &batch in &[1usize, 256, 1024] {
+            for ps in [16u32, 1024] {
+                let r = delta_graph_run(&dev, &mut rng, &table, batch, steps, ps)?;
+                out.line(format!(
+                    "| {batch} | {ps} | {:.2} ({:.2}) | {:.1} | {:.0}% |",
+                    r.wall,
+                    r.issue,
+                    r.entries,
+                    100.0 * r.busy
+                ));
+            }
         }
     }
     if run("view") {

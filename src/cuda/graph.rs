@@ -58,10 +58,10 @@ pub enum Staging {
 
 /// An instantiated graph.
 #[derive(Debug)]
-struct GraphExec(CUgraphExec);
+pub(super) struct GraphExec(CUgraphExec);
 
 impl GraphExec {
-    fn launch(&self, stream: StreamRef<'_>) -> Result<(), CudaKvError> {
+    pub(super) fn launch(&self, stream: StreamRef<'_>) -> Result<(), CudaKvError> {
         // SAFETY: a live executable graph; the stream is valid for the call. What the
         // graph touches is the owner's business (see each owner's SAFETY notes).
         check(unsafe { cuGraphLaunch(self.0, stream.as_raw()) }, "cuGraphLaunch")
@@ -78,7 +78,10 @@ impl Drop for GraphExec {
 
 /// Record what `body` queues on `stream` into a graph and instantiate it. Nothing
 /// runs: the queued work becomes the graph's nodes.
-fn capture(stream: &Stream, body: impl FnOnce(CUstream) -> Result<(), CudaKvError>) -> Result<GraphExec, CudaKvError> {
+pub(super) fn capture(
+    stream: &Stream,
+    body: impl FnOnce(CUstream) -> Result<(), CudaKvError>,
+) -> Result<GraphExec, CudaKvError> {
     let raw = stream.as_inner();
     let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
     // SAFETY: a live stream of the current context, not capturing yet.
@@ -411,7 +414,7 @@ enum Source<'a> {
 
 /// The device address of pinned host memory (`cuMemAllocHost` memory is mapped into
 /// the device's address space).
-fn mapped_address(buf: &LockedBuffer<u32>) -> Result<u64, CudaKvError> {
+pub(super) fn mapped_address(buf: &LockedBuffer<u32>) -> Result<u64, CudaKvError> {
     let mut d: u64 = 0;
     // SAFETY: an out-parameter and the start of a live pinned allocation; flags 0.
     let r = unsafe { cuMemHostGetDevicePointer_v2(&mut d, buf.as_ptr() as *mut _, 0) };
@@ -419,7 +422,7 @@ fn mapped_address(buf: &LockedBuffer<u32>) -> Result<u64, CudaKvError> {
     Ok(d)
 }
 
-fn free_pages(host: &PagedAllocator, pages: &[u32]) -> Result<(), crate::error::FreeError> {
+pub(super) fn free_pages(host: &PagedAllocator, pages: &[u32]) -> Result<(), crate::error::FreeError> {
     let ps = host.page_size();
     let mut group = host.free_group();
     for &p in pages {

@@ -20,8 +20,8 @@ use cust::sys::{cuLaunchKernel, cudaError_enum, CUstream};
 
 use super::CudaKvError;
 use crate::kv::ptx::{
-    module_for, ALLOC_DECODE_THREADS, ALLOC_EXTEND_THREADS, CONST_PAGE_SIZES, KERNELS, MODULE_NAMES, ROWS_PER_BLOCK,
-    ROW_BLOCK_THREADS,
+    module_for, ALLOC_DECODE_THREADS, ALLOC_EXTEND_THREADS, CONST_PAGE_SIZES, DELTA_MAX_THREADS, DELTA_SPEC, KERNELS,
+    MODULE_NAMES, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use crate::kv::SrcFloat;
 
@@ -142,6 +142,10 @@ pub(crate) enum KernelId {
     DecodeStep {
         page_size: u32,
     },
+    /// `page_size` 0: the run-time page size kernel.
+    DecodeDelta {
+        page_size: u32,
+    },
     Scatter {
         store: StoreKind,
         vec: u32,
@@ -172,6 +176,8 @@ impl KernelId {
             }
             KernelId::DecodeStep { page_size: 0 } => "decode_step_psn".to_string(),
             KernelId::DecodeStep { page_size } => format!("decode_step_ps{page_size}"),
+            KernelId::DecodeDelta { page_size: 0 } => "decode_delta_psn".to_string(),
+            KernelId::DecodeDelta { page_size } => format!("decode_delta_ps{page_size}"),
             KernelId::Scatter { store, vec } => format!("kv_scatter_{}_v{vec}", store.name()),
             KernelId::ScatterMla { store, vec } => format!("kv_scatter_mla_{}_v{vec}", store.name()),
             KernelId::Gather { vec } => format!("kv_gather_v{vec}"),
@@ -196,6 +202,9 @@ impl KernelId {
         for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
             ids.push(KernelId::DecodeStep { page_size: ps });
         }
+        for ps in CONST_PAGE_SIZES.iter().copied().chain([0]) {
+            ids.push(KernelId::DecodeDelta { page_size: ps });
+        }
         let stores = [
             StoreKind::Copy,
             StoreKind::Fp8(SrcFloat::F16),
@@ -219,6 +228,7 @@ impl KernelId {
     pub(crate) fn params(self) -> &'static [&'static str] {
         const ALLOC: &[&str] = &["U64", "U32", "U64", "U64", "U64", "U32", "U32", "U32"];
         const STEP: &[&str] = &["U64", "U32", "U64", "U64", "U32", "U32"];
+        const DELTA: &[&str] = &["U64", "U64", "U32", "U32", "U64", "U64", "U32", "U32", "U32"];
         const SCATTER: &[&str] =
             &["U64", "U64", "U64", "U64", "U64", "U64", "U64", "U64", "U32", "U32", "U32", "F32", "F32", "U64"];
         const MLA: &[&str] =
@@ -229,6 +239,7 @@ impl KernelId {
             KernelId::Noop => &[],
             KernelId::Alloc { .. } => ALLOC,
             KernelId::DecodeStep { .. } => STEP,
+            KernelId::DecodeDelta { .. } => DELTA,
             KernelId::Scatter { .. } => SCATTER,
             KernelId::ScatterMla { .. } => MLA,
             KernelId::Gather { .. } => GATHER,
@@ -398,6 +409,41 @@ impl KvKernels {
         }
     }
 
+    /// Launch `decode_delta_*`: one block of `min(max(bucket, DELTA_SPEC),
+    /// DELTA_MAX_THREADS)` threads.
+    ///
+    /// # Safety
+    ///
+    /// `a.deltas` holds a delta block as `kvpool::kv::delta::DeltaPlanner::stage`
+    /// writes it for `a.capacity` batch indices (the two counts, then `a.capacity` full
+    /// entries of `DELTA_ENTRY_BYTES` and `a.capacity` page entries of
+    /// `DELTA_PAGE_BYTES`; the kernel reads at most `a.capacity` of each whatever the
+    /// counts say), 16-byte aligned; `a.state` holds `a.capacity` records of `DELTA_STATE_BYTES`;
+    /// `a.bucket <= a.capacity`; `a.out` holds `a.bucket` slots; `a.table` holds
+    /// `a.rows * a.table_stride` u32 (a product below 2^32). All of it stays allocated
+    /// (and the block unchanged) until the stream has run the kernel, and no other
+    /// launch touching `a.state` runs concurrently with it.
+    pub(crate) unsafe fn decode_delta(&self, stream: CUstream, a: &DeltaArgs) -> Result<(), CudaKvError> {
+        let ps = if CONST_PAGE_SIZES.contains(&a.page_size) { a.page_size } else { 0 };
+        let f = self.func(KernelId::DecodeDelta { page_size: ps })?;
+        let block = a.bucket.clamp(DELTA_SPEC, DELTA_MAX_THREADS);
+        // SAFETY: the arguments are, in order and type, the kernel's `.param` list
+        // (deltas u64, state u64, capacity u32, bucket u32, out u64, table u64, rows
+        // u32, table_stride u32, page_size u32; checked against the PTX at load). One
+        // block; it reads the counts and entries `< min(count, capacity)` of each kind
+        // of `deltas` (the speculative first reads only below `capacity` too), writes
+        // `state[index]` only for `index < capacity`, reads and writes
+        // `state[i]` and `out[i]` for `i < bucket <= capacity`, reads table cells only
+        // for `row < rows` and `len <= table_stride` (column `len - 1`) and writes them
+        // only for `row < rows` and `len < table_stride`: all in bounds by the
+        // caller's contract.
+        unsafe {
+            launch_on!(f, (1, 1, 1), block, stream;
+                a.deltas, a.state, a.capacity, a.bucket, a.out, a.table, a.rows, a.table_stride, a.page_size
+            )
+        }
+    }
+
     /// Launch `kv_scatter_*` over `layers` layers and `buffers` buffers (1: K only).
     ///
     /// # Safety
@@ -550,6 +596,20 @@ pub(crate) struct StepArgs {
     pub batch: u32,
     pub out: DevicePointer<u32>,
     pub table: DevicePointer<u32>,
+    pub table_stride: u32,
+    pub page_size: u32,
+}
+
+/// Arguments of `decode_delta_*`, in `.param` order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeltaArgs {
+    pub deltas: DevicePointer<u32>,
+    pub state: DevicePointer<u32>,
+    pub capacity: u32,
+    pub bucket: u32,
+    pub out: DevicePointer<u32>,
+    pub table: DevicePointer<u32>,
+    pub rows: u32,
     pub table_stride: u32,
     pub page_size: u32,
 }

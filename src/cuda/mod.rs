@@ -14,7 +14,8 @@
 //!   (`unsafe` constructors from raw addresses, everything checkable checked);
 //!   `DeviceKvCache` and `DeviceReqToToken` own their memory and one such view each;
 //! * [`DecodeGraphs`] — the decode step's allocation and row write from captured CUDA
-//!   graphs, double-buffered pinned staging, no host synchronization.
+//!   graphs, double-buffered pinned staging, no host synchronization; [`DeltaDecode`]
+//!   the same with the requests' state kept on the device and only changes staged.
 //! * [`swa`] — sliding-window models (Gemma 2/3, gpt-oss): a full and a window pool
 //!   as one model, the mapped scatter of every layer in one launch, the device copy of
 //!   the full-to-window slot mapping.
@@ -57,6 +58,7 @@
 
 mod alloc;
 mod cache;
+mod delta;
 mod graph;
 pub mod host;
 mod launch;
@@ -67,6 +69,7 @@ mod table;
 
 pub use alloc::{DevicePagedAllocator, LastLocs, StagedBatch};
 pub use cache::{DeviceKvCache, KvCacheView, Layers, Rows, RowsMut};
+pub use delta::{DeltaDecode, DeltaStep};
 pub use graph::{DecodeGraphs, DecodeStep, FloorGraph, Staging, MAX_BUCKET};
 pub use stream::{KvStream, StreamRef};
 pub use table::{DeviceReqToToken, ReqToTokenView};

@@ -128,6 +128,11 @@ impl RawEvent {
         Ok(RawEvent(e))
     }
 
+    /// The raw handle (valid while `self` lives).
+    pub(crate) fn as_raw(&self) -> CUevent {
+        self.0
+    }
+
     /// Record the event at the current end of `stream`'s queue.
     pub(crate) fn record(&self, stream: StreamRef<'_>) -> Result<(), CudaKvError> {
         // SAFETY: a live event and a stream valid for the call.

@@ -15,12 +15,14 @@
 //! fused row write, scatter (plain and fp8, MHA and MLA), gather and move — written as
 //! plainly as possible; the GPU tests compare each kernel with them bit for bit.
 //! [`ptx`] holds the generated PTX, embedded at build time; [`staging`] the records
-//! the allocation kernels read and the host half of a decode step.
+//! the allocation kernels read and the host half of a decode step; [`delta`] the host
+//! half of a delta-staged decode step (changes only, request state kept on the device).
 //! [`swa`] holds the sliding-window (Gemma 2/3, gpt-oss) layout: which layers use
 //! the full pool and which the window pool, and the host reference of the mapped
 //! scatter. [`host`] holds the host KV tier (HiCache): a pinned host pool of pages in
 //! layer-first or page-first order and the host reference of the page transfers.
 
+pub mod delta;
 pub mod fp8;
 pub mod host;
 pub mod ptx;

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `alloc_extend_*` | [`extend_with_rows`] (= [`expand_extend`] + row write) |
 //! | `alloc_decode_*` | [`decode_with_rows`] |
+//! | `decode_delta_*` | [`decode_delta`] |
 //! | `kv_scatter_*` | [`scatter_rows`] (per K or V buffer and layer) |
 //! | `kv_scatter_mla_*` | [`scatter_mla_rows`] |
 //! | `kv_gather_*` | [`gather_rows`] |
@@ -14,6 +15,7 @@
 //! destination rows `row_stride` bytes apart (a stride larger than a row is a view into
 //! a wider tensor, e.g. the K part of a fused QKV projection).
 
+use super::delta::{DeltaEntry, DeltaPage, DeltaSlot};
 use super::{fp8, KvError, RowStore};
 use crate::alloc::{expand_decode, expand_extend, plan_decode, plan_extend};
 
@@ -151,6 +153,76 @@ pub fn decode_with_rows(
         for ((&s, &row), &slot) in seq_lens.iter().zip(t.rows).zip(out.iter()) {
             t.cells[row as usize * t.stride + s as usize - 1] = slot;
         }
+    }
+    Ok(())
+}
+
+/// The host reference of `decode_delta_*`: apply a delta step's `full` and `paged`
+/// entries to the device `state` (one [`DeltaSlot`] per batch index), then advance
+/// batch indices `0..bucket`, writing each one's slot to `out` and to its row of
+/// `table` (`rows` rows of `stride` cells).
+///
+/// Full entry `e` sets `state[e.index] = {e.row, e.len, last, e.page}` with `last` read
+/// from column `e.len - 1` of the row when the next token continues a page (`e.len %
+/// page_size != 0`, the row inside the table and `e.len <= stride`), else 0; page entry
+/// `p` sets `state[p.index].page = p.page`; entries with an index `>= state.len()` are
+/// skipped. Then, for `i < bucket` with `{row, len,
+/// last, page} = state[i]`: `row >= rows` (padding) gives `out[i] = 0` and nothing
+/// else; otherwise the token at column `len` gets `page * page_size` when it starts a
+/// page (`len % page_size == 0`), else `last + 1`; it goes to `out[i]`, to the row
+/// (only if `len < stride`), and `state[i]` becomes `{row, len + 1, slot, page}`.
+///
+/// # Errors
+///
+/// [`KvError::Shape`] for `out.len() != bucket`, `bucket > state.len()`, a table
+/// that is not `rows * stride` cells or a zero page size; nothing is written then.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_delta(
+    page_size: u32,
+    state: &mut [DeltaSlot],
+    full: &[DeltaEntry],
+    paged: &[DeltaPage],
+    bucket: usize,
+    out: &mut [u32],
+    table: &mut [u32],
+    rows: u32,
+    stride: usize,
+) -> Result<(), KvError> {
+    if out.len() != bucket {
+        return Err(KvError::Shape { what: "out", got: out.len(), expected: bucket });
+    }
+    if bucket > state.len() {
+        return Err(KvError::Shape { what: "bucket (state)", got: bucket, expected: state.len() });
+    }
+    if table.len() != rows as usize * stride {
+        return Err(KvError::Shape { what: "table", got: table.len(), expected: rows as usize * stride });
+    }
+    if page_size == 0 {
+        return Err(KvError::Shape { what: "page_size", got: 0, expected: 1 });
+    }
+    for e in full {
+        let Some(s) = state.get_mut(e.index as usize) else { continue };
+        let need = e.len % page_size != 0 && e.row < rows && e.len as usize <= stride;
+        let last = if need { table[e.row as usize * stride + e.len as usize - 1] } else { 0 };
+        *s = DeltaSlot { row: e.row, len: e.len, last, page: e.page };
+    }
+    for p in paged {
+        if let Some(s) = state.get_mut(p.index as usize) {
+            s.page = p.page;
+        }
+    }
+    for (s, o) in state[..bucket].iter_mut().zip(out.iter_mut()) {
+        if s.row >= rows {
+            *o = 0;
+            continue;
+        }
+        let slot = if s.len % page_size == 0 { s.page * page_size } else { s.last + 1 };
+        *o = slot;
+        if (s.len as usize) < stride {
+            table[s.row as usize * stride + s.len as usize] = slot;
+        }
+        s.len += 1;
+        s.last = slot;
     }
     Ok(())
 }
