@@ -11,6 +11,7 @@
 //! |---|---|
 //! | `evict_racing_write_through` | an eviction racing an insert whose backup is in flight never takes the node while the copy may still read its device pages: it frees nothing until the caller has started to complete the transfer, and after that it moves the node to host |
 //! | `load_racing_host_eviction` | a host eviction racing a load-back never frees the host copy being loaded: evicted first, the load finds nothing; loaded first, the node is on the device (locked while in flight) and the host keeps its copy; sizes exact either way |
+//! | `host_eviction_racing_write_back` | under `write_back`, a host eviction racing the device eviction that writes a node back (device pages freed at once, host pages in flight) never frees the host pages before the caller began to complete the write-back |
 //! | `peek_racing_republish` | a lock-free `peek_prefix` racing the device eviction of a backed-up node (republished under its host pages with the host mark, its host-only child re-keyed under its new last page) returns 2 tokens with the cached slots or 0, never host pages as slots (the mark was once set after the republish: this model caught it) |
 
 mod loom_common;
@@ -199,4 +200,61 @@ fn peek_racing_republish() {
         c.check_invariants().unwrap();
     });
     seen.expect_seen("peek_racing_republish", &["saw_2", "saw_0"]);
+}
+
+/// Under `write_back`: `evict(2)` moves `[1,2]` to host (its device pages freed, a
+/// write-back in flight) and completes the transfer, racing `evict_host(2)`. The host
+/// pages being written are never freed before the completion began.
+#[test]
+fn host_eviction_racing_write_back() {
+    let seen = Outcomes::new(&["before_evict", "in_flight", "after_complete"]);
+    let s = seen.clone();
+    loom_common::model("host_eviction_racing_write_back", move || {
+        let tier = HostTier { host_pages: 2, write_policy: WritePolicy::WriteBack, load_back_threshold: 1 };
+        let c = HiRadixCache::with_host_tier(
+            PagedAllocator::new(4, 1).unwrap(),
+            ReqToTokenPool::new(1, 4).unwrap(),
+            RadixConfig::default(),
+            tier,
+        )
+        .unwrap();
+        insert_fresh(&c, &[1, 2]);
+        assert_eq!(c.transfers_in_flight(), 0);
+        let c = Arc::new(c);
+        let evicted = Arc::new(AtomicBool::new(false));
+        let completing = Arc::new(AtomicBool::new(false));
+        let (c2, ev, comp) = (c.clone(), evicted.clone(), completing.clone());
+        let writer = thread::spawn(move || {
+            assert_eq!(c2.evict(2), 2);
+            ev.store(true, Ordering::SeqCst);
+            let t = take_one(&c2);
+            assert_eq!(t.kind(), TransferKind::WriteBack);
+            comp.store(true, Ordering::SeqCst);
+            c2.complete(t).unwrap();
+        });
+        let (c3, ev, comp) = (c.clone(), evicted.clone(), completing.clone());
+        let host = thread::spawn(move || {
+            let was_evicted = ev.load(Ordering::SeqCst);
+            let freed = c3.evict_host(2);
+            (was_evicted, freed, comp.load(Ordering::SeqCst))
+        });
+        writer.join().unwrap();
+        let (was_evicted, freed, was_completing) = host.join().unwrap();
+        match freed {
+            2 => {
+                assert!(was_completing, "host pages freed while their write-back was in flight");
+                assert_eq!((c.host_size(), c.node_count()), (0, 0));
+                s.hit("after_complete");
+            }
+            0 if was_evicted => s.hit("in_flight"),
+            0 => s.hit("before_evict"),
+            n => panic!("evict_host freed {n}"),
+        }
+        if freed == 0 {
+            assert_eq!(c.evict_host(2), 2);
+        }
+        assert_eq!((c.allocator().available_size(), c.host_size(), c.transfers_in_flight()), (4, 0, 0));
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("host_eviction_racing_write_back", &["in_flight", "after_complete"]);
 }
