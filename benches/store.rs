@@ -115,25 +115,16 @@ impl Setup {
     /// Raw `GET`s and a copy of each value into the caller's buffers (what a caller of
     /// raw `GET` must do too; the store's `get` does it after the checks).
     fn raw_get_copy(&mut self, n: usize) {
-        let values = self
-            .store
-            .with_connection(|c| {
-                let mut p = redis::pipe();
-                for k in &self.raw_keys[..n] {
-                    p.cmd("GET").arg(&k[..]);
-                }
-                p.query::<Vec<Value>>(c)
-            })
-            .unwrap();
+        let values = self.raw_values(n);
         for (v, buf) in values.iter().zip(&mut self.bufs) {
             let Value::BulkString(b) = v else { panic!("missing raw value") };
             buf.copy_from_slice(b);
         }
     }
 
-    fn raw_get(&self, n: usize) {
-        let values = self
-            .store
+    /// One pipeline of raw `GET`s of the first `n` keys.
+    fn raw_values(&self, n: usize) -> Vec<Value> {
+        self.store
             .with_connection(|c| {
                 let mut p = redis::pipe();
                 for k in &self.raw_keys[..n] {
@@ -141,7 +132,11 @@ impl Setup {
                 }
                 p.query::<Vec<Value>>(c)
             })
-            .unwrap();
+            .unwrap()
+    }
+
+    fn raw_get(&self, n: usize) {
+        let values = self.raw_values(n);
         assert!(matches!(&values[n - 1], Value::BulkString(b) if b.len() == 2 << 20));
         black_box(values);
     }
