@@ -5,7 +5,8 @@
 //! pool), scattered random page pairs; after each transfer the whole pinned pool (and
 //! every device layer buffer) is compared byte for byte with the reference, so a write
 //! outside the named pages is caught. Layer ranges write only their layers; layer-wise
-//! loads complete their events in layer order; refused calls (unallocated host pages,
+//! loads complete their events in layer order, and a layer's event alone implies its
+//! bytes have landed (grouped layers of small batches and one layer per launch); refused calls (unallocated host pages,
 //! pageable pools, other views) queue nothing. A ~5 GiB pinned pool checks pages past
 //! 4 GiB in both layouts. The sm_80 and the sm_90 PTX.
 //!
@@ -13,7 +14,7 @@
 //! `KVPOOL_REQUIRE_GPU=1` to make that a failure.
 #![cfg(feature = "cuda")]
 
-use cust::memory::CopyDestination;
+use cust::memory::{AsyncCopyDestination, CopyDestination};
 use cust::stream::{Stream, StreamFlags};
 use kvpool::cuda::host::{check_host_signatures, DeviceHostTransfer, HostTransferError, LayerEvents};
 use kvpool::cuda::{DeviceKvCache, KvDevice, StreamRef};
@@ -270,6 +271,83 @@ fn layerwise_events_complete_in_layer_order() {
     println!("layer-wise load: {polls} polls, {partial} saw some layers done and others not");
     pool.load(&mut muts(&mut model), &hp, &dp, 0..32).unwrap();
     assert!(download(&cache) == model, "the device differs from the host reference after the layer-wise load");
+}
+
+/// Each layer's event, once complete on its own, implies that layer's bytes have
+/// landed: after `events.synchronize(l)` alone (later layers may still be loading), a
+/// sample of layer `l`'s device pages is read on a non-blocking stream (so the read does
+/// not wait for the loading stream) and compared with the pool. Batches where the
+/// layers are grouped (24 pages: 1.5 MiB layers, groups of 3, the last one of 2; 16
+/// pages split in launches of 8 pairs: groups of 8), one layer per launch forced for a
+/// small batch (`set_layerwise_min_launch_bytes(0)`), and a large batch (256 pages, 16
+/// MiB layers: one layer per launch). Then the whole device against the host reference.
+#[test]
+fn layerwise_event_implies_its_layer_landed() {
+    let Some(dev) = device(90) else { return };
+    let mut rng = Rng::new(7);
+    // 32 layers, 8 KV heads x 128 bf16, pages of 16: 32 KiB chunks, 64 KiB a page per layer.
+    let kvc = kv(mha(8, 128), KvDtype::Bf16, 32, 300, 16);
+    let cache = DeviceKvCache::new(kvc).unwrap();
+    let reader = Stream::new(StreamFlags::NON_BLOCKING, None).unwrap();
+    let chunk = 16 * kvc.row_bytes();
+    let mut got = cust::memory::LockedBuffer::new(&0u8, chunk).unwrap();
+    // (pages, max_pages, layout, min launch bytes (None: the default), expected group)
+    let cases = [
+        (24usize, 24usize, HostLayout::LayerFirst, None, 3u32),
+        (16, 8, HostLayout::PageFirst, None, 8),
+        (16, 16, HostLayout::PageFirst, Some(0), 1),
+        (256, 256, HostLayout::PageFirst, None, 1),
+        (256, 256, HostLayout::LayerFirst, None, 1),
+    ];
+    for (n, max_pages, layout, min_bytes, want_group) in cases {
+        let what = format!("{n} pages, {max_pages} a launch, {layout:?}, min {min_bytes:?}");
+        let cfg = HostKvConfig { kv: kvc, host_pages: 256, layout };
+        let mut pool = HostKvPool::new(cfg).unwrap();
+        let noise = rng.bytes(cfg.total_bytes());
+        pool.as_bytes_mut().copy_from_slice(&noise);
+        let mut all = vec![0u32; 256];
+        pool.alloc_pages(&mut all).unwrap();
+        let hp: Vec<u32> = rng.distinct(n, 256).into_iter().map(|p| p + 1).collect();
+        let dp: Vec<u32> = rng.distinct(n, 300).into_iter().map(|p| p + 1).collect();
+        let mut model = random_model(&kvc, &mut rng);
+        upload(&cache, &model);
+        let mut xfer = DeviceHostTransfer::new(&dev, &cache, &cfg, max_pages).unwrap();
+        if let Some(b) = min_bytes {
+            xfer.set_layerwise_min_launch_bytes(b);
+        }
+        assert_eq!(xfer.layerwise_group(n), want_group, "{what}");
+        let events = LayerEvents::new(32).unwrap();
+        // SAFETY: the GPU only reads the pool, which the host only reads until the
+        // stream is synchronized; the device pages `dp` are read below only on the
+        // reader stream after their layer's event completed.
+        unsafe { xfer.load_layerwise(&dev, &cache, &pool, &hp, &dp, &events) }.unwrap();
+        let mut early = 0;
+        for l in 0..32u32 {
+            events.synchronize(l).unwrap();
+            if !events.is_done(31).unwrap() {
+                early += 1;
+            }
+            for k in [0, n - 1, l as usize % n] {
+                for b in 0..2u32 {
+                    let layer = if b == 0 { cache.k_layer(l).unwrap() } else { cache.v_layer(l).unwrap().unwrap() };
+                    let src = layer.index(dp[k] as usize * chunk..(dp[k] as usize + 1) * chunk);
+                    // SAFETY: `got` is pinned, `chunk` bytes long like `src`, and not
+                    // touched until `reader` is synchronized; the layer outlives it.
+                    unsafe { src.async_copy_to(got.as_mut_slice(), &reader) }.unwrap();
+                    reader.synchronize().unwrap();
+                    assert!(
+                        got.as_slice() == pool.page_rows(hp[k], l, b).unwrap(),
+                        "{what}: layer {l} buffer {b} of device page {} not landed when its event completed",
+                        dp[k]
+                    );
+                }
+            }
+        }
+        xfer.take_error(&dev).unwrap();
+        println!("{what}: group {want_group}, {early} of 32 layers checked before the last event completed");
+        pool.load(&mut muts(&mut model), &hp, &dp, 0..32).unwrap();
+        assert!(download(&cache) == model, "{what}: the device differs from the host reference");
+    }
 }
 
 /// A ~5 GiB pinned pool: backups to and loads from pages whose bytes lie past 4 GiB.

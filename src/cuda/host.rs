@@ -8,10 +8,14 @@
 //!   buffer, one launch (per [`max_pages`](DeviceHostTransfer::max_pages) pairs);
 //! * [`DeviceHostTransfer::load_layers`] — host pages to device pages for a range of
 //!   layers, one launch;
-//! * [`DeviceHostTransfer::load_layerwise`] — one launch per layer, each followed by a
-//!   record of that layer's event in caller-owned [`LayerEvents`], so the forward pass
-//!   can start attention on layer `i` (waiting on event `i` on its own stream) while
-//!   layer `i + 1` still loads.
+//! * [`DeviceHostTransfer::load_layerwise`] — one launch per group of consecutive
+//!   layers, each followed by a record of its layers' events in caller-owned
+//!   [`LayerEvents`], so the forward pass can start attention on layer `i` (waiting on
+//!   event `i` on its own stream) while later layers still load. A group is one layer
+//!   unless a layer of the batch is small: then enough layers that a launch moves at
+//!   least [`LAYERWISE_MIN_LAUNCH_BYTES`] (see [`layerwise_group`]), because each
+//!   launch costs a fixed few microseconds (the link's read pipeline drains at a
+//!   kernel boundary) that would dominate a small layer.
 //!
 //! Everything the host can check is checked before anything is queued: the view and
 //! the pool are the ones the transfer was made for, the pool is pinned, the page
@@ -63,6 +67,31 @@ const RING: usize = 4;
 const MAX_GRID_X: u64 = (1 << 31) - 1;
 /// Grid y is at most this.
 const MAX_GRID_Y: usize = 65_535;
+
+/// The default least bytes one launch of [`DeviceHostTransfer::load_layerwise`] moves,
+/// where the batch has them: 4 MiB, about 80 µs over a PCIe gen 5 x16 link, against a
+/// fixed cost of about 5 µs per launch (the host reads of one kernel drain before the
+/// next kernel's start, plus the launch gap and the event records). Layers of a batch
+/// smaller than this are loaded in groups of consecutive layers ([`layerwise_group`]);
+/// change it per transfer with
+/// [`set_layerwise_min_launch_bytes`](DeviceHostTransfer::set_layerwise_min_launch_bytes)
+/// (0: one launch per layer).
+pub const LAYERWISE_MIN_LAUNCH_BYTES: usize = 4 << 20;
+
+/// Layers per launch of a layer-wise load whose launches each move `layer_bytes` per
+/// layer: the fewest consecutive layers that move at least `min_launch_bytes`, at
+/// least 1 and at most `layers` (one launch for the whole batch). Groups start at layer
+/// 0; the last one may be shorter.
+///
+/// The trade-off: a group's events complete together, when its last layer has landed,
+/// so attention on the group's first layer starts up to `group - 1` layers' transfer
+/// time later than with one launch per layer, in exchange for `group` times fewer fixed
+/// per-launch costs. With the default 4 MiB threshold that delay is under 4 MiB of link
+/// time (~80 µs on PCIe gen 5).
+pub fn layerwise_group(layer_bytes: usize, layers: u32, min_launch_bytes: usize) -> u32 {
+    let want = min_launch_bytes.div_ceil(layer_bytes.max(1));
+    want.clamp(1, layers.max(1) as usize) as u32
+}
 
 fn kernel_name(load: bool, vec: u32) -> String {
     format!("host_{}_v{vec}", if load { "load" } else { "backup" })
@@ -194,9 +223,10 @@ impl Drop for Ev {
 }
 
 /// One completion event per layer, owned by the caller and recorded by
-/// [`DeviceHostTransfer::load_layerwise`] right after that layer's load. Event `l`
-/// completes when layer `l` of the batch is on the device; the events of one load
-/// complete in layer order (one stream).
+/// [`DeviceHostTransfer::load_layerwise`] right after the launch that loads that layer
+/// (with the other layers of its group, [`layerwise_group`]). Event `l` completes no
+/// earlier than layer `l` of the batch is on the device; the events of one load
+/// complete in layer order (one stream), those of one group together.
 pub struct LayerEvents {
     events: Box<[Ev]>,
 }
@@ -352,6 +382,8 @@ pub struct DeviceHostTransfer {
     ring_done: Box<[Ev]>,
     next: usize,
     max_pages: usize,
+    /// The least bytes one launch of a layer-wise load moves, where it can.
+    min_launch_bytes: usize,
     err: DeviceBuffer<u32>,
 }
 
@@ -361,6 +393,7 @@ impl fmt::Debug for DeviceHostTransfer {
             .field("config", &self.cfg)
             .field("vec", &self.vec)
             .field("max_pages", &self.max_pages)
+            .field("min_launch_bytes", &self.min_launch_bytes)
             .finish()
     }
 }
@@ -427,6 +460,7 @@ impl DeviceHostTransfer {
             ring_done,
             next: 0,
             max_pages,
+            min_launch_bytes: LAYERWISE_MIN_LAUNCH_BYTES,
             err: DeviceBuffer::zeroed(1)?,
         })
     }
@@ -451,6 +485,28 @@ impl DeviceHostTransfer {
     /// Pages per launch (larger batches are split).
     pub fn max_pages(&self) -> usize {
         self.max_pages
+    }
+
+    /// The least bytes one launch of [`load_layerwise`](Self::load_layerwise) moves
+    /// where the batch has them ([`LAYERWISE_MIN_LAUNCH_BYTES`] unless set).
+    pub fn layerwise_min_launch_bytes(&self) -> usize {
+        self.min_launch_bytes
+    }
+
+    /// Set the least bytes one launch of [`load_layerwise`](Self::load_layerwise)
+    /// moves: layers are grouped until a launch reaches it ([`layerwise_group`]). 0 (or
+    /// anything up to one layer of the batch) gives one launch per layer: the finest
+    /// events, the most fixed costs.
+    pub fn set_layerwise_min_launch_bytes(&mut self, bytes: usize) {
+        self.min_launch_bytes = bytes;
+    }
+
+    /// Layers per launch of [`load_layerwise`](Self::load_layerwise) for a batch of
+    /// `pages` pairs: [`layerwise_group`] of the bytes one launch moves per layer
+    /// (`min(pages, max_pages)` page chunks of every buffer).
+    pub fn layerwise_group(&self, pages: usize) -> u32 {
+        let layer_bytes = pages.min(self.max_pages) * self.cfg.chunk_bytes() * self.cfg.buffers();
+        layerwise_group(layer_bytes, self.cfg.kv.layer_num, self.min_launch_bytes)
     }
 
     /// The vector width the kernels use (16 when the page chunk and every layer base
@@ -644,11 +700,14 @@ impl DeviceHostTransfer {
         Ok(())
     }
 
-    /// Load the pages layer by layer: for each layer `l` in order, one launch that
-    /// loads layer `l` of every pair (per [`max_pages`](Self::max_pages) pairs), then a
-    /// record of `events`'s event `l`. The forward pass waits on event `l`
-    /// ([`LayerEvents::wait_on`]) before attention on layer `l`; layer `l + 1` loads
-    /// meanwhile.
+    /// Load the pages layer by layer, in groups of
+    /// [`layerwise_group(pages)`](Self::layerwise_group) consecutive layers (one layer
+    /// unless the batch is small): for each group in layer order, one launch that loads
+    /// those layers of every pair (per [`max_pages`](Self::max_pages) pairs), then a
+    /// record of `events`'s event of each layer of the group. The forward pass waits on
+    /// event `l` ([`LayerEvents::wait_on`]) before attention on layer `l`; later layers
+    /// load meanwhile. Event `l` completes once layer `l` has landed (with the rest of
+    /// its group: coarser than one event per launch, never early).
     ///
     /// # Safety
     ///
@@ -674,26 +733,38 @@ impl DeviceHostTransfer {
         }
         let mapped = self.check(view, pool, device_pages, host_pages)?;
         let b = self.cfg.buffers() as u32;
+        let group = self.layerwise_group(device_pages.len());
+        let groups = (0..layers).step_by(group as usize).map(|first| first..(first + group).min(layers));
         if device_pages.len() <= self.max_pages {
-            // The common case: one staged list read by every layer's launch.
+            // The common case: one staged list read by every group's launch.
             let (pairs, slot) = self.stage(device_pages, host_pages)?;
-            for layer in 0..layers {
-                let l = Launch { load: true, pairs, n: device_pages.len() as u32, first_lb: layer * b, lb_count: b };
+            for g in groups {
+                let l = Launch {
+                    load: true,
+                    pairs,
+                    n: device_pages.len() as u32,
+                    first_lb: g.start * b,
+                    lb_count: (g.end - g.start) * b,
+                };
                 if l.n > 0 {
-                    // SAFETY: as in `load_layers`, one layer `< layer_num`; the slot is
-                    // not rewritten before `ring_done[slot]`, recorded after the last
-                    // layer's launch.
+                    // SAFETY: as in `load_layers`, layers `g` inside `0..layer_num`; the
+                    // slot is not rewritten before `ring_done[slot]`, recorded after the
+                    // last group's launch.
                     unsafe { self.launch(on, mapped, &l) }?;
                 }
-                events.events[layer as usize].record(on.stream())?;
+                for layer in g {
+                    events.events[layer as usize].record(on.stream())?;
+                }
             }
             self.ring_done[slot].record(on.stream())?;
             return Ok(());
         }
-        for layer in 0..layers {
+        for g in groups {
             // SAFETY: this function's contract covers every layer.
-            unsafe { self.load_layers(on, view, pool, host_pages, device_pages, layer..layer + 1) }?;
-            events.events[layer as usize].record(on.stream())?;
+            unsafe { self.load_layers(on, view, pool, host_pages, device_pages, g.clone()) }?;
+            for layer in g {
+                events.events[layer as usize].record(on.stream())?;
+            }
         }
         Ok(())
     }
@@ -738,5 +809,34 @@ mod tests {
         assert_eq!(entry_params(m.ptx, "host_load_v16").unwrap().len(), PARAMS.len());
         assert_eq!(entry_params(m.ptx, "host_backup_v1").unwrap(), PARAMS);
         assert!(entry_params(m.ptx, "host_load_v32").is_none());
+    }
+
+    #[test]
+    fn layerwise_group_reaches_the_threshold() {
+        const MIB: usize = 1 << 20;
+        let t = LAYERWISE_MIN_LAUNCH_BYTES;
+        // Llama-3-8B at page 16: a page is 64 KiB per layer (K and V).
+        let layer = |pages: usize| pages * 64 * 1024;
+        assert_eq!(layerwise_group(layer(16), 32, t), 4); // 1 MiB layers: 8 launches of 4 MiB
+        assert_eq!(layerwise_group(layer(64), 32, t), 1); // 4 MiB layers: one per layer
+        assert_eq!(layerwise_group(layer(256), 32, t), 1);
+        assert_eq!(layerwise_group(layer(24), 32, t), 3); // 1.5 MiB: 3 layers reach 4.5 MiB
+        assert_eq!(layerwise_group(layer(1), 32, t), 32); // 64 KiB layers: one launch
+        assert_eq!(layerwise_group(MIB + 1, 32, t), 4);
+        assert_eq!(layerwise_group(MIB - 1, 32, t), 5);
+        // Threshold 0 or below one layer: one launch per layer.
+        assert_eq!(layerwise_group(layer(16), 32, 0), 1);
+        assert_eq!(layerwise_group(layer(16), 32, MIB), 1);
+        // Never more than the layers, never 0, even for empty batches or no layers.
+        assert_eq!(layerwise_group(0, 32, t), 32);
+        assert_eq!(layerwise_group(1, 3, usize::MAX), 3);
+        assert_eq!(layerwise_group(0, 0, t), 1);
+        assert_eq!(layerwise_group(usize::MAX, 32, t), 1);
+        // Each group reaches the threshold whenever more than one layer is needed.
+        for lb in [1usize, 1000, 300_000, MIB, 3 * MIB] {
+            let g = layerwise_group(lb, 80, t) as usize;
+            assert!(g == 80 || g * lb >= t, "{lb}: {g}");
+            assert!(g == 1 || (g - 1) * lb < t, "{lb}: {g} is more than needed");
+        }
     }
 }
