@@ -3,7 +3,7 @@
 //! (backed-up nodes moving to host, write-back backups, host eviction for room, nodes
 //! removed with their host subtrees), `peek_prefix`, `cache_unfinished_req`,
 //! `cache_finished_req` (backups at write hits, host-only nodes taking the request's
-//! slots), `evict_host`, dropping a lease, and the transfers: taking them, reading
+//! slots), `evict_host`, dropping a lease, `insert_host` (prefetches), and the transfers: taking them, reading
 //! their page pairs, completing them (some right away, some a request later, so that
 //! evictions and loads meet pages in flight). The counting global allocator of
 //! `tests/alloc_common` counts this thread's allocations.
@@ -47,6 +47,11 @@ impl Flight {
 fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new: &mut [u32], f: &mut Flight) {
     let ps = cache.page_size();
     let mut row = cache.req_pool().alloc().unwrap();
+    if f.calls % 4 == 3 {
+        // Another engine's KV for this key, brought to host (a prefetch).
+        let _ = cache.insert_host(0, key, hit);
+        let _ = cache.host_backed_len(0, key);
+    }
     let (mut lease, _) = cache.match_and_load(0, key, hit, None);
     f.step(cache, false);
     let h = lease.len();
@@ -110,6 +115,9 @@ fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u
     });
     assert_eq!(n, 0, "allocations on the host tier's hot paths (page size {ps}, {write_policy})");
     assert_eq!(cache.transfers_in_flight(), 0);
+    if write_policy != WritePolicy::WriteThroughSelective {
+        assert!(cache.counters().prefetched > 0, "no prefetch took place (page size {ps}, {write_policy})");
+    }
     cache.check_invariants().unwrap();
     let c = cache.counters();
     (c.written, c.loaded, c.host_evicted)

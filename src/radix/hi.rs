@@ -113,7 +113,7 @@ use core::sync::atomic::AtomicU64;
 
 use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
-use super::writer::{run_at, Runs, Writer};
+use super::writer::{run_at, NewLeaf, Runs, Writer};
 use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
 use crate::error::{ConfigError, Unit};
@@ -186,6 +186,8 @@ pub struct HiCounters {
     pub host_evicted: u64,
     /// Backups refused for lack of host room.
     pub backup_refused: u64,
+    /// Tokens added on host from elsewhere ([`insert_host`](HiRadixCache::insert_host)).
+    pub prefetched: u64,
 }
 
 /// What a [`Transfer`] copies, and what the tree holds until it completes.
@@ -204,10 +206,16 @@ pub enum TransferKind {
     /// Host pages to device pages: a load-back. The loaded node's path stays locked on
     /// the device and its host copy held until the transfer completes.
     Load,
+    /// Into host pages from elsewhere (a shared store tier): a host-only node the caller
+    /// added with [`insert_host`](HiRadixCache::insert_host). Its pages are held (not
+    /// evicted from host, not loaded back) until the transfer completes; it has no
+    /// device pages ([`transfer_pages`](HiRadixCache::transfer_pages) gives 0 for them).
+    Prefetch,
 }
 
 impl TransferKind {
-    /// Whether the copy runs device to host.
+    /// Whether the copy writes host pages (a backup, write-back or prefetch); a load
+    /// reads them.
     pub fn to_host(self) -> bool {
         !matches!(self, TransferKind::Load)
     }
@@ -307,6 +315,7 @@ pub struct Hi {
     device_evicted: AtomicU64,
     host_evicted: AtomicU64,
     backup_refused: AtomicU64,
+    prefetched: AtomicU64,
 }
 
 impl Hi {
@@ -329,6 +338,7 @@ impl Hi {
             device_evicted: AtomicU64::new(0),
             host_evicted: AtomicU64::new(0),
             backup_refused: AtomicU64::new(0),
+            prefetched: AtomicU64::new(0),
         }
     }
 }
@@ -616,28 +626,33 @@ fn node_in_flight<A: KvAllocator>(w: &Writer<'_, A, Hi>, id: u32) -> bool {
 fn start<A: KvAllocator>(
     w: &mut Writer<'_, A, Hi>,
     kind: TransferKind,
-    device: Runs<'_>,
+    device: Option<Runs<'_>>,
     host_first: u32,
     host_run: u32,
     count: u32,
     lock_page: u32,
 ) {
     let base = w.c.num_pages;
-    let mut host = w.chain(host_first, host_run, count);
-    let (mut h, mut hl) = (0u32, 0u32);
-    for (mut d, mut dl) in device {
-        while dl > 0 {
-            if hl == 0 {
-                let Some(next) = host.next() else { break };
-                (h, hl) = (next.0 - base, next.1);
+    let mut device = device.into_iter().flatten();
+    let (mut d, mut dl) = (0u32, 0u32);
+    for (h, hl) in w.chain(host_first, host_run, count) {
+        let (mut h, mut hl) = (h - base, hl);
+        debug_assert!(!run_in_flight(&w.s.ext.in_flight, h, hl), "host pages {h}.. in two transfers");
+        mark_run(&mut w.s.ext.in_flight, h, hl, true);
+        while hl > 0 {
+            if dl == 0 {
+                // No device side (a prefetch): pair with page 0.
+                (d, dl) = device.next().unwrap_or((0, u32::MAX));
             }
             let k = dl.min(hl);
-            for (slot, page) in w.s.ext.dev_of_host[h as usize..(h + k) as usize].iter_mut().zip(d..) {
-                *slot = page;
+            let pairs = w.s.ext.dev_of_host[h as usize..(h + k) as usize].iter_mut();
+            if d == 0 {
+                pairs.for_each(|slot| *slot = 0);
+            } else {
+                pairs.zip(d..).for_each(|(slot, page)| *slot = page);
+                d += k;
             }
-            debug_assert!(!run_in_flight(&w.s.ext.in_flight, h, k), "host pages {h}.. in two transfers");
-            mark_run(&mut w.s.ext.in_flight, h, k, true);
-            (d, dl, h, hl) = (d + k, dl - k, h + k, hl - k);
+            (dl, h, hl) = (dl - k, h + k, hl - k);
         }
     }
     w.s.ext.in_flight_pages += count as usize;
@@ -704,25 +719,11 @@ fn last_of(runs: Runs<'_>) -> u32 {
     runs.last().map_or(0, |(start, len)| start + len - 1)
 }
 
-/// Back node `id` (resident) up: host pages for it, evicting host leaves when short,
-/// and a transfer of `kind` to fill them. Whether it has a host copy now.
-fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind) -> bool {
-    let e = ext(w, id);
-    if e.copy != 0 {
-        return true;
-    }
-    debug_assert!(!e.host_only, "backup of a host-only node");
-    let v = &w.c.variant;
-    let n = w.span(id).1 as usize;
-    let ps = w.c.ps;
-    let avail = v.host().available();
-    if avail < n {
-        evict_host(w, (n - avail) * ps);
-    }
-    if w.c.variant.host().reserve(n, Unit::Pages).is_err() {
-        w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
-        return false;
-    }
+/// `n` host pages for the tree, linked as a chain and marked in the tree; their tokens
+/// are the caller's to write. Returns the chain's (first page, its run, last page) in
+/// tree pages, or `None` (nothing taken) when fewer are free.
+fn take_host_pages<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, n: usize) -> Option<(u32, u32, u32)> {
+    w.c.variant.host().reserve(n, Unit::Pages).ok()?;
     let base = w.c.num_pages;
     // The claimed pages, a run of consecutive ones at a time (at most one run per page:
     // within the capacity reserved at construction).
@@ -744,11 +745,33 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind
     // pages) and validates with an Acquire fence is ordered after their last owner's
     // retirement.
     fence(Ordering::Release);
-    let (first, first_run, _) = w.link_runs(runs.iter().copied());
+    let chain = w.link_runs(runs.iter().copied());
     for &(start, len) in &runs {
         w.set_in_tree_range(start, len, true);
     }
     w.s.ext.runs = runs;
+    Some(chain)
+}
+
+/// Back node `id` (resident) up: host pages for it, evicting host leaves when short,
+/// and a transfer of `kind` to fill them. Whether it has a host copy now.
+fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind) -> bool {
+    let e = ext(w, id);
+    if e.copy != 0 {
+        return true;
+    }
+    debug_assert!(!e.host_only, "backup of a host-only node");
+    let v = &w.c.variant;
+    let n = w.span(id).1 as usize;
+    let ps = w.c.ps;
+    let avail = v.host().available();
+    if avail < n {
+        evict_host(w, (n - avail) * ps);
+    }
+    let Some((first, first_run, _)) = take_host_pages(w, n) else {
+        w.c.variant.backup_refused.fetch_add(1, Ordering::Relaxed);
+        return false;
+    };
     let (own, count) = w.span(id);
     let own_run = w.c.records[id as usize].first_run.load(Ordering::Relaxed);
     copy_tokens(w, w.chain(own, own_run, count), w.chain(first, first_run, count));
@@ -756,7 +779,7 @@ fn backup<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, kind: TransferKind
     (e.copy, e.copy_run) = (first, first_run);
     w.c.variant.written.fetch_add((n * ps) as u64, Ordering::Relaxed);
     let lock = if kind == TransferKind::Backup { w.s.meta[id as usize].last_page } else { 0 };
-    start(w, kind, w.chain(own, own_run, count), first, first_run, count, lock);
+    start(w, kind, Some(w.chain(own, own_run, count)), first, first_run, count, lock);
     true
 }
 
@@ -1238,6 +1261,65 @@ fn apply_insert<A: KvAllocator>(
     end
 }
 
+/// Add `key[kv_len..]` (whole pages) on host under the path `key[..kv_len]` ends at
+/// (the node `end`, `ROOT` for none) as a host-only leaf with fresh host pages (evicting
+/// host leaves for room, not the path's own) and a [`TransferKind::Prefetch`] to fill
+/// them. Returns the tokens added (0: no room).
+fn insert_host<A: KvAllocator>(
+    w: &mut Writer<'_, A, Hi>,
+    namespace: u64,
+    key: &[u32],
+    kv_len: usize,
+    end: u32,
+) -> usize {
+    let ps = w.c.ps;
+    let n = (key.len() - kv_len) / ps;
+    if n == 0 {
+        return 0;
+    }
+    // The host-only part of the path stays while host room is made.
+    let mut x = end;
+    while x != ROOT && ext(w, x).host_only {
+        if ext(w, x).pos != NIL {
+            order(w).remove(x);
+        }
+        ext_mut(w, x).host_lock += 1;
+        x = w.parent_of(x);
+    }
+    let avail = w.c.variant.host().available();
+    if avail < n {
+        evict_host(w, (n - avail) * ps);
+    }
+    let taken = take_host_pages(w, n);
+    let mut x = end;
+    while x != ROOT && ext(w, x).host_only {
+        ext_mut(w, x).host_lock -= 1;
+        if is_host_leaf(&ext(w, x)) {
+            order(w).push(x);
+        }
+        x = w.parent_of(x);
+    }
+    let Some((first, first_run, last)) = taken else { return 0 };
+    let mut at = kv_len;
+    for (start, len) in w.chain(first, first_run, n as u32) {
+        let tokens = len as usize * ps;
+        w.c.slot_token.write(start as usize * ps, &key[at..at + tokens]);
+        at += tokens;
+    }
+    let parent_page = if end == ROOT { 0 } else { w.s.meta[end as usize].last_page };
+    let leaf = NewLeaf { parent_page, namespace, first, first_run, pages: n as u32, last };
+    let id = w.attach_leaf(leaf, &key[kv_len..kv_len + ps], 0, 1, false);
+    ext_mut(w, id).host_only = true;
+    link_child(w, end, id);
+    if ext(w, end).pos != NIL {
+        order(w).remove(end);
+    }
+    order(w).push(id);
+    start(w, TransferKind::Prefetch, None, first, first_run, n as u32, 0);
+    w.c.variant.prefetched.fetch_add((n * ps) as u64, Ordering::Relaxed);
+    n * ps
+}
+
 /// What [`match_tiers`](RadixCache::match_tiers) found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HiMatch {
@@ -1325,7 +1407,7 @@ fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut
             let HiNode { copy, copy_run, .. } = ext(w, y);
             let last = w.s.meta[y as usize].last_page;
             let count = w.span(y).1;
-            start(w, TransferKind::Load, w.runs(y), copy, copy_run, count, last);
+            start(w, TransferKind::Load, Some(w.runs(y)), copy, copy_run, count, last);
         }
         w.c.variant.loaded.fetch_add(total as u64, Ordering::Relaxed);
     }
@@ -1412,6 +1494,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
             device_evicted: v.device_evicted.load(Ordering::Relaxed),
             host_evicted: v.host_evicted.load(Ordering::Relaxed),
             backup_refused: v.backup_refused.load(Ordering::Relaxed),
+            prefetched: v.prefetched.load(Ordering::Relaxed),
         }
     }
 
@@ -1557,6 +1640,77 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         });
         crate::debug_check(self);
         r
+    }
+
+    /// Add the part of `key` the tree does not hold (on the device or host) as a
+    /// host-only node: fresh host pages (host leaves are evicted for room, never the
+    /// key's own path) and a [`TransferKind::Prefetch`] transfer the caller fills them
+    /// with — from a shared store tier, say — and completes. Until then the node is
+    /// matched ([`match_tiers`](Self::match_tiers) counts it in the host continuation)
+    /// but not loaded back, and not evicted from host. Touches and may split the path
+    /// like a match; `out` (at least the key's length) is scratch. Returns the tokens
+    /// added: 0 when the tree holds all of `key` (cut to whole pages) or the host has no
+    /// room for the rest.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind};
+    /// use kvpool::{PagedAllocator, ReqToTokenPool};
+    ///
+    /// let cache = HiRadixCache::with_host_tier(
+    ///     PagedAllocator::new(64, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default(), HostTier::new(16))?;
+    /// let key: Vec<u32> = (1..=16).collect();
+    /// let mut out = [0u32; 16];
+    /// // Another engine stored these 16 tokens' KV: bring them to host.
+    /// assert_eq!(cache.insert_host(0, &key, &mut out), 16);
+    /// let mut t = [Transfer::default(); 1];
+    /// assert_eq!(cache.take_transfers(&mut t), 1);
+    /// assert_eq!(t[0].kind(), TransferKind::Prefetch);
+    /// let (mut device, mut host) = ([0u32; 4], [0u32; 4]);
+    /// cache.transfer_pages(t[0], &mut device, &mut host)?;
+    /// // ... fill host pages `host` from the store, then:
+    /// cache.complete(t[0])?;
+    /// let (lease, hit) = cache.match_and_load(0, &key, &mut out, None);
+    /// assert_eq!((lease.len(), hit.loaded), (16, 16));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn insert_host(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        let key = self.aligned(key, out.len());
+        let r = self.write(|w| {
+            let (_, _, kv_len, kv_end) = w.match_path(namespace, key, out);
+            let end = if kv_len == 0 { ROOT } else { w.s.page_owner[kv_end.last_page as usize] };
+            insert_host(w, namespace, key, kv_len, end)
+        });
+        crate::debug_check(self);
+        r
+    }
+
+    /// How many leading tokens of `key` the tree holds in host pages (a resident node's
+    /// host copy or a host-only node), whole pages; read-only (no touch, no split).
+    pub fn host_backed_len(&self, namespace: u64, key: &[u32]) -> usize {
+        let ps = self.ps;
+        let key = &key[..key.len() / ps * ps];
+        self.write(|w| {
+            let (mut pos, mut cur) = (0usize, 0u32);
+            while pos < key.len() {
+                let super::Lookup::Found { id, .. } = w.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps])
+                else {
+                    break;
+                };
+                let e = ext(w, id);
+                if !e.host_only && e.copy == 0 {
+                    break;
+                }
+                let (m, _, n) = w.c.count_in_node(id, &key[pos..]);
+                pos += m * ps;
+                if m < n {
+                    break;
+                }
+                cur = w.s.meta[id as usize].last_page;
+            }
+            pos
+        })
     }
 
     /// Transfers in flight (started and not completed).

@@ -314,3 +314,84 @@ fn a_host_kv_pool_is_the_host_tier() {
     assert!(std::sync::Arc::ptr_eq(c.host_pool().unwrap(), &p));
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn insert_host_adds_a_host_continuation_loaded_once_filled() {
+    let c = cache(32, 8, WritePolicy::WriteBack); // write_back: no backups on insert
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    let key = [1, 2, 3, 4, 5, 6, 7, 8];
+    let mut out = [0u32; 8];
+    assert_eq!(c.host_backed_len(0, &key), 0);
+    assert_eq!(c.insert_host(0, &key, &mut out), 4);
+    assert_eq!(c.insert_host(0, &key, &mut out), 0, "the tree holds all of it now");
+    assert_eq!((c.node_count(), c.host_size(), c.counters().prefetched), (2, 4, 4));
+    let m = c.match_tiers(0, &key, &mut out);
+    assert_eq!((m.device.len(), m.host_len), (4, 4));
+    // Lock-free lookups see only the device part.
+    assert_eq!(c.peek_prefix(0, &key, &mut out), 4);
+    c.check_invariants().unwrap();
+    let t = take_one(&c);
+    assert_eq!((t.kind(), t.pages(), t.kind().to_host()), (TransferKind::Prefetch, 2, true));
+    let (mut dev, mut host) = ([9u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut dev, &mut host).unwrap();
+    assert_eq!(dev, [0, 0], "a prefetch has no device side");
+    // Not loaded back, not evicted from host, while its pages are being filled.
+    let (lease, hit) = c.match_and_load(0, &key, &mut out, None);
+    assert_eq!((lease.len(), hit.matched, hit.loaded), (4, 4, 0));
+    drop(lease);
+    assert_eq!(c.evict_host(4), 0);
+    c.complete(t).unwrap();
+    assert_eq!(c.host_backed_len(0, &key), 0, "the device part has no host copy");
+    let (lease, hit) = c.match_and_load(0, &key, &mut out, None);
+    assert_eq!((lease.len(), hit.loaded), (8, 4));
+    assert_eq!(&out[..4], &a[..]);
+    drop(lease);
+    assert_eq!(settle(&c), 1); // the load
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn insert_host_makes_room_but_never_from_its_own_path() {
+    // Two host pages. [1, 2] is host-only; a prefetch of [1, 2, 3, 4] needs one page.
+    let c = cache(16, 2, WritePolicy::WriteThrough);
+    let a = slots(&c, 2);
+    c.insert(0, &[1, 2], &a).unwrap();
+    settle(&c);
+    assert_eq!(c.evict(2), 2);
+    let b = slots(&c, 2);
+    c.insert(0, &[7, 7], &b).unwrap();
+    settle(&c);
+    assert_eq!(c.evict(2), 2); // [7, 7] host-only too: the host is full
+    let mut out = [0u32; 6];
+    // [1, 2] is older than [7, 7], but it is the path: [7, 7] goes.
+    assert_eq!(c.insert_host(0, &[1, 2, 3, 4], &mut out), 2);
+    assert_eq!(c.counters().host_evicted, 2);
+    let m = c.match_tiers(0, &[1, 2, 3, 4], &mut out);
+    assert_eq!((m.device.len(), m.host_len), (0, 4));
+    // No room for two more pages (both held): nothing added.
+    assert_eq!(c.insert_host(0, &[1, 2, 3, 4, 5, 6], &mut out), 0);
+    c.check_invariants().unwrap();
+    assert_eq!(settle(&c), 1);
+    assert_eq!(c.host_backed_len(0, &[1, 2, 3, 4, 5, 6]), 4);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_prefetch_outlives_its_node() {
+    // [1..4] on the device without a copy (no host room for it), a prefetched child.
+    let c = cache(16, 1, WritePolicy::WriteThrough);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    assert_eq!(c.counters().backup_refused, 1);
+    let mut out = [0u32; 6];
+    assert_eq!(c.insert_host(0, &[1, 2, 3, 4, 5, 6], &mut out), 2);
+    let t = take_one(&c);
+    // Evicting [1..4] removes it with its host subtree; the page being filled stays.
+    assert_eq!(c.evict(4), 4);
+    assert_eq!((c.node_count(), c.host_size()), (0, 2));
+    c.check_invariants().unwrap();
+    c.complete(t).unwrap();
+    assert_eq!((c.host_size(), c.host_available()), (0, 2));
+    c.check_invariants().unwrap();
+}

@@ -44,6 +44,17 @@ fn empty<N: Default>() -> Meta<N> {
     }
 }
 
+/// Where a new leaf goes and the chain of pages it takes (see [`Writer::attach_leaf`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct NewLeaf {
+    pub parent_page: u32,
+    pub namespace: u64,
+    pub first: u32,
+    pub first_run: u32,
+    pub pages: u32,
+    pub last: u32,
+}
+
 /// What [`Writer::prepare_request`] found: the lease's length and the cached length.
 pub(super) struct Prepared {
     pub protected: usize,
@@ -826,21 +837,43 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         }
         self.c.next_page[last as usize].store(0, Ordering::Relaxed);
         let first = slots[0] / ps as u32;
-        let h = self.c.key_hash(parent_page, namespace, &key[..ps]);
-        let id = self.new_record(first, first_run, pages as u32, parent_page, namespace, h);
+        let leaf = NewLeaf { parent_page, namespace, first, first_run, pages: pages as u32, last };
+        self.attach_leaf(leaf, &key[..ps], priority, 0, true)
+    }
+
+    /// Publish a new leaf whose pages (linked, their tokens written) are `leaf`'s, with
+    /// the variant mark `mark` set before any reader can see the record. A resident
+    /// leaf counts in the core's sizes and eviction order; a non-resident one (a
+    /// variant's: the host tier's host-only nodes) does not. `first_page` is the key's
+    /// first page of tokens.
+    pub(super) fn attach_leaf(
+        &mut self,
+        leaf: NewLeaf,
+        first_page: &[u32],
+        priority: i64,
+        mark: u32,
+        resident: bool,
+    ) -> u32 {
+        let NewLeaf { parent_page, namespace, first, first_run, pages, last } = leaf;
+        let h = self.c.key_hash(parent_page, namespace, first_page);
+        let id = self.new_record(first, first_run, pages, parent_page, namespace, h);
+        self.c.records[id as usize].mark.store(mark, Ordering::Relaxed);
         self.publish(id);
         let t = self.tick();
         self.s.meta[id as usize] =
             Meta { alive: true, last_page: last, last_access: t, created: t, priority, ..empty() };
         self.s.page_owner[last as usize] = id;
         self.s.page_epoch[last as usize] = self.s.page_epoch[last as usize].wrapping_add(1);
-        let parent = self.s.page_owner[parent_page as usize];
-        self.s.meta[parent as usize].children += 1;
-        self.heap().remove(parent);
-        super::hints::touched(self, id);
-        self.heap().push(id);
-        self.c.evictable.fetch_add(key.len(), Ordering::Release);
-        self.c.total.fetch_add(key.len(), Ordering::Release);
+        if resident {
+            let parent = self.s.page_owner[parent_page as usize];
+            self.s.meta[parent as usize].children += 1;
+            self.heap().remove(parent);
+            super::hints::touched(self, id);
+            self.heap().push(id);
+            let len = pages as usize * self.c.ps;
+            self.c.evictable.fetch_add(len, Ordering::Release);
+            self.c.total.fetch_add(len, Ordering::Release);
+        }
         id
     }
 
