@@ -12,6 +12,7 @@
 //! | `evict_racing_write_through` | an eviction racing an insert whose backup is in flight never takes the node while the copy may still read its device pages: it frees nothing until the caller has started to complete the transfer, and after that it moves the node to host |
 //! | `load_racing_host_eviction` | a host eviction racing a load-back never frees the host copy being loaded: evicted first, the load finds nothing; loaded first, the node is on the device (locked while in flight) and the host keeps its copy; sizes exact either way |
 //! | `host_eviction_racing_write_back` | under `write_back`, a host eviction racing the device eviction that writes a node back (device pages freed at once, host pages in flight) never frees the host pages before the caller began to complete the write-back |
+//! | `peek_racing_insert_host` | a lookup racing `insert_host` (a host-only leaf published under a device node) returns the device part only: the leaf's mark is set before it is published |
 //! | `peek_racing_republish` | a lock-free `peek_prefix` racing the device eviction of a backed-up node (republished under its host pages with the host mark, its host-only child re-keyed under its new last page) returns 2 tokens with the cached slots or 0, never host pages as slots (the mark was once set after the republish: this model caught it) |
 
 mod loom_common;
@@ -257,4 +258,40 @@ fn host_eviction_racing_write_back() {
         c.check_invariants().unwrap();
     });
     seen.expect_seen("host_eviction_racing_write_back", &["in_flight", "after_complete"]);
+}
+
+/// `[1,2]` is on the device. `insert_host([1,2,3,4])` adds the host-only `[3,4]` (a
+/// prefetch) while a reader peeks `[1,2,3,4]`: always the 2 device tokens, with their
+/// slots; the new node's host pages are never returned as slots.
+#[test]
+fn peek_racing_insert_host() {
+    let seen = Outcomes::new(&["saw_2"]);
+    let s = seen.clone();
+    loom_common::model("peek_racing_insert_host", move || {
+        let c = cache(4, 4);
+        let kv = insert_fresh(&c, &[1, 2]);
+        c.complete(take_one(&c)).unwrap();
+        let c = Arc::new(c);
+        let c2 = c.clone();
+        let writer = thread::spawn(move || {
+            let mut out = [0u32; 4];
+            c2.insert_host(0, &[1, 2, 3, 4], &mut out)
+        });
+        let c3 = c.clone();
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 4];
+            let n = c3.peek_prefix(0, &[1, 2, 3, 4], &mut out);
+            (n, out)
+        });
+        assert_eq!(writer.join().unwrap(), 2);
+        let (n, out) = reader.join().unwrap();
+        assert_eq!(n, 2, "a lookup returned the prefetched host pages as device slots: {out:?}");
+        assert_eq!(out[..2], kv[..]);
+        s.hit("saw_2");
+        let t = take_one(&c);
+        assert_eq!(t.kind(), TransferKind::Prefetch);
+        c.complete(t).unwrap();
+        c.check_invariants().unwrap();
+    });
+    seen.expect_seen("peek_racing_insert_host", &["saw_2"]);
 }

@@ -590,7 +590,7 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         for &p in &pages {
             assert!(self.in_flight.insert(p), "host page {p} in two transfers");
         }
-        if kind != TransferKind::WriteBack {
+        if matches!(kind, TransferKind::Backup | TransferKind::Load) {
             self.inc_lock_ref(HiNodeId(node));
         }
         let id = self.next_transfer;
@@ -621,10 +621,83 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
                 self.host.free(&[*p]);
             }
         }
-        if t.kind != TransferKind::WriteBack {
+        if matches!(t.kind, TransferKind::Backup | TransferKind::Load) {
             self.dec_lock_ref(HiNodeId(t.node));
         }
         true
+    }
+
+    /// SGLang has no such call (its storage prefetch lives in the cache controller):
+    /// the part of `key` (whole pages) the tree does not hold, on the device or host, is
+    /// added as an evicted (host-only) node with fresh host pages and a
+    /// [`TransferKind::Prefetch`] to fill them; host leaves are evicted for room, never
+    /// the key's own path. Walks (touches, splits) as [`match_prefix`](Self::match_prefix).
+    /// Returns the tokens added: 0 when all is held or the host has no room.
+    pub fn insert_host(&mut self, namespace: u64, key: &[u32]) -> usize {
+        let key = &key[..key.len() / self.ps * self.ps];
+        let m = self.match_prefix(namespace, key);
+        let end = m.host_node.0;
+        let held = self.depth_tokens(end);
+        let pages = (key.len() - held) / self.ps;
+        if pages == 0 {
+            return 0;
+        }
+        let mut chain = Vec::new();
+        let mut x = end;
+        while x != ROOT && self.evicted(x) {
+            chain.push(x);
+            self.nodes[x].host_lock += 1;
+            x = self.nodes[x].parent;
+        }
+        if self.host.available() < pages {
+            self.evict_host((pages - self.host.available()) * self.ps);
+        }
+        let got = self.host.alloc(pages);
+        for &x in &chain {
+            self.nodes[x].host_lock -= 1;
+        }
+        let Some(h) = got else { return 0 };
+        let t = self.tick();
+        let id = self.nodes.len();
+        let rest = &key[held..];
+        let ck = self.child_key(namespace, rest);
+        self.nodes.push(HiNode {
+            parent: end,
+            children: HashMap::new(),
+            namespace,
+            key: rest.to_vec(),
+            value: None,
+            host: Some(h.clone()),
+            lock_ref: 0,
+            host_lock: 0,
+            last_access: t,
+            created: t,
+            hit_count: 0,
+            write_hits: 0,
+            alive: true,
+        });
+        self.nodes[end].children.insert(ck, id);
+        self.start(TransferKind::Prefetch, id, h);
+        self.counters.prefetched += rest.len() as u64;
+        rest.len()
+    }
+
+    /// Leading tokens of `key` (whole pages) held in host pages; read-only.
+    pub fn host_backed_len(&self, namespace: u64, key: &[u32]) -> usize {
+        let (mut node, mut rest, mut len) = (ROOT, &key[..key.len() / self.ps * self.ps], 0);
+        while !rest.is_empty() {
+            let Some(&child) = self.nodes[node].children.get(&self.child_key(namespace, rest)) else { break };
+            if self.nodes[child].host.is_none() {
+                break;
+            }
+            let n = self.key_match(&self.nodes[child].key, rest);
+            len += n;
+            if n < self.nodes[child].key.len() {
+                break;
+            }
+            (node, rest) = (child, &rest[n..]);
+        }
+        len
     }
 
     /// Transfers in flight.

@@ -61,6 +61,11 @@ pub enum HiOp {
     EvictHost(u8),
     /// Complete one transfer in flight (taken modulo those in flight).
     Complete(u8),
+    /// Bring `key`'s uncached part to host (`insert_host`, a prefetch from a store).
+    InsertHost {
+        /// Its tokens.
+        key: Vec<u8>,
+    },
 }
 
 /// A run's shape.
@@ -309,6 +314,15 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
             HiOp::EvictHost(n) => {
                 let (ours, theirs) = (c.evict_host(*n as usize), r.evict_host(*n as usize));
                 ensure(ours == theirs, || format!("step {step}: evict_host freed {ours}, reference {theirs}"))?;
+            }
+            HiOp::InsertHost { key } => {
+                let key: Vec<u32> = key.iter().take(MAX_KEY).map(|&t| u32::from(t) % shape.alphabet).collect();
+                let theirs = r.insert_host(0, &key);
+                let mut out = vec![0u32; key.len()];
+                let ours = c.insert_host(0, &key, &mut out);
+                ensure(ours == theirs, || format!("step {step}: insert_host added {ours}, reference {theirs}"))?;
+                let (ours, theirs) = (c.host_backed_len(0, &key), r.host_backed_len(0, &key));
+                ensure(ours == theirs, || format!("step {step}: host_backed_len {ours}, reference {theirs}"))?;
             }
             HiOp::Complete(i) => {
                 take(&c, &mut r, &mut flight).map_err(|e| format!("step {step}: {e}"))?;
