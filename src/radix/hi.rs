@@ -67,6 +67,10 @@
 //!   host does not evict them and no load reads them. If their node leaves the tree
 //!   meanwhile, the pages stay allocated until the transfer completes.
 //!
+//! * a **prefetch** fills the host pages of a host-only node the caller added with
+//!   [`insert_host`](RadixCache::insert_host) — KV another engine put in a shared store
+//!   tier ([`crate::store`]) — and holds them like a write-back's until it completes.
+//!
 //! A transfer names pages, not nodes, so splits while it is in flight change nothing;
 //! there is a transfer slot per host page, so starting one never fails. The tree
 //! records what moved in [`HiCounters`] when a copy starts.
