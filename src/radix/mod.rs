@@ -158,12 +158,12 @@
 
 mod events;
 mod heap;
-mod hi;
+pub mod hi;
 mod hints;
-mod mamba;
+pub mod mamba;
 mod partial;
 mod policy;
-mod swa;
+pub mod swa;
 mod tokens;
 mod variant;
 
