@@ -72,7 +72,9 @@
 //!   tier ([`crate::store`]) — and holds them like a write-back's until it completes.
 //!
 //! A transfer names pages, not nodes, so splits while it is in flight change nothing;
-//! there is a transfer slot per host page, so starting one never fails. The tree
+//! there is a transfer slot per host page, so starting one never fails.
+//! [`reset`](RadixCache::reset) drops the transfers in flight with everything else
+//! (their handles are refused afterwards): wait for their copies before resetting. The tree
 //! records what moved in [`HiCounters`] when a copy starts.
 //!
 //! Not combined with KV events or partial-leaf eviction (the constructor refuses the
