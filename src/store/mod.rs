@@ -15,11 +15,23 @@
 //! checksum; a value that fails is a miss ([`Invalid`]), counted and reported, and never
 //! loaded.
 //!
-//! [`PageStore`] is the interface the host tier uses: write pages it evicts or backs up
-//! (`put`), and on a miss ask how many leading pages the store has (`exists_prefix`),
-//! allocate that many host pages and load them (`get`). Each operation comes in two
-//! forms: on the pages of a [`HostKvPool`] by host page number (`put_host`, `get_host`;
-//! either host layout, no staging copy), and on plain byte slices (`put`, `get`).
+//! [`PageStore`] is the interface the host tier uses: write pages once they are backed
+//! up on host (`put`), and on a miss ask how many leading pages the store has
+//! (`exists_prefix`), bring that many to host and load them (`get`). Each operation
+//! comes in two forms: on the pages of a [`HostKvPool`] by host page number
+//! (`put_host`, `get_host`; either host layout, no staging copy), and on plain byte
+//! slices (`put`, `get`).
+//!
+//! With [`HiRadixCache`](crate::radix::HiRadixCache) the flow is: a request's prompt
+//! pages that the host holds ([`host_backed_len`](crate::radix::HiRadixCache::host_backed_len))
+//! and the store does not are put — write-through to the store, after the host
+//! backup; a match that ends in a device and host miss asks the store for the
+//! continuation, and [`insert_host`](crate::radix::HiRadixCache::insert_host) adds the
+//! pages it has as a host-only node whose prefetch transfer the caller fills with `get`
+//! and completes; the next match loads them back like any host hit. Writing pages to
+//! the store only when the host *evicts* them (write-back) is not offered: the host
+//! pages would have to stay allocated until a network write completes, so a host
+//! eviction could no longer make room at once for the backup that asked for it.
 //!
 //! The implementation is [`redis::RedisStore`] (feature `redis`): Redis or Redis
 //! Cluster through the `redis` crate, pipelined, with timeouts, exponential backoff and
