@@ -340,12 +340,7 @@ pub(super) struct KvHiReplay {
 
 impl KvHiReplay {
     pub(super) fn new(tree: HiRadixCache<PagedAllocator>) -> KvHiReplay {
-        KvHiReplay {
-            tree,
-            host_hits: AtomicU64::new(0),
-            skipped: AtomicU64::new(0),
-            load_evictions: AtomicU64::new(0),
-        }
+        KvHiReplay { tree, host_hits: AtomicU64::new(0), skipped: AtomicU64::new(0), load_evictions: AtomicU64::new(0) }
     }
 }
 

@@ -451,7 +451,11 @@ impl StoreReport {
 
     pub(crate) fn rows(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let row = |f: &mut std::fmt::Formatter<'_>, k: &str, v: String| writeln!(f, "  {k:<22} {v}");
-        writeln!(f, "  {:<10} {:>9} {:>14} {:>8} {:>8} {:>8} {:>8}", "hits", "requests", "prompt", "device", "host", "store", "total")?;
+        writeln!(
+            f,
+            "  {:<10} {:>9} {:>14} {:>8} {:>8} {:>8} {:>8}",
+            "hits", "requests", "prompt", "device", "host", "store", "total"
+        )?;
         let line = |f: &mut std::fmt::Formatter<'_>, name: &str, t: &TierFigures| {
             writeln!(
                 f,
@@ -469,23 +473,7 @@ impl StoreReport {
         }
         line(f, "total", &self.total)?;
         let t = &self.total;
-        let gb = |b: u64| b as f64 / 1e9;
-        row(
-            f,
-            "host tier",
-            format!(
-                "{} tokens written ({:.1} GB), {} loaded ({:.1} GB)",
-                thousands(t.written_to_host_tokens),
-                gb(t.bytes_to_host),
-                thousands(t.loaded_tokens),
-                gb(t.bytes_from_host)
-            ),
-        )?;
-        row(
-            f,
-            "evicted",
-            format!("{} device, {} host", thousands(t.device_evicted_tokens), thousands(t.host_evicted_tokens)),
-        )?;
+        let mb = |b: u64| b as f64 / 1e6;
         let Some(ops) = &self.store_ops else { return Ok(()) };
         row(
             f,
@@ -511,7 +499,7 @@ impl StoreReport {
         row(
             f,
             "store bytes",
-            format!("{:.3} GB written, {:.3} GB read (with headers)", gb(ops.bytes_written), gb(ops.bytes_read)),
+            format!("{:.1} MB written, {:.1} MB read (with headers)", mb(ops.bytes_written), mb(ops.bytes_read)),
         )?;
         let e = &ops.errors;
         row(
@@ -629,7 +617,8 @@ fn open_store(cfg: &StoreTierConfig, page_size: u32, namespace: &str) -> Result<
     rc.timeout = cfg.timeout;
     rc.connect_timeout = rc.connect_timeout.min(cfg.timeout);
     rc.backoff = cfg.backoff;
-    let store = RedisStore::new(rc).map_err(|e| ReplayError::Config(format!("--store {}: {e}", cfg.nodes.join(","))))?;
+    let store =
+        RedisStore::new(rc).map_err(|e| ReplayError::Config(format!("--store {}: {e}", cfg.nodes.join(","))))?;
     Ok(Box::new(store))
 }
 
