@@ -22,6 +22,11 @@
 //!   [`HybridReport`] (KV hits against state hits, branching, state evictions,
 //!   tombstones, state-pool occupancy).
 //!
+//! * the multi-engine replay (`--engines N`, `--store redis://...`, issue 12): the trace
+//!   split across engines of the two-tier tree, one request at a time, sharing a store
+//!   tier; the report adds a [`StoreReport`] (hits per tier and engine, the store's
+//!   operations). See the `store` module's docs.
+//!
 //! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
 //! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
 //! mutex), so the same loop runs both and their hit counts can be compared.

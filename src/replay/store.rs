@@ -887,7 +887,7 @@ fn serve_one(
                         Some(Miss::Invalid(_)) => fig.store_pages_corrupt += 1,
                         None => {}
                     }
-                    if let Some(bad) = (0..k).find(|&i| !payload_ok(&want[i], &bufs[i])) {
+                    if let Some(bad) = (0..k).find(|&i| !payload_ok(&want[i], bufs[i])) {
                         fig.store_pages_corrupt += 1;
                         k = bad;
                     }
