@@ -54,7 +54,7 @@ use super::{
     ReplayConfig, ReplayError, Report, Totals, Trace, TraceRequest, NAMESPACE,
 };
 use crate::radix::{page_hash, BlockHash, HiRadixCache, HostTier, RadixConfig};
-use crate::store::{BackoffConfig, Miss, PageFormat, PageStore, StoreError};
+use crate::store::{BackoffConfig, Miss, PageStore, StoreError};
 use crate::PagedAllocator;
 
 /// Default payload bytes per token stored (`--store-bytes-per-token`): small, so that a
@@ -72,6 +72,7 @@ pub const DEFAULT_ROUTE_TOKENS: usize = 1024;
 /// The most engines a replay runs.
 pub const MAX_ENGINES: usize = 64;
 /// The store's model id (the second part of every key).
+#[cfg(feature = "redis")]
 const MODEL_ID: &str = "replay";
 
 /// How requests are spread over the engines.
@@ -607,6 +608,7 @@ struct Engine {
 #[cfg(feature = "redis")]
 fn open_store(cfg: &StoreTierConfig, page_size: u32, namespace: &str) -> Result<Box<dyn PageStore>, ReplayError> {
     use crate::store::redis::{RedisStore, RedisStoreConfig};
+    use crate::store::PageFormat;
     let format = PageFormat { page_size, bytes_per_token: cfg.bytes_per_token };
     let mut rc = if cfg.cluster || cfg.nodes.len() > 1 {
         RedisStoreConfig::cluster(cfg.nodes.iter().cloned(), MODEL_ID, format)
