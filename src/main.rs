@@ -17,7 +17,8 @@ mod cli {
     use kvpool::baseline::hicache_ref::WritePolicy;
     use kvpool::radix::EvictionPolicy;
     use kvpool::replay::{
-        self, CacheKind, HostTierConfig, HybridConfig, Mode, Model, ReplayConfig, ReplayError, SwaConfig, Trace,
+        self, CacheKind, EnginesConfig, HostTierConfig, HybridConfig, Mode, Model, ReplayConfig, ReplayError, Router,
+        StoreTierConfig, SwaConfig, Trace,
     };
 
     #[derive(Parser)]
@@ -160,6 +161,36 @@ mod cli {
         /// [default: 256].
         #[arg(long, value_name = "TOKENS")]
         mamba_track_interval: Option<usize>,
+        /// Engine instances the trace is split across, each with its own device pool
+        /// (--capacity-tokens) and host tier (--host-capacity-tokens / --host-ratio);
+        /// with --store they share it, without it each runs alone (the baseline).
+        /// Implies the host tier, sequential mode.
+        #[arg(long, value_name = "N")]
+        engines: Option<usize>,
+        /// How requests go to engines: round_robin, or prefix (by the hash of the first
+        /// --route-tokens tokens, so a conversation stays on one engine).
+        #[arg(long, value_name = "ROUTER")]
+        router: Option<Router>,
+        /// Tokens the prefix router hashes [default: 1024; every request of the bundled
+        /// trace starts with the same 512-token block].
+        #[arg(long, value_name = "TOKENS")]
+        route_tokens: Option<usize>,
+        /// A shared store tier under the engines' host tiers: redis://HOST:PORT, or
+        /// several comma-separated seed nodes of a Redis Cluster (needs the `redis`
+        /// feature). Each run writes under a key namespace of its own. Implies the host
+        /// tier, sequential mode.
+        #[arg(long, value_name = "URL")]
+        store: Option<String>,
+        /// The --store URL is a Redis Cluster node (implied by several URLs).
+        #[arg(long)]
+        store_cluster: bool,
+        /// Payload bytes per token of a stored page [default: 8; real KV: 131072 for
+        /// Llama-3-8B in bf16].
+        #[arg(long, value_name = "BYTES")]
+        store_bytes_per_token: Option<u64>,
+        /// Deadline of one store operation, milliseconds [default: 500].
+        #[arg(long, value_name = "MS")]
+        store_timeout_ms: Option<u64>,
         /// Print one JSON object on stdout instead of the table.
         #[arg(long)]
         json: bool,
@@ -326,9 +357,50 @@ mod cli {
             .ok_or_else(|| format!("expected write_through, write_through_selective or write_back, not {s}"))
     }
 
-    /// The host tier, when one of its options is given.
+    /// The engines and their store (`--engines`, `--store` and their options).
+    fn engines_config(args: &ReplayArgs) -> Result<EnginesConfig, ReplayError> {
+        let d = EnginesConfig::default();
+        let store = match &args.store {
+            Some(urls) => {
+                let mut s = StoreTierConfig::new(String::new());
+                s.nodes = urls.split(',').map(|u| u.trim().to_string()).collect();
+                s.cluster = args.store_cluster || s.nodes.len() > 1;
+                if let Some(b) = args.store_bytes_per_token {
+                    s.bytes_per_token = b;
+                }
+                if let Some(ms) = args.store_timeout_ms {
+                    s.timeout = std::time::Duration::from_millis(ms);
+                }
+                Some(s)
+            }
+            None => {
+                let flag = [
+                    ("--store-cluster", args.store_cluster),
+                    ("--store-bytes-per-token", args.store_bytes_per_token.is_some()),
+                    ("--store-timeout-ms", args.store_timeout_ms.is_some()),
+                ]
+                .into_iter()
+                .find(|(_, g)| *g);
+                if let Some((flag, _)) = flag {
+                    return Err(ReplayError::Config(format!("{flag} is an option of --store")));
+                }
+                None
+            }
+        };
+        Ok(EnginesConfig {
+            engines: args.engines.unwrap_or(d.engines),
+            router: args.router.unwrap_or(d.router),
+            route_tokens: args.route_tokens.unwrap_or(d.route_tokens),
+            store,
+        })
+    }
+
+    /// The host tier, when one of its options is given (or `--engines` / `--store`,
+    /// which need one).
     fn host_config(args: &ReplayArgs) -> Result<Option<HostTierConfig>, ReplayError> {
-        let any = args.host_capacity_tokens.is_some()
+        let any = args.engines.is_some()
+            || args.store.is_some()
+            || args.host_capacity_tokens.is_some()
             || args.host_ratio.is_some()
             || args.write_policy.is_some()
             || args.transfer_bytes_per_token.is_some()
@@ -370,6 +442,7 @@ mod cli {
         let hybrid = hybrid_config(&args, model)?;
         let swa = swa_config(&args)?;
         let host = host_config(&args)?;
+        let engines = engines_config(&args)?;
         let optimal = matches!(args.policy, PolicyArg::Optimal);
         if optimal && args.plot.is_some() {
             return Err(ReplayError::Config(
@@ -402,6 +475,7 @@ mod cli {
             hybrid,
             swa,
             host,
+            engines,
         };
         let mut trace = match &args.trace {
             Some(path) => Trace::from_path(path).map_err(ReplayError::from)?,

@@ -542,3 +542,16 @@ fn plot_replaces_the_file_only_at_the_end() {
     let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["keep.svg"]);
 }
+
+/// `--store` needs the Redis client: without the `redis` feature it is a typed error (the
+/// engines alone still run).
+#[cfg(not(feature = "redis"))]
+#[test]
+fn store_without_the_redis_feature_is_a_config_error() {
+    let path = write_trace("no_redis.jsonl", &[(1024, 1, &[1, 2]), (1536, 1, &[1, 2, 3])]);
+    let t = path.to_str().unwrap();
+    let err = fails(&["replay", "--trace", t, "--capacity-tokens", "4096", "--store", "redis://127.0.0.1:1"]);
+    assert!(err.contains("without the `redis` feature"), "{err}");
+    let v = replay_json(&["--trace", t, "--capacity-tokens", "4096", "--engines", "2"]);
+    assert_eq!(int(&v["store"]["total"], "requests"), 2);
+}

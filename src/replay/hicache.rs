@@ -206,7 +206,7 @@ fn settle_reference(t: &mut ReferenceHiCache<PagedAllocator>) {
 }
 
 /// As [`settle_reference`], for kvpool's tree.
-fn settle(tree: &HiRadixCache<PagedAllocator>) {
+pub(super) fn settle(tree: &HiRadixCache<PagedAllocator>) {
     let mut buf = [Transfer::default(); 64];
     loop {
         let n = tree.take_transfers(&mut buf);
@@ -330,11 +330,18 @@ impl ReplayCache for HiReplayCache {
 
 /// [`HiRadixCache`] (the host tier on kvpool's radix core) as a [`ReplayCache`]: a
 /// match loads its host continuation back, in the same step.
-struct KvHiReplay {
-    tree: HiRadixCache<PagedAllocator>,
-    host_hits: AtomicU64,
-    skipped: AtomicU64,
-    load_evictions: AtomicU64,
+pub(super) struct KvHiReplay {
+    pub(super) tree: HiRadixCache<PagedAllocator>,
+    /// Tokens loaded back so far (whatever brought them to host).
+    pub(super) host_hits: AtomicU64,
+    pub(super) skipped: AtomicU64,
+    pub(super) load_evictions: AtomicU64,
+}
+
+impl KvHiReplay {
+    pub(super) fn new(tree: HiRadixCache<PagedAllocator>) -> KvHiReplay {
+        KvHiReplay { tree, host_hits: AtomicU64::new(0), skipped: AtomicU64::new(0), load_evictions: AtomicU64::new(0) }
+    }
 }
 
 impl ReplayCache for KvHiReplay {
@@ -445,12 +452,7 @@ pub(crate) fn replay_hicache(
             HostTier { host_pages, write_policy: host.write_policy, load_back_threshold: host.load_back_threshold };
         let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
         let tree = HiRadixCache::with_host_tier(alloc, req_pool, radix, tier).map_err(too_large)?;
-        let cache = KvHiReplay {
-            tree,
-            host_hits: AtomicU64::new(0),
-            skipped: AtomicU64::new(0),
-            load_evictions: AtomicU64::new(0),
-        };
+        let cache = KvHiReplay::new(tree);
         let report = run_sequential(&cache, trace, config, progress)?;
         let (hits, skipped) = (cache.host_hits.load(Ordering::Relaxed), cache.skipped.load(Ordering::Relaxed));
         (report, cache.tree.counters(), cache.tree.host_size(), hits, skipped)

@@ -22,6 +22,11 @@
 //!   [`HybridReport`] (KV hits against state hits, branching, state evictions,
 //!   tombstones, state-pool occupancy).
 //!
+//! * the multi-engine replay (`--engines N`, `--store redis://...`, issue 12): the trace
+//!   split across engines of the two-tier tree, one request at a time, sharing a store
+//!   tier; the report adds a [`StoreReport`] (hits per tier and engine, the store's
+//!   operations). See the `store` module's docs.
+//!
 //! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
 //! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
 //! mutex), so the same loop runs both and their hit counts can be compared.
@@ -50,6 +55,7 @@ mod overlap;
 mod plot;
 mod sequential;
 mod stats;
+mod store;
 mod swa;
 mod trace;
 mod vec_trie_cache;
@@ -70,6 +76,10 @@ pub use overlap::run_overlap;
 pub use plot::write_plot;
 pub use sequential::run_sequential;
 pub use stats::{Latencies, LatencyHistogram, Percentiles, Report, TimelinePoint};
+pub use store::{
+    EnginesConfig, Router, StoreErrorCounts, StoreOpFigures, StoreOps, StoreReport, StoreTierConfig, TierFigures,
+    DEFAULT_ROUTE_TOKENS, DEFAULT_STORE_BYTES_PER_TOKEN, DEFAULT_STORE_TIMEOUT, MAX_ENGINES, MAX_STORE_BYTES_PER_TOKEN,
+};
 pub use swa::{run_swa, SwaConfig, SwaReport, DEFAULT_SWA_RATIO_PERMILLE, DEFAULT_SWA_WINDOW};
 pub use trace::{
     output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
@@ -208,6 +218,9 @@ pub struct ReplayConfig {
     /// A host-memory tier under the device pool (kvpool's `HiRadixCache` or the
     /// two-tier reference tree; sequential mode, attention models).
     pub host: Option<HostTierConfig>,
+    /// Several engines, each with its own device and host tiers, sharing a store
+    /// (`--engines`, `--store`; needs `host`; sequential mode, `--cache kvpool`).
+    pub engines: EnginesConfig,
 }
 
 impl Default for ReplayConfig {
@@ -228,6 +241,7 @@ impl Default for ReplayConfig {
             partial_evict: false,
             optimal: false,
             host: None,
+            engines: EnginesConfig::default(),
         }
     }
 }
@@ -413,6 +427,7 @@ impl ReplayConfig {
             }
             self.swa.validate(capacity, self.page_size)?;
         }
+        self.engines.validate(self)?;
         let max_kv = trace.max_kv_len_fitting(capacity);
         if max_kv == 0 && !trace.is_empty() {
             let shortest = trace.requests().iter().map(|q| q.kv_len().div_ceil(ps).saturating_mul(ps)).min();
@@ -579,6 +594,9 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
     if config.model == Model::Swa {
         return swa::replay_swa(trace, config, progress);
     }
+    if config.engines.active() {
+        return store::replay_engines(trace, config, progress);
+    }
     if let Some(host) = &config.host {
         return hicache::replay_hicache(trace, config, host, progress);
     }
@@ -729,6 +747,7 @@ pub(crate) fn finish_report<C: ReplayCache>(
         hybrid: None,
         swa: None,
         host: None,
+        store: None,
     })
 }
 

@@ -548,6 +548,7 @@ pub fn run_optimal(trace: &Trace, config: &ReplayConfig) -> Result<Report, Repla
         hybrid: None,
         swa: None,
         host: None,
+        store: None,
     })
 }
 

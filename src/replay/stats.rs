@@ -247,6 +247,10 @@ pub struct Report {
     /// `--host-capacity-tokens`: the host tier's figures (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<super::HostReport>,
+    /// `--engines` / `--store`: the figures per tier and engine, and the store's
+    /// operations (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<super::StoreReport>,
 }
 
 impl Report {
@@ -268,7 +272,7 @@ pub(crate) fn thousands(n: u64) -> String {
     out
 }
 
-fn duration(ns: u64) -> String {
+pub(crate) fn duration(ns: u64) -> String {
     match ns {
         0..=9_999 => format!("{ns} ns"),
         10_000..=9_999_999 => format!("{:.1} us", ns as f64 / 1e3),
@@ -301,6 +305,9 @@ impl fmt::Display for Report {
         if let Some(h) = &self.host {
             h.header(f)?;
         }
+        if let Some(s) = &self.store {
+            s.header(f)?;
+        }
         row(f, "requests", thousands(self.requests))?;
         row(f, "rejected", thousands(self.rejected))?;
         if self.mode == "overlap" {
@@ -321,6 +328,9 @@ impl fmt::Display for Report {
         }
         if let Some(h) = &self.host {
             h.rows(f, self.prompt_tokens)?;
+        }
+        if let Some(s) = &self.store {
+            s.rows(f)?;
         }
         if self.routers > 0 {
             row(
