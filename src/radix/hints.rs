@@ -94,7 +94,18 @@ pub(super) struct Hints {
     inflation: AtomicU64,
     /// Evict only the pages the shortfall needs, from a leaf's tail (see `partial`).
     pub(super) partial: bool,
+    /// [`EvictionPolicy::Reuse`]: per depth, the leaves created at that depth and how
+    /// many of them a later request extended. Latch holder only.
+    created: [AtomicU64; DEPTHS],
+    extended: [AtomicU64; DEPTHS],
 }
+
+/// [`EvictionPolicy::Reuse`]'s depth classes: 0 (a new conversation) to `DEPTHS - 1`
+/// (that many extensions or more).
+pub(super) const DEPTHS: usize = 8;
+
+/// The fixed-point unit of a reuse probability in greedy-dual scores.
+const REUSE_UNIT: u64 = 1 << 20;
 
 impl Hints {
     pub(super) fn new(records: usize) -> Result<Self, ConfigError> {
@@ -104,6 +115,8 @@ impl Hints {
             now: AtomicU64::new(0),
             inflation: AtomicU64::new(0),
             partial: false,
+            created: Default::default(),
+            extended: Default::default(),
         })
     }
 
@@ -130,8 +143,8 @@ fn live_stamp(s: u32, now: u64) -> Option<u64> {
 #[inline]
 pub(super) fn node_key<N>(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
     match policy {
-        EvictionPolicy::Hinted if m.want != 0 => (i64::MAX, u64::MAX - m.want),
-        EvictionPolicy::Hinted => (m.score.min(i64::MAX as u64 - 1) as i64, m.last_access),
+        EvictionPolicy::Hinted | EvictionPolicy::Reuse if m.want != 0 => (i64::MAX, u64::MAX - m.want),
+        EvictionPolicy::Hinted | EvictionPolicy::Reuse => (m.score.min(i64::MAX as u64 - 1) as i64, m.last_access),
         _ => policy.key(m.last_access, m.created, m.hit_count, m.priority),
     }
 }
@@ -170,19 +183,62 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 /// hint and give it its greedy-dual score.
 #[inline]
 pub(super) fn touched<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: u32) {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return;
     }
     w.fold_hint(id);
     let l = w.c.hints.inflation.load(Ordering::Relaxed);
+    let value = if w.c.policy == EvictionPolicy::Reuse {
+        let d = w.s.meta[id as usize].depth as usize;
+        let h = &w.c.hints;
+        let (c, e) = (h.created[d].load(Ordering::Relaxed), h.extended[d].load(Ordering::Relaxed));
+        let p = (e + 1) * REUSE_UNIT / (c + 2);
+        let m = &w.s.meta[id as usize];
+        match variant() {
+            1 => p * (1 + m.hit_count),
+            2 => p.max(1),
+            3 => REUSE_UNIT * (1 + m.hit_count),
+            _ => p,
+        }
+    } else {
+        1 + w.s.meta[id as usize].hit_count
+    };
     let m = &mut w.s.meta[id as usize];
-    m.score = l.saturating_add(1).saturating_add(m.hit_count);
+    m.score = l.saturating_add(value);
+}
+
+fn variant() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KVPOOL_REUSE_VARIANT").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
+/// A new resident leaf `id` is about to hang under `parent` (whose child count does
+/// not count it yet): give it its depth class and count it. A leaf that extends a
+/// prefix no other resident request branched from (its parent is a node with at most
+/// one resident child, not the root) continues that prefix's conversation: one deeper,
+/// and its parent's depth counts one extension. Otherwise it starts a conversation.
+#[inline]
+pub(super) fn attached<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: u32, parent: u32) {
+    if w.c.policy != EvictionPolicy::Reuse {
+        return;
+    }
+    let pm = &w.s.meta[parent as usize];
+    let h = &w.c.hints;
+    let depth = if parent != super::ROOT && pm.children <= 1 {
+        let pd = pm.depth as usize;
+        h.extended[pd].fetch_add(1, Ordering::Relaxed);
+        (pd + 1).min(DEPTHS - 1)
+    } else {
+        0
+    };
+    h.created[depth].fetch_add(1, Ordering::Relaxed);
+    w.s.meta[id as usize].depth = depth as u8;
 }
 
 /// Before an eviction: clear every protection that has expired, re-sorting the node.
 #[inline]
 pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return;
     }
     let now = w.c.hints.now();
@@ -204,7 +260,7 @@ pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
 /// under the new one); otherwise it is the victim, and the inflation rises to its score.
 #[inline]
 pub(super) fn deferred<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, x: u32) -> bool {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return false;
     }
     let before = node_key(w.c.policy, &w.s.meta[x as usize]);
@@ -260,7 +316,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn hint_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32], position: u32) -> usize {
-        if self.policy != EvictionPolicy::Hinted {
+        if !self.policy.uses_hints() {
             return self.peek_prefix(namespace, key, out);
         }
         let (len, deepest) = self.peek_deepest(namespace, key, out);
