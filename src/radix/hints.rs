@@ -1,4 +1,5 @@
-//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`].
+//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`]
+//! and [`EvictionPolicy::Reuse`].
 //!
 //! # Hints: "this prefix is wanted soon"
 //!
@@ -43,13 +44,37 @@
 //! * protected leaves, after every unprotected one: the one wanted furthest in the
 //!   future first (Belady's rule on what the queue tells).
 //!
+//! # [`EvictionPolicy::Reuse`]: a predicted chance of reuse instead of "one hit"
+//!
+//! The same hints, protection and aging, with the unprotected leaves' score
+//! `H = L + p(depth) * (1 + hits)`: the greedy-dual value of a node is its frequency
+//! weighted by the estimated probability that a later request extends its path. The
+//! estimate is learned online from what the cache sees, per *conversation depth*:
+//!
+//! * a new resident leaf whose parent is not the root and has at most one resident
+//!   child (no other request branched there: the prefix of one earlier request, whose
+//!   own leftover tail may be that child) *extends* its parent's conversation: its depth
+//!   is the parent's plus one (at most `DEPTHS - 1`), and the parent's depth counts
+//!   one extension; any other new leaf (under the root or a branching node: a shared
+//!   system prompt) starts a conversation, depth 0. A split copies the depth to both
+//!   halves;
+//! * `p(d) = (extended(d) + 1) / (created(d) + 2)`: the fraction of depth-`d` leaves a
+//!   later request extended, with Laplace's prior (one success, one failure: 1/2 before
+//!   any evidence). No decay and no window: the counts are the cache's whole history.
+//!
+//! In a chat workload a conversation that has already been continued is more likely to
+//! be continued again than a fresh prompt is (the bundled trace: 26% of first turns
+//! come back, 35%, 43% and 57% of the second, third and later ones), and this order
+//! keeps such conversations longer. Where depth says nothing (a constant chance of
+//! another turn) all `p` converge to the same value and the order is `Hinted`'s.
+//!
 //! A key changes only when the latch holder writes the node's metadata (a touch, a
 //! fold, an expiry), and it re-sorts the node then, so the heap stays a heap: O(log n)
 //! per touch and per eviction; a leaf that comes out of the heap with a new hint or an
 //! expired one is re-keyed and pushed back (once per hint or expiry), never evicted.
 //! Nothing here allocates after construction.
 //!
-//! Without [`EvictionPolicy::Hinted`], hints are ignored ([`hint_prefix`] is then a
+//! Without [`EvictionPolicy::Hinted`] or [`EvictionPolicy::Reuse`], hints are ignored ([`hint_prefix`] is then a
 //! plain [`peek_prefix`](RadixCache::peek_prefix)) and nothing here costs anything
 //! beyond one counter increment per admission.
 //!
@@ -188,28 +213,20 @@ pub(super) fn touched<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: 
     }
     w.fold_hint(id);
     let l = w.c.hints.inflation.load(Ordering::Relaxed);
+    let m = &w.s.meta[id as usize];
     let value = if w.c.policy == EvictionPolicy::Reuse {
-        let d = w.s.meta[id as usize].depth as usize;
+        // The estimated chance that the node's path is extended, in units of
+        // `REUSE_UNIT`, times the frequency term (one more than its hits).
+        let d = m.depth as usize;
         let h = &w.c.hints;
         let (c, e) = (h.created[d].load(Ordering::Relaxed), h.extended[d].load(Ordering::Relaxed));
-        let p = (e + 1) * REUSE_UNIT / (c + 2);
-        let m = &w.s.meta[id as usize];
-        match variant() {
-            1 => p * (1 + m.hit_count),
-            2 => p.max(1),
-            3 => REUSE_UNIT * (1 + m.hit_count),
-            _ => p,
-        }
+        let p = (e.min(c) + 1) * REUSE_UNIT / (c + 2);
+        p.saturating_mul(m.hit_count.saturating_add(1))
     } else {
-        1 + w.s.meta[id as usize].hit_count
+        m.hit_count.saturating_add(1)
     };
     let m = &mut w.s.meta[id as usize];
     m.score = l.saturating_add(value);
-}
-
-fn variant() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KVPOOL_REUSE_VARIANT").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// A new resident leaf `id` is about to hang under `parent` (whose child count does
