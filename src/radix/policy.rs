@@ -105,7 +105,11 @@ pub struct UnknownPolicy(pub String);
 
 impl fmt::Display for UnknownPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority, hinted, reuse", self.0)
+        write!(
+            f,
+            "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority, hinted, reuse",
+            self.0
+        )
     }
 }
 

@@ -327,10 +327,7 @@ impl ReplayConfig {
                 return bad(format!("--lookahead must be at most {MAX_LOOKAHEAD}, not {n}"));
             }
         }
-        if self.cache != CacheKind::Kvpool
-            && (self.partial_evict || self.policy.uses_hints())
-            && !self.optimal
-        {
+        if self.cache != CacheKind::Kvpool && (self.partial_evict || self.policy.uses_hints()) && !self.optimal {
             return bad(format!(
                 "--policy hinted, --policy reuse and --partial-evict need --cache kvpool (the baselines have SGLang's policies and \
                  whole-leaf eviction only), not --cache {}",
@@ -359,7 +356,10 @@ impl ReplayConfig {
             }
         }
         if self.model != Model::Attention && (self.partial_evict || self.policy.uses_hints()) {
-            return bad(format!("--policy hinted, --policy reuse and --partial-evict are not built for --model {}", self.model.name()));
+            return bad(format!(
+                "--policy hinted, --policy reuse and --partial-evict are not built for --model {}",
+                self.model.name()
+            ));
         }
         if self.model == Model::Hybrid {
             if self.mode != Mode::Sequential {
