@@ -64,14 +64,16 @@ mod cli {
         page_size: u32,
         /// Eviction policy: lru, lfu, fifo, mru, filo, priority (SGLang's), hinted
         /// (kvpool's: leaves the waiting queue or the routers' look-ups want soon go
-        /// last, the others least frequently used with dynamic aging), or optimal (the
+        /// last, the others least frequently used with dynamic aging), reuse (kvpool's:
+        /// as hinted, with each hit weighted by the learned chance that a prefix of its
+        /// conversation depth is extended again), or optimal (the
         /// offline optimum, Belady's rule on the whole trace's future, computed by a
         /// model of the sequential replay: a ceiling, not a policy a server can run;
         /// sequential mode, the default with it).
         #[arg(long, default_value = "lru", value_parser = parse_policy)]
         policy: PolicyArg,
         /// Upcoming requests the scheduler tells the cache about under --policy
-        /// hinted: the waiting queue in sequential mode, the routers' window in overlap
+        /// hinted or reuse: the waiting queue in sequential mode, the routers' window in overlap
         /// mode [default: --max-running].
         #[arg(long, value_name = "N")]
         lookahead: Option<usize>,

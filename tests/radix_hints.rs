@@ -156,3 +156,55 @@ fn partial_eviction_never_cuts_a_locked_path() {
     assert_eq!(cached(&c, &[1, 2, 3, 4]), 3);
     c.check_invariants().unwrap();
 }
+
+/// `EvictionPolicy::Reuse`: a conversation that was continued outlives newer one-shot
+/// prompts, because continued depths have been extended more often than fresh prompts.
+/// Hinted (LRU among equals) evicts the conversation's leaf instead; without the depth
+/// rule every leaf is a fresh prompt whose estimate only falls, and the newest go first.
+#[test]
+fn reuse_keeps_the_conversation_that_was_continued() {
+    let c = cache(EvictionPolicy::Reuse, 64);
+    // Conversation A: three turns (depths 0, 1, 2); B: two turns (depths 0, 1).
+    put(&c, &[1, 2]);
+    put(&c, &[1, 2, 3]);
+    put(&c, &[1, 2, 3, 4]);
+    put(&c, &[5]);
+    put(&c, &[5, 6]);
+    // One-shot prompts (depth 0): depth 0 has now been extended 2 times in 6.
+    for k in [7, 8, 9, 10] {
+        put(&c, &[k]);
+    }
+    // Scores (p when last touched): [4] 1/3 (depth 2, never extended yet), its parent
+    // [3] 1/3 (depth 1 before it was extended), [1, 2] 2/3, [6] 2/4 (depth 1, extended
+    // once in one), [7] 3/5, [8] 3/6, [9] 3/7, [10] 3/8.
+    assert_eq!(c.evict(3), 3);
+    assert_eq!(cached(&c, &[1, 2, 3, 4]), 2, "A's unproven depths go first");
+    assert_eq!(cached(&c, &[10]), 0, "then the newest one-shot, the lowest estimate");
+    assert_eq!(cached(&c, &[5, 6]), 2, "the continued conversation stays");
+    assert_eq!(cached(&c, &[9]), 1);
+    c.check_invariants().unwrap();
+
+    // Under Hinted: least recently used among equals, all of A goes.
+    let h = cache(EvictionPolicy::Hinted, 64);
+    for key in [&[1, 2][..], &[1, 2, 3], &[1, 2, 3, 4], &[5], &[5, 6], &[7], &[8], &[9], &[10]] {
+        put(&h, key);
+    }
+    assert_eq!(h.evict(3), 4); // [4], [3], then [1, 2] whole
+    assert_eq!((cached(&h, &[1, 2, 3, 4]), cached(&h, &[5, 6]), cached(&h, &[10])), (0, 2, 1));
+}
+
+/// A leaf under a node other requests already branched from (a shared system prompt)
+/// starts a conversation: it does not count as an extension of that node.
+#[test]
+fn reuse_branching_node_starts_a_conversation() {
+    let c = cache(EvictionPolicy::Reuse, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[1, 3]); // splits [1, 2]: [1] has one child, [2]: an extension (depth 1)
+    put(&c, &[1, 4]); // [1] has two children: a new conversation (depth 0)
+    put(&c, &[1, 3, 5]); // extends [3] (no children): depth 2
+                         // Scores at creation: [2] 1/3 (d0, 1 in 1 extended... before: 0 in 1), [3] 1/3,
+                         // [4] (1+1)/(2+2) = 1/2, [5] 1/3. Ties go least recently used: [2], then [5].
+    assert_eq!(c.evict(2), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[1, 3, 5]), cached(&c, &[1, 4])), (1, 2, 2));
+    c.check_invariants().unwrap();
+}

@@ -1,4 +1,5 @@
-//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`].
+//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`]
+//! and [`EvictionPolicy::Reuse`].
 //!
 //! # Hints: "this prefix is wanted soon"
 //!
@@ -43,13 +44,37 @@
 //! * protected leaves, after every unprotected one: the one wanted furthest in the
 //!   future first (Belady's rule on what the queue tells).
 //!
+//! # [`EvictionPolicy::Reuse`]: a predicted chance of reuse instead of "one hit"
+//!
+//! The same hints, protection and aging, with the unprotected leaves' score
+//! `H = L + p(depth) * (1 + hits)`: the greedy-dual value of a node is its frequency
+//! weighted by the estimated probability that a later request extends its path. The
+//! estimate is learned online from what the cache sees, per *conversation depth*:
+//!
+//! * a new resident leaf whose parent is not the root and has at most one resident
+//!   child (no other request branched there: the prefix of one earlier request, whose
+//!   own leftover tail may be that child) *extends* its parent's conversation: its depth
+//!   is the parent's plus one (at most `DEPTHS - 1`), and the parent's depth counts
+//!   one extension; any other new leaf (under the root or a branching node: a shared
+//!   system prompt) starts a conversation, depth 0. A split copies the depth to both
+//!   halves;
+//! * `p(d) = (extended(d) + 1) / (created(d) + 2)`: the fraction of depth-`d` leaves a
+//!   later request extended, with Laplace's prior (one success, one failure: 1/2 before
+//!   any evidence). No decay and no window: the counts are the cache's whole history.
+//!
+//! In a chat workload a conversation that has already been continued is more likely to
+//! be continued again than a fresh prompt is (the bundled trace: 26% of first turns
+//! come back, 35%, 43% and 57% of the second, third and later ones), and this order
+//! keeps such conversations longer. Where depth says nothing (a constant chance of
+//! another turn) all `p` converge to the same value and the order is `Hinted`'s.
+//!
 //! A key changes only when the latch holder writes the node's metadata (a touch, a
 //! fold, an expiry), and it re-sorts the node then, so the heap stays a heap: O(log n)
 //! per touch and per eviction; a leaf that comes out of the heap with a new hint or an
 //! expired one is re-keyed and pushed back (once per hint or expiry), never evicted.
 //! Nothing here allocates after construction.
 //!
-//! Without [`EvictionPolicy::Hinted`], hints are ignored ([`hint_prefix`] is then a
+//! Without [`EvictionPolicy::Hinted`] or [`EvictionPolicy::Reuse`], hints are ignored ([`hint_prefix`] is then a
 //! plain [`peek_prefix`](RadixCache::peek_prefix)) and nothing here costs anything
 //! beyond one counter increment per admission.
 //!
@@ -94,7 +119,18 @@ pub(super) struct Hints {
     inflation: AtomicU64,
     /// Evict only the pages the shortfall needs, from a leaf's tail (see `partial`).
     pub(super) partial: bool,
+    /// [`EvictionPolicy::Reuse`]: per depth, the leaves created at that depth and how
+    /// many of them a later request extended. Latch holder only.
+    created: [AtomicU64; DEPTHS],
+    extended: [AtomicU64; DEPTHS],
 }
+
+/// [`EvictionPolicy::Reuse`]'s depth classes: 0 (a new conversation) to `DEPTHS - 1`
+/// (that many extensions or more).
+pub(super) const DEPTHS: usize = 8;
+
+/// The fixed-point unit of a reuse probability in greedy-dual scores.
+const REUSE_UNIT: u64 = 1 << 20;
 
 impl Hints {
     pub(super) fn new(records: usize) -> Result<Self, ConfigError> {
@@ -104,6 +140,8 @@ impl Hints {
             now: AtomicU64::new(0),
             inflation: AtomicU64::new(0),
             partial: false,
+            created: Default::default(),
+            extended: Default::default(),
         })
     }
 
@@ -130,8 +168,8 @@ fn live_stamp(s: u32, now: u64) -> Option<u64> {
 #[inline]
 pub(super) fn node_key<N>(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
     match policy {
-        EvictionPolicy::Hinted if m.want != 0 => (i64::MAX, u64::MAX - m.want),
-        EvictionPolicy::Hinted => (m.score.min(i64::MAX as u64 - 1) as i64, m.last_access),
+        EvictionPolicy::Hinted | EvictionPolicy::Reuse if m.want != 0 => (i64::MAX, u64::MAX - m.want),
+        EvictionPolicy::Hinted | EvictionPolicy::Reuse => (m.score.min(i64::MAX as u64 - 1) as i64, m.last_access),
         _ => policy.key(m.last_access, m.created, m.hit_count, m.priority),
     }
 }
@@ -170,19 +208,54 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 /// hint and give it its greedy-dual score.
 #[inline]
 pub(super) fn touched<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: u32) {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return;
     }
     w.fold_hint(id);
     let l = w.c.hints.inflation.load(Ordering::Relaxed);
+    let m = &w.s.meta[id as usize];
+    let value = if w.c.policy == EvictionPolicy::Reuse {
+        // The estimated chance that the node's path is extended, in units of
+        // `REUSE_UNIT`, times the frequency term (one more than its hits).
+        let d = m.depth as usize;
+        let h = &w.c.hints;
+        let (c, e) = (h.created[d].load(Ordering::Relaxed), h.extended[d].load(Ordering::Relaxed));
+        let p = (e.min(c) + 1) * REUSE_UNIT / (c + 2);
+        p.saturating_mul(m.hit_count.saturating_add(1))
+    } else {
+        m.hit_count.saturating_add(1)
+    };
     let m = &mut w.s.meta[id as usize];
-    m.score = l.saturating_add(1).saturating_add(m.hit_count);
+    m.score = l.saturating_add(value);
+}
+
+/// A new resident leaf `id` is about to hang under `parent` (whose child count does
+/// not count it yet): give it its depth class and count it. A leaf that extends a
+/// prefix no other resident request branched from (its parent is a node with at most
+/// one resident child, not the root) continues that prefix's conversation: one deeper,
+/// and its parent's depth counts one extension. Otherwise it starts a conversation.
+#[inline]
+pub(super) fn attached<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, id: u32, parent: u32) {
+    if w.c.policy != EvictionPolicy::Reuse {
+        return;
+    }
+    let pm = &w.s.meta[parent as usize];
+    let h = &w.c.hints;
+    let depth = if parent != super::ROOT && pm.children <= 1 {
+        let pd = pm.depth as usize;
+        h.extended[pd].fetch_add(1, Ordering::Relaxed);
+        (pd + 1).min(DEPTHS - 1)
+    } else {
+        0
+    };
+    h.created[depth].fetch_add(1, Ordering::Relaxed);
+    w.s.meta[id as usize].depth = depth as u8;
 }
 
 /// Before an eviction: clear every protection that has expired, re-sorting the node.
 #[inline]
 pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return;
     }
     let now = w.c.hints.now();
@@ -204,7 +277,7 @@ pub(super) fn expire<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>) {
 /// under the new one); otherwise it is the victim, and the inflation rises to its score.
 #[inline]
 pub(super) fn deferred<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, x: u32) -> bool {
-    if w.c.policy != EvictionPolicy::Hinted {
+    if !w.c.policy.uses_hints() {
         return false;
     }
     let before = node_key(w.c.policy, &w.s.meta[x as usize]);
@@ -260,7 +333,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn hint_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32], position: u32) -> usize {
-        if self.policy != EvictionPolicy::Hinted {
+        if !self.policy.uses_hints() {
             return self.peek_prefix(namespace, key, out);
         }
         let (len, deepest) = self.peek_deepest(namespace, key, out);

@@ -436,6 +436,9 @@ struct Meta<N = ()> {
     score: u64,
     /// [`EvictionPolicy::Hinted`]: the admission this node is wanted by (0: none).
     want: u64,
+    /// [`EvictionPolicy::Reuse`]: the node's reuse class, its conversation depth (see
+    /// `hints`).
+    depth: u8,
     /// The variant's payload.
     ext: N,
 }

@@ -29,6 +29,12 @@ pub enum EvictionPolicy {
     ///
     /// [`RadixCache::hint_prefix`]: super::RadixCache::hint_prefix
     Hinted,
+    /// kvpool's reuse-predicting policy (not in SGLang): [`Hinted`](Self::Hinted)'s
+    /// hints and greedy-dual aging, with the frequency replaced by an online estimate
+    /// of the probability that a leaf's prefix is extended by a later request, learned
+    /// per conversation depth (how many earlier requests' prefixes the leaf's path
+    /// extends). See the `hints` module docs.
+    Reuse,
 }
 
 impl EvictionPolicy {
@@ -43,7 +49,16 @@ impl EvictionPolicy {
     ];
 
     /// Policies kvpool has beyond SGLang's (the simple reference tree does not run them).
-    pub const KVPOOL_ONLY: [EvictionPolicy; 1] = [EvictionPolicy::Hinted];
+    pub const KVPOOL_ONLY: [EvictionPolicy; 2] = [EvictionPolicy::Hinted, EvictionPolicy::Reuse];
+
+    /// Whether the policy takes hints ([`RadixCache::hint_prefix`]) and orders by
+    /// greedy-dual scores: [`Hinted`](Self::Hinted) and [`Reuse`](Self::Reuse).
+    ///
+    /// [`RadixCache::hint_prefix`]: super::RadixCache::hint_prefix
+    #[inline]
+    pub fn uses_hints(self) -> bool {
+        matches!(self, EvictionPolicy::Hinted | EvictionPolicy::Reuse)
+    }
 
     /// The policy's name as SGLang spells it (`lru`, `lfu`, ...).
     pub fn name(self) -> &'static str {
@@ -55,12 +70,14 @@ impl EvictionPolicy {
             EvictionPolicy::Filo => "filo",
             EvictionPolicy::Priority => "priority",
             EvictionPolicy::Hinted => "hinted",
+            EvictionPolicy::Reuse => "reuse",
         }
     }
 
     /// The eviction key of a node: smaller keys are evicted first. Timestamps are
     /// distinct ticks of one logical clock, so keys never tie. [`Hinted`](Self::Hinted)
-    /// keys on per-node state these fields do not carry: here it is LRU (kvpool's tree
+    /// and [`Reuse`](Self::Reuse)
+    /// key on per-node state these fields do not carry: here it is LRU (kvpool's tree
     /// computes its real key itself).
     #[inline]
     pub fn key(self, last_access: u64, created: u64, hit_count: u64, priority: i64) -> (i64, u64) {
@@ -71,7 +88,7 @@ impl EvictionPolicy {
             EvictionPolicy::Mru => (0, u64::MAX - last_access),
             EvictionPolicy::Filo => (0, u64::MAX - created),
             EvictionPolicy::Priority => (priority, last_access),
-            EvictionPolicy::Hinted => (0, last_access),
+            EvictionPolicy::Hinted | EvictionPolicy::Reuse => (0, last_access),
         }
     }
 }
@@ -88,7 +105,11 @@ pub struct UnknownPolicy(pub String);
 
 impl fmt::Display for UnknownPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority, hinted", self.0)
+        write!(
+            f,
+            "unknown eviction policy {:?}; expected one of lru, lfu, fifo, mru, filo, priority, hinted, reuse",
+            self.0
+        )
     }
 }
 

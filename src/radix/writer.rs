@@ -40,6 +40,7 @@ fn empty<N: Default>() -> Meta<N> {
         alive: false,
         score: 0,
         want: 0,
+        depth: 0,
         ext: N::default(),
     }
 }
@@ -866,6 +867,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.page_epoch[last as usize] = self.s.page_epoch[last as usize].wrapping_add(1);
         if resident {
             let parent = self.s.page_owner[parent_page as usize];
+            super::hints::attached(self, id, parent);
             self.s.meta[parent as usize].children += 1;
             self.heap().remove(parent);
             super::hints::touched(self, id);

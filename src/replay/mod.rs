@@ -267,6 +267,7 @@ impl ReplayConfig {
             (false, P::Filo, true) => "filo, partial leaves",
             (false, P::Priority, true) => "priority, partial leaves",
             (false, P::Hinted, true) => "hinted, partial leaves",
+            (false, P::Reuse, true) => "reuse, partial leaves",
         }
     }
 
@@ -340,12 +341,9 @@ impl ReplayConfig {
                 return bad(format!("--lookahead must be at most {MAX_LOOKAHEAD}, not {n}"));
             }
         }
-        if self.cache != CacheKind::Kvpool
-            && (self.partial_evict || self.policy == EvictionPolicy::Hinted)
-            && !self.optimal
-        {
+        if self.cache != CacheKind::Kvpool && (self.partial_evict || self.policy.uses_hints()) && !self.optimal {
             return bad(format!(
-                "--policy hinted and --partial-evict need --cache kvpool (the baselines have SGLang's policies and \
+                "--policy hinted, --policy reuse and --partial-evict need --cache kvpool (the baselines have SGLang's policies and \
                  whole-leaf eviction only), not --cache {}",
                 self.cache.name()
             ));
@@ -371,8 +369,11 @@ impl ReplayConfig {
                 ));
             }
         }
-        if self.model != Model::Attention && (self.partial_evict || self.policy == EvictionPolicy::Hinted) {
-            return bad(format!("--policy hinted and --partial-evict are not built for --model {}", self.model.name()));
+        if self.model != Model::Attention && (self.partial_evict || self.policy.uses_hints()) {
+            return bad(format!(
+                "--policy hinted, --policy reuse and --partial-evict are not built for --model {}",
+                self.model.name()
+            ));
         }
         if self.model == Model::Hybrid {
             if self.mode != Mode::Sequential {
@@ -399,8 +400,8 @@ impl ReplayConfig {
                 Some(format!("--cache {}", self.cache.name()))
             } else if self.optimal || self.partial_evict {
                 Some(if self.optimal { "--policy optimal" } else { "--partial-evict" }.to_string())
-            } else if self.policy == EvictionPolicy::Hinted {
-                Some("--policy hinted".to_string())
+            } else if self.policy.uses_hints() {
+                Some(format!("--policy {}", self.policy.name()))
             } else {
                 None
             };
@@ -479,7 +480,7 @@ impl ReplayConfig {
         };
         let buffers = match self.mode {
             // The lookahead's prompts (only under the hinted policy).
-            Mode::Sequential if self.policy == EvictionPolicy::Hinted => {
+            Mode::Sequential if self.policy.uses_hints() => {
                 2 * max_kv * slot + (self.lookahead() as u128 + 1) * max_input * slot
             }
             Mode::Sequential => 2 * max_kv * slot,

@@ -616,7 +616,7 @@ fn output_loop<'c, C: ReplayCache>(
 /// How far ahead of admission the routers look: `max_running`, or under the hinted
 /// policy the lookahead (the requests whose prefixes the cache is told about).
 fn router_window(config: &ReplayConfig) -> usize {
-    if config.policy == crate::radix::EvictionPolicy::Hinted {
+    if config.policy.uses_hints() {
         config.lookahead().max(1)
     } else {
         config.max_running
@@ -632,7 +632,7 @@ fn router_thread<C: ReplayCache>(
     (mut prompt, mut slots): (Vec<u32>, Vec<u32>),
 ) -> RouterResult {
     let mut res = RouterResult::default();
-    let hinted = config.policy == crate::radix::EvictionPolicy::Hinted;
+    let hinted = config.policy.uses_hints();
     let window = router_window(config);
     let mut r = k;
     while r < trace.len() {
