@@ -28,8 +28,17 @@
 //!   [`timeout`](RedisStoreConfig::timeout) is a deadline for the whole operation
 //!   (every socket read and write waits at most for what is left of it); at the deadline
 //!   the operation fails with [`StoreError::Timeout`] and the connection is dropped.
-//!   Commands are encoded and replies parsed by the `redis` crate (`Pipeline`,
-//!   `Parser`).
+//!   Replies to [`get`](PageStore::get) are read by the store's own RESP2/RESP3
+//!   reader: each value goes straight from the socket into a staging buffer owned by
+//!   the connection (one slot per page of the batch, grown to the largest batch read
+//!   and reused: no allocation per reply; 128 MiB after a batch of 64 2 MiB pages,
+//!   freed with the connection, e.g. by [`disconnect`](RedisStore::disconnect)), is
+//!   checked there as it arrives, and the leading sound run is copied into the
+//!   caller's pages once every reply was read (a failed operation writes nothing). A
+//!   reply that is neither a bulk string, a nil nor an error is a protocol error and
+//!   drops the connection; an error reply fails the operation after the rest were
+//!   read (the connection stays). Other commands are encoded and their replies parsed
+//!   by the `redis` crate (`Pipeline`, `Parser`), through the same read buffer.
 //! * Cluster: the `redis` crate's cluster connection, with
 //!   [`timeout`](RedisStoreConfig::timeout) as its response timeout (each reply waits at
 //!   most that long) and [`connect_timeout`](RedisStoreConfig::connect_timeout) per
