@@ -247,6 +247,77 @@ fn exists_prefix_stops_at_the_first_missing_page() {
     assert_eq!(RedisStore::new(cfg).unwrap().exists_prefix(&hs).unwrap(), 0);
 }
 
+/// One pipeline whose replies are sound, nil, corrupt, sound and too long (a page of a
+/// larger format): the reply reader stays in step with every reply, each miss is
+/// counted, the leading run is loaded and nothing from the nil on is written. Pages are
+/// larger than the client's read buffer (the bulk path past it), and the connection
+/// stays in use after misses and after a server error reply in the middle.
+#[test]
+fn a_nil_then_a_corrupt_page_in_one_pipeline_stop_the_load_at_the_nil() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 16, bytes_per_token: 4100 }; // 64 KiB + 1 KiB pages
+    let s = store(server.url(), format);
+    let hs = hashes(6, 16, 40);
+    let pages: Vec<Vec<u8>> =
+        (0..6u8).map(|i| (0..format.page_bytes()).map(|k| (k as u8).wrapping_mul(i + 3)).collect()).collect();
+    for i in [0, 1, 3, 4] {
+        s.put(&hs[i..i + 1], &[&pages[i]]).unwrap();
+    }
+    // Page 2 absent; page 3 has a flipped payload byte; page 5 is a page of a larger
+    // format (a longer value) under this store's key.
+    let mut raw = server.raw();
+    let at = HEADER_BYTES + 65_000;
+    let _: i64 =
+        redis::cmd("SETRANGE").arg(s.key(&hs[3])).arg(at).arg(&[pages[3][65_000] ^ 1][..]).query(&mut raw).unwrap();
+    let big = PageFormat { page_size: 16, bytes_per_token: 8192 };
+    let mut cfg = s.config().clone();
+    cfg.format = big;
+    let other = RedisStore::new(cfg).unwrap();
+    other.put(&hs[5..6], &[&vec![7u8; big.page_bytes()]]).unwrap();
+
+    let check = |bufs: &[Vec<u8>], loaded: usize| {
+        for (i, b) in bufs.iter().enumerate() {
+            if i < loaded {
+                assert_eq!(b, &pages[i], "page {i} loaded");
+            } else {
+                assert!(b.iter().all(|&x| x == 0xee), "page {i} after the stop is untouched");
+            }
+        }
+    };
+    let mut bufs = vec![vec![0xeeu8; format.page_bytes()]; 6];
+    let loaded = s.get(&hs, &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(loaded, Loaded { pages: 2, stop: Some(Miss::Absent) });
+    check(&bufs, 2);
+    let st = s.stats();
+    assert_eq!((st.absent, st.corrupt, st.mismatched, st.pages_loaded), (1, 1, 1, 2));
+    assert_eq!(st.bytes_read, (4 * format.value_bytes() + big.value_bytes()) as u64);
+
+    // From the corrupt page on: it is the stop; the sound page after it is not loaded.
+    let mut bufs = vec![vec![0xeeu8; format.page_bytes()]; 3];
+    let loaded = s.get(&hs[3..], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(loaded.pages, 0);
+    assert!(matches!(loaded.stop, Some(Miss::Invalid(Invalid::Checksum { .. }))), "{loaded:?}");
+    assert!(bufs.iter().flatten().all(|&x| x == 0xee));
+    // The longer value alone: the format its header names.
+    let loaded = s.get(&hs[5..], &mut bufs[..1].iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(loaded, Loaded { pages: 0, stop: Some(Miss::Invalid(Invalid::Format { found: big })) });
+
+    // A server error reply in the middle (a list under page 2's key): the whole read
+    // fails, nothing is written, and the connection is still in step.
+    let _: i64 = redis::cmd("RPUSH").arg(s.key(&hs[2])).arg("x").query(&mut raw).unwrap();
+    let mut bufs = vec![vec![0xeeu8; format.page_bytes()]; 5];
+    let err = s.get(&hs[..5], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap_err();
+    assert!(matches!(err, StoreError::Server { .. }), "{err}");
+    assert!(bufs.iter().flatten().all(|&x| x == 0xee));
+    std::thread::sleep(Duration::from_millis(60)); // the backoff after the failure
+    let _: i64 = redis::cmd("DEL").arg(s.key(&hs[2])).query(&mut raw).unwrap();
+    s.put(&hs[2..3], &[&pages[2]]).unwrap();
+    let loaded = s.get(&hs[..5], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(loaded.pages, 3);
+    check(&bufs, 3);
+    assert_eq!(s.stats().connects, 1, "one connection served every read");
+}
+
 #[test]
 fn bad_input_is_refused_before_anything_is_sent() {
     let Some(server) = RedisServer::start() else { return };

@@ -28,8 +28,17 @@
 //!   [`timeout`](RedisStoreConfig::timeout) is a deadline for the whole operation
 //!   (every socket read and write waits at most for what is left of it); at the deadline
 //!   the operation fails with [`StoreError::Timeout`] and the connection is dropped.
-//!   Commands are encoded and replies parsed by the `redis` crate (`Pipeline`,
-//!   `Parser`).
+//!   Replies to [`get`](PageStore::get) are read by the store's own RESP2/RESP3
+//!   reader: each value goes straight from the socket into a staging buffer owned by
+//!   the connection (one slot per page of the batch, grown to the largest batch read
+//!   and reused: no allocation per reply; 128 MiB after a batch of 64 2 MiB pages,
+//!   freed with the connection, e.g. by [`disconnect`](RedisStore::disconnect)), is
+//!   checked there as it arrives, and the leading sound run is copied into the
+//!   caller's pages once every reply was read (a failed operation writes nothing). A
+//!   reply that is neither a bulk string, a nil nor an error is a protocol error and
+//!   drops the connection; an error reply fails the operation after the rest were
+//!   read (the connection stays). Other commands are encoded and their replies parsed
+//!   by the `redis` crate (`Pipeline`, `Parser`), through the same read buffer.
 //! * Cluster: the `redis` crate's cluster connection, with
 //!   [`timeout`](RedisStoreConfig::timeout) as its response timeout (each reply waits at
 //!   most that long) and [`connect_timeout`](RedisStoreConfig::connect_timeout) per
@@ -318,6 +327,18 @@ impl RedisStore {
     /// One operation: backoff check, lock, (re)connect, arm the deadline, run `f`,
     /// classify and count.
     fn op<T>(&self, write: bool, f: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Result<T, StoreError> {
+        self.op_then(write, f, |_, v| Ok(v))
+    }
+
+    /// [`op`](Self::op), then `then` on `f`'s result with the connection still locked
+    /// (after the operation was counted and its latency sampled: `then` is local work,
+    /// such as copying out of the connection's staging buffer).
+    fn op_then<T, U>(
+        &self,
+        write: bool,
+        f: impl FnOnce(&mut Conn) -> RedisResult<T>,
+        then: impl FnOnce(&mut Conn, T) -> Result<U, StoreError>,
+    ) -> Result<U, StoreError> {
         let c = &self.counters;
         for backoff in [Some(&self.backoff), write.then_some(&self.write_backoff)].into_iter().flatten() {
             if let Err((retry_in, failures)) = backoff.check() {
@@ -353,10 +374,10 @@ impl RedisStore {
                 if write {
                     self.write_backoff.succeeded();
                 }
-                Ok(v)
+                then(conn, v)
             }
             Err(e) => {
-                let timed_out = matches!(conn, Conn::Single(tcp) if tcp.stream.timed_out);
+                let timed_out = matches!(conn, Conn::Single(tcp) if tcp.reader.stream.timed_out);
                 let (err, drop) = self.classify(&e, timed_out);
                 if drop {
                     link.conn = None;
@@ -459,7 +480,13 @@ impl RedisStore {
     }
 
     /// `GET` every page and check the leading run; `write(i, payload)` is called for
-    /// each page of that run, after all of them were checked.
+    /// each page of that run, after all of them were read and checked (so a failure of
+    /// the operation writes nothing).
+    ///
+    /// On a single node the replies are read straight into the connection's staging
+    /// buffer (one slot of [`PageFormat::value_bytes`] per page, grown to the largest
+    /// batch read and reused) and checked as each arrives; in cluster mode the `redis`
+    /// crate's replies are checked here.
     fn get_with(
         &self,
         hashes: &[BlockHash],
@@ -468,53 +495,90 @@ impl RedisStore {
         if hashes.is_empty() {
             return Ok(Loaded { pages: 0, stop: None });
         }
-        let mut key = Vec::with_capacity(self.prefix.len() + 64);
-        let cmds = self.keyed("GET", hashes, &mut key);
-        let values = self.op(false, |conn| self.pipeline(conn, cmds))?;
-        if values.len() != hashes.len() {
-            return Err(StoreError::Server { detail: format!("{} replies to {} GETs", values.len(), hashes.len()) });
-        }
-        let c = &self.counters;
         let format = self.cfg.format;
-        let mut stop = None;
-        let mut run = 0;
-        let mut bytes = 0u64;
-        // Check every value (each is counted), then write the leading sound run.
-        for (i, (v, h)) in values.iter().zip(hashes).enumerate() {
-            let miss = match v {
-                Value::Nil => {
-                    Counters::add(&c.absent, 1);
-                    Some(Miss::Absent)
-                }
-                Value::BulkString(bytes_) => {
-                    bytes += bytes_.len() as u64;
-                    match check_page(h, format, bytes_) {
-                        Ok(_) => None,
-                        Err(invalid) => {
-                            let counter = if invalid.is_corrupt() { &c.corrupt } else { &c.mismatched };
-                            Counters::add(counter, 1);
-                            Some(Miss::Invalid(invalid))
-                        }
+        let mut key = Vec::with_capacity(self.prefix.len() + 64);
+        let fetch = |conn: &mut Conn| -> RedisResult<Fetched> {
+            match conn {
+                Conn::Single(c) => {
+                    let mut cmd = Vec::with_capacity(hashes.len() * (self.prefix.len() + 64 + 24));
+                    for h in hashes {
+                        self.write_key(h, &mut key);
+                        pack_command(&mut cmd, &[b"GET", &key]);
                     }
+                    let (misses, bytes) = c.get_pages(&cmd, hashes, format)?;
+                    Ok(Fetched { values: None, misses, bytes })
                 }
-                _ => {
-                    Counters::add(&c.corrupt, 1);
-                    Some(Miss::Invalid(Invalid::Magic))
+                Conn::Cluster(_) => {
+                    let cmds = self.keyed("GET", hashes, &mut key);
+                    let values = self.pipeline(conn, cmds)?;
+                    let mut bytes = 0u64;
+                    let misses = values
+                        .iter()
+                        .zip(hashes)
+                        .map(|(v, h)| match v {
+                            Value::Nil => Some(Miss::Absent),
+                            Value::BulkString(value) => {
+                                bytes += value.len() as u64;
+                                check_page(h, format, value).err().map(Miss::Invalid)
+                            }
+                            _ => Some(Miss::Invalid(Invalid::Magic)),
+                        })
+                        .collect();
+                    Ok(Fetched { values: Some(values), misses, bytes })
                 }
-            };
-            match miss {
-                None if stop.is_none() => run = i + 1,
-                Some(m) if stop.is_none() => stop = Some(m),
-                _ => {}
             }
-        }
-        Counters::add(&c.bytes_read, bytes);
-        for (i, v) in values.iter().take(run).enumerate() {
-            let Value::BulkString(value) = v else { unreachable!("checked above") };
-            write(i, &value[HEADER_BYTES..])?;
-        }
-        Counters::add(&c.pages_loaded, run as u64);
-        Ok(Loaded { pages: run, stop })
+        };
+        self.op_then(false, fetch, |conn, fetched| {
+            if fetched.misses.len() != hashes.len() {
+                let detail = format!("{} replies to {} GETs", fetched.misses.len(), hashes.len());
+                return Err(StoreError::Server { detail });
+            }
+            let c = &self.counters;
+            // Every value is counted, then the leading sound run is written.
+            for miss in fetched.misses.iter().flatten() {
+                let counter = match miss {
+                    Miss::Absent => &c.absent,
+                    Miss::Invalid(invalid) if invalid.is_corrupt() => &c.corrupt,
+                    Miss::Invalid(_) => &c.mismatched,
+                };
+                Counters::add(counter, 1);
+            }
+            Counters::add(&c.bytes_read, fetched.bytes);
+            let run = fetched.misses.iter().take_while(|m| m.is_none()).count();
+            let stop = fetched.misses.get(run).copied().flatten();
+            for i in 0..run {
+                let value = match (&fetched.values, &*conn) {
+                    (Some(values), _) => match &values[i] {
+                        Value::BulkString(value) => &value[..],
+                        _ => unreachable!("checked above"),
+                    },
+                    (None, Conn::Single(tcp)) => tcp.slot(i, format),
+                    (None, Conn::Cluster(_)) => unreachable!("staged replies come from a single node"),
+                };
+                write(i, &value[HEADER_BYTES..])?;
+            }
+            Counters::add(&c.pages_loaded, run as u64);
+            Ok(Loaded { pages: run, stop })
+        })
+    }
+}
+
+/// The replies to one pipeline of `GET`s: checked (`misses[i]` is `None` for a sound
+/// page), held in `values` (cluster) or in the connection's staging buffer (single node).
+struct Fetched {
+    values: Option<Vec<Value>>,
+    misses: Vec<Option<Miss>>,
+    /// Bytes of the values read.
+    bytes: u64,
+}
+
+/// Append the RESP encoding of the command `args` to `out`.
+fn pack_command(out: &mut Vec<u8>, args: &[&[u8]]) {
+    let _ = write!(out, "*{}\r\n", args.len());
+    for arg in args {
+        let _ = write!(out, "${}\r\n", arg.len());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
     }
 }
 
@@ -656,12 +720,249 @@ impl Write for DeadlineStream {
     }
 }
 
-/// A single-node connection: the `redis` crate's command encoding and reply parser over
-/// a [`DeadlineStream`]. After any I/O error it is closed (the replies in flight can no
-/// longer be matched to their commands) and the store drops it.
-struct TcpConn {
+/// Bytes of the read buffer in front of a connection's stream (reply headers, short
+/// replies, the first bytes of a bulk string; the rest of a page's value is read past
+/// it, straight into the staging buffer).
+const READ_BUFFER: usize = 64 << 10;
+
+/// A [`DeadlineStream`] with a small read buffer: the `redis` crate's parser reads
+/// through it ([`Read`]: buffered bytes first), and the store's own `GET` reply reader
+/// ([`get_reply`](Self::get_reply)) frames replies on it and reads bulk strings into a
+/// buffer of the caller's.
+struct Reader {
     stream: DeadlineStream,
+    buf: Box<[u8]>,
+    /// `buf[pos..end]` is read and not yet consumed.
+    pos: usize,
+    end: usize,
+}
+
+/// One reply to a `GET`.
+enum GetReply {
+    /// `$-1` (RESP2) or `_` (RESP3).
+    Nil,
+    /// A bulk string of this many bytes: all of them in the slot when they fit, else its
+    /// first [`HEADER_BYTES`] (the rest was read and dropped).
+    Bulk(usize),
+    /// `-ERR ...` or a RESP3 blob error: the stream is still in step.
+    Error(RedisError),
+}
+
+fn protocol(detail: String) -> RedisError {
+    RedisError::from((ErrorKind::Parse, "unexpected reply", detail))
+}
+
+impl Reader {
+    fn new(stream: DeadlineStream) -> Reader {
+        Reader { stream, buf: vec![0u8; READ_BUFFER].into_boxed_slice(), pos: 0, end: 0 }
+    }
+
+    /// Read more bytes into the buffer (after what is there).
+    fn fill(&mut self) -> io::Result<()> {
+        if self.pos == self.end {
+            (self.pos, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.pos..self.end, 0);
+            (self.pos, self.end) = (0, self.end - self.pos);
+        }
+        if self.end == self.buf.len() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "reply line longer than the read buffer"));
+        }
+        match self.stream.read(&mut self.buf[self.end..])? {
+            0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the server")),
+            n => {
+                self.end += n;
+                Ok(())
+            }
+        }
+    }
+
+    /// The next line (without its `\r\n`) as a range of the buffer, consumed.
+    fn line(&mut self) -> io::Result<(usize, usize)> {
+        let mut scanned = 0;
+        loop {
+            let window = &self.buf[self.pos + scanned..self.end];
+            if let Some(at) = window.windows(2).position(|w| w == b"\r\n") {
+                let (start, stop) = (self.pos, self.pos + scanned + at);
+                self.pos = stop + 2;
+                return Ok((start, stop));
+            }
+            // (Relative to `pos`, which `fill` may move.)
+            scanned = (self.end - self.pos).saturating_sub(1);
+            self.fill()?;
+        }
+    }
+
+    /// The next line's type byte and the integer after it.
+    fn header(&mut self) -> RedisResult<(u8, (usize, usize))> {
+        let (start, stop) = self.line()?;
+        match self.buf.get(start) {
+            Some(&kind) => Ok((kind, (start + 1, stop))),
+            None => Err(protocol("an empty reply line".into())),
+        }
+    }
+
+    fn int(&self, (start, stop): (usize, usize)) -> RedisResult<i64> {
+        core::str::from_utf8(&self.buf[start..stop])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| protocol(format!("`{}` is not a length", String::from_utf8_lossy(&self.buf[start..stop]))))
+    }
+
+    /// Fill `dst` from the buffer, then from the stream.
+    fn read_into(&mut self, dst: &mut [u8]) -> io::Result<()> {
+        let have = (self.end - self.pos).min(dst.len());
+        dst[..have].copy_from_slice(&self.buf[self.pos..self.pos + have]);
+        self.pos += have;
+        let mut at = have;
+        while at < dst.len() {
+            match self.stream.read(&mut dst[at..])? {
+                0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the server")),
+                n => at += n,
+            }
+        }
+        Ok(())
+    }
+
+    /// Consume `n` bytes.
+    fn skip(&mut self, mut n: usize) -> io::Result<()> {
+        loop {
+            let have = (self.end - self.pos).min(n);
+            self.pos += have;
+            n -= have;
+            if n == 0 {
+                return Ok(());
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Consume the `\r\n` after a bulk string.
+    fn crlf(&mut self) -> RedisResult<()> {
+        while self.end - self.pos < 2 {
+            self.fill()?;
+        }
+        if &self.buf[self.pos..self.pos + 2] != b"\r\n" {
+            return Err(protocol("a bulk string not followed by CRLF".into()));
+        }
+        self.pos += 2;
+        Ok(())
+    }
+
+    /// Consume `frames` whole replies of any RESP2/RESP3 type (pushes, attributes).
+    fn skip_frames(&mut self, mut frames: u64) -> RedisResult<()> {
+        while frames > 0 {
+            frames -= 1;
+            let (kind, rest) = self.header()?;
+            let n = match kind {
+                b'+' | b'-' | b':' | b'_' | b',' | b'#' | b'(' => continue,
+                b'$' | b'=' | b'!' | b'*' | b'~' | b'>' | b'%' | b'|' => self.int(rest)?,
+                _ => return Err(protocol(format!("reply type `{}`", kind.escape_ascii()))),
+            };
+            let Ok(n) = u64::try_from(n) else { continue }; // -1: a RESP2 nil
+            match kind {
+                b'$' | b'=' | b'!' => {
+                    self.skip(usize::try_from(n).map_err(|_| protocol("a huge bulk string".into()))?)?;
+                    self.crlf()?;
+                }
+                b'*' | b'~' | b'>' => frames = frames.saturating_add(n),
+                b'%' => frames = frames.saturating_add(n.saturating_mul(2)),
+                // An attribute map, then the value it annotates.
+                _ => frames = frames.saturating_add(n.saturating_mul(2)).saturating_add(1),
+            }
+        }
+        Ok(())
+    }
+
+    /// Read one reply to a `GET`: nil, an error, or a bulk string into `slot` (all of it
+    /// when it fits, else its first [`HEADER_BYTES`]; `slot` holds at least that many).
+    /// Pushes and attributes before it are skipped; any other reply is a protocol error
+    /// (the connection is dropped).
+    fn get_reply(&mut self, slot: &mut [u8]) -> RedisResult<GetReply> {
+        loop {
+            let (kind, rest) = self.header()?;
+            match kind {
+                b'$' => {
+                    let n = self.int(rest)?;
+                    if n == -1 {
+                        return Ok(GetReply::Nil);
+                    }
+                    let n = usize::try_from(n).map_err(|_| protocol(format!("bulk string length {n}")))?;
+                    if n <= slot.len() {
+                        self.read_into(&mut slot[..n])?;
+                    } else {
+                        self.read_into(&mut slot[..HEADER_BYTES])?;
+                        self.skip(n - HEADER_BYTES)?;
+                    }
+                    self.crlf()?;
+                    return Ok(GetReply::Bulk(n));
+                }
+                b'_' => return Ok(GetReply::Nil),
+                b'-' => {
+                    let mut frame = self.buf[rest.0 - 1..rest.1].to_vec();
+                    frame.extend_from_slice(b"\r\n");
+                    return Ok(GetReply::Error(server_error(&frame)));
+                }
+                b'!' => {
+                    let n = self.int(rest)?;
+                    let n = usize::try_from(n)
+                        .ok()
+                        .filter(|&n| n <= READ_BUFFER)
+                        .ok_or_else(|| protocol(format!("blob error length {n}")))?;
+                    let mut frame = format!("!{n}\r\n").into_bytes();
+                    let at = frame.len();
+                    frame.resize(at + n, 0);
+                    self.read_into(&mut frame[at..])?;
+                    self.crlf()?;
+                    frame.extend_from_slice(b"\r\n");
+                    return Ok(GetReply::Error(server_error(&frame)));
+                }
+                b'>' => {
+                    let n = self.int(rest)?;
+                    self.skip_frames(u64::try_from(n).unwrap_or(0))?;
+                }
+                b'|' => {
+                    let n = self.int(rest)?;
+                    self.skip_frames(u64::try_from(n).unwrap_or(0).saturating_mul(2))?;
+                }
+                _ => return Err(protocol(format!("reply type `{}` to a GET", kind.escape_ascii()))),
+            }
+        }
+    }
+}
+
+/// The error of a server error reply (`frame`: the whole reply).
+fn server_error(frame: &[u8]) -> RedisError {
+    match redis::parse_redis_value(frame).and_then(Value::extract_error) {
+        Err(e) => e,
+        Ok(v) => protocol(format!("an error reply parsed as {v:?}")),
+    }
+}
+
+impl Read for Reader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.pos == self.end {
+            return self.stream.read(buf);
+        }
+        let n = (self.end - self.pos).min(buf.len());
+        buf[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// A single-node connection over a [`DeadlineStream`]: the `redis` crate's command
+/// encoding and reply parser for [`ConnectionLike`] (`EXISTS`, `SET`, the handshake,
+/// [`RedisStore::with_connection`]), the store's own reply reader for pipelines of
+/// `GET`s ([`get_pages`](Self::get_pages)), which reads each value straight into the
+/// staging buffer. After any I/O or protocol error it is closed (the replies in flight
+/// can no longer be matched to their commands) and the store drops it.
+struct TcpConn {
+    reader: Reader,
     parser: redis::Parser,
+    /// Page values of the last `get_pages`, slot `i` at `i * value_bytes`: grown to the
+    /// largest batch read, reused, dropped with the connection.
+    staging: Vec<u8>,
     db: i64,
     open: bool,
 }
@@ -687,15 +988,16 @@ impl TcpConn {
         stream.set_nodelay(true).map_err(fail)?;
         let settings = info.redis_settings();
         let mut conn = TcpConn {
-            stream: DeadlineStream {
+            reader: Reader::new(DeadlineStream {
                 stream,
                 deadline: Instant::now(),
                 read_set: None,
                 write_set: None,
                 slack: timeout / 16,
                 timed_out: false,
-            },
+            }),
             parser: redis::Parser::new(),
+            staging: Vec::new(),
             db: settings.db(),
             open: true,
         };
@@ -718,11 +1020,12 @@ impl TcpConn {
     }
 
     fn arm(&mut self, timeout: Duration) {
-        self.stream.deadline = Instant::now() + timeout;
-        self.stream.slack = timeout / 16;
-        self.stream.read_set = None;
-        self.stream.write_set = None;
-        self.stream.timed_out = false;
+        let stream = &mut self.reader.stream;
+        stream.deadline = Instant::now() + timeout;
+        stream.slack = timeout / 16;
+        stream.read_set = None;
+        stream.write_set = None;
+        stream.timed_out = false;
     }
 
     fn closed<T>(&mut self, e: RedisError) -> RedisResult<T> {
@@ -734,15 +1037,84 @@ impl TcpConn {
         if !self.open {
             return Err(RedisError::from(io::Error::new(io::ErrorKind::NotConnected, "connection closed")));
         }
-        match self.stream.write_all(bytes) {
+        match self.reader.stream.write_all(bytes) {
             Ok(()) => Ok(()),
             Err(e) => self.closed(e.into()),
         }
     }
 
+    /// Send `cmd`, a pipeline of one `GET` per page of `hashes`, and read and check the
+    /// replies: each value goes straight into its slot of the staging buffer and is
+    /// checked there; `misses[i]` is `None` for a sound page. Also the bytes of the
+    /// values. A server error reply fails the whole read (after every reply was read,
+    /// so the connection stays usable).
+    fn get_pages(
+        &mut self,
+        cmd: &[u8],
+        hashes: &[BlockHash],
+        format: PageFormat,
+    ) -> RedisResult<(Vec<Option<Miss>>, u64)> {
+        let value_bytes = format.value_bytes();
+        let Some(need) = hashes.len().checked_mul(value_bytes) else {
+            return Err(RedisError::from((ErrorKind::Client, "batch too large for the staging buffer")));
+        };
+        if self.open && self.reader.pos != self.reader.end {
+            let e = protocol(format!("{} bytes nobody asked for", self.reader.end - self.reader.pos));
+            return self.closed(e);
+        }
+        self.send(cmd)?;
+        if self.staging.len() < need {
+            // Zeroed lazily by the allocator; the pages are faulted in once, by the
+            // first read into them.
+            self.staging = vec![0u8; need];
+        }
+        let mut misses = Vec::with_capacity(hashes.len());
+        let mut bytes = 0u64;
+        let mut error = None;
+        for (h, slot) in hashes.iter().zip(self.staging.chunks_exact_mut(value_bytes)) {
+            let miss = match self.reader.get_reply(slot) {
+                Ok(GetReply::Nil) => Some(Miss::Absent),
+                Ok(GetReply::Bulk(len)) => {
+                    bytes += len as u64;
+                    if len <= value_bytes {
+                        check_page(h, format, &slot[..len]).err().map(Miss::Invalid)
+                    } else {
+                        // Too long for a page of this format: what its header says,
+                        // else a length mismatch.
+                        match check_page(h, format, &slot[..HEADER_BYTES]) {
+                            Err(Invalid::Length { .. }) | Ok(_) => {
+                                Some(Miss::Invalid(Invalid::Length { found: len - HEADER_BYTES }))
+                            }
+                            Err(invalid) => Some(Miss::Invalid(invalid)),
+                        }
+                    }
+                }
+                Ok(GetReply::Error(e)) => {
+                    error.get_or_insert(e);
+                    None
+                }
+                Err(e) => {
+                    self.open = false;
+                    return Err(e);
+                }
+            };
+            misses.push(miss);
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok((misses, bytes)),
+        }
+    }
+
+    /// Staging slot `i` (a sound page's value after [`get_pages`](Self::get_pages)).
+    fn slot(&self, i: usize, format: PageFormat) -> &[u8] {
+        let n = format.value_bytes();
+        &self.staging[i * n..(i + 1) * n]
+    }
+
     fn recv(&mut self) -> RedisResult<Value> {
         loop {
-            match self.parser.parse_value(&mut self.stream) {
+            match self.parser.parse_value(&mut self.reader) {
                 Ok(Value::Push { .. }) => continue,
                 Ok(v) => return Ok(v),
                 Err(e) => return self.closed(e),
