@@ -30,6 +30,15 @@
 //! the node and the expired `want` is cleared; a `want` that expires on a node nobody
 //! touched is cleared when the node next comes out of the heap.
 //!
+//! **The horizon.** A hint protects only while its admission lies within `H = pool
+//! tokens / (2 x mean prompt tokens admitted so far)` admissions (unbounded before the
+//! first admission): the prefixes of the next `H` requests fill on average at most half
+//! the pool, so whatever the queue or the routers say, the unprotected order keeps at
+//! least half of it. A hint further ahead stays in its word, unfolded, and is folded
+//! when a touch or a pop finds it within the horizon (a leaf popped before that is
+//! evicted as unprotected). A split gives both halves the node's `want`, each with its
+//! own expiry entry.
+//!
 //! # The order: protected last, then least frequently used with dynamic aging
 //!
 //! Evictable leaves are keyed by (class, then):
