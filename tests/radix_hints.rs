@@ -208,3 +208,51 @@ fn reuse_branching_node_starts_a_conversation() {
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[1, 3, 5]), cached(&c, &[1, 4])), (1, 2, 2));
     c.check_invariants().unwrap();
 }
+
+/// A split hands a live protection to both halves, and each half's protection ends
+/// with its admission: the tail the wanting request does not walk (the rest of a turn
+/// its continuation diverged from) goes again by the unprotected order afterwards.
+/// Without an expiry entry for the halves that tail stays keyed as protected, behind
+/// every unprotected leaf, long after the admission.
+#[test]
+fn a_split_protection_expires_on_both_halves() {
+    for policy in EvictionPolicy::KVPOOL_ONLY {
+        let c = cache(policy, 64);
+        put(&c, &[1, 2, 3, 4]);
+        c.hint_prefix(0, &[1, 2, 3, 4], &mut [0; 4], 1);
+        put(&c, &[1, 2, 7]); // splits [1, 2, 3, 4] into [1, 2] and [3, 4], both wanted
+        admit(&c, &[1, 2, 7]); // the admission the hint was for
+        put(&c, &[5, 6]);
+        // [3, 4] is older than [5, 6] and as frequent: it goes first now.
+        assert_eq!(c.evict(2), 2, "{policy}");
+        assert_eq!((cached(&c, &[1, 2, 3, 4]), cached(&c, &[5, 6])), (2, 2), "{policy}");
+        c.check_invariants().unwrap();
+    }
+}
+
+/// A hint protects only within the horizon: the admissions whose prompts, at the mean
+/// prompt length so far, fill half the pool. Here 64 slots and 8-token prompts: 4
+/// admissions. A hint further ahead waits in its word and protects once the clock
+/// brings it within the horizon.
+#[test]
+fn a_hint_beyond_the_horizon_protects_only_once_within_it() {
+    let prompt = |k: u32| (100 * k..100 * k + 8).collect::<Vec<u32>>();
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    admit(&c, &prompt(1)); // mean prompt 8: horizon 64 / (2 * 8) = 4 admissions
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 6); // wanted 6 admissions ahead: not yet
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (0, 2), "[1, 2] was beyond the horizon");
+
+    let c = cache(EvictionPolicy::Hinted, 64);
+    put(&c, &[1, 2]);
+    put(&c, &[3, 4]);
+    admit(&c, &prompt(1));
+    c.hint_prefix(0, &[1, 2], &mut [0; 2], 6); // the admission 7
+    admit(&c, &prompt(2));
+    admit(&c, &prompt(3)); // now 3: 4 ahead, within the horizon
+    assert_eq!(c.evict(1), 2);
+    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (2, 0), "[1, 2] is protected now");
+    c.check_invariants().unwrap();
+}

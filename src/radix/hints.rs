@@ -30,6 +30,15 @@
 //! the node and the expired `want` is cleared; a `want` that expires on a node nobody
 //! touched is cleared when the node next comes out of the heap.
 //!
+//! **The horizon.** A hint protects only while its admission lies within `H = pool
+//! tokens / (2 x mean prompt tokens admitted so far)` admissions (unbounded before the
+//! first admission): the prefixes of the next `H` requests fill on average at most half
+//! the pool, so whatever the queue or the routers say, the unprotected order keeps at
+//! least half of it. A hint further ahead stays in its word, unfolded, and is folded
+//! when a touch or a pop finds it within the horizon (a leaf popped before that is
+//! evicted as unprotected). A split gives both halves the node's `want`, each with its
+//! own expiry entry.
+//!
 //! # The order: protected last, then least frequently used with dynamic aging
 //!
 //! Evictable leaves are keyed by (class, then):
@@ -114,6 +123,8 @@ pub(super) struct Hints {
     words: Box<[AtomicU64]>,
     /// Admissions so far (`match_and_lock` calls).
     now: AtomicU64,
+    /// The prompt tokens of those admissions (latch holder only), for the horizon.
+    prompt_tokens: AtomicU64,
     /// The greedy-dual inflation `L`. Only the latch holder reads or writes it (an
     /// atomic only so that it can live beside the shared words).
     inflation: AtomicU64,
@@ -138,6 +149,7 @@ impl Hints {
         Ok(Hints {
             words: words.into_boxed_slice(),
             now: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
             inflation: AtomicU64::new(0),
             partial: false,
             created: Default::default(),
@@ -149,6 +161,13 @@ impl Hints {
     #[inline]
     pub(super) fn admit(&self) {
         self.now.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The latch holder admits a prompt of `tokens` tokens (for the horizon).
+    #[inline]
+    pub(super) fn admitted_tokens(&self, tokens: usize) {
+        let t = &self.prompt_tokens;
+        t.store(t.load(Ordering::Relaxed).saturating_add(tokens as u64), Ordering::Relaxed);
     }
 
     fn now(&self) -> u64 {
@@ -175,31 +194,81 @@ pub(super) fn node_key<N>(policy: EvictionPolicy, m: &Meta<N>) -> (i64, u64) {
 }
 
 impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
-    /// Fold node `id`'s hint word into its `want` and clear an expired `want`.
+    /// The protection horizon, in admissions: the requests whose prompts, at the mean
+    /// prompt length admitted so far, fill half the pool (unbounded before the first
+    /// admission). A hint for a later admission is left in its word, unfolded, until
+    /// the clock brings it within the horizon (see the module docs).
+    fn horizon(&self) -> u64 {
+        let h = &self.c.hints;
+        let tokens = h.prompt_tokens.load(Ordering::Relaxed);
+        if tokens == 0 {
+            return u64::MAX;
+        }
+        let pool = self.c.alloc.size() as u128 * h.now() as u128;
+        (pool / (2 * tokens as u128)).min(u64::MAX as u128) as u64
+    }
+
+    /// Fold node `id`'s hint word into its `want` (a stamp beyond the horizon stays in
+    /// the word) and clear an expired `want`.
     fn fold_hint(&mut self, id: u32) {
-        let hints = &self.c.hints;
-        let now = hints.now();
-        let cell = &hints.words[id as usize];
-        if cell.load(Ordering::Relaxed) != 0 {
-            let word = cell.swap(0, Ordering::Relaxed);
+        let now = self.c.hints.now();
+        let cell = &self.c.hints.words[id as usize];
+        let mut word = cell.load(Ordering::Relaxed);
+        while word != 0 {
             let gen = self.c.records[id as usize].gen.load(Ordering::Relaxed) as u32;
-            if (word >> 32) as u32 == gen {
-                if let Some(stamp) = live_stamp(word as u32, now) {
-                    let m = &mut self.s.meta[id as usize];
-                    if stamp > m.want {
-                        m.want = stamp;
-                        let e = &mut self.s.hint_expiry.0;
-                        // Within the capacity reserved at construction: no reallocation.
-                        if e.len() < e.capacity() {
-                            e.push(core::cmp::Reverse((stamp, id)));
-                        }
-                    }
+            let stamp = if (word >> 32) as u32 == gen { live_stamp(word as u32, now) } else { None };
+            if let Some(stamp) = stamp {
+                if stamp - now > self.horizon() {
+                    break;
                 }
+            }
+            // Take the word (a stale or expired one is only cleared). Relaxed: advice.
+            match cell.compare_exchange_weak(word, 0, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    if let Some(stamp) = stamp {
+                        self.protect(id, stamp);
+                    }
+                    break;
+                }
+                Err(seen) => word = seen,
             }
         }
         let m = &mut self.s.meta[id as usize];
         if m.want != 0 && m.want <= now {
             m.want = 0;
+        }
+    }
+
+    /// Protect node `id` until admission `stamp` (keeping a later `want`), with an
+    /// entry in the expiry order.
+    fn protect(&mut self, id: u32, stamp: u64) {
+        let m = &mut self.s.meta[id as usize];
+        if stamp > m.want {
+            m.want = stamp;
+            let e = &mut self.s.hint_expiry.0;
+            // Within the capacity reserved at construction: no reallocation.
+            if e.len() < e.capacity() {
+                e.push(core::cmp::Reverse((stamp, id)));
+            }
+        }
+    }
+}
+
+/// Node `id` was split into `upper` and `lower`, both of which copied its `want`: each
+/// gets its own expiry entry (the old one names a retired record), so neither half's
+/// protection can outlive its admission. Without this the half the wanting request
+/// does not walk (the tail a continuation diverges from) stays keyed as protected,
+/// behind every unprotected leaf, until the heap runs out of them.
+#[inline]
+pub(super) fn split<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, upper: u32, lower: u32) {
+    if !w.c.policy.uses_hints() {
+        return;
+    }
+    let want = w.s.meta[lower as usize].want;
+    if want != 0 {
+        for id in [upper, lower] {
+            w.s.meta[id as usize].want = 0;
+            w.protect(id, want);
         }
     }
 }

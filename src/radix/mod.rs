@@ -954,6 +954,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         self.hints.admit();
         let key = self.aligned(key, out.len());
         let key = self.write(|w| {
+            if self.policy.uses_hints() {
+                self.hints.admitted_tokens(key.len());
+            }
             let (m, ..) = w.match_path(namespace, key, out);
             w.lease_of(&m)
         });

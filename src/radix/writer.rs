@@ -457,6 +457,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.page_owner[cut as usize] = upper;
         self.s.page_epoch[cut as usize] = self.s.page_epoch[cut as usize].wrapping_add(1);
         self.s.page_owner[old.last_page as usize] = lower;
+        super::hints::split(self, upper, lower);
         V::split(self, id, upper, lower);
         upper
     }
