@@ -258,8 +258,9 @@ impl<'t> DeltaDecode<'t> {
         };
         // SAFETY: `deltas` is the device mapping of a pinned staging buffer of
         // `delta_block_words(capacity)` words, written by `DeltaPlanner::stage` before
-        // each launch of the graph and not rewritten before the event recorded after
-        // that launch has completed; `state` holds `capacity` records of
+        // each launch of the graph and not rewritten before that launch's kernel has
+        // copied the step's tag to word 3 (it reads the block no more after that) or
+        // the event the graph records after the kernel has completed; `state` holds `capacity` records of
         // `DELTA_STATE_BYTES` (4 words each) and `out` `capacity >= bucket` slots; the
         // table view's shape is passed as it is (rows * stride < 2^32, checked by the
         // view). The staging, `state` and `out` are owned by the `DeltaDecode` that
