@@ -491,7 +491,8 @@ pub fn decode_delta_name(page: PageSize) -> String {
 ///
 /// Parameters: `deltas` (u64, usually mapped host memory: the block `kvpool`'s
 /// `DeltaPlanner` writes for `capacity` batch indices: at byte 0 the counts `n_full`
-/// and `n_page`; from byte [`DELTA_HEADER_BYTES`] `capacity` full entries of
+/// and `n_page`, at byte 8 the step's tag, at byte 12 the tag of the last step that
+/// read the block (written by this kernel); from byte [`DELTA_HEADER_BYTES`] `capacity` full entries of
 /// [`DELTA_ENTRY_BYTES`] (`index`, `row`, `len`, `page`); after them `capacity` page
 /// entries of [`DELTA_PAGE_BYTES`] (`index`, `page`)), `state` (u64: `capacity`
 /// records of [`DELTA_STATE_BYTES`]: `row`, `len`, `last`, `page`), `capacity` (u32),
@@ -506,7 +507,9 @@ pub fn decode_delta_name(page: PageSize) -> String {
 /// = {row, len, last, page}` with `last` read from column `len - 1` of the row when the
 /// request's next token continues a page (`len % ps != 0`, `row < rows`, `len <=
 /// table_stride`), else 0; a page entry sets `state[index].page`. (The host never sends
-/// both kinds for one index in a step.) `bar.sync`. Phase 2: for `i < bucket` (thread
+/// both kinds for one index in a step.) `bar.sync`; thread 0 then copies the block's
+/// word 2 (the step's tag, read with the counts) to its word 3 with a system-scope
+/// store: the host sees that the block is no longer read and may rewrite it. Phase 2: for `i < bucket` (thread
 /// `i % ntid`), with `{row, len, last, page} = state[i]`: a request whose `row >= rows`
 /// (padding: `PAD_ROW`) gets slot 0 in `out[i]` and nothing else; otherwise the new
 /// token at position `len` gets `page * ps` when it starts a page (`len % ps == 0`),
@@ -543,6 +546,7 @@ pub fn decode_delta(page: PageSize) -> Kernel {
     k.comment("one round trip: the counts (thread 0) and each thread's first entries");
     let is0 = k.setp_u32(Cmp::Eq, tid, 0u32);
     let c = k.ld_global(Width::B8, deltas, 0, true, Some((is0, true)));
+    let tag = k.ld_global(Width::B4, deltas, 8, true, Some((is0, true)))[0];
     let below = k.setp_u32(Cmp::Lt, tid, DELTA_SPEC);
     let page_spec = k.and_pred(below, below_cap);
     let pe_at = k.mad_wide_u32(tid, DELTA_PAGE_BYTES, page_base);
@@ -612,6 +616,8 @@ pub fn decode_delta(page: PageSize) -> Kernel {
     k.place(done);
     k.comment("every entry is in the state before any request advances");
     k.bar_sync();
+    k.comment("the block is read: hand it back to the host (its tag to word 3)");
+    k.st_global_sys_u32(deltas, 12, tag, Some((is0, true)));
 
     let bucket = k.ld_param_u32(bucket);
     let out = k.ld_param_u64(out);

@@ -702,6 +702,13 @@ impl Kernel {
         self.ins_if(guard, format_args!("st.global.{} {at}, {src}", width.suffix()));
     }
 
+    /// `st.relaxed.sys.global.u32 [addr+off], a`: a store the host sees while the
+    /// kernel still runs (mapped host memory; system scope, sm_70+).
+    pub fn st_global_sys_u32(&mut self, addr: R64, off: u32, a: impl Src32, guard: Option<(Pred, bool)>) {
+        let at = mem_operand(addr, off);
+        self.ins_if(guard, format_args!("st.relaxed.sys.global.u32 {at}, {}", a.text()));
+    }
+
     /// `st.global.u32 [addr+off], a`
     pub fn st_global_u32(&mut self, addr: R64, off: u32, a: impl Src32, guard: Option<(Pred, bool)>) {
         let at = mem_operand(addr, off);

@@ -13,9 +13,15 @@
 //!
 //! # Why a staging buffer is never overwritten while the device may read it
 //!
-//! As in [`DecodeGraphs`](super::DecodeGraphs): step `n` uses buffer `n % 2` and
-//! records event `n % 2` after its graph; step `n + 2` waits for that event before it
-//! writes the buffer again.
+//! Step `n` uses buffer `n % 2`. Once its kernel has read the block (after the
+//! block-wide barrier that follows applying the entries) thread 0 copies the step's
+//! tag (word 2, [`StagedDelta::tag`]) to word 3 with a system-scope store. Step `n + 2`
+//! reads word 3 (an atomic load of pinned memory, no driver call): when it holds step
+//! `n`'s tag, nothing will read the buffer again and the host rewrites it. Otherwise
+//! (the host is two steps ahead, or the device faulted) it falls back to event `n % 2`,
+//! which each graph records itself after its kernel (an external event-record node
+//! captured into the graph, so a step costs one driver call, `cuGraphLaunch`), and
+//! waits for it: a fault comes back as a typed error there.
 //!
 //! # Why the device state stays consistent
 //!
@@ -27,11 +33,12 @@
 //! shape, state writes by its capacity.
 
 use core::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer, DeviceSlice, LockedBuffer};
 use cust::stream::{Stream, StreamFlags};
-use cust::sys::{cuStreamWaitEvent, CUstream};
+use cust::sys::{cuEventRecordWithFlags, cuStreamWaitEvent, CUevent_record_flags_enum, CUstream};
 
 use super::graph::{capture, free_pages, mapped_address, GraphExec, MAX_BUCKET};
 use super::launch::{check, DeltaArgs, KvKernels};
@@ -179,6 +186,7 @@ impl<'t> DeltaDecode<'t> {
         let state = DeviceBuffer::from_slice(bytemuck::cast_slice::<DeltaSlot, u32>(&pad))?;
         let out = DeviceBuffer::<u32>::zeroed(max_bucket)?;
         let capture_stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
+        let done = [RawEvent::new()?, RawEvent::new()?];
         let mut graphs = Vec::new();
         let mut bucket = 1;
         while bucket <= max_bucket {
@@ -194,7 +202,11 @@ impl<'t> DeltaDecode<'t> {
                         table,
                         host.page_size(),
                         bucket,
-                    )
+                    )?;
+                    // SAFETY: a live event of this context and the capturing stream:
+                    // captured as an event-record node after the kernel.
+                    let flags = CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32;
+                    check(unsafe { cuEventRecordWithFlags(done[half].as_raw(), s, flags) }, "cuEventRecordWithFlags")
                 })
             };
             graphs.push([one(0)?, one(1)?]);
@@ -202,7 +214,7 @@ impl<'t> DeltaDecode<'t> {
         }
         Ok(DeltaDecode {
             graphs,
-            done: [RawEvent::new()?, RawEvent::new()?],
+            done,
             staging,
             fresh: [vec![0; max_bucket], vec![0; max_bucket]],
             owners: [vec![0; max_bucket], vec![0; max_bucket]],
@@ -246,8 +258,9 @@ impl<'t> DeltaDecode<'t> {
         };
         // SAFETY: `deltas` is the device mapping of a pinned staging buffer of
         // `delta_block_words(capacity)` words, written by `DeltaPlanner::stage` before
-        // each launch of the graph and not rewritten before the event recorded after
-        // that launch has completed; `state` holds `capacity` records of
+        // each launch of the graph and not rewritten before that launch's kernel has
+        // copied the step's tag to word 3 (it reads the block no more after that) or
+        // the event the graph records after the kernel has completed; `state` holds `capacity` records of
         // `DELTA_STATE_BYTES` (4 words each) and `out` `capacity >= bucket` slots; the
         // table view's shape is passed as it is (rows * stride < 2^32, checked by the
         // view). The staging, `state` and `out` are owned by the `DeltaDecode` that
@@ -333,14 +346,18 @@ impl<'t> DeltaDecode<'t> {
     pub fn step<'s>(&mut self, stream: impl Into<StreamRef<'s>>) -> Result<DeltaStep, CudaKvError> {
         let stream = stream.into();
         let half = self.next;
-        // The graph that last read this buffer (two steps ago) must have run.
-        self.done[half].synchronize()?;
+        // The graph that last read this buffer (two steps ago) must be past reading it.
+        if let Some(prev) = self.held[half] {
+            if self.returned_tag(half) != prev.staged.tag {
+                self.done[half].synchronize()?;
+            }
+        }
         let staged =
             self.planner.stage(&self.host, &mut self.staging[half], &mut self.fresh[half], &mut self.owners[half])?;
         let graph = &self.graphs[staged.bucket.trailing_zeros() as usize][half];
         let raw = stream.as_raw() as usize;
-        let queued = self.order_after_previous(stream, raw).and_then(|()| graph.launch(stream));
-        if let Err(e) = queued.and_then(|()| self.done[half].record(stream)) {
+        // The graph records `done[half]` itself.
+        if let Err(e) = self.order_after_previous(stream, raw).and_then(|()| graph.launch(stream)) {
             let _ = free_pages(&self.host, &self.fresh[half][..staged.new_pages]);
             return Err(e);
         }
@@ -373,7 +390,21 @@ impl<'t> DeltaDecode<'t> {
     ///
     /// [`CudaKvError::Cuda`] / [`CudaKvError::Driver`] for an asynchronous fault.
     pub fn next_staging_free(&self) -> Result<bool, CudaKvError> {
-        self.done[self.next].is_done()
+        match self.held[self.next] {
+            Some(prev) if self.returned_tag(self.next) == prev.staged.tag => Ok(true),
+            _ => self.done[self.next].is_done(),
+        }
+    }
+
+    /// Word 3 of staging buffer `half`: the tag of the last step whose kernel has read
+    /// it (written by the device through the buffer's mapping).
+    fn returned_tag(&self, half: usize) -> u32 {
+        let word = self.staging[half].as_ptr().wrapping_add(3).cast::<AtomicU32>();
+        // SAFETY: the buffer holds `delta_block_words(..) >= 4` words, lives as long as
+        // `self`, and is 4-byte aligned; word 3 is written only by the device (never
+        // by the host after `new`), so reading it as an atomic races with nothing the
+        // Rust side does. `Acquire`: the host's writes to the buffer come after.
+        unsafe { (*word).load(Ordering::Acquire) }
     }
 
     fn check_held(&self, step: &DeltaStep) -> Result<(), CudaKvError> {

@@ -30,11 +30,13 @@
 //! | words | what |
 //! |---|---|
 //! | `0`, `1` | counts: full entries `f`, page entries `p` |
-//! | `2`, `3` | 0 |
+//! | `2` | the step's tag ([`StagedDelta::tag`]) |
+//! | `3` | not written by the host: the kernel copies word 2 here once it has read the block |
 //! | `4..4 + 4c` | `f` [`DeltaEntry`]s: changed batch indices, whole state |
 //! | `4 + 4c..4 + 6c` | `p` [`DeltaPage`]s: fresh pages of unchanged requests |
 //!
-//! It only writes the block, in address order, and never reads it back: the block is
+//! It only writes the block (words 0-2 and the entries), in address order, and never
+//! reads it back: the block is
 //! pinned memory the device reads across the bus, and the host's own results (the
 //! step's fresh pages in batch order, and the batch index of each) go to separate
 //! host arrays. At 1,024 requests and page size 16 the device reads the counts and
@@ -124,6 +126,10 @@ pub struct StagedDelta {
     pub paged: usize,
     /// Fresh pages reserved.
     pub new_pages: usize,
+    /// The step's tag, written to word 2 of the block: the low 32 bits of
+    /// [`clock`](DeltaPlanner::clock)` + 1` (the kernel copies it to word 3 once it has
+    /// read the block, so the host knows when the block may be rewritten).
+    pub tag: u32,
 }
 
 const NONE: u32 = u32::MAX;
@@ -455,8 +461,16 @@ impl DeltaPlanner {
             };
             nf += 1;
         }
-        header.copy_from_slice(&[nf as u32, np as u32, 0, 0]);
-        Ok(StagedDelta { batch: self.batch, bucket: bucket_for(self.batch), full: nf, paged: np, new_pages: fresh })
+        let tag = self.clock.wrapping_add(1) as u32;
+        header[..3].copy_from_slice(&[nf as u32, np as u32, tag]);
+        Ok(StagedDelta {
+            batch: self.batch,
+            bucket: bucket_for(self.batch),
+            full: nf,
+            paged: np,
+            new_pages: fresh,
+            tag,
+        })
     }
 
     /// The step staged last was launched: the device has seen every change, and every
