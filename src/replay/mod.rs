@@ -660,6 +660,19 @@ pub(crate) struct Totals {
     pub router_hit_tokens: u64,
 }
 
+impl Totals {
+    /// Count a request served: `cached` of its `kv_len` tokens (page size `ps`) were in
+    /// the cache already, `hit` of its `prompt` tokens matched, `output` tokens decoded.
+    pub(crate) fn served(&mut self, kv_len: usize, ps: usize, cached: usize, prompt: usize, hit: usize, output: u32) {
+        let aligned = kv_len / ps * ps;
+        self.added_tokens += (aligned - cached.min(aligned)) as u64;
+        self.served += 1;
+        self.prompt_tokens += prompt as u64;
+        self.hit_tokens += hit as u64;
+        self.output_tokens += u64::from(output);
+    }
+}
+
 /// The latency histograms of a run.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Histograms {

@@ -130,12 +130,7 @@ pub fn run_sequential<C: ReplayCache>(
             let t = Instant::now();
             let cached = cache.cache_finished_req(NAMESPACE, &tokens[..kv_len], row, lease)?;
             hist.finish.record_since(t);
-            let aligned = kv_len / ps * ps;
-            totals.added_tokens += (aligned - cached.min(aligned)) as u64;
-            totals.served += 1;
-            totals.prompt_tokens += prompt as u64;
-            totals.hit_tokens += hit as u64;
-            totals.output_tokens += q.output_length as u64;
+            totals.served(kv_len, ps, cached, prompt, hit, q.output_length);
         }
         if config.timeline {
             let (host_tokens, host_hit_tokens) = cache.tier_occupancy();

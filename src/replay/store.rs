@@ -932,12 +932,7 @@ fn serve_one(
     let t = Instant::now();
     let cached = cache.cache_finished_req(NAMESPACE, &tokens[..kv_len], row, lease)?;
     hist.finish.record_since(t);
-    let aligned = kv_len / ps * ps;
-    totals.added_tokens += (aligned - cached.min(aligned)) as u64;
-    totals.served += 1;
-    totals.prompt_tokens += prompt as u64;
-    totals.hit_tokens += hit as u64;
-    totals.output_tokens += q.output_length as u64;
+    totals.served(kv_len, ps, cached, prompt, hit, q.output_length);
     fig.device_hit_tokens += (hit - loaded) as u64;
     fig.host_hit_tokens += (loaded - store_hit) as u64;
     fig.store_hit_tokens += store_hit as u64;
