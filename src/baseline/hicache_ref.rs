@@ -446,29 +446,42 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
             value = &value[n..];
         }
         if !key.is_empty() {
-            let t = self.tick();
-            let id = self.nodes.len();
-            let ck = self.child_key(namespace, key);
-            self.nodes.push(HiNode {
-                parent: node,
-                children: HashMap::new(),
-                namespace,
-                key: key.to_vec(),
-                value: Some(value.to_vec()),
-                host: None,
-                lock_ref: 0,
-                host_lock: 0,
-                last_access: t,
-                created: t,
-                hit_count: 0,
-                write_hits: 0,
-                alive: true,
-            });
-            self.nodes[node].children.insert(ck, id);
+            let id = self.push_leaf(node, namespace, key, Some(value.to_vec()), None);
             self.evictable += key.len();
             self.write_hit(id);
         }
         total
+    }
+
+    /// A new leaf under `parent` (stamped now) holding `key` with these values.
+    fn push_leaf(
+        &mut self,
+        parent: usize,
+        namespace: u64,
+        key: &[u32],
+        value: Option<Vec<u32>>,
+        host: Option<Vec<u32>>,
+    ) -> usize {
+        let t = self.tick();
+        let id = self.nodes.len();
+        let ck = self.child_key(namespace, key);
+        self.nodes.push(HiNode {
+            parent,
+            children: HashMap::new(),
+            namespace,
+            key: key.to_vec(),
+            value,
+            host,
+            lock_ref: 0,
+            host_lock: 0,
+            last_access: t,
+            created: t,
+            hit_count: 0,
+            write_hits: 0,
+            alive: true,
+        });
+        self.nodes[parent].children.insert(ck, id);
+        id
     }
 
     /// Lock the device-resident path from `node` to the root against eviction.
@@ -657,26 +670,8 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
             self.nodes[x].host_lock -= 1;
         }
         let Some(h) = got else { return 0 };
-        let t = self.tick();
-        let id = self.nodes.len();
         let rest = &key[held..];
-        let ck = self.child_key(namespace, rest);
-        self.nodes.push(HiNode {
-            parent: end,
-            children: HashMap::new(),
-            namespace,
-            key: rest.to_vec(),
-            value: None,
-            host: Some(h.clone()),
-            lock_ref: 0,
-            host_lock: 0,
-            last_access: t,
-            created: t,
-            hit_count: 0,
-            write_hits: 0,
-            alive: true,
-        });
-        self.nodes[end].children.insert(ck, id);
+        let id = self.push_leaf(end, namespace, rest, None, Some(h.clone()));
         self.start(TransferKind::Prefetch, id, h);
         self.counters.prefetched += rest.len() as u64;
         rest.len()

@@ -1267,6 +1267,26 @@ fn apply_insert<A: KvAllocator>(
     end
 }
 
+/// Hold (`on`) or release the host-only nodes on the path up from `from` (to its first
+/// resident ancestor) against host eviction: out of the host order while held.
+fn hold_host_path<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, from: u32, on: bool) {
+    let mut x = from;
+    while x != ROOT && ext(w, x).host_only {
+        if on {
+            if ext(w, x).pos != NIL {
+                order(w).remove(x);
+            }
+            ext_mut(w, x).host_lock += 1;
+        } else {
+            ext_mut(w, x).host_lock -= 1;
+            if is_host_leaf(&ext(w, x)) {
+                order(w).push(x);
+            }
+        }
+        x = w.parent_of(x);
+    }
+}
+
 /// Add `key[kv_len..]` (whole pages) on host under the path `key[..kv_len]` ends at
 /// (the node `end`, `ROOT` for none) as a host-only leaf with fresh host pages (evicting
 /// host leaves for room, not the path's own) and a [`TransferKind::Prefetch`] to fill
@@ -1284,27 +1304,13 @@ fn insert_host<A: KvAllocator>(
         return 0;
     }
     // The host-only part of the path stays while host room is made.
-    let mut x = end;
-    while x != ROOT && ext(w, x).host_only {
-        if ext(w, x).pos != NIL {
-            order(w).remove(x);
-        }
-        ext_mut(w, x).host_lock += 1;
-        x = w.parent_of(x);
-    }
+    hold_host_path(w, end, true);
     let avail = w.c.variant.host().available();
     if avail < n {
         evict_host(w, (n - avail) * ps);
     }
     let taken = take_host_pages(w, n);
-    let mut x = end;
-    while x != ROOT && ext(w, x).host_only {
-        ext_mut(w, x).host_lock -= 1;
-        if is_host_leaf(&ext(w, x)) {
-            order(w).push(x);
-        }
-        x = w.parent_of(x);
-    }
+    hold_host_path(w, end, false);
     let Some((first, first_run, last)) = taken else { return 0 };
     let mut at = kv_len;
     for (start, len) in w.chain(first, first_run, n as u32) {
@@ -1384,23 +1390,13 @@ fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut
     // being loaded (a `write_back` eviction makes host room for its backups).
     let anchor = w.s.meta[x as usize].last_page;
     let aux = w.inc_lock(anchor);
-    for &y in &chain {
-        if ext(w, y).pos != NIL {
-            order(w).remove(y);
-        }
-        ext_mut(w, y).host_lock += 1;
-    }
+    hold_host_path(w, host_end, true);
     let avail = w.c.alloc.available_size();
     if avail < total {
         w.evict(total - avail);
     }
     let got = w.c.alloc.alloc(&mut out[..total]).is_ok();
-    for &y in &chain {
-        ext_mut(w, y).host_lock -= 1;
-        if is_host_leaf(&ext(w, y)) {
-            order(w).push(y);
-        }
-    }
+    hold_host_path(w, host_end, false);
     w.dec_lock(anchor, aux);
     if got {
         let claimed = w.claim_pages(&out[..total], |_, slot| CacheError::SlotNotOwned { slot });
