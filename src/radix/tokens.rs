@@ -7,6 +7,9 @@
 //! caching a request), and readers load words. Readers validate what they read
 //! afterwards (see the module docs of `radix`), so a torn or stale word is harmless.
 //!
+//! Long runs are stored with one string instruction (`rep movsq`) on x86-64: see
+//! `string_copy` for why that is the same as the loop of `Relaxed` stores.
+//!
 //! Slot `s` is the `u32` at byte offset `4 * s` of the array: the low-addressed half of
 //! word `s / 2` when `s` is even. The latch holder, which no write can race, reads the
 //! array as plain `u32` memory (one `memcmp` per run).
@@ -31,6 +34,89 @@ fn pack(even: u32, odd: u32) -> u64 {
 fn unpack(word: u64) -> (u32, u32) {
     let b = word.to_ne_bytes();
     (u32::from_ne_bytes([b[0], b[1], b[2], b[3]]), u32::from_ne_bytes([b[4], b[5], b[6], b[7]]))
+}
+
+/// Words from which [`store_words`] and [`copy_words`] use the string copy: below this
+/// the loop of stores is as fast (the string instruction has a start-up cost of a few
+/// dozen cycles).
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+const STRING_MIN_WORDS: usize = 32;
+
+/// Copy `dst.len()` 8-byte words from `src` into `dst` with one `rep movsq`.
+///
+/// LLVM cannot merge or vectorize atomic stores, and the loop of 64-bit stores was the
+/// hot spot of caching a request; the string instruction moves the same bytes at
+/// memory-copy speed (and, for long runs, without reading the destination lines first).
+/// Why it is the same as that loop, for readers: each of its element stores is an
+/// aligned 8-byte store, which x86-64 performs single-copy atomically, like a `Relaxed`
+/// `AtomicU64` store; the element stores of one string instruction may become visible
+/// in any order, which `Relaxed` stores to different words allow anyway; and the whole
+/// instruction is ordered before later stores in program order (the fence that
+/// publishes a record follows it). Readers validate what they read in any case (module
+/// docs).
+///
+/// # Safety
+///
+/// `src` is valid for reads of `8 * dst.len()` bytes that nothing writes meanwhile, and
+/// does not overlap `dst`; the caller is the only writer of `dst` (the latch holder).
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+#[inline]
+unsafe fn string_copy(dst: &[AtomicU64], src: *const u8) {
+    // SAFETY: `dst` is `dst.len()` initialised, 8-aligned `AtomicU64`s, so every element
+    // store is an aligned 8-byte store; `src` is readable for as many bytes and not
+    // written meanwhile (the caller's contract). The only accesses that can race the
+    // stores are atomic loads (the caller is the only writer), and each element store
+    // is an atomic 8-byte store (see above): no data race. `rcx`, `rsi` and `rdi` are
+    // declared clobbered, the direction flag is clear on entry (the Rust ABI guarantees
+    // it) and `rep movsq` changes no flag.
+    unsafe {
+        core::arch::asm!(
+            "rep movsq",
+            inout("rcx") dst.len() => _,
+            inout("rsi") src => _,
+            inout("rdi") dst.as_ptr() => _,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Store `src`'s pairs of tokens into `dst` (word `k` gets `src[2k]`, `src[2k + 1]`:
+/// what [`pack`] makes of them). The latch holder only: nothing else writes `dst`.
+#[inline]
+fn store_words(dst: &[AtomicU64], src: &[u32]) {
+    assert_eq!(src.len(), 2 * dst.len(), "two tokens per word");
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    if dst.len() >= STRING_MIN_WORDS {
+        // SAFETY: `src` is `8 * dst.len()` bytes (asserted) of a shared borrow, so
+        // nothing writes it and it cannot overlap the atomics of `dst`; the caller is
+        // the latch holder, the only writer of `dst`. In memory, `pack(a, b)` is `a`
+        // then `b`, so the byte copy stores exactly the packed words.
+        unsafe { string_copy(dst, src.as_ptr().cast()) };
+        return;
+    }
+    for (w, pair) in dst.iter().zip(src.chunks_exact(2)) {
+        w.store(pack(pair[0], pair[1]), Ordering::Relaxed);
+    }
+}
+
+/// Copy words `src` to `dst` (which do not overlap). The latch holder only.
+#[inline]
+fn copy_words(dst: &[AtomicU64], src: &[AtomicU64]) {
+    assert_eq!(src.len(), dst.len(), "equal runs");
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    if dst.len() >= STRING_MIN_WORDS {
+        let (s, d) = (src.as_ptr_range(), dst.as_ptr_range());
+        assert!(s.end <= d.start || d.end <= s.start, "overlapping token runs");
+        // SAFETY: `src` is `dst.len()` initialised words that only the latch holder (the
+        // caller) writes, so nothing writes them during the copy (concurrent atomic
+        // loads do not conflict with the read); the ranges do not overlap (asserted);
+        // the caller is the only writer of `dst`.
+        unsafe { string_copy(dst, src.as_ptr().cast()) };
+        return;
+    }
+    for (w, v) in dst.iter().zip(src) {
+        w.store(v.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
 }
 
 impl Tokens {
@@ -103,10 +189,7 @@ impl Tokens {
                 (s, d, left) = (s + 1, d + 1, left - 1);
             }
             let pairs = left / 2;
-            let from = &self.words[s / 2..s / 2 + pairs];
-            for (w, v) in self.words[d / 2..d / 2 + pairs].iter().zip(from) {
-                w.store(v.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
+            copy_words(&self.words[d / 2..d / 2 + pairs], &self.words[s / 2..s / 2 + pairs]);
             if left % 2 == 1 {
                 self.write(d + left - 1, &[self.get(s + left - 1)]);
             }
@@ -142,9 +225,7 @@ impl Tokens {
             t = &t[1..];
         }
         let pairs = t.len() / 2;
-        for (w, pair) in self.words[s / 2..s / 2 + pairs].iter().zip(t.chunks_exact(2)) {
-            w.store(pack(pair[0], pair[1]), Ordering::Relaxed);
-        }
+        store_words(&self.words[s / 2..s / 2 + pairs], &t[..2 * pairs]);
         if t.len() % 2 == 1 {
             let w = &self.words[(s + t.len()) / 2];
             let (_, odd) = unpack(w.load(Ordering::Relaxed));
@@ -176,6 +257,37 @@ mod tests {
                         };
                         assert_eq!(t.get(slot), want, "copy {src} -> {dst} x {len}: slot {slot}");
                     }
+                }
+            }
+        }
+    }
+
+    /// Runs around and past the string-copy threshold (`STRING_MIN_WORDS` words) land
+    /// exactly where the word loop puts them, at both alignments, and keep their
+    /// neighbours; so do copies of such runs.
+    #[test]
+    fn long_runs_write_and_copy_exactly() {
+        let n = 420;
+        for start in 0..3 {
+            for len in [60, 63, 64, 65, 66, 67, 130, 131, 200] {
+                let t = Tokens::new(n).unwrap();
+                t.write(0, &vec![7; n]);
+                let run: Vec<u32> = (0..len as u32).map(|k| k.wrapping_mul(2_654_435_761)).collect();
+                t.write(start, &run);
+                for slot in 0..n {
+                    let want = if (start..start + len).contains(&slot) { run[slot - start] } else { 7 };
+                    assert_eq!(t.get(slot), want, "write at {start} x {len}: slot {slot}");
+                }
+                for dst in [start + 201, start + 202] {
+                    t.copy(start, dst, len);
+                    for slot in dst..dst + len {
+                        assert_eq!(t.get(slot), run[slot - dst], "copy {start} -> {dst} x {len}: slot {slot}");
+                    }
+                    assert_eq!(t.get(dst - 1), if dst - 1 < start + len { run[dst - 1 - start] } else { 7 });
+                    if dst + len < n {
+                        assert_eq!(t.get(dst + len), 7, "after the copy to {dst}");
+                    }
+                    t.write(dst, &vec![7; len]);
                 }
             }
         }

@@ -557,6 +557,13 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// The shape an insert needs: as many slots as tokens, whole pages, each page's slots
     /// that page's slots in order, in range.
     pub(super) fn check_insert_shape(&self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
+        self.check_shape_from(key, slots, 0)
+    }
+
+    /// [`check_insert_shape`](Self::check_insert_shape) with the page shapes checked
+    /// only from slot `from` (page-aligned) on: the caller compares `slots[..from]` with
+    /// the tree's own slots, which are whole pages.
+    pub(super) fn check_shape_from(&self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
         let ps = self.c.ps;
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
@@ -568,7 +575,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         // A run of consecutive slots at a time: one ascending sequence covers every whole
         // page of a run of consecutive pages, so the check is one branch-free pass per 64
         // slots (it vectorizes), with work per run, not per page.
-        let mut i = 0;
+        debug_assert_eq!(from % ps, 0, "a page-aligned start");
+        let mut i = from;
         while i < slots.len() {
             let s0 = slots[i];
             let whole = ascending_len(&slots[i..], s0) / ps * ps;
@@ -664,7 +672,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let ps = self.c.ps;
         let aligned = key.len();
         let protected = lease.len;
-        self.check_insert_shape(key, &kv[..aligned])?;
+        // The leased prefix is compared with the tree's slots below (whole pages).
+        self.check_shape_from(key, &kv[..aligned], protected.min(aligned))?;
         let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
         // Walk the cached part of the key; compare the leased prefix with the row.
         // Nodes wholly inside the leased prefix were compared with the key when the lease
