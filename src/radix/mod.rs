@@ -461,6 +461,8 @@ struct Inner<V: Variant> {
     ext: V::State,
     /// [`EvictionPolicy::Hinted`]: protections by expiry (see `hints`).
     hint_expiry: hints::Expiry,
+    /// The runs of consecutive pages of the row the current change checked.
+    row_runs: writer::RowRuns,
 }
 
 /// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
@@ -610,6 +612,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             clock: 0,
             ext: variant.new_state(nrec)?,
             hint_expiry: hints::Expiry::new(nrec)?,
+            row_runs: writer::RowRuns::default(),
         };
         let cache = RadixCache {
             alloc,
@@ -689,6 +692,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         self.inner.with_mut(|p| {
             // SAFETY: we hold the latch, so no other reference to `inner` exists.
             let s = unsafe { &mut *p };
+            // The runs a previous change recorded describe memory that may have changed
+            // since.
+            s.row_runs.clear();
             f(&mut Writer { c: self, s })
         })
     }

@@ -95,7 +95,87 @@ pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
     len
 }
 
+/// Runs of consecutive pages recorded per row, at most.
+const ROW_RUNS: usize = 64;
+
+/// The runs of consecutive pages of the slots the latch holder last checked
+/// ([`Writer::check_shape_from`]), so that the passes that follow in the same change
+/// (claiming the pages, cutting the new leaf into runs) look a run up instead of
+/// comparing its slots again. Keyed by the checked slice's address; cleared whenever
+/// the latch is taken, so it only ever describes a slice borrowed for the current
+/// change. Fixed capacity: runs past the first [`ROW_RUNS`] are computed as before.
+pub(super) struct RowRuns {
+    /// Address of the checked slice's first slot (0: nothing recorded).
+    base: usize,
+    /// Slots covered by the recorded runs, from `base`.
+    covered: usize,
+    /// End of each run, in slots from `base`.
+    ends: [u32; ROW_RUNS],
+    count: usize,
+}
+
+impl Default for RowRuns {
+    fn default() -> Self {
+        RowRuns { base: 0, covered: 0, ends: [0; ROW_RUNS], count: 0 }
+    }
+}
+
+impl RowRuns {
+    pub(super) fn clear(&mut self) {
+        self.base = 0;
+        self.covered = 0;
+        self.count = 0;
+    }
+
+    /// Start recording the runs of the slice starting at `base` (an address).
+    fn start(&mut self, base: usize) {
+        self.base = base;
+        self.covered = 0;
+        self.count = 0;
+    }
+
+    /// Record a run ending `end` slots from the start.
+    fn push(&mut self, end: usize) {
+        if self.count < ROW_RUNS && self.base != 0 {
+            self.ends[self.count] = end as u32;
+            self.count += 1;
+            self.covered = end;
+        }
+    }
+
+    /// Pages of the run that starts at page `i` of `slots` (at most to the slice's
+    /// end), if `slots[i * ps]` lies in the recorded runs.
+    #[inline]
+    fn lookup(&self, slots: &[u32], ps: usize, i: usize) -> Option<usize> {
+        if self.count == 0 {
+            return None;
+        }
+        let addr = slots[i * ps..].as_ptr() as usize;
+        let off = addr.checked_sub(self.base)? / 4;
+        if off >= self.covered {
+            return None;
+        }
+        let k = self.ends[..self.count].partition_point(|&e| e as usize <= off);
+        let end = self.ends[k] as usize;
+        Some(((end - off) / ps).min(slots.len() / ps - i))
+    }
+}
+
 impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
+    /// Pages in the run of consecutive pages that starts at page `i` of `slots` (whole
+    /// pages of a checked shape): [`run_at`], or the run the shape check recorded.
+    #[inline]
+    pub(super) fn row_run(&self, slots: &[u32], i: usize) -> usize {
+        let ps = self.c.ps;
+        match self.s.row_runs.lookup(slots, ps, i) {
+            Some(len) => {
+                debug_assert_eq!(len, run_at(slots, ps, i), "a stale recorded run");
+                len
+            }
+            None => run_at(slots, ps, i),
+        }
+    }
+
     /// The runs of node `id`, as (first page, pages), in order.
     pub(super) fn runs(&self, id: u32) -> Runs<'a> {
         let c: &'a RadixCache<A, V> = self.c;
@@ -556,14 +636,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// The shape an insert needs: as many slots as tokens, whole pages, each page's slots
     /// that page's slots in order, in range.
-    pub(super) fn check_insert_shape(&self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
+    pub(super) fn check_insert_shape(&mut self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
         self.check_shape_from(key, slots, 0)
     }
 
     /// [`check_insert_shape`](Self::check_insert_shape) with the page shapes checked
     /// only from slot `from` (page-aligned) on: the caller compares `slots[..from]` with
     /// the tree's own slots, which are whole pages.
-    pub(super) fn check_shape_from(&self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
+    pub(super) fn check_shape_from(&mut self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
         let ps = self.c.ps;
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
@@ -577,14 +657,18 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         // slots (it vectorizes), with work per run, not per page.
         debug_assert_eq!(from % ps, 0, "a page-aligned start");
         let mut i = from;
+        let runs = &mut self.s.row_runs;
+        runs.start(if from < slots.len() { slots[from..].as_ptr() as usize } else { 0 });
         while i < slots.len() {
             let s0 = slots[i];
             let whole = ascending_len(&slots[i..], s0) / ps * ps;
             let last = s0 as u64 + whole as u64 - 1;
             if whole == 0 || self.c.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
+                runs.clear();
                 return Err(InvalidInput::NotAPage { slot: s0 }.into());
             }
             i += whole;
+            runs.push(i - from);
         }
         Ok(())
     }
@@ -603,7 +687,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         // A run of consecutive pages at a time: one word of the in-tree bitmap and one
         // of the allocator's per 64 pages.
         while i < pages {
-            let len = run_at(slots, ps, i);
+            let len = self.row_run(slots, i);
             let start = self.c.page_of(slots[i * ps]);
             if !self.in_tree_clear(start, len as u32) || !self.c.alloc.pages_allocated(start, len as u32) {
                 // Name the first offending page of the run.
@@ -627,7 +711,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let pages = slots.len() / ps;
         let mut i = 0;
         while i < pages {
-            let len = run_at(slots, ps, i);
+            let len = self.row_run(slots, i);
             self.set_in_tree_range(self.c.page_of(slots[i * ps]), len as u32, false);
             i += len;
         }
@@ -833,7 +917,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let (mut i, mut prev_end, mut first_run, mut last) = (0usize, 0u32, 0u32, 0u32);
         while i < pages {
             let start = self.c.page_of(slots[i * ps]);
-            let len = run_at(slots, ps, i);
+            let len = self.row_run(slots, i);
             let base = start as usize * ps;
             self.c.slot_token.write(base, &key[i * ps..(i + len) * ps]);
             self.c.run_len[start as usize].store(len as u32, Ordering::Relaxed);
