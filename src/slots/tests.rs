@@ -416,3 +416,33 @@ fn magazine_free_with_many_runs() {
     assert_eq!(got, batch, "each index pushed once");
     pool.check_invariants().unwrap();
 }
+
+/// The summary of non-empty words: exact after single-threaded frees and claims (checked
+/// by `check_invariants`), and only a hint for the scan: a claim still finds free bits
+/// in a word whose summary bit is (wrongly) clear, by its fallback pass over every word.
+#[test]
+fn summary_is_exact_and_only_a_hint() {
+    let pool = SlotPool::without_magazines(64 * 300);
+    let mut all = vec![0u32; 64 * 300];
+    pool.alloc(&mut all).unwrap();
+    pool.check_invariants().unwrap();
+    // Scattered frees: one index in every third word.
+    let scattered: Vec<u32> = (0..300).step_by(3).map(|w| w * 64 + 5).collect();
+    pool.free(&scattered).unwrap();
+    pool.check_invariants().unwrap();
+    let mut got = vec![0u32; scattered.len() - 10];
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, scattered[..got.len()], "lowest first");
+    pool.check_invariants().unwrap();
+    // Hide the remaining free words from the summary: the invariant check sees it, and
+    // a claim still finds them all.
+    for sw in pool.summary.iter() {
+        sw.store(0, Ordering::Relaxed);
+    }
+    let e = pool.check_invariants().unwrap_err();
+    assert!(e.0.contains("no summary bit"), "{e}");
+    let mut rest = vec![0u32; 10];
+    pool.alloc(&mut rest).unwrap();
+    assert_eq!(rest, scattered[scattered.len() - 10..]);
+    assert_eq!(pool.available(), 0);
+}
