@@ -251,8 +251,9 @@
 //! word may hold free bits: every free sets the bit of each word it sets bits in (a
 //! load first, an RMW only if the bit is clear), and a claim's scan clears it lazily
 //! when it finds the word empty (then loads the word again and sets the bit back if a
-//! free got in between); a claim that empties words clears their bits itself, one RMW
-//! per 64 words. The scan steps from candidate to candidate, 64 words per summary
+//! free got in between); a claim that empties 8 or more words of one summary word
+//! clears their bits itself, one RMW per 64 words (a short alloc + free round would
+//! otherwise pay an RMW to clear and another to mark again). The scan steps from candidate to candidate, 64 words per summary
 //! load, instead of loading every word: in a nearly full pool whose free indices are
 //! scattered (a prefix cache after evictions, at page size 1) claims loaded 26.7 M
 //! words to take 118 M indices (1.85 M words' worth) over the bundled trace; guided,
@@ -660,9 +661,12 @@ impl SlotPool {
 
     /// A claim emptied the words of `mask` in summary word `sw`: clear their bits with
     /// one RMW, then look at each word again and set its bit back if a free got in.
+    /// Fewer than [`UNMARK_MIN`] words are left marked (a later scan that finds them
+    /// empty clears them): a short alloc + free round would otherwise pay an RMW to
+    /// clear and, in the free, another to mark again.
     #[inline]
     fn unmark_emptied(&self, sw: usize, mask: u64) {
-        if mask == 0 {
+        if (mask.count_ones() as usize) < UNMARK_MIN {
             return;
         }
         let summary = &self.summary[sw];
@@ -1736,6 +1740,10 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
     }
     i
 }
+
+/// Words a claim must empty in one summary word for it to clear their summary bits
+/// itself (see [`SlotPool::unmark_emptied`]).
+const UNMARK_MIN: usize = 8;
 
 /// A batch of frees published together: SGLang's `free_group_begin` ..
 /// `free_group_end`. The freed indices do not count as available until the group
