@@ -641,6 +641,35 @@ impl SlotPool {
         }
     }
 
+    /// [`mark`](Self::mark) word `w`, together with the neighbouring words of the same
+    /// summary word that the same free sets bits in: one summary load (and at most one
+    /// RMW) per 64 words. [`mark_pending`](Self::mark_pending) marks the last ones.
+    #[inline]
+    fn mark_later(&self, w: usize, acc: &mut Applied) {
+        let (sw, bit) = (w / BITS, 1u64 << (w % BITS));
+        if sw != acc.mark_sw {
+            self.mark_pending(acc);
+            acc.mark_sw = sw;
+        }
+        acc.mark_bits |= bit;
+    }
+
+    /// Mark the words [`mark_later`](Self::mark_later) collected. After the free's
+    /// RMWs on those words (the order `unmark_emptied` relies on).
+    #[inline]
+    fn mark_pending(&self, acc: &mut Applied) {
+        if acc.mark_bits == 0 {
+            return;
+        }
+        let sw = &self.summary[acc.mark_sw];
+        // SeqCst: see `mark`.
+        let missing = acc.mark_bits & !sw.load(Ordering::SeqCst);
+        if missing != 0 {
+            sw.fetch_or(missing, Ordering::Relaxed);
+        }
+        acc.mark_bits = 0;
+    }
+
     /// The scan found word `w` empty: clear its summary bit, then look at the word
     /// again (a free may have set bits in between, after reading the bit as set).
     /// Returns what the word holds now; if that is not 0 the bit is set again.
@@ -1293,7 +1322,7 @@ impl SlotPool {
             pos = run.end;
         }
         // 2. Apply: one fetch_or per run.
-        let mut acc = Applied { freed: 0, first_dup, min_word: usize::MAX };
+        let mut acc = Applied::new(first_dup);
         for run in &runs[..buffered] {
             // SAFETY: the validation loop wrote entries `..buffered` (it counts up
             // `buffered` only right after writing `runs[buffered]`).
@@ -1310,6 +1339,7 @@ impl SlotPool {
                 }
             }
         }
+        self.mark_pending(&mut acc);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
@@ -1378,7 +1408,7 @@ impl SlotPool {
         // the summary's ordering (see `unmark_emptied`).
         let old = if won != 0 { self.words[w].fetch_or(won, Ordering::SeqCst) } else { 0 };
         if won != 0 {
-            self.mark(w);
+            self.mark_later(w, acc);
         }
         acc.freed += (won & !old).count_ones() as usize;
         let again = (mask & !won) | (won & old);
@@ -1440,7 +1470,7 @@ impl SlotPool {
         }
         // 2. Apply, one fetch_or per run of indices in the same word. Merging, an index
         // equal to the one before it adds nothing (strict, it is a double free).
-        let mut acc = Applied { freed: 0, first_dup: None, min_word: usize::MAX };
+        let mut acc = Applied::new(None);
         let mut run_word = usize::MAX;
         let mut run_mask = 0u64;
         let mut prev = u64::MAX;
@@ -1465,6 +1495,7 @@ impl SlotPool {
         if run_mask != 0 {
             self.set_bits(run_word, run_mask, dup, &mut acc);
         }
+        self.mark_pending(&mut acc);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
@@ -1589,6 +1620,15 @@ struct Applied {
     freed: usize,
     first_dup: Option<u32>,
     min_word: usize,
+    /// Summary bits still to mark: (summary word, bits), see [`SlotPool::mark_later`].
+    mark_sw: usize,
+    mark_bits: u64,
+}
+
+impl Applied {
+    fn new(first_dup: Option<u32>) -> Self {
+        Applied { freed: 0, first_dup, min_word: usize::MAX, mark_sw: 0, mark_bits: 0 }
+    }
 }
 
 /// Call `f(word, mask)` for each stretch of `indices` (all valid) that lies in one

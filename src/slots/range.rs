@@ -75,10 +75,11 @@ impl SlotPool {
                 return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
             }
         }
-        let mut acc = Applied { freed: 0, first_dup: None, min_word: usize::MAX };
+        let mut acc = Applied::new(None);
         for (w, mask) in words_of(first, count) {
             self.set_bits(w, mask, Dup::Strict, &mut acc);
         }
+        self.mark_pending(&mut acc);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
