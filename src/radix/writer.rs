@@ -95,6 +95,19 @@ pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
     len
 }
 
+/// The first and last words of bits `start..start + len` with the range's bits in each
+/// (`None` for an empty range; one word: both ends are it, with the same mask).
+#[inline]
+fn ends_of(start: usize, len: usize) -> Option<(usize, u64, usize, u64)> {
+    if len == 0 {
+        return None;
+    }
+    let end = start + len - 1;
+    let (w0, w1) = (start / 64, end / 64);
+    let (lo, hi) = (u64::MAX << (start % 64), u64::MAX >> (63 - end % 64));
+    Some(if w0 == w1 { (w0, lo & hi, w0, lo & hi) } else { (w0, lo, w1, hi) })
+}
+
 /// Runs of consecutive pages recorded per row, at most.
 const ROW_RUNS: usize = 64;
 
@@ -280,17 +293,26 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Whether no page of `start..start + len` is in the tree, a word at a time.
     fn in_tree_clear(&self, start: u32, len: u32) -> bool {
-        bit_words(start as usize, len as usize).all(|(w, mask)| self.s.in_tree[w] & mask == 0)
+        let Some((w0, m0, w1, m1)) = ends_of(start as usize, len as usize) else { return true };
+        let t = &self.s.in_tree;
+        // The whole words between the ends as one OR (it vectorizes).
+        t[w0] & m0 == 0 && t[w1] & m1 == 0 && t[w0 + 1..w1.max(w0 + 1)].iter().fold(0, |a, &x| a | x) == 0
     }
 
-    /// Set or clear the in-tree bits of pages `start..start + len`, a word at a time.
+    /// Set or clear the in-tree bits of pages `start..start + len`: the end words by
+    /// mask, the whole words between them as one fill.
     pub(super) fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
-        for (w, mask) in bit_words(start as usize, len as usize) {
-            if on {
-                self.s.in_tree[w] |= mask;
-            } else {
-                self.s.in_tree[w] &= !mask;
-            }
+        let Some((w0, m0, w1, m1)) = ends_of(start as usize, len as usize) else { return };
+        let t = &mut self.s.in_tree;
+        if on {
+            t[w0] |= m0;
+            t[w1] |= m1;
+        } else {
+            t[w0] &= !m0;
+            t[w1] &= !m1;
+        }
+        if w1 > w0 + 1 {
+            t[w0 + 1..w1].fill(if on { u64::MAX } else { 0 });
         }
     }
 
@@ -1405,5 +1427,31 @@ impl Iterator for Runs<'_> {
             self.in_run = self.lens[self.page as usize].load(Ordering::Relaxed);
         }
         Some((start, len))
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod range_tests {
+    use super::ends_of;
+    use crate::slots::bit_words;
+
+    /// The end words and masks cover exactly the bits `bit_words` lists.
+    #[test]
+    fn ends_cover_the_same_bits_as_bit_words() {
+        for start in 0..200 {
+            for len in 0..200 {
+                let mut want = [0u64; 7];
+                for (w, m) in bit_words(start, len) {
+                    want[w] |= m;
+                }
+                let mut got = [0u64; 7];
+                if let Some((w0, m0, w1, m1)) = ends_of(start, len) {
+                    got[w0] |= m0;
+                    got[w1] |= m1;
+                    got[w0 + 1..w1.max(w0 + 1)].fill(u64::MAX);
+                }
+                assert_eq!(got, want, "bits {start}..{}", start + len);
+            }
+        }
     }
 }
