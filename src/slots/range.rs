@@ -4,6 +4,7 @@
 
 use super::{Applied, Dup, FreeGroup, SlotPool, BITS};
 use crate::error::{FreeError, FreeErrorKind};
+use crate::sync::atomic::Ordering;
 
 /// The 64-bit words covering bits `start..start + len` of a bitmap, each with the mask
 /// of the range's bits in it. (The slot pool's index `i` is bit `i - 1`; the radix
@@ -49,8 +50,23 @@ impl SlotPool {
         if first == 0 || first as u64 + count as u64 - 1 > self.capacity as u64 {
             return false;
         }
-        // As `is_allocated`: the held bits with magazines, the bitmap without.
-        words_of(first, count).all(|(w, mask)| self.not_held(w, mask) == 0)
+        // As `is_allocated`: the held bits with magazines, the bitmap without. The end
+        // words by mask, the whole words between them in one tight pass.
+        let (s, e) = (first as usize - 1, first as usize + count as usize - 2);
+        let (w0, w1) = (s / BITS, e / BITS);
+        let (lo, hi) = (u64::MAX << (s % BITS), u64::MAX >> (BITS - 1 - e % BITS));
+        if w0 == w1 {
+            return self.not_held(w0, lo & hi) == 0;
+        }
+        if self.not_held(w0, lo) != 0 || self.not_held(w1, hi) != 0 {
+            return false;
+        }
+        // Relaxed, as `not_held`: a snapshot.
+        if self.held.is_empty() {
+            self.words[w0 + 1..w1].iter().fold(0, |a, w| a | w.load(Ordering::Relaxed)) == 0
+        } else {
+            self.held[w0 + 1..w1].iter().fold(u64::MAX, |a, h| a & h.load(Ordering::Relaxed)) == u64::MAX
+        }
     }
 
     /// Validate then set the bits of `first..first + count` (without publishing), as
@@ -128,6 +144,31 @@ mod tests {
         ranges_agree(SlotPool::with_magazines(300, 8));
     }
 
+    /// Long ranges over whole words: all allocated, or one free index in a middle word.
+    #[test]
+    fn long_ranges_agree_with_indices() {
+        for pool in [SlotPool::without_magazines(300), SlotPool::with_magazines(300, 8)] {
+            let mut all = [0u32; 300];
+            pool.alloc(&mut all).unwrap();
+            for free in [None, Some(130u32), Some(64), Some(65), Some(200)] {
+                if let Some(i) = free {
+                    pool.free(&[i]).unwrap();
+                }
+                for first in (1u32..=300).step_by(7) {
+                    for count in (0u32..=300 - first + 1).step_by(5) {
+                        let by_index = (first..first + count).all(|i| pool.is_allocated(i));
+                        assert_eq!(pool.all_allocated(first, count), by_index, "range {first} + {count}, {free:?}");
+                    }
+                }
+                if let Some(i) = free {
+                    let mut back = [0u32; 1];
+                    pool.alloc(&mut back).unwrap();
+                    assert_eq!(back[0], i);
+                }
+            }
+        }
+    }
+
     fn ranges_agree(pool: SlotPool) {
         let mut all = [0u32; 300];
         pool.alloc(&mut all).unwrap();
@@ -141,6 +182,7 @@ mod tests {
             }
         }
         assert!(!pool.all_allocated(0, 1) && !pool.all_allocated(300, 2));
+
         // A range free refuses a range with a free index, naming it, and frees nothing.
         let before = pool.available();
         let mut group = pool.free_group();
