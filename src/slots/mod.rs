@@ -22,8 +22,10 @@
 //! fails too, [`OutOfMemory`] — nothing has changed, so allocation is all-or-nothing.
 //! It then *claims* `n` bits: starting at a word (see "Where claims start"), for each
 //! word with free bits it picks the lowest ones it still needs and clears them with
-//! one compare-and-swap; the indices of the cleared bits go to the caller's buffer in
-//! ascending order (a stretch of consecutive bits as one vectorised fill).
+//! one compare-and-swap — or, while it still needs 64 or more, takes every free bit
+//! of the word with one `swap(0)`, which cannot fail; the indices of the cleared bits
+//! go to the caller's buffer in ascending order (a stretch of consecutive bits as one
+//! vectorised fill).
 //!
 //! **Free** first *validates*: every index must be in range and its bit must be 0
 //! (allocated); otherwise the batch is refused before anything changes. The batch is
@@ -865,9 +867,26 @@ impl SlotPool {
             let word = &self.words[w];
             let mut cur = word.load(Ordering::Relaxed);
             let mut lost = false;
+            if cur != 0 && n - filled >= BITS {
+                // We need the whole word, whatever it holds: take every free bit with
+                // one `swap(0)`, which cannot fail (a large claim, e.g. hundreds of
+                // thousands of pages at page size 1, pays no compare-and-swap retry and
+                // no count of the bits it is about to take). It returns what was free
+                // at that instant: `cur`, or fewer bits if another thread claimed some
+                // meanwhile, or more if one freed some; at most 64 <= what we need.
+                // AcqRel as for the compare-and-swap below.
+                let take = word.swap(0, Ordering::AcqRel);
+                if take != 0 {
+                    self.set_held(w, take);
+                    each(w, take);
+                    filled += ones(take);
+                    last_word = w;
+                }
+                lost = take != cur;
+                cur = 0;
+            }
             while cur != 0 {
-                let need = n - filled;
-                let take = if (cur.count_ones() as usize) <= need { cur } else { lowest_bits(cur, need) };
+                let (take, got) = lowest_bits_counted(cur, n - filled);
                 // AcqRel: Acquire pairs with the Release of the free that set these
                 // bits (the previous owner's writes happen-before ours); Release keeps
                 // our earlier claims ordered before anything that observes this word.
@@ -876,7 +895,7 @@ impl SlotPool {
                     Ok(_) => {
                         self.set_held(w, take);
                         each(w, take);
-                        filled += take.count_ones() as usize;
+                        filled += got;
                         last_word = w;
                         break;
                     }
@@ -1553,6 +1572,37 @@ fn home_word(slot: usize, nwords: usize) -> usize {
     w & !(WORDS_PER_LINE - 1)
 }
 
+/// The number of set bits of `v`, with a shortcut for a full word: without a
+/// `target-cpu` the compiler has no `popcnt` and counts in software.
+#[inline]
+fn ones(v: u64) -> usize {
+    if v == u64::MAX {
+        BITS
+    } else {
+        v.count_ones() as usize
+    }
+}
+
+/// The lowest `min(n, ones(v))` set bits of `v`, and how many that is; `n >= 1`.
+/// A stretch of consecutive bits (what lowest-first claims leave) is counted from
+/// its ends instead of with a population count.
+#[inline]
+fn lowest_bits_counted(v: u64, n: usize) -> (u64, usize) {
+    debug_assert!(v != 0 && n != 0);
+    let tz = v.trailing_zeros();
+    let run = (v >> tz).trailing_ones() as usize;
+    if run >= n {
+        // The lowest n bits are one stretch.
+        return ((u64::MAX >> (BITS - n)) << tz, n);
+    }
+    if v >> tz >> run == 0 {
+        // All of v is that one shorter stretch: take all of it.
+        return (v, run);
+    }
+    let take = lowest_bits(v, n);
+    (take, ones(take))
+}
+
 /// The lowest `n` set bits of `v` (all of them when `n >= v.count_ones()`).
 #[inline]
 fn lowest_bits(v: u64, n: usize) -> u64 {
@@ -1583,7 +1633,8 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
     let stretch = mask >> tz;
     if stretch & stretch.wrapping_add(1) == 0 {
         // One stretch of consecutive bits (a full word included): a vectorised fill.
-        let n = stretch.count_ones() as usize;
+        // Its length is its bit length (no population count needed).
+        let n = BITS - stretch.leading_zeros() as usize;
         let first = base + tz;
         for (k, o) in out[..n].iter_mut().enumerate() {
             *o = first + k as u32;
