@@ -217,6 +217,16 @@
 //! held bits), which is why the allocators use [`SlotPool::without_magazines`].
 //! BENCHMARKS.md ("Magazines (issue 8)") has the numbers.
 //!
+//! **Why not region leases** (a thread owning a region of the bitmap and updating
+//! it with plain stores). With these guarantees the owner still needs a full fence
+//! per free (two frees of one index must agree on one winner: consensus, which
+//! plain loads and stores cannot reach; the owner's side of the Dekker handshake
+//! with a remote free is a fence) and one per allocation (a thread may take an idle
+//! owner's region, so that `available()` stays reachable), unless the stealing side
+//! uses a process-wide asymmetric barrier. The bench measures that floor
+//! (`lease_floor_2f`, `lease_floor_1f` in `benches/slots.rs`): BENCHMARKS.md,
+//! "Region leases (issue 8, second attempt)".
+//!
 //! # Where claims start
 //!
 //! None of this affects correctness, which holds wherever a scan starts.
