@@ -10,6 +10,10 @@
 //!   no checks).
 //! * `array_queue` — a crossbeam `ArrayQueue<u32>` of free indices, one pop per index
 //!   on alloc (pushed back if the queue runs dry) and one push per index on free.
+//! * `lease_floor_2f`, `lease_floor_1f` (`single` only) — not allocators: the cost
+//!   floor of a region-lease design with SlotPool's guarantees, one thread owning the
+//!   bitmap with plain stores and only the unavoidable work left (two full fences per
+//!   round, or one with an asymmetric barrier on the steal side). See `LeaseFloor`.
 //!
 //! Groups:
 //!
@@ -24,7 +28,9 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
 use kvpool::SlotPool;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
@@ -70,6 +76,182 @@ impl FreeList for Bitmap {
     #[inline]
     fn free(&self, indices: &[u32]) {
         self.0.free(indices).expect("benchmark frees only what it allocated");
+    }
+}
+
+/// Not an allocator: the *floor* of a region-lease design (BENCHMARKS.md, "Region
+/// leases (issue 8)"), measured beside the others so that the ratios come from one run.
+///
+/// One thread owns the whole bitmap (1 = free) and updates it with plain loads and
+/// stores. Each round pays only what a lease design with SlotPool's guarantees cannot
+/// drop: writing the indices out; on free a range check, a run check and an
+/// allocated-bit check per word plus a load of the word's remote-free bits; and full
+/// fences. `FENCES = 2`: one per operation (the allocation's against a thread stealing
+/// an idle owner's region, the free's against a remote free racing for the same index:
+/// Dekker's pattern, both sides fenced); `FENCES = 1`: the free's only, what remains if
+/// the steal side used a process-wide asymmetric barrier (Linux `membarrier`) instead.
+/// The fence is a `lock`-prefixed add on the owner's own cache line, the cheaper of the
+/// two x86 full barriers (crossbeam-epoch's choice too). Fill and checks use AVX2 where
+/// the CPU has it. No remote path, no steal, no counters, no thread lookup:
+/// single-thread only, so it is not in `contended`.
+struct LeaseFloor<const FENCES: u32> {
+    words: Box<[AtomicU64]>,
+    remote: Box<[AtomicU64]>,
+    capacity: u32,
+    barrier: CachePadded<AtomicU64>,
+    avx2: bool,
+}
+
+impl<const FENCES: u32> LeaseFloor<FENCES> {
+    #[inline]
+    fn full_fence(&self) {
+        self.barrier.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl<const FENCES: u32> FreeList for LeaseFloor<FENCES> {
+    const NAME: &'static str = if FENCES == 2 { "lease_floor_2f" } else { "lease_floor_1f" };
+    fn new(capacity: u32) -> Self {
+        let n = (capacity as usize).div_ceil(64);
+        let last = capacity as usize - (n - 1) * 64;
+        LeaseFloor {
+            words: (0..n)
+                .map(|w| AtomicU64::new(if w + 1 < n || last == 64 { u64::MAX } else { (1 << last) - 1 }))
+                .collect(),
+            remote: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            capacity,
+            barrier: CachePadded::new(AtomicU64::new(0)),
+            avx2: simd::has_avx2(),
+        }
+    }
+    #[inline]
+    fn alloc(&self, out: &mut [u32]) -> bool {
+        if FENCES == 2 {
+            self.full_fence();
+        }
+        let mut filled = 0;
+        for (w, word) in self.words.iter().enumerate() {
+            let cur = word.load(Ordering::Relaxed);
+            if cur == 0 {
+                continue;
+            }
+            // The lowest stretch of free bits (the bench frees what it took).
+            let tz = cur.trailing_zeros();
+            let run = ((cur >> tz).trailing_ones() as usize).min(out.len() - filled);
+            let take = (u64::MAX >> (64 - run)) << tz;
+            word.store(cur & !take, Ordering::Relaxed);
+            simd::fill(self.avx2, &mut out[filled..filled + run], (w * 64) as u32 + tz + 1);
+            filled += run;
+            if filled == out.len() {
+                return true;
+            }
+        }
+        false
+    }
+    #[inline]
+    fn free(&self, indices: &[u32]) {
+        let mut pos = 0;
+        let mut first_word = usize::MAX;
+        while pos < indices.len() {
+            let first = indices[pos];
+            let i = first.wrapping_sub(1);
+            assert!(i < self.capacity, "out of range");
+            let (w, bit) = (i as usize / 64, i as usize % 64);
+            let room = (64 - bit).min(indices.len() - pos);
+            assert!(simd::ascending(self.avx2, &indices[pos..pos + room], first), "the floor frees runs only");
+            let mask = if room == 64 { u64::MAX } else { ((1u64 << room) - 1) << bit };
+            let cur = self.words[w].load(Ordering::Relaxed);
+            assert!(cur & mask == 0 && self.remote[w].load(Ordering::Relaxed) & mask == 0, "not allocated");
+            self.words[w].store(cur | mask, Ordering::Relaxed);
+            first_word = first_word.min(w);
+            pos += room;
+        }
+        // Dekker: our stores before the fence, the remote-free bits after it.
+        self.full_fence();
+        assert!(self.remote[first_word].load(Ordering::Relaxed) == 0, "a remote free raced us");
+    }
+}
+
+/// Filling and checking ascending runs, with AVX2 where the CPU has it.
+mod simd {
+    pub fn has_avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx2")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// `out[k] = first + k`.
+    #[inline]
+    pub fn fill(avx2: bool, out: &mut [u32], first: u32) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: `avx2` comes from `has_avx2()`: the CPU has AVX2.
+            return unsafe { x86::fill(out, first) };
+        }
+        let _ = avx2;
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = first.wrapping_add(k as u32);
+        }
+    }
+
+    /// Whether `s[k] == first + k` for every `k`.
+    #[inline]
+    pub fn ascending(avx2: bool, s: &[u32], first: u32) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: as in `fill`.
+            return unsafe { x86::ascending(s, first) };
+        }
+        let _ = avx2;
+        s.iter().enumerate().fold(0, |d, (k, &x)| d | (x ^ first.wrapping_add(k as u32))) == 0
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        /// # Safety
+        ///
+        /// The CPU must have AVX2.
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn fill(out: &mut [u32], first: u32) {
+            let mut v = _mm256_add_epi32(_mm256_set1_epi32(first as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            let mut chunks = out.chunks_exact_mut(8);
+            for c in &mut chunks {
+                // SAFETY: `c` is 8 writable u32s (32 bytes); unaligned stores are allowed.
+                unsafe { _mm256_storeu_si256(c.as_mut_ptr().cast(), v) };
+                v = _mm256_add_epi32(v, _mm256_set1_epi32(8));
+            }
+            let done = out.len() / 8 * 8;
+            for (k, o) in out[done..].iter_mut().enumerate() {
+                *o = first.wrapping_add((done + k) as u32);
+            }
+        }
+
+        /// # Safety
+        ///
+        /// The CPU must have AVX2.
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn ascending(s: &[u32], first: u32) -> bool {
+            let mut v = _mm256_add_epi32(_mm256_set1_epi32(first as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            let mut acc = _mm256_setzero_si256();
+            let chunks = s.chunks_exact(8);
+            let done = s.len() / 8 * 8;
+            for c in chunks {
+                // SAFETY: `c` is 8 readable u32s (32 bytes); unaligned loads are allowed.
+                let x = unsafe { _mm256_loadu_si256(c.as_ptr().cast()) };
+                acc = _mm256_or_si256(acc, _mm256_xor_si256(x, v));
+                v = _mm256_add_epi32(v, _mm256_set1_epi32(8));
+            }
+            let tail =
+                s[done..].iter().enumerate().fold(0, |d, (k, &x)| d | (x ^ first.wrapping_add((done + k) as u32)));
+            _mm256_testz_si256(acc, acc) == 1 && tail == 0
+        }
     }
 }
 
@@ -154,6 +336,8 @@ fn single(c: &mut Criterion) {
         single_one::<Bitmap>(&mut g, batch);
         single_one::<MutexVec>(&mut g, batch);
         single_one::<Queue>(&mut g, batch);
+        single_one::<LeaseFloor<2>>(&mut g, batch);
+        single_one::<LeaseFloor<1>>(&mut g, batch);
         g.finish();
     }
 }

@@ -21,6 +21,7 @@
 //! | `double_free_racing_with_alloc`         | a double free is reported, counts stay exact, nothing else is touched |
 //! | `magazine_exchange_racing_alloc`        | a full magazine flushed to the bitmap by a free racing its owner's pop and another thread's flush-on-shortage: one owner per index, count conserved |
 //! | `double_free_of_a_magazine_index`       | a second free of an index sitting in a magazine is refused, racing the pop that hands it out again and a free into the same (shared) magazine |
+//! | `large_claim_swap_racing_free_and_claim` | a claim of 64 that takes a whole word with `swap(0)` while a free and a one-index claim change that word: one owner per index, count conserved |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
 //! share a magazine (thread slot = loom thread number), so its `busy` flag is contended.
@@ -500,4 +501,65 @@ fn double_free_of_a_magazine_index() {
         }
         pool.check_invariants().unwrap();
     });
+}
+
+/// A claim of 64 or more takes whole words with `swap(0)` (the large-claim path):
+/// here it races a free of an index in the word it swaps and a one-index claim. Word 0
+/// holds 63 free indices (index 1 is held by the main thread, which frees it during
+/// the race) and word 1 holds 65 and 66. Thread 1 allocates 64: its `swap` takes 63 or
+/// 64 bits of word 0, whichever the free and the other claim left, and the rest from
+/// word 1. Whoever gets an index owns it alone, and every index is held or available.
+#[test]
+fn large_claim_swap_racing_free_and_claim() {
+    let seen = Outcomes::new(&["swap_took_all_64", "swap_took_63"]);
+    let s = seen.clone();
+    loom_common::model("large_claim_swap_racing_free_and_claim", move || {
+        const CAP: u32 = 66;
+        let pool = Arc::new(SlotPool::without_magazines(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        let back: Vec<u32> = (2..=CAP).collect();
+        pool.free(&back).unwrap();
+        owners.claim(&[1], 9);
+
+        let big = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut got = vec![0u32; 64];
+                if pool.alloc(&mut got).is_err() {
+                    return None;
+                }
+                distinct_in_range(&got, CAP);
+                owners.claim(&got, 1);
+                owners.check(&got, 1);
+                let from_word_0 = got.iter().filter(|&&i| i <= 64).count();
+                pool.free(&got).unwrap();
+                Some(from_word_0)
+            })
+        };
+        let small = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                if let Ok(i) = pool.alloc_one() {
+                    owners.claim(&[i], 2);
+                    owners.check(&[i], 2);
+                    pool.free(&[i]).unwrap();
+                }
+            })
+        };
+        owners.check(&[1], 9);
+        pool.free(&[1]).unwrap();
+        let from_word_0 = big.join().unwrap();
+        small.join().unwrap();
+        match from_word_0 {
+            Some(64) => s.hit("swap_took_all_64"),
+            Some(63) => s.hit("swap_took_63"),
+            Some(k) => assert!(k < 63, "{k} indices from word 0"),
+            None => {}
+        }
+        assert_eq!(pool.available(), CAP as usize);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen("large_claim_swap_racing_free_and_claim", &["swap_took_all_64", "swap_took_63"]);
 }

@@ -22,8 +22,10 @@
 //! fails too, [`OutOfMemory`] — nothing has changed, so allocation is all-or-nothing.
 //! It then *claims* `n` bits: starting at a word (see "Where claims start"), for each
 //! word with free bits it picks the lowest ones it still needs and clears them with
-//! one compare-and-swap; the indices of the cleared bits go to the caller's buffer in
-//! ascending order (a stretch of consecutive bits as one vectorised fill).
+//! one compare-and-swap — or, while it still needs 64 or more, takes every free bit
+//! of the word with one `swap(0)`, which cannot fail; the indices of the cleared bits
+//! go to the caller's buffer in ascending order (a stretch of consecutive bits as one
+//! vectorised fill).
 //!
 //! **Free** first *validates*: every index must be in range and its bit must be 0
 //! (allocated); otherwise the batch is refused before anything changes. The batch is
@@ -214,6 +216,16 @@
 //! bitmap path costs one read-modify-write per word more than without magazines (the
 //! held bits), which is why the allocators use [`SlotPool::without_magazines`].
 //! BENCHMARKS.md ("Magazines (issue 8)") has the numbers.
+//!
+//! **Why not region leases** (a thread owning a region of the bitmap and updating
+//! it with plain stores). With these guarantees the owner still needs a full fence
+//! per free (two frees of one index must agree on one winner: consensus, which
+//! plain loads and stores cannot reach; the owner's side of the Dekker handshake
+//! with a remote free is a fence) and one per allocation (a thread may take an idle
+//! owner's region, so that `available()` stays reachable), unless the stealing side
+//! uses a process-wide asymmetric barrier. The bench measures that floor
+//! (`lease_floor_2f`, `lease_floor_1f` in `benches/slots.rs`): BENCHMARKS.md,
+//! "Region leases (issue 8, second attempt)".
 //!
 //! # Where claims start
 //!
@@ -1013,9 +1025,32 @@ impl SlotPool {
                 self.mark(w);
             }
             let mut lost = false;
+            if cur != 0 && n - filled >= BITS {
+                // We need the whole word, whatever it holds: take every free bit with
+                // one `swap(0)`, which cannot fail (a large claim, e.g. hundreds of
+                // thousands of pages at page size 1, pays no compare-and-swap retry and
+                // no count of the bits it is about to take). It returns what was free
+                // at that instant: `cur`, or fewer bits if another thread claimed some
+                // meanwhile, or more if one freed some; at most 64 <= what we need.
+                // AcqRel as for the compare-and-swap below.
+                let take = word.swap(0, Ordering::AcqRel);
+                // The word is empty now: its summary bit goes with this claim's others.
+                if w / BITS != emptied_sw {
+                    self.unmark_emptied(emptied_sw, emptied);
+                    (emptied_sw, emptied) = (w / BITS, 0);
+                }
+                emptied |= 1 << (w % BITS);
+                if take != 0 {
+                    self.set_held(w, take);
+                    each(w, take);
+                    filled += ones(take);
+                    last_word = w;
+                }
+                lost = take != cur;
+                cur = 0;
+            }
             while cur != 0 {
-                let need = n - filled;
-                let take = if (cur.count_ones() as usize) <= need { cur } else { lowest_bits(cur, need) };
+                let (take, got) = lowest_bits_counted(cur, n - filled);
                 // AcqRel: Acquire pairs with the Release of the free that set these
                 // bits (the previous owner's writes happen-before ours); Release keeps
                 // our earlier claims ordered before anything that observes this word.
@@ -1031,7 +1066,7 @@ impl SlotPool {
                         }
                         self.set_held(w, take);
                         each(w, take);
-                        filled += take.count_ones() as usize;
+                        filled += got;
                         last_word = w;
                         break;
                     }
@@ -1734,6 +1769,37 @@ fn home_word(slot: usize, nwords: usize) -> usize {
     w & !(WORDS_PER_LINE - 1)
 }
 
+/// The number of set bits of `v`, with a shortcut for a full word: without a
+/// `target-cpu` the compiler has no `popcnt` and counts in software.
+#[inline]
+fn ones(v: u64) -> usize {
+    if v == u64::MAX {
+        BITS
+    } else {
+        v.count_ones() as usize
+    }
+}
+
+/// The lowest `min(n, ones(v))` set bits of `v`, and how many that is; `n >= 1`.
+/// A stretch of consecutive bits (what lowest-first claims leave) is counted from
+/// its ends instead of with a population count.
+#[inline]
+fn lowest_bits_counted(v: u64, n: usize) -> (u64, usize) {
+    debug_assert!(v != 0 && n != 0);
+    let tz = v.trailing_zeros();
+    let run = (v >> tz).trailing_ones() as usize;
+    if run >= n {
+        // The lowest n bits are one stretch.
+        return ((u64::MAX >> (BITS - n)) << tz, n);
+    }
+    if v >> tz >> run == 0 {
+        // All of v is that one shorter stretch: take all of it.
+        return (v, run);
+    }
+    let take = lowest_bits(v, n);
+    (take, ones(take))
+}
+
 /// The lowest `n` set bits of `v` (all of them when `n >= v.count_ones()`).
 #[inline]
 fn lowest_bits(v: u64, n: usize) -> u64 {
@@ -1764,7 +1830,8 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
     let stretch = mask >> tz;
     if stretch & stretch.wrapping_add(1) == 0 {
         // One stretch of consecutive bits (a full word included): a vectorised fill.
-        let n = stretch.count_ones() as usize;
+        // Its length is its bit length (no population count needed).
+        let n = BITS - stretch.leading_zeros() as usize;
         let first = base + tz;
         for (k, o) in out[..n].iter_mut().enumerate() {
             *o = first + k as u32;

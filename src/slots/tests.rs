@@ -446,3 +446,25 @@ fn summary_is_exact_and_only_a_hint() {
     assert_eq!(rest, scattered[scattered.len() - 10..]);
     assert_eq!(pool.available(), 0);
 }
+
+/// A large claim takes whole words with `swap(0)`: partly free words, full words and
+/// a last word it needs only part of, all lowest-first and counted exactly.
+#[test]
+fn large_claims_take_whole_words_lowest_first() {
+    let pool = SlotPool::without_magazines(400);
+    let mut all = vec![0u32; 400];
+    pool.alloc(&mut all).unwrap();
+    // Word 0: every third index; words 1-3 entirely; word 4: 257..=300.
+    let mut freed: Vec<u32> = (1..=64).filter(|i| i % 3 == 0).collect();
+    freed.extend(65..=300);
+    pool.free(&freed).unwrap();
+    let mut got = vec![0u32; freed.len() - 10];
+    pool.alloc(&mut got).unwrap();
+    assert_eq!(got, freed[..freed.len() - 10]);
+    assert_eq!(pool.available(), 10);
+    let mut rest = [0u32; 10];
+    pool.alloc(&mut rest).unwrap();
+    assert_eq!(rest[..], freed[freed.len() - 10..]);
+    assert!(pool.alloc(&mut [0u32; 1]).is_err());
+    pool.check_invariants().unwrap();
+}
