@@ -356,7 +356,7 @@ impl<'u> Sim<'u> {
             self.push(id);
             // Its use is now within the window: it cannot come due again (no endless loop).
             assert!(
-                self.nodes[id as usize].due.is_none_or(|d| d > self.now as u64),
+                !matches!(self.nodes[id as usize].due, Some(d) if d <= self.now as u64),
                 "a promotion that does not promote"
             );
         }
