@@ -17,8 +17,8 @@ mod cli {
     use kvpool::baseline::hicache_ref::WritePolicy;
     use kvpool::radix::EvictionPolicy;
     use kvpool::replay::{
-        self, CacheKind, EnginesConfig, HostTierConfig, HybridConfig, Mode, Model, ReplayConfig, ReplayError, Router,
-        StoreTierConfig, SwaConfig, Trace,
+        self, CacheKind, Ceiling, EnginesConfig, HostTierConfig, HybridConfig, Mode, Model, ReplayConfig, ReplayError,
+        Router, StoreTierConfig, SwaConfig, Trace,
     };
 
     #[derive(Parser)]
@@ -35,18 +35,21 @@ mod cli {
         Replay(ReplayArgs),
     }
 
-    /// `--policy`: one of the cache's policies, or the offline optimum.
+    /// `--policy`: one of the cache's policies, or an offline model (the optimum or an
+    /// informed ceiling).
     #[derive(Clone, Copy, Debug)]
     enum PolicyArg {
         Cache(EvictionPolicy),
-        Optimal,
+        Offline(Ceiling),
     }
 
     fn parse_policy(s: &str) -> Result<PolicyArg, String> {
-        if s.eq_ignore_ascii_case("optimal") {
-            return Ok(PolicyArg::Optimal);
+        if let Some(c) = Ceiling::from_name(s)? {
+            return Ok(PolicyArg::Offline(c));
         }
-        s.parse::<EvictionPolicy>().map(PolicyArg::Cache).map_err(|e| format!("{e}, optimal"))
+        s.parse::<EvictionPolicy>()
+            .map(PolicyArg::Cache)
+            .map_err(|e| format!("{e}, optimal, oracle-return, oracle-return-W"))
     }
 
     #[derive(Args)]
@@ -66,10 +69,14 @@ mod cli {
         /// (kvpool's: leaves the waiting queue or the routers' look-ups want soon go
         /// last, the others least frequently used with dynamic aging), reuse (kvpool's:
         /// as hinted, with each hit weighted by the learned chance that a prefix of its
-        /// conversation depth is extended again), or optimal (the
+        /// conversation depth is extended again), optimal (the
         /// offline optimum, Belady's rule on the whole trace's future, computed by a
         /// model of the sequential replay: a ceiling, not a policy a server can run;
-        /// sequential mode, the default with it).
+        /// sequential mode, the default with it), oracle-return (an informed ceiling
+        /// in the same model: knows whether a later request uses a leaf, not when;
+        /// leaves no later request uses go first, then LRU) or oracle-return-W (knows
+        /// only whether the leaf is used within the next W requests, W a power of two
+        /// up to 65536: those go last, LRU within each class).
         #[arg(long, default_value = "lru", value_parser = parse_policy)]
         policy: PolicyArg,
         /// Upcoming requests the scheduler tells the cache about under --policy
@@ -445,10 +452,11 @@ mod cli {
         let swa = swa_config(&args)?;
         let host = host_config(&args)?;
         let engines = engines_config(&args)?;
-        let optimal = matches!(args.policy, PolicyArg::Optimal);
+        let optimal = matches!(args.policy, PolicyArg::Offline(_));
         if optimal && args.plot.is_some() {
             return Err(ReplayError::Config(
-                "--plot is not available with --policy optimal (the offline model keeps no timeline)".into(),
+                "--plot is not available with --policy optimal or oracle-return (the offline model keeps no timeline)"
+                    .into(),
             )
             .into());
         }
@@ -463,11 +471,15 @@ mod cli {
             page_size: args.page_size,
             policy: match args.policy {
                 PolicyArg::Cache(p) => p,
-                PolicyArg::Optimal => EvictionPolicy::Lru,
+                PolicyArg::Offline(_) => EvictionPolicy::Lru,
             },
             lookahead: args.lookahead,
             partial_evict: args.partial_evict,
             optimal,
+            ceiling: match args.policy {
+                PolicyArg::Offline(c) => c,
+                PolicyArg::Cache(_) => Ceiling::Optimal,
+            },
             mode: args.mode.unwrap_or(default_mode),
             cache: args.cache.unwrap_or(default_cache),
             max_running: args.max_running,

@@ -71,7 +71,7 @@ pub use hybrid::{
     run_hybrid, HybridConfig, HybridPoint, HybridReport, Model, DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_MAMBA_MEMORY_RATIO_PERMILLE, DEFAULT_MAMBA_STATE_BYTES, MAX_MAMBA_STATES, MIN_MAMBA_STATES,
 };
-pub use optimal::run_optimal;
+pub use optimal::{run_optimal, Ceiling, MAX_RETURN_WINDOW};
 pub use overlap::run_overlap;
 pub use plot::write_plot;
 pub use sequential::run_sequential;
@@ -215,6 +215,9 @@ pub struct ReplayConfig {
     pub partial_evict: bool,
     /// Replay the offline optimum instead of a policy ([`run_optimal`]; sequential).
     pub optimal: bool,
+    /// Which offline model [`optimal`](Self::optimal) runs: the optimum (the default)
+    /// or an informed ceiling (ignored without `optimal`).
+    pub ceiling: Ceiling,
     /// A host-memory tier under the device pool (kvpool's `HiRadixCache` or the
     /// two-tier reference tree; sequential mode, attention models).
     pub host: Option<HostTierConfig>,
@@ -240,6 +243,7 @@ impl Default for ReplayConfig {
             lookahead: None,
             partial_evict: false,
             optimal: false,
+            ceiling: Ceiling::Optimal,
             host: None,
             engines: EnginesConfig::default(),
         }
@@ -252,13 +256,12 @@ impl ReplayConfig {
         self.lookahead.unwrap_or(self.max_running)
     }
 
-    /// The policy's name in reports: the policy (or `optimal`), and `partial leaves`
-    /// with partial eviction.
+    /// The policy's name in reports: the policy (or the offline model: `optimal`,
+    /// `oracle-return[-W]`), and `partial leaves` with partial eviction.
     pub fn policy_name(&self) -> &'static str {
         use EvictionPolicy as P;
         match (self.optimal, self.policy, self.partial_evict) {
-            (true, _, false) => "optimal",
-            (true, _, true) => "optimal, partial leaves",
+            (true, _, partial) => self.ceiling.label(partial).unwrap_or("oracle-return (invalid window)"),
             (false, p, false) => p.name(),
             (false, P::Lru, true) => "lru, partial leaves",
             (false, P::Lfu, true) => "lfu, partial leaves",

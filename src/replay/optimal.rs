@@ -1,5 +1,6 @@
 //! The offline optimum (issue 13): Belady's MIN adapted to a prefix tree, as a ceiling
-//! for the eviction policies (`kvpool replay --policy optimal`, sequential mode).
+//! for the eviction policies (`kvpool replay --policy optimal`, sequential mode), and
+//! informed ceilings that know less of the future (`--policy oracle-return[-W]`).
 //!
 //! # What it computes
 //!
@@ -21,6 +22,19 @@
 //!   whole-leaf schedule is also a page schedule. The tests check both against brute
 //!   force over every eviction choice on small traces.
 //!
+//! # Informed ceilings: knowing *whether*, not *when*
+//!
+//! [`Ceiling::Return`] knows whether a later request uses a leaf (its victim page, as
+//! above) but not when: leaves no later request uses go first (Belady's first rule),
+//! then LRU among the rest. [`Ceiling::ReturnWithin`]`(W)` knows only whether the use
+//! comes within the next `W` requests: leaves used within them go last, LRU within each
+//! class. A leaf's class is recomputed whenever its key is (a use re-keys it), and a
+//! leaf whose next use comes within `W` while it waits is promoted when the clock
+//! reaches that request (a queue of such promotions, ordered by request). `W = 0` is
+//! LRU exactly; `W` at least the trace's length is [`Ceiling::Return`]. They bound from
+//! above what LRU gains from a perfect predictor of returns (within `W` requests), not
+//! every online policy: one could order the returning leaves better than by recency.
+//!
 //! # How
 //!
 //! kvpool's tree is built for an online policy; this is a separate page-level model of
@@ -39,6 +53,81 @@ use super::{Histograms, ReplayConfig, ReplayError, Report, Trace, BLOCK_TOKENS};
 #[cfg(test)]
 use crate::radix::EvictionPolicy;
 
+/// Which offline model `kvpool replay --policy optimal | oracle-return[-W]` runs
+/// ([`ReplayConfig::optimal`](super::ReplayConfig::optimal)): ceilings, not policies a
+/// server can run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ceiling {
+    /// Belady: the leaf whose next use lies furthest ahead goes first.
+    #[default]
+    Optimal,
+    /// Knows whether a later request uses a leaf, not when: unused leaves first, then
+    /// LRU.
+    Return,
+    /// Knows whether a leaf is used within the next `W` requests: the others first
+    /// (LRU), then those (LRU). `W` is a power of two, 1 to [`MAX_RETURN_WINDOW`].
+    ReturnWithin(u32),
+}
+
+/// The longest window of [`Ceiling::ReturnWithin`].
+pub const MAX_RETURN_WINDOW: u32 = 1 << 16;
+
+/// `oracle-return-W` for the powers of two `W` up to [`MAX_RETURN_WINDOW`].
+macro_rules! within_label {
+    ($w:expr, $partial:expr; $($n:literal)*) => {
+        match ($w, $partial) {
+            $(
+                ($n, false) => Some(concat!("oracle-return-", $n)),
+                ($n, true) => Some(concat!("oracle-return-", $n, ", partial leaves")),
+            )*
+            _ => None,
+        }
+    };
+}
+
+impl Ceiling {
+    /// The name `--policy` takes: `optimal`, `oracle-return`, `oracle-return-W`.
+    ///
+    /// # Errors
+    ///
+    /// A message for another name, or a window that is not a power of two up to
+    /// [`MAX_RETURN_WINDOW`].
+    pub fn from_name(s: &str) -> Result<Option<Self>, String> {
+        let s = s.to_ascii_lowercase();
+        if s == "optimal" {
+            return Ok(Some(Ceiling::Optimal));
+        }
+        if s == "oracle-return" {
+            return Ok(Some(Ceiling::Return));
+        }
+        let Some(w) = s.strip_prefix("oracle-return-") else { return Ok(None) };
+        let c = w.parse().ok().map(Ceiling::ReturnWithin).filter(|c| c.label(false).is_some());
+        c.map(Some).ok_or_else(|| {
+            format!("oracle-return-W needs a window W that is a power of two from 1 to {MAX_RETURN_WINDOW}, not {w:?}")
+        })
+    }
+
+    /// The report's policy label (`None`: a window [`from_name`](Self::from_name) rejects).
+    pub fn label(self, partial: bool) -> Option<&'static str> {
+        match (self, partial) {
+            (Ceiling::Optimal, false) => Some("optimal"),
+            (Ceiling::Optimal, true) => Some("optimal, partial leaves"),
+            (Ceiling::Return, false) => Some("oracle-return"),
+            (Ceiling::Return, true) => Some("oracle-return, partial leaves"),
+            (Ceiling::ReturnWithin(w), p) => within_label!(w, p;
+                1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192 16384 32768 65536),
+        }
+    }
+
+    fn sim(self) -> SimPolicy {
+        match self {
+            Ceiling::Optimal => SimPolicy::Optimal,
+            Ceiling::Return => SimPolicy::Return,
+            Ceiling::ReturnWithin(w) => SimPolicy::ReturnWithin(w.into()),
+        }
+    }
+}
+
 /// Which leaf the model evicts first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(not(test), allow(dead_code))] // LRU and LFU: the tests' checks against kvpool
@@ -49,6 +138,10 @@ pub(crate) enum SimPolicy {
     Lfu,
     /// Belady: furthest next use first.
     Optimal,
+    /// Leaves no later request uses first, then LRU.
+    Return,
+    /// Leaves not used within the next `W` requests first, then LRU.
+    ReturnWithin(u64),
 }
 
 const NEVER: u64 = u64::MAX;
@@ -121,6 +214,9 @@ struct Node {
     hit_count: u64,
     /// The key it is in the eviction set under, when it is there.
     key: Option<(u64, u64)>,
+    /// The request at which its next use comes within the window
+    /// ([`SimPolicy::ReturnWithin`]), while it waits in the eviction set for that.
+    due: Option<u64>,
 }
 
 /// Counters of a model run, in tokens.
@@ -150,6 +246,11 @@ pub(crate) struct Sim<'u> {
     free_ids: Vec<u32>,
     children: HashMap<(u32, u64), u32>,
     order: BTreeSet<(u64, u64, u32)>,
+    /// (due request, leaf): the promotions of [`SimPolicy::ReturnWithin`].
+    pending: BTreeSet<(u64, u32)>,
+    /// Test only: re-key every leaf at every request (the promotions' reference).
+    #[cfg(test)]
+    rekey_all: bool,
     clock: u64,
     now: usize,
     private_next: u64,
@@ -176,6 +277,9 @@ impl<'u> Sim<'u> {
             free_ids: Vec::new(),
             children: HashMap::new(),
             order: BTreeSet::new(),
+            pending: BTreeSet::new(),
+            #[cfg(test)]
+            rekey_all: false,
             clock: 0,
             now: 0,
             private_next: 0,
@@ -188,28 +292,73 @@ impl<'u> Sim<'u> {
         self.clock
     }
 
-    fn key(&self, id: u32) -> (u64, u64) {
+    /// The leaf's key in the eviction order (smallest first), and for
+    /// [`SimPolicy::ReturnWithin`] the request at which it is to be re-keyed.
+    fn key(&self, id: u32) -> ((u64, u64), Option<u64>) {
         let n = &self.nodes[id as usize];
+        // Partial: pages go from the tail, so the tail page's next use counts; whole:
+        // any use of a leaf uses its first page.
+        let next = || {
+            let page = if self.partial { *n.pages.last().unwrap_or(&PRIVATE) } else { n.pages[0] };
+            self.uses.next_use(page, self.now)
+        };
         match self.policy {
-            SimPolicy::Lru => (0, n.last_access),
-            SimPolicy::Lfu => (n.hit_count, n.last_access),
-            SimPolicy::Optimal => {
-                // Partial: pages go from the tail, so the tail page's next use counts.
-                let page = if self.partial { *n.pages.last().unwrap_or(&PRIVATE) } else { n.pages[0] };
-                (NEVER - self.uses.next_use(page, self.now), n.last_access)
+            SimPolicy::Lru => ((0, n.last_access), None),
+            SimPolicy::Lfu => ((n.hit_count, n.last_access), None),
+            SimPolicy::Optimal => ((NEVER - next(), n.last_access), None),
+            SimPolicy::Return => ((u64::from(next() != NEVER), n.last_access), None),
+            SimPolicy::ReturnWithin(w) => {
+                let next = next();
+                let soon = next <= (self.now as u64).saturating_add(w);
+                let due = (!soon && next != NEVER).then(|| next - w);
+                ((u64::from(soon), n.last_access), due)
             }
         }
     }
 
     fn push(&mut self, id: u32) {
-        let k = self.key(id);
-        self.nodes[id as usize].key = Some(k);
+        let (k, due) = self.key(id);
+        let n = &mut self.nodes[id as usize];
+        n.key = Some(k);
+        n.due = due;
         self.order.insert((k.0, k.1, id));
+        if let Some(d) = due {
+            self.pending.insert((d, id));
+        }
     }
 
     fn remove(&mut self, id: u32) {
-        if let Some(k) = self.nodes[id as usize].key.take() {
+        let n = &mut self.nodes[id as usize];
+        if let Some(k) = n.key.take() {
             self.order.remove(&(k.0, k.1, id));
+        }
+        if let Some(d) = n.due.take() {
+            self.pending.remove(&(d, id));
+        }
+    }
+
+    /// Re-key the leaves whose next use has come within the window by request `now`.
+    fn promote(&mut self) {
+        #[cfg(test)]
+        if self.rekey_all {
+            let ids: Vec<u32> = self.order.iter().map(|&(.., id)| id).collect();
+            for id in ids {
+                self.remove(id);
+                self.push(id);
+            }
+            return;
+        }
+        while let Some(&(due, id)) = self.pending.first() {
+            if due > self.now as u64 {
+                break;
+            }
+            self.remove(id);
+            self.push(id);
+            // Its use is now within the window: it cannot come due again (no endless loop).
+            assert!(
+                !matches!(self.nodes[id as usize].due, Some(d) if d <= self.now as u64),
+                "a promotion that does not promote"
+            );
         }
     }
 
@@ -248,6 +397,7 @@ impl<'u> Sim<'u> {
             last_access: t,
             hit_count: old.hit_count,
             key: None,
+            due: None,
         };
         let (parent, first) = (old.parent, old.pages[0]);
         let u = self.new_node(upper);
@@ -326,11 +476,12 @@ impl<'u> Sim<'u> {
             let &(.., x) = self.order.iter().nth(pick).expect("the chooser picks an evictable leaf");
             self.remove(x);
             let len = self.nodes[x as usize].pages.len();
-            // Partial: the optimum takes one page at a time (and re-sorts the leaf by
-            // its new tail); the others cut the whole shortfall at once, as kvpool.
+            // Partial: the optimum and the oracles take one page at a time (and re-sort
+            // the leaf by its new tail); LRU and LFU cut the whole shortfall at once, as
+            // kvpool.
             let cut = if !self.partial {
                 len
-            } else if self.policy == SimPolicy::Optimal || choose.is_some() {
+            } else if !matches!(self.policy, SimPolicy::Lru | SimPolicy::Lfu) || choose.is_some() {
                 1
             } else {
                 (need - freed).min(len)
@@ -383,6 +534,7 @@ impl<'u> Sim<'u> {
         let q = trace.request(r);
         let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
         self.now = r;
+        self.promote();
         if kv_len.div_ceil(ps) > self.capacity_pages {
             self.totals.rejected += 1;
             return;
@@ -448,6 +600,7 @@ impl<'u> Sim<'u> {
                 last_access: t,
                 hit_count: 0,
                 key: None,
+                due: None,
             });
             self.children.insert((end, first), id);
             self.nodes[end as usize].children += 1;
@@ -483,6 +636,12 @@ fn check(config: &ReplayConfig) -> Result<usize, ReplayError> {
              (1, 2, 4, ... 512), not {ps}"
         )));
     }
+    if config.ceiling.label(false).is_none() {
+        return Err(ReplayError::Config(format!(
+            "{:?}: the window must be a power of two from 1 to {MAX_RETURN_WINDOW}",
+            config.ceiling
+        )));
+    }
     Ok(ps)
 }
 
@@ -498,16 +657,19 @@ pub(crate) fn simulate(
     Ok(Sim::new(&uses, config.capacity_tokens, policy, config.partial_evict).run(trace, choose))
 }
 
-/// `kvpool replay --policy optimal`: the offline optimum of the sequential replay (see
-/// the module docs), as a [`Report`] (no latencies: nothing is timed but the whole).
+/// `kvpool replay --policy optimal` (or `oracle-return[-W]`: the model
+/// [`ReplayConfig::ceiling`](super::ReplayConfig::ceiling) names): the offline optimum
+/// of the sequential replay or an informed ceiling (see the module docs), as a
+/// [`Report`] (no latencies: nothing is timed but the whole).
 ///
 /// # Errors
 ///
-/// [`ReplayError::Config`] for a page size that does not divide 512.
+/// [`ReplayError::Config`] for a page size that does not divide 512, or a window
+/// [`Ceiling::from_name`] rejects.
 pub fn run_optimal(trace: &Trace, config: &ReplayConfig) -> Result<Report, ReplayError> {
     config.validate(trace)?;
     let start = Instant::now();
-    let t = simulate(trace, config, SimPolicy::Optimal, &mut None)?;
+    let t = simulate(trace, config, config.ceiling.sim(), &mut None)?;
     let wall = start.elapsed().as_secs_f64();
     let hist = Histograms::default();
     let requests = t.served + t.rejected;
@@ -535,7 +697,7 @@ pub fn run_optimal(trace: &Trace, config: &ReplayConfig) -> Result<Report, Repla
         },
         mode: "sequential",
         cache: "optimal (offline model)",
-        policy: if config.partial_evict { "optimal, partial leaves" } else { "optimal" },
+        policy: config.ceiling.label(config.partial_evict).expect("checked by simulate"),
         page_size: config.page_size,
         capacity_tokens: config.capacity_tokens as u64,
         max_running: 1,

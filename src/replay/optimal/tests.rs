@@ -208,3 +208,125 @@ fn page_size_must_divide_blocks() {
     let c = config(48 * 10, 48, false);
     assert!(matches!(run_optimal(&trace, &c), Err(ReplayError::Config(_))));
 }
+
+fn hits(trace: &Trace, c: &ReplayConfig, p: SimPolicy) -> u64 {
+    simulate(trace, c, p, &mut None).unwrap().hit_tokens
+}
+
+/// Hand-made, pages of one block, a pool of 3 pages: a request of one block and two
+/// output tokens holds 2 pages while it runs and caches its block, so a miss with two
+/// blocks cached evicts one of them: paging with room for two. Requests A B C A B C.
+///
+/// * LRU: C evicts A, A evicts B, B evicts C: no hit.
+/// * oracle-return: at C, A and B both return: LRU evicts A. At A (request 3), B and
+///   C both return: LRU evicts B. At B, A does not return: it goes; C hits. 1 hit.
+/// * optimal: at C, B returns later (4) than A (3): B goes; A hits; at B, A does not
+///   return: it goes; C hits. 2 hits, the brute force's too.
+/// * oracle-return-1: at C, A returns within 1 request, B (4) not: B goes, as the
+///   optimum. 2 hits. oracle-return-2: A and B both within 2: as oracle-return, 1 hit.
+#[test]
+fn return_oracles_by_hand() {
+    let (a, b, c) = (&[1u32][..], &[2u32][..], &[3u32][..]);
+    let trace = trace_of(&[(a, 0, 2), (b, 0, 2), (c, 0, 2), (a, 0, 2), (b, 0, 2), (c, 0, 2)]);
+    for partial in [false, true] {
+        let cfg = config(3 * 512, 512, partial);
+        assert_eq!(hits(&trace, &cfg, SimPolicy::Lru), 0, "partial {partial}");
+        assert_eq!(hits(&trace, &cfg, SimPolicy::Return), 512, "partial {partial}");
+        assert_eq!(hits(&trace, &cfg, SimPolicy::ReturnWithin(1)), 2 * 512, "partial {partial}");
+        assert_eq!(hits(&trace, &cfg, SimPolicy::ReturnWithin(2)), 512, "partial {partial}");
+        assert_eq!(hits(&trace, &cfg, SimPolicy::Optimal), 2 * 512, "partial {partial}");
+        assert_eq!(brute_force(&trace, &cfg), 2 * 512, "partial {partial}");
+    }
+    // The replay's report, through the configuration's ceiling.
+    let run = |ceiling| run_optimal(&trace, &ReplayConfig { ceiling, optimal: true, ..config(3 * 512, 512, false) });
+    let r = run(Ceiling::Return).unwrap();
+    assert_eq!((r.hit_tokens, r.policy), (512, "oracle-return"));
+    let r = run(Ceiling::ReturnWithin(1)).unwrap();
+    assert_eq!((r.hit_tokens, r.policy), (1024, "oracle-return-1"));
+    assert!(matches!(run(Ceiling::ReturnWithin(3)), Err(ReplayError::Config(_))));
+}
+
+/// Hand-made: a leaf never used again goes before an older leaf that returns, even
+/// within a window (A B C A: LRU evicts A at C; oracle-return evicts B, and A hits).
+#[test]
+fn return_oracle_evicts_what_never_returns() {
+    let (a, b, c) = (&[1u32][..], &[2u32][..], &[3u32][..]);
+    let trace = trace_of(&[(a, 0, 2), (b, 0, 2), (c, 0, 2), (a, 0, 2)]);
+    let cfg = config(3 * 512, 512, false);
+    assert_eq!(hits(&trace, &cfg, SimPolicy::Lru), 0);
+    for p in [SimPolicy::Return, SimPolicy::ReturnWithin(1), SimPolicy::Optimal] {
+        assert_eq!(hits(&trace, &cfg, p), 512, "{p:?}");
+    }
+}
+
+/// On random small traces the informed ceilings lie between LRU and the optimum: never
+/// above the brute force (whole leaves) or page-granular MIN (partial), and never below
+/// LRU.
+#[test]
+fn return_oracles_between_lru_and_the_optimum() {
+    let mut rng = Rng(0x1357_9bdf_2468_ace0);
+    let cases = if cfg!(debug_assertions) { 60 } else { 300 };
+    let (mut above_lru, mut below_opt) = (0, 0);
+    for case in 0..cases {
+        let trace = random_trace(&mut rng);
+        let pages = 4 + rng.next(3) as usize;
+        for partial in [false, true] {
+            let cfg = config(pages * 512, 512, partial);
+            let lru = hits(&trace, &cfg, SimPolicy::Lru);
+            let best = if partial { optimal(&trace, &cfg) } else { brute_force(&trace, &cfg) };
+            for p in [SimPolicy::Return, SimPolicy::ReturnWithin(1), SimPolicy::ReturnWithin(2)] {
+                let h = hits(&trace, &cfg, p);
+                assert!(lru <= h && h <= best, "case {case} partial {partial} {p:?}: lru {lru} <= {h} <= {best}?");
+                above_lru += usize::from(h > lru);
+                below_opt += usize::from(h < best);
+            }
+        }
+    }
+    // The checks are not vacuous: the ceilings often differ from both ends.
+    assert!(above_lru > cases / 10 && below_opt > 0, "above LRU {above_lru}, below the optimum {below_opt}");
+}
+
+/// The model of `policy` with every leaf re-keyed at every request (`rekey`) or with
+/// the promotion queue.
+fn run_sim(trace: &Trace, c: &ReplayConfig, policy: SimPolicy, rekey: bool) -> SimTotals {
+    let uses = Uses::new(trace, c.page_size as usize);
+    let mut sim = Sim::new(&uses, c.capacity_tokens, policy, c.partial_evict);
+    sim.rekey_all = rekey;
+    sim.run(trace, &mut None)
+}
+
+/// The window's extremes: `W = 0` is LRU and `W` past the trace's end is
+/// oracle-return, to the token; in between, the promotion queue gives what re-keying
+/// every leaf at every request gives. The head of the bundled trace, page 16.
+#[test]
+fn return_window_is_exact() {
+    let mut trace = Trace::bundled().unwrap();
+    trace.truncate(if cfg!(debug_assertions) { 400 } else { 3000 });
+    let n = trace.len() as u64;
+    for partial in [false, true] {
+        let c = config(1 << 18, 16, partial);
+        let lru = run_sim(&trace, &c, SimPolicy::Lru, false);
+        assert!(lru.evicted_tokens > 0 && lru.rejected == 0);
+        assert_eq!(run_sim(&trace, &c, SimPolicy::ReturnWithin(0), false), lru, "partial {partial}");
+        let ret = run_sim(&trace, &c, SimPolicy::Return, false);
+        assert_eq!(run_sim(&trace, &c, SimPolicy::ReturnWithin(n), false), ret, "partial {partial}");
+        for w in [64, 128, 256] {
+            let queued = run_sim(&trace, &c, SimPolicy::ReturnWithin(w), false);
+            assert_eq!(queued, run_sim(&trace, &c, SimPolicy::ReturnWithin(w), true), "W {w} partial {partial}");
+            let h = queued.hit_tokens;
+            assert!(h != lru.hit_tokens && h != ret.hit_tokens, "W {w} partial {partial}: a vacuous check");
+        }
+    }
+}
+
+#[test]
+fn ceiling_names() {
+    assert_eq!(Ceiling::from_name("optimal"), Ok(Some(Ceiling::Optimal)));
+    assert_eq!(Ceiling::from_name("Oracle-Return"), Ok(Some(Ceiling::Return)));
+    assert_eq!(Ceiling::from_name("oracle-return-1024"), Ok(Some(Ceiling::ReturnWithin(1024))));
+    assert_eq!(Ceiling::ReturnWithin(1024).label(true), Some("oracle-return-1024, partial leaves"));
+    assert_eq!(Ceiling::from_name("lru"), Ok(None));
+    for bad in ["oracle-return-0", "oracle-return-100", "oracle-return-131072", "oracle-return-x"] {
+        assert!(Ceiling::from_name(bad).is_err(), "{bad}");
+    }
+}
