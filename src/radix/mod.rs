@@ -1344,6 +1344,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let r = then(w, &ins);
             let freed = self.alloc.free(&kv[p.protected..p.cached]);
             debug_assert!(freed.is_ok(), "checked duplicate slots failed to free: {freed:?}");
+            // The row is rewritten below: the runs recorded for it no longer hold.
+            w.s.row_runs.clear();
             // The request holds the KV of everything it inserted: its lease moves to the
             // node the whole key ends at (where the KV match ends), and its row gets the
             // tree's slots.

@@ -115,8 +115,9 @@ const ROW_RUNS: usize = 64;
 /// ([`Writer::check_shape_from`]), so that the passes that follow in the same change
 /// (claiming the pages, cutting the new leaf into runs) look a run up instead of
 /// comparing its slots again. Keyed by the checked slice's address; cleared whenever
-/// the latch is taken, so it only ever describes a slice borrowed for the current
-/// change. Fixed capacity: runs past the first [`ROW_RUNS`] are computed as before.
+/// the latch is taken (and before a change rewrites the row it checked), so it only
+/// ever describes a slice borrowed, unchanged, for the current change. Fixed capacity:
+/// runs past the first [`ROW_RUNS`] are computed as before.
 pub(super) struct RowRuns {
     /// Address of the checked slice's first slot (0: nothing recorded).
     base: usize,
