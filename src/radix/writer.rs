@@ -10,7 +10,7 @@ use super::{
 };
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
-use crate::slots::{ascending_from, bit_words};
+use crate::slots::{ascending_from, bit_ends, bit_words};
 use crate::sync::atomic::{fence, AtomicU32, Ordering};
 
 /// The latch holder's view: all tree changes go through here (and through the
@@ -95,19 +95,6 @@ pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
     len
 }
 
-/// The first and last words of bits `start..start + len` with the range's bits in each
-/// (`None` for an empty range; one word: both ends are it, with the same mask).
-#[inline]
-fn ends_of(start: usize, len: usize) -> Option<(usize, u64, usize, u64)> {
-    if len == 0 {
-        return None;
-    }
-    let end = start + len - 1;
-    let (w0, w1) = (start / 64, end / 64);
-    let (lo, hi) = (u64::MAX << (start % 64), u64::MAX >> (63 - end % 64));
-    Some(if w0 == w1 { (w0, lo & hi, w0, lo & hi) } else { (w0, lo, w1, hi) })
-}
-
 /// Runs of consecutive pages recorded per row, at most.
 const ROW_RUNS: usize = 64;
 
@@ -121,8 +108,6 @@ const ROW_RUNS: usize = 64;
 pub(super) struct RowRuns {
     /// Address of the checked slice's first slot (0: nothing recorded).
     base: usize,
-    /// Slots covered by the recorded runs, from `base`.
-    covered: usize,
     /// End of each run, in slots from `base`.
     ends: [u32; ROW_RUNS],
     count: usize,
@@ -130,21 +115,19 @@ pub(super) struct RowRuns {
 
 impl Default for RowRuns {
     fn default() -> Self {
-        RowRuns { base: 0, covered: 0, ends: [0; ROW_RUNS], count: 0 }
+        RowRuns { base: 0, ends: [0; ROW_RUNS], count: 0 }
     }
 }
 
 impl RowRuns {
     pub(super) fn clear(&mut self) {
-        self.base = 0;
-        self.covered = 0;
-        self.count = 0;
+        self.start(0);
     }
 
-    /// Start recording the runs of the slice starting at `base` (an address).
+    /// Start recording the runs of the slice starting at `base` (an address; 0 records
+    /// nothing).
     fn start(&mut self, base: usize) {
         self.base = base;
-        self.covered = 0;
         self.count = 0;
     }
 
@@ -153,7 +136,6 @@ impl RowRuns {
         if self.count < ROW_RUNS && self.base != 0 {
             self.ends[self.count] = end as u32;
             self.count += 1;
-            self.covered = end;
         }
     }
 
@@ -161,16 +143,13 @@ impl RowRuns {
     /// end), if `slots[i * ps]` lies in the recorded runs.
     #[inline]
     fn lookup(&self, slots: &[u32], ps: usize, i: usize) -> Option<usize> {
-        if self.count == 0 {
+        let ends = &self.ends[..self.count];
+        let covered = *ends.last()? as usize;
+        let off = (slots[i * ps..].as_ptr() as usize).checked_sub(self.base)? / 4;
+        if off >= covered {
             return None;
         }
-        let addr = slots[i * ps..].as_ptr() as usize;
-        let off = addr.checked_sub(self.base)? / 4;
-        if off >= self.covered {
-            return None;
-        }
-        let k = self.ends[..self.count].partition_point(|&e| e as usize <= off);
-        let end = self.ends[k] as usize;
+        let end = ends[ends.partition_point(|&e| e as usize <= off)] as usize;
         Some(((end - off) / ps).min(slots.len() / ps - i))
     }
 }
@@ -294,7 +273,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Whether no page of `start..start + len` is in the tree, a word at a time.
     fn in_tree_clear(&self, start: u32, len: u32) -> bool {
-        let Some((w0, m0, w1, m1)) = ends_of(start as usize, len as usize) else { return true };
+        let Some((w0, m0, w1, m1)) = bit_ends(start as usize, len as usize) else { return true };
         let t = &self.s.in_tree;
         // The whole words between the ends as one OR (it vectorizes).
         t[w0] & m0 == 0 && t[w1] & m1 == 0 && t[w0 + 1..w1.max(w0 + 1)].iter().fold(0, |a, &x| a | x) == 0
@@ -303,7 +282,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Set or clear the in-tree bits of pages `start..start + len`: the end words by
     /// mask, the whole words between them as one fill.
     pub(super) fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
-        let Some((w0, m0, w1, m1)) = ends_of(start as usize, len as usize) else { return };
+        let Some((w0, m0, w1, m1)) = bit_ends(start as usize, len as usize) else { return };
         let t = &mut self.s.in_tree;
         if on {
             t[w0] |= m0;
@@ -1428,31 +1407,5 @@ impl Iterator for Runs<'_> {
             self.in_run = self.lens[self.page as usize].load(Ordering::Relaxed);
         }
         Some((start, len))
-    }
-}
-
-#[cfg(all(test, not(loom)))]
-mod range_tests {
-    use super::ends_of;
-    use crate::slots::bit_words;
-
-    /// The end words and masks cover exactly the bits `bit_words` lists.
-    #[test]
-    fn ends_cover_the_same_bits_as_bit_words() {
-        for start in 0..200 {
-            for len in 0..200 {
-                let mut want = [0u64; 7];
-                for (w, m) in bit_words(start, len) {
-                    want[w] |= m;
-                }
-                let mut got = [0u64; 7];
-                if let Some((w0, m0, w1, m1)) = ends_of(start, len) {
-                    got[w0] |= m0;
-                    got[w1] |= m1;
-                    got[w0 + 1..w1.max(w0 + 1)].fill(u64::MAX);
-                }
-                assert_eq!(got, want, "bits {start}..{}", start + len);
-            }
-        }
     }
 }

@@ -640,91 +640,64 @@ impl SlotPool {
         }
     }
 
-    /// Note in the summary that word `w` may hold free bits (after setting some).
-    /// Reads first: the summary line stays shared while the bit is set.
+    /// Note in the summary that the words of `b` may hold free bits (after setting
+    /// some). Reads first: the summary line stays shared while the bits are set.
     #[inline]
-    fn mark(&self, w: usize) {
-        let (sw, bit) = (&self.summary[w / BITS], 1u64 << (w % BITS));
-        // SeqCst, after the caller's SeqCst RMW on the word: the other half of the
-        // clearing side's fetch_and + load (see `unmark_emptied`). The summary orders
-        // nothing else: claims take bits through `words` with Acquire.
-        if sw.load(Ordering::SeqCst) & bit == 0 {
-            sw.fetch_or(bit, Ordering::Relaxed);
-        }
-    }
-
-    /// [`mark`](Self::mark) word `w`, together with the neighbouring words of the same
-    /// summary word that the same free sets bits in: one summary load (and at most one
-    /// RMW) per 64 words. [`mark_pending`](Self::mark_pending) marks the last ones.
-    #[inline]
-    fn mark_later(&self, w: usize, acc: &mut Applied) {
-        let (sw, bit) = (w / BITS, 1u64 << (w % BITS));
-        if sw != acc.mark_sw {
-            self.mark_pending(acc);
-            acc.mark_sw = sw;
-        }
-        acc.mark_bits |= bit;
-    }
-
-    /// Mark the words [`mark_later`](Self::mark_later) collected. After the free's
-    /// RMWs on those words (the order `unmark_emptied` relies on).
-    #[inline]
-    fn mark_pending(&self, acc: &mut Applied) {
-        if acc.mark_bits == 0 {
+    fn mark(&self, b: SummaryBits) {
+        if b.bits == 0 {
             return;
         }
-        let sw = &self.summary[acc.mark_sw];
-        // SeqCst: see `mark`.
-        let missing = acc.mark_bits & !sw.load(Ordering::SeqCst);
+        let sw = &self.summary[b.sw];
+        // SeqCst, after the caller's SeqCst RMWs on the words: the other half of the
+        // clearing's fetch_and + load (see `unmark`). The summary orders nothing else:
+        // claims take bits through `words` with Acquire.
+        let missing = b.bits & !sw.load(Ordering::SeqCst);
         if missing != 0 {
             sw.fetch_or(missing, Ordering::Relaxed);
         }
-        acc.mark_bits = 0;
     }
 
-    /// The scan found word `w` empty: clear its summary bit, then look at the word
-    /// again (a free may have set bits in between, after reading the bit as set).
-    /// Returns what the word holds now; if that is not 0 the bit is set again.
-    #[inline]
-    fn unmark_empty(&self, w: usize) -> u64 {
-        let (sw, bit) = (&self.summary[w / BITS], 1u64 << (w % BITS));
-        if sw.load(Ordering::Relaxed) & bit == 0 {
-            return 0;
-        }
-        // See `unmark_emptied`.
-        sw.fetch_and(!bit, Ordering::SeqCst);
-        let now = self.words[w].load(Ordering::SeqCst);
-        if now != 0 {
-            sw.fetch_or(bit, Ordering::Relaxed);
-        }
-        now
-    }
-
-    /// A claim emptied the words of `mask` in summary word `sw`: clear their bits with
-    /// one RMW, then look at each word again and set its bit back if a free got in.
-    /// Fewer than [`UNMARK_MIN`] words are left marked (a later scan that finds them
-    /// empty clears them): a short alloc + free round would otherwise pay an RMW to
-    /// clear and, in the free, another to mark again.
-    #[inline]
-    fn unmark_emptied(&self, sw: usize, mask: u64) {
-        if (mask.count_ones() as usize) < UNMARK_MIN {
-            return;
-        }
-        let summary = &self.summary[sw];
+    /// Clear the summary bits of `b`'s words, which were found empty, with one RMW;
+    /// then look at each word again and set its bit back if a free got in between.
+    fn unmark(&self, b: SummaryBits) {
+        let summary = &self.summary[b.sw];
         // SeqCst here and in the loads below, as in a free's RMW on the word and its
         // load of the summary (`mark`): of a free that sets bits in one of these words
         // and this clearing, one sees the other (the store-buffering pattern that
         // SeqCst forbids), so either the free sets the bit again or the load below sees
         // its bits. So at quiescence every word with free bits is marked
         // (`check_invariants` checks it).
-        summary.fetch_and(!mask, Ordering::SeqCst);
-        let mut m = mask;
+        summary.fetch_and(!b.bits, Ordering::SeqCst);
+        let mut m = b.bits;
         while m != 0 {
-            let b = m.trailing_zeros() as usize;
+            let k = m.trailing_zeros() as usize;
             m &= m - 1;
-            if self.words[sw * BITS + b].load(Ordering::SeqCst) != 0 {
-                summary.fetch_or(1 << b, Ordering::Relaxed);
+            if self.words[b.sw * BITS + k].load(Ordering::SeqCst) != 0 {
+                summary.fetch_or(1 << k, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// The scan found word `w` empty: [`unmark`](Self::unmark) it if it is marked.
+    /// Returns what the word holds now (not 0: a free got in, and it is marked again).
+    #[inline]
+    fn unmark_empty(&self, w: usize) -> u64 {
+        let b = SummaryBits::of(w);
+        if self.summary[b.sw].load(Ordering::Relaxed) & b.bits == 0 {
+            return 0;
+        }
+        self.unmark(b);
+        self.words[w].load(Ordering::Relaxed)
+    }
+
+    /// A claim emptied the words of `b`: [`unmark`](Self::unmark) them if there are at
+    /// least [`UNMARK_MIN`]; fewer are left marked (a later scan that finds them empty
+    /// clears them): a short alloc + free round would otherwise pay an RMW to clear
+    /// and, in the free, another to mark again.
+    #[inline]
+    fn unmark_emptied(&self, b: SummaryBits) {
+        if (b.bits.count_ones() as usize) >= UNMARK_MIN {
+            self.unmark(b);
         }
     }
 
@@ -950,10 +923,10 @@ impl SlotPool {
                 // Release: whatever the indices' previous owners wrote (ordered before
                 // our holding the magazine) happens-before the next claim of them.
                 // SeqCst: Release for the reason above, and the first half of the
-                // summary's ordering (see `unmark_emptied`).
+                // summary's ordering (see `unmark`).
                 let old = self.words[w].fetch_or(mask, Ordering::SeqCst);
                 debug_assert_eq!(old & mask, 0, "a magazine entry was free in the bitmap");
-                self.mark(w);
+                self.mark(SummaryBits::of(w));
                 min_word = min_word.min(w);
             })
         });
@@ -1014,15 +987,15 @@ impl SlotPool {
         let mut last_word = start;
         // Guided by the summary until a whole pass comes up short.
         let mut guided = true;
-        // Words this claim emptied, not yet cleared in the summary: (summary word, bits).
-        let (mut emptied_sw, mut emptied) = (0usize, 0u64);
+        // Words this claim emptied, not yet cleared in the summary.
+        let mut emptied = SummaryBits::default();
         loop {
             let word = &self.words[w];
             let mut cur = word.load(Ordering::Relaxed);
             if cur == 0 && guided {
                 cur = self.unmark_empty(w);
             } else if cur != 0 && !guided {
-                self.mark(w);
+                self.mark(SummaryBits::of(w));
             }
             let mut lost = false;
             if cur != 0 && n - filled >= BITS {
@@ -1035,11 +1008,9 @@ impl SlotPool {
                 // AcqRel as for the compare-and-swap below.
                 let take = word.swap(0, Ordering::AcqRel);
                 // The word is empty now: its summary bit goes with this claim's others.
-                if w / BITS != emptied_sw {
-                    self.unmark_emptied(emptied_sw, emptied);
-                    (emptied_sw, emptied) = (w / BITS, 0);
+                if let Some(done) = emptied.add(w) {
+                    self.unmark_emptied(done);
                 }
-                emptied |= 1 << (w % BITS);
                 if take != 0 {
                     self.set_held(w, take);
                     each(w, take);
@@ -1058,11 +1029,9 @@ impl SlotPool {
                 match word.compare_exchange(cur, cur & !take, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
                         if cur == take {
-                            if w / BITS != emptied_sw {
-                                self.unmark_emptied(emptied_sw, emptied);
-                                (emptied_sw, emptied) = (w / BITS, 0);
+                            if let Some(done) = emptied.add(w) {
+                                self.unmark_emptied(done);
                             }
-                            emptied |= 1 << (w % BITS);
                         }
                         self.set_held(w, take);
                         each(w, take);
@@ -1106,7 +1075,7 @@ impl SlotPool {
                 spin_loop();
             }
         }
-        self.unmark_emptied(emptied_sw, emptied);
+        self.unmark_emptied(emptied);
         // Single-threaded, words start..last_word were emptied: move the hint there,
         // unless a free lowered it meanwhile. A spread claim scanned elsewhere and says
         // nothing about the words above the hint; it moves its shard's cursor instead.
@@ -1374,7 +1343,7 @@ impl SlotPool {
                 }
             }
         }
-        self.mark_pending(&mut acc);
+        self.mark(acc.marks);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
@@ -1440,10 +1409,12 @@ impl SlotPool {
         };
         // Release: our writes to whatever the index guards happen-before the next
         // owner's claim (which loads this word with Acquire). SeqCst: the first half of
-        // the summary's ordering (see `unmark_emptied`).
+        // the summary's ordering (see `unmark`).
         let old = if won != 0 { self.words[w].fetch_or(won, Ordering::SeqCst) } else { 0 };
         if won != 0 {
-            self.mark_later(w, acc);
+            if let Some(done) = acc.marks.add(w) {
+                self.mark(done);
+            }
         }
         acc.freed += (won & !old).count_ones() as usize;
         let again = (mask & !won) | (won & old);
@@ -1530,7 +1501,7 @@ impl SlotPool {
         if run_mask != 0 {
             self.set_bits(run_word, run_mask, dup, &mut acc);
         }
-        self.mark_pending(&mut acc);
+        self.mark(acc.marks);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
@@ -1573,7 +1544,7 @@ impl SlotPool {
             ones += v.count_ones() as usize;
             // Not under loom, which models SeqCst accesses as AcqRel and so explores the
             // store-buffering outcome the summary's SeqCst pairs rule out (see
-            // `unmark_emptied`); there a word can stay unmarked, which the claims'
+            // `unmark`); there a word can stay unmarked, which the claims'
             // fallback pass covers, and the models check that claims stay correct.
             if !cfg!(loom) && v != 0 && self.summary[w / BITS].load(Ordering::Acquire) & (1 << (w % BITS)) == 0 {
                 return Err(InvariantViolation(format!("word {w} has free bits {v:#x} but no summary bit")));
@@ -1655,14 +1626,42 @@ struct Applied {
     freed: usize,
     first_dup: Option<u32>,
     min_word: usize,
-    /// Summary bits still to mark: (summary word, bits), see [`SlotPool::mark_later`].
-    mark_sw: usize,
-    mark_bits: u64,
+    /// Words set so far whose summary bits are still to be set, with one summary
+    /// access per 64 words ([`SlotPool::mark`]), after the free's RMWs on them.
+    marks: SummaryBits,
 }
 
 impl Applied {
     fn new(first_dup: Option<u32>) -> Self {
-        Applied { freed: 0, first_dup, min_word: usize::MAX, mark_sw: 0, mark_bits: 0 }
+        Applied { freed: 0, first_dup, min_word: usize::MAX, marks: SummaryBits::default() }
+    }
+}
+
+/// Words of `words` within one word of the summary, gathered so that a run of them
+/// costs one summary access: bit `k` is word `sw * 64 + k`.
+#[derive(Clone, Copy, Default)]
+struct SummaryBits {
+    sw: usize,
+    bits: u64,
+}
+
+impl SummaryBits {
+    /// Word `w` alone.
+    fn of(w: usize) -> Self {
+        SummaryBits { sw: w / BITS, bits: 1 << (w % BITS) }
+    }
+
+    /// Add word `w`. When it lies in another summary word than the words gathered so
+    /// far, those are returned, to be applied now, and the gathering restarts at `w`.
+    #[inline]
+    fn add(&mut self, w: usize) -> Option<SummaryBits> {
+        let next = SummaryBits::of(w);
+        if next.sw == self.sw {
+            self.bits |= next.bits;
+            return None;
+        }
+        let done = core::mem::replace(self, next);
+        (done.bits != 0).then_some(done)
     }
 }
 
@@ -1942,7 +1941,7 @@ impl core::fmt::Debug for FreeGroup<'_> {
 }
 
 mod range;
-pub(crate) use range::bit_words;
+pub(crate) use range::{bit_ends, bit_words};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -23,6 +23,22 @@ pub(crate) fn bit_words(start: usize, len: usize) -> impl Iterator<Item = (usize
     })
 }
 
+/// The first and last words of bits `start..start + len` with the range's bits in
+/// each: `None` for an empty range; for a range within one word both ends are that
+/// word, with the same mask. The words strictly between them are wholly in the range,
+/// so a caller can handle them as one tight pass (what [`bit_words`] yields, in three
+/// parts).
+#[inline]
+pub(crate) fn bit_ends(start: usize, len: usize) -> Option<(usize, u64, usize, u64)> {
+    if len == 0 {
+        return None;
+    }
+    let end = start + len - 1;
+    let (w0, w1) = (start / BITS, end / BITS);
+    let (lo, hi) = (u64::MAX << (start % BITS), u64::MAX >> (BITS - 1 - end % BITS));
+    Some(if w0 == w1 { (w0, lo & hi, w0, lo & hi) } else { (w0, lo, w1, hi) })
+}
+
 /// The words of indices `first..first + count` (`first >= 1`).
 fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
     bit_words(first as usize - 1, count as usize)
@@ -52,14 +68,12 @@ impl SlotPool {
         }
         // As `is_allocated`: the held bits with magazines, the bitmap without. The end
         // words by mask, the whole words between them in one tight pass.
-        let (s, e) = (first as usize - 1, first as usize + count as usize - 2);
-        let (w0, w1) = (s / BITS, e / BITS);
-        let (lo, hi) = (u64::MAX << (s % BITS), u64::MAX >> (BITS - 1 - e % BITS));
-        if w0 == w1 {
-            return self.not_held(w0, lo & hi) == 0;
-        }
+        let Some((w0, lo, w1, hi)) = bit_ends(first as usize - 1, count as usize) else { return true };
         if self.not_held(w0, lo) != 0 || self.not_held(w1, hi) != 0 {
             return false;
+        }
+        if w1 <= w0 + 1 {
+            return true;
         }
         // Relaxed, as `not_held`: a snapshot.
         if self.held.is_empty() {
@@ -95,7 +109,7 @@ impl SlotPool {
         for (w, mask) in words_of(first, count) {
             self.set_bits(w, mask, Dup::Strict, &mut acc);
         }
-        self.mark_pending(&mut acc);
+        self.mark(acc.marks);
         self.lower_hint(acc.min_word);
         match acc.first_dup {
             None => Ok(acc.freed),
@@ -142,6 +156,26 @@ mod tests {
         ranges_agree(SlotPool::without_magazines(300));
         ranges_agree(SlotPool::new(300));
         ranges_agree(SlotPool::with_magazines(300, 8));
+    }
+
+    /// The end words and masks cover exactly the bits `bit_words` lists.
+    #[test]
+    fn ends_cover_the_same_bits_as_bit_words() {
+        for start in 0..200 {
+            for len in 0..200 {
+                let mut want = [0u64; 7];
+                for (w, m) in bit_words(start, len) {
+                    want[w] |= m;
+                }
+                let mut got = [0u64; 7];
+                if let Some((w0, m0, w1, m1)) = bit_ends(start, len) {
+                    got[w0] |= m0;
+                    got[w1] |= m1;
+                    got[w0 + 1..w1.max(w0 + 1)].fill(u64::MAX);
+                }
+                assert_eq!(got, want, "bits {start}..{}", start + len);
+            }
+        }
     }
 
     /// Long ranges over whole words: all allocated, or one free index in a middle word.
