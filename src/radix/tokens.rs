@@ -8,7 +8,11 @@
 //! afterwards (see the module docs of `radix`), so a torn or stale word is harmless.
 //!
 //! Long runs are stored with one string instruction (`rep movsq`) on x86-64: see
-//! `string_copy` for why that is the same as the loop of `Relaxed` stores.
+//! `string_copy` for why that is the same as the loop of `Relaxed` stores. In an
+//! array of [`STREAM_MIN_BYTES`] or more, runs of a request's tokens are stored with
+//! non-temporal stores instead (`stream_copy`): there the cells written are rarely still
+//! cached when they are next read, and a store that does not fetch its line first
+//! moves half the bytes.
 //!
 //! Slot `s` is the `u32` at byte offset `4 * s` of the array: the low-addressed half of
 //! word `s / 2` when `s` is even. The latch holder, which no write can race, reads the
@@ -19,7 +23,22 @@ use crate::sync::atomic::{AtomicU64, Ordering};
 pub(super) struct Tokens {
     words: Box<[AtomicU64]>,
     slots: usize,
+    /// Store long runs of [`write`](Self::write) with non-temporal stores.
+    stream: bool,
 }
+
+/// Token arrays of this many bytes or more (16 M slots) store long runs with
+/// non-temporal stores. Measured with the `cache_ops` loop (BENCHMARKS.md, "Streaming
+/// token stores"): on a 16-core Xeon (2 MiB of L2 per core) streaming was 5-13% faster
+/// from 16 M slots up and 5-20% slower at 4 M; the 2-core development VM crosses over
+/// between 4 M and 8 M. The threshold sits at the larger crossover: an array this big
+/// is far beyond any core's share of the last-level cache.
+pub(super) const STREAM_MIN_BYTES: usize = 64 << 20;
+
+/// Words from which a run is streamed (in an array that streams): 4 KiB, so the fence
+/// that ends a streamed run is a small share of it.
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+const STREAM_MIN_WORDS: usize = 512;
 
 /// The word holding slots `2k` (first in memory) and `2k + 1`.
 #[inline]
@@ -80,11 +99,68 @@ unsafe fn string_copy(dst: &[AtomicU64], src: *const u8) {
     }
 }
 
-/// Store `src`'s pairs of tokens into `dst` (word `k` gets `src[2k]`, `src[2k + 1]`:
-/// what [`pack`] makes of them). The latch holder only: nothing else writes `dst`.
+/// Copy `dst.len()` 8-byte words from `src` into `dst` with non-temporal stores
+/// (`movnti`), then `sfence`.
+///
+/// A non-temporal store writes its line without reading it into the cache first (a
+/// `rep movsq` of a few kilobytes, or a loop of ordinary stores, reads every line it
+/// writes), which halves the memory traffic of storing tokens into an array far larger
+/// than the cache. For readers it is the same as [`string_copy`]: each `movnti` is an
+/// aligned 8-byte store, performed single-copy atomically like a `Relaxed` `AtomicU64`
+/// store. Non-temporal stores are weakly ordered (a later ordinary store may become
+/// visible first); the closing `sfence` orders them all before every later store, so the
+/// fence that publishes a record afterwards covers them as it covers ordinary stores.
+/// The writing thread's own later loads see them in program order, as any store.
+///
+/// # Safety
+///
+/// As [`string_copy`]: `src` is valid for reads of `8 * dst.len()` bytes that nothing
+/// writes meanwhile and does not overlap `dst`; the caller is the only writer of `dst`;
+/// `dst` is not empty.
+#[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
 #[inline]
-fn store_words(dst: &[AtomicU64], src: &[u32]) {
+unsafe fn stream_copy(dst: &[AtomicU64], src: *const u8) {
+    debug_assert!(!dst.is_empty());
+    // SAFETY: `dst` is `dst.len() >= 1` initialised, 8-aligned `AtomicU64`s (so the
+    // counted loop runs `dst.len()` times, each an aligned 8-byte store); `src` is
+    // readable for as many bytes and not written meanwhile (the caller's contract). Only
+    // atomic loads can race the stores (the caller is the only writer), and each store
+    // is an atomic 8-byte store: no data race. The registers written are declared; the
+    // flags are clobbered (no `preserves_flags`).
+    unsafe {
+        core::arch::asm!(
+            "2:",
+            "mov {t}, qword ptr [{s}]",
+            "movnti qword ptr [{d}], {t}",
+            "add {s}, 8",
+            "add {d}, 8",
+            "dec {n}",
+            "jnz 2b",
+            "sfence",
+            n = inout(reg) dst.len() => _,
+            s = inout(reg) src => _,
+            d = inout(reg) dst.as_ptr() => _,
+            t = out(reg) _,
+            options(nostack)
+        );
+    }
+}
+
+/// Store `src`'s pairs of tokens into `dst` (word `k` gets `src[2k]`, `src[2k + 1]`:
+/// what [`pack`] makes of them), with non-temporal stores for a long run if `stream`.
+/// The latch holder only: nothing else writes `dst`.
+#[inline]
+fn store_words(dst: &[AtomicU64], src: &[u32], stream: bool) {
     assert_eq!(src.len(), 2 * dst.len(), "two tokens per word");
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    if stream && dst.len() >= STREAM_MIN_WORDS {
+        // SAFETY: as for `string_copy` below; `dst` is not empty (its length is at
+        // least `STREAM_MIN_WORDS`).
+        unsafe { stream_copy(dst, src.as_ptr().cast()) };
+        return;
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+    let _ = stream;
     #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
     if dst.len() >= STRING_MIN_WORDS {
         // SAFETY: `src` is `8 * dst.len()` bytes (asserted) of a shared borrow, so
@@ -120,9 +196,16 @@ fn copy_words(dst: &[AtomicU64], src: &[AtomicU64]) {
 }
 
 impl Tokens {
+    /// An array for `slots` slots, all 0; it streams long runs if it takes at least
+    /// [`STREAM_MIN_BYTES`].
     pub(super) fn new(slots: usize) -> Result<Self, crate::ConfigError> {
+        Self::with_streaming(slots, slots.saturating_mul(4) >= STREAM_MIN_BYTES)
+    }
+
+    /// An array for `slots` slots, all 0, that streams long runs if `stream`.
+    pub(super) fn with_streaming(slots: usize, stream: bool) -> Result<Self, crate::ConfigError> {
         let words = super::boxed("radix slot tokens", slots.div_ceil(2), |_| AtomicU64::new(0))?;
-        Ok(Tokens { words, slots })
+        Ok(Tokens { words, slots, stream })
     }
 
     /// The token of `slot` (an atomic load).
@@ -225,7 +308,7 @@ impl Tokens {
             t = &t[1..];
         }
         let pairs = t.len() / 2;
-        store_words(&self.words[s / 2..s / 2 + pairs], &t[..2 * pairs]);
+        store_words(&self.words[s / 2..s / 2 + pairs], &t[..2 * pairs], self.stream);
         if t.len() % 2 == 1 {
             let w = &self.words[(s + t.len()) / 2];
             let (_, odd) = unpack(w.load(Ordering::Relaxed));
@@ -267,10 +350,22 @@ mod tests {
     /// neighbours; so do copies of such runs.
     #[test]
     fn long_runs_write_and_copy_exactly() {
-        let n = 420;
+        long_runs_exactly(420, &[60, 63, 64, 65, 66, 67, 130, 131, 200], false);
+    }
+
+    /// The same with non-temporal stores, around the streamed length (1,024 tokens).
+    #[test]
+    fn streamed_runs_write_and_copy_exactly() {
+        long_runs_exactly(2100, &[1000, 1023, 1024, 1025, 1026, 1027, 1030], true);
+        assert!(!Tokens::new(STREAM_MIN_BYTES / 4 - 1).unwrap().stream);
+        assert!(Tokens::new(STREAM_MIN_BYTES / 4).unwrap().stream);
+    }
+
+    fn long_runs_exactly(n: usize, lens: &[usize], stream: bool) {
+        let half = n / 2 - 9;
         for start in 0..3 {
-            for len in [60, 63, 64, 65, 66, 67, 130, 131, 200] {
-                let t = Tokens::new(n).unwrap();
+            for &len in lens {
+                let t = Tokens::with_streaming(n, stream).unwrap();
                 t.write(0, &vec![7; n]);
                 let run: Vec<u32> = (0..len as u32).map(|k| k.wrapping_mul(2_654_435_761)).collect();
                 t.write(start, &run);
@@ -278,7 +373,7 @@ mod tests {
                     let want = if (start..start + len).contains(&slot) { run[slot - start] } else { 7 };
                     assert_eq!(t.get(slot), want, "write at {start} x {len}: slot {slot}");
                 }
-                for dst in [start + 201, start + 202] {
+                for dst in [start + half, start + half + 1] {
                     t.copy(start, dst, len);
                     for slot in dst..dst + len {
                         assert_eq!(t.get(slot), run[slot - dst], "copy {start} -> {dst} x {len}: slot {slot}");
