@@ -47,9 +47,9 @@ mod cli {
         if let Some(c) = Ceiling::from_name(s)? {
             return Ok(PolicyArg::Offline(c));
         }
-        s.parse::<EvictionPolicy>()
-            .map(PolicyArg::Cache)
-            .map_err(|e| format!("{e}, optimal, oracle-return, oracle-return-W"))
+        s.parse::<EvictionPolicy>().map(PolicyArg::Cache).map_err(|e| {
+            format!("{e}, optimal, oracle-return, oracle-return-W, model-lhd, model-lhd-classes, model-lhd-age")
+        })
     }
 
     #[derive(Args)]
@@ -76,7 +76,9 @@ mod cli {
         /// in the same model: knows whether a later request uses a leaf, not when;
         /// leaves no later request uses go first, then LRU) or oracle-return-W (knows
         /// only whether the leaf is used within the next W requests, W a power of two
-        /// up to 65536: those go last, LRU within each class).
+        /// up to 65536: those go last, LRU within each class); model-lhd,
+        /// model-lhd-classes, model-lhd-age: an online policy (least hit density,
+        /// learned online) measured in the same model, not in the cache (whole leaves).
         #[arg(long, default_value = "lru", value_parser = parse_policy)]
         policy: PolicyArg,
         /// Upcoming requests the scheduler tells the cache about under --policy

@@ -35,6 +35,14 @@
 //! above what LRU gains from a perfect predictor of returns (within `W` requests), not
 //! every online policy: one could order the returning leaves better than by recency.
 //!
+//! # An online policy in the model: `model-lhd`
+//!
+//! Not a ceiling: [`Ceiling::Lhd`] runs an online policy (least hit density, learned
+//! from what the cache has seen; see the `lhd` module) in this model, to measure
+//! cheaply whether it predicts returns before building it into the tree. It uses no
+//! future but the waiting queue's next 32 requests (`model-lhd`; `model-lhd-classes`
+//! and `model-lhd-age` use none).
+//!
 //! # How
 //!
 //! kvpool's tree is built for an online policy; this is a separate page-level model of
@@ -52,6 +60,8 @@ use std::time::Instant;
 use super::{Histograms, ReplayConfig, ReplayError, Report, Trace, BLOCK_TOKENS};
 #[cfg(test)]
 use crate::radix::EvictionPolicy;
+pub use lhd::LhdVariant;
+use lhd::{Lhd, QUEUE};
 
 /// Which offline model `kvpool replay --policy optimal | oracle-return[-W]` runs
 /// ([`ReplayConfig::optimal`](super::ReplayConfig::optimal)): ceilings, not policies a
@@ -67,6 +77,9 @@ pub enum Ceiling {
     /// Knows whether a leaf is used within the next `W` requests: the others first
     /// (LRU), then those (LRU). `W` is a power of two, 1 to [`MAX_RETURN_WINDOW`].
     ReturnWithin(u32),
+    /// Not a ceiling: an online policy (LHD) modelled here to measure it cheaply
+    /// (`model-lhd`, `model-lhd-classes`, `model-lhd-age`; see [`lhd`]).
+    Lhd(LhdVariant),
 }
 
 /// The longest window of [`Ceiling::ReturnWithin`].
@@ -100,6 +113,11 @@ impl Ceiling {
         if s == "oracle-return" {
             return Ok(Some(Ceiling::Return));
         }
+        for v in [LhdVariant::Age, LhdVariant::Classes, LhdVariant::Queue] {
+            if Some(s.as_str()) == Ceiling::Lhd(v).label(false) {
+                return Ok(Some(Ceiling::Lhd(v)));
+            }
+        }
         let Some(w) = s.strip_prefix("oracle-return-") else { return Ok(None) };
         let c = w.parse().ok().map(Ceiling::ReturnWithin).filter(|c| c.label(false).is_some());
         c.map(Some).ok_or_else(|| {
@@ -114,6 +132,10 @@ impl Ceiling {
             (Ceiling::Optimal, true) => Some("optimal, partial leaves"),
             (Ceiling::Return, false) => Some("oracle-return"),
             (Ceiling::Return, true) => Some("oracle-return, partial leaves"),
+            (Ceiling::Lhd(_), true) => None,
+            (Ceiling::Lhd(LhdVariant::Age), false) => Some("model-lhd-age"),
+            (Ceiling::Lhd(LhdVariant::Classes), false) => Some("model-lhd-classes"),
+            (Ceiling::Lhd(LhdVariant::Queue), false) => Some("model-lhd"),
             (Ceiling::ReturnWithin(w), p) => within_label!(w, p;
                 1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192 16384 32768 65536),
         }
@@ -124,6 +146,7 @@ impl Ceiling {
             Ceiling::Optimal => SimPolicy::Optimal,
             Ceiling::Return => SimPolicy::Return,
             Ceiling::ReturnWithin(w) => SimPolicy::ReturnWithin(w.into()),
+            Ceiling::Lhd(v) => SimPolicy::Lhd(v),
         }
     }
 }
@@ -142,6 +165,8 @@ pub(crate) enum SimPolicy {
     Return,
     /// Leaves not used within the next `W` requests first, then LRU.
     ReturnWithin(u64),
+    /// Least hit density, learned online (not a ceiling; see [`lhd`]).
+    Lhd(LhdVariant),
 }
 
 const NEVER: u64 = u64::MAX;
@@ -217,6 +242,12 @@ struct Node {
     /// The request at which its next use comes within the window
     /// ([`SimPolicy::ReturnWithin`]), while it waits in the eviction set for that.
     due: Option<u64>,
+    /// [`SimPolicy::Lhd`]: the request of its last match, its conversation depth,
+    /// whether it is the tail left by a split, its index in the leaves to draw from.
+    last_request: u64,
+    depth: u8,
+    remainder: bool,
+    drawn_at: Option<u32>,
 }
 
 /// Counters of a model run, in tokens.
@@ -255,6 +286,8 @@ pub(crate) struct Sim<'u> {
     now: usize,
     private_next: u64,
     totals: SimTotals,
+    /// [`SimPolicy::Lhd`]'s learned state.
+    lhd: Option<Box<Lhd>>,
 }
 
 /// Picks the victim among the `n` evictable leaves (in the policy's order); `None`
@@ -284,6 +317,10 @@ impl<'u> Sim<'u> {
             now: 0,
             private_next: 0,
             totals: SimTotals::default(),
+            lhd: match policy {
+                SimPolicy::Lhd(v) => Some(Box::new(Lhd::new(v))),
+                _ => None,
+            },
         }
     }
 
@@ -305,6 +342,8 @@ impl<'u> Sim<'u> {
         match self.policy {
             SimPolicy::Lru => ((0, n.last_access), None),
             SimPolicy::Lfu => ((n.hit_count, n.last_access), None),
+            // The set only holds the leaves; the victim is drawn (`lhd_victim`).
+            SimPolicy::Lhd(_) => ((0, n.last_access), None),
             SimPolicy::Optimal => ((NEVER - next(), n.last_access), None),
             SimPolicy::Return => ((u64::from(next() != NEVER), n.last_access), None),
             SimPolicy::ReturnWithin(w) => {
@@ -325,6 +364,10 @@ impl<'u> Sim<'u> {
         if let Some(d) = due {
             self.pending.insert((d, id));
         }
+        if let Some(lhd) = &mut self.lhd {
+            self.nodes[id as usize].drawn_at = Some(lhd.leaves.len() as u32);
+            lhd.leaves.push(id);
+        }
     }
 
     fn remove(&mut self, id: u32) {
@@ -335,6 +378,37 @@ impl<'u> Sim<'u> {
         if let Some(d) = n.due.take() {
             self.pending.remove(&(d, id));
         }
+        if let (Some(i), Some(lhd)) = (n.drawn_at.take(), &mut self.lhd) {
+            lhd.leaves.swap_remove(i as usize);
+            if let Some(&moved) = lhd.leaves.get(i as usize) {
+                self.nodes[moved as usize].drawn_at = Some(i);
+            }
+        }
+    }
+
+    /// [`SimPolicy::Lhd`]: the leaf's class and age.
+    fn lhd_class_age(lhd: &Lhd, n: &Node, now: usize) -> (usize, u64) {
+        (lhd.class(n.depth, n.remainder), now as u64 - n.last_request)
+    }
+
+    /// [`SimPolicy::Lhd`]'s victim: the least dense of `SAMPLES` drawn leaves (all of
+    /// them when fewer), with the queue's leaves last, the least recently used on a tie.
+    fn lhd_victim(&mut self) -> u32 {
+        let lhd = self.lhd.as_mut().expect("an LHD run");
+        let n = lhd.leaves.len();
+        let mut best = (f64::INFINITY, u64::MAX, u32::MAX);
+        for k in 0..n.min(lhd::SAMPLES) {
+            let i = if n <= lhd::SAMPLES { k } else { lhd.draw() };
+            let node = &self.nodes[lhd.leaves[i] as usize];
+            let (class, age) = Self::lhd_class_age(lhd, node, self.now);
+            let queued = lhd.variant == LhdVariant::Queue
+                && self.uses.next_use(node.pages[0], self.now) <= self.now as u64 + QUEUE;
+            let density = if queued { f64::MAX } else { lhd.density(class, age) };
+            if (density, node.last_access) < (best.0, best.1) {
+                best = (density, node.last_access, lhd.leaves[i]);
+            }
+        }
+        best.2
     }
 
     /// Re-key the leaves whose next use has come within the window by request `now`.
@@ -398,11 +472,17 @@ impl<'u> Sim<'u> {
             hit_count: old.hit_count,
             key: None,
             due: None,
+            last_request: old.last_request,
+            depth: old.depth,
+            remainder: old.remainder,
+            drawn_at: None,
         };
         let (parent, first) = (old.parent, old.pages[0]);
         let u = self.new_node(upper);
         let lower = &mut self.nodes[id as usize];
         lower.pages.drain(..m);
+        // A leaf a later request matched only part of: its tail is a remainder.
+        lower.remainder |= lower.children == 0;
         lower.parent = u;
         let lower_first = lower.pages[0];
         self.children.insert((parent, first), u);
@@ -425,6 +505,15 @@ impl<'u> Sim<'u> {
         let (mut pos, mut cur) = (0usize, ROOT);
         while pos < pages {
             let Some(&id) = self.children.get(&(cur, self.uses.page(r, pos))) else { break };
+            if let Some(lhd) = &mut self.lhd {
+                let node = &mut self.nodes[id as usize];
+                if node.drawn_at.is_some() {
+                    // A hit on an evictable leaf ends its time as one: learn from it.
+                    let (class, age) = Self::lhd_class_age(lhd, node, self.now);
+                    lhd.hit(class, age);
+                }
+                node.last_request = self.now as u64;
+            }
             self.nodes[id as usize].hit_count += 1;
             self.touch(id);
             let n = self.nodes[id as usize].pages.len();
@@ -473,7 +562,14 @@ impl<'u> Sim<'u> {
                 Some(f) => f(self.order.len()),
                 None => 0,
             };
-            let &(.., x) = self.order.iter().nth(pick).expect("the chooser picks an evictable leaf");
+            let x = match (&self.lhd, &choose) {
+                (Some(_), None) => self.lhd_victim(),
+                _ => *self.order.iter().nth(pick).map(|(.., x)| x).expect("the chooser picks an evictable leaf"),
+            };
+            if let Some(lhd) = &mut self.lhd {
+                let (class, age) = Self::lhd_class_age(lhd, &self.nodes[x as usize], self.now);
+                lhd.evicted(class, age);
+            }
             self.remove(x);
             let len = self.nodes[x as usize].pages.len();
             // Partial: the optimum and the oracles take one page at a time (and re-sort
@@ -592,6 +688,10 @@ impl<'u> Sim<'u> {
                 .collect();
             let t = self.tick();
             let first = pages[0];
+            // As `EvictionPolicy::Reuse`: under a node with at most one resident child
+            // (this request's own leftover tail) the leaf extends that conversation.
+            let pe = &self.nodes[end as usize];
+            let depth = if end != ROOT && pe.children <= 1 { pe.depth.saturating_add(1).min(7) } else { 0 };
             let id = self.new_node(Node {
                 parent: end,
                 pages,
@@ -601,6 +701,10 @@ impl<'u> Sim<'u> {
                 hit_count: 0,
                 key: None,
                 due: None,
+                last_request: r as u64,
+                depth,
+                remainder: false,
+                drawn_at: None,
             });
             self.children.insert((end, first), id);
             self.nodes[end as usize].children += 1;
@@ -620,6 +724,11 @@ impl<'u> Sim<'u> {
 
     fn run(mut self, trace: &Trace, choose: &mut Option<Chooser<'_>>) -> SimTotals {
         for r in 0..trace.len() {
+            if let Some(lhd) = &mut self.lhd {
+                if (r + 1) % lhd::PERIOD == 0 {
+                    lhd.recompute();
+                }
+            }
             self.request(trace, r, choose);
         }
         self.totals.final_cached_tokens = (self.cached_pages * self.uses.ps) as u64;
@@ -634,6 +743,12 @@ fn check(config: &ReplayConfig) -> Result<usize, ReplayError> {
         return Err(ReplayError::Config(format!(
             "--policy optimal needs a --page-size that divides the trace's {BLOCK_TOKENS}-token blocks \
              (1, 2, 4, ... 512), not {ps}"
+        )));
+    }
+    if config.ceiling.label(config.partial_evict).is_none() && matches!(config.ceiling, Ceiling::Lhd(_)) {
+        return Err(ReplayError::Config(format!(
+            "--policy {} models whole-leaf eviction only (no --partial-evict)",
+            config.ceiling.label(false).unwrap_or("model-lhd")
         )));
     }
     if config.ceiling.label(false).is_none() {
@@ -724,5 +839,6 @@ pub(crate) fn sim_policy(p: EvictionPolicy) -> Option<SimPolicy> {
     }
 }
 
+mod lhd;
 #[cfg(test)]
 mod tests;

@@ -330,3 +330,89 @@ fn ceiling_names() {
         assert!(Ceiling::from_name(bad).is_err(), "{bad}");
     }
 }
+
+/// The modelled LHD with the waiting queue: A B C A with room for two. Before any
+/// density is learned (the first recomputation comes at request `PERIOD`) every leaf
+/// has density 0 and the tie goes to LRU, which evicts A at C; the queue (A is wanted
+/// within `QUEUE` requests) keeps A and evicts B instead, so A hits.
+#[test]
+fn lhd_queue_keeps_what_the_queue_wants() {
+    let (a, b, c) = (&[1u32][..], &[2u32][..], &[3u32][..]);
+    let trace = trace_of(&[(a, 0, 2), (b, 0, 2), (c, 0, 2), (a, 0, 2)]);
+    let cfg = config(3 * 512, 512, false);
+    assert_eq!(hits(&trace, &cfg, SimPolicy::Lhd(LhdVariant::Age)), 0);
+    assert_eq!(hits(&trace, &cfg, SimPolicy::Lhd(LhdVariant::Classes)), 0);
+    assert_eq!(hits(&trace, &cfg, SimPolicy::Lhd(LhdVariant::Queue)), 512);
+}
+
+/// The density by hand: a class hit only late (age 15) and evicted young (age 0) is
+/// denser at age 8 than at age 0 (LRU would keep the younger leaf); past its last
+/// ending it is 0, and another class, never seen, is 0 everywhere.
+#[test]
+fn lhd_density_by_hand() {
+    use super::lhd::{age_bucket, Lhd};
+    let mut l = Lhd::new(LhdVariant::Classes);
+    l.hit(0, 15);
+    l.evicted(0, 0);
+    l.recompute();
+    let (b0, b8, b15) = (age_bucket(0), age_bucket(8), age_bucket(15));
+    assert_eq!((b0, b8, b15), (0, 12, 16));
+    let mid = |b: usize| 2f64.powf((b as f64 + 0.5) / 4.0) - 1.0;
+    let low = |b: usize| 2f64.powf(b as f64 / 4.0) - 1.0;
+    // Age 0: one hit ahead; lifetimes: the eviction in its own bucket (at least half a
+    // request) and the hit at age 15.
+    let at0 = 1.0 / (0.5 + (mid(b15) - low(b0)));
+    assert!((l.density(0, 0) - at0).abs() < 1e-12, "{} vs {at0}", l.density(0, 0));
+    let at8 = 1.0 / (mid(b15) - low(b8));
+    assert!((l.density(0, 8) - at8).abs() < 1e-12, "{} vs {at8}", l.density(0, 8));
+    assert!(l.density(0, 8) > l.density(0, 0));
+    assert_eq!(l.density(0, 40), 0.0);
+    assert_eq!(l.density(1, 0), 0.0);
+}
+
+/// The classes are learned from what the cache sees: on the head of the bundled trace
+/// the tails that splits leave (a turn's output and partial last block, which the next
+/// turn does not share) are evicted and almost never hit, so their class is the least
+/// dense; and a run is deterministic (the draws come from a fixed seed).
+#[test]
+fn lhd_learns_that_remainders_do_not_return() {
+    let mut trace = Trace::bundled().unwrap();
+    trace.truncate(if cfg!(debug_assertions) { 1500 } else { 3000 });
+    // A pool that keeps conversations until their next turn (2 M tokens).
+    let c = config(1 << 21, 16, false);
+    let uses = Uses::new(&trace, 16);
+    let mut sim = Sim::new(&uses, c.capacity_tokens, SimPolicy::Lhd(LhdVariant::Classes), false);
+    for r in 0..trace.len() {
+        if (r + 1) % super::lhd::PERIOD == 0 {
+            sim.lhd.as_mut().unwrap().recompute();
+        }
+        sim.request(&trace, r, &mut None);
+    }
+    let l = sim.lhd.as_ref().unwrap();
+    let (rem_hits, rem_evicted) = l.totals(4..8);
+    let (hits, evicted) = l.totals(0..4);
+    assert!(rem_evicted > 50.0 && hits > 10.0 && evicted > 10.0, "{rem_evicted} {hits} {evicted}");
+    assert!(rem_hits * 20.0 < rem_evicted, "remainders hit {rem_hits} times, evicted {rem_evicted}");
+    assert!(l.density(4, 0) < l.density(0, 0), "{} {}", l.density(4, 0), l.density(0, 0));
+    // Continued conversations get their own classes (depth 1 to 3).
+    let (deep_hits, deep_evicted) = l.totals(1..4);
+    assert!(deep_hits > 10.0 && deep_evicted > 10.0, "{deep_hits} {deep_evicted}");
+    let once = simulate(&trace, &c, SimPolicy::Lhd(LhdVariant::Classes), &mut None).unwrap();
+    assert_eq!(once, simulate(&trace, &c, SimPolicy::Lhd(LhdVariant::Classes), &mut None).unwrap());
+    assert_eq!(once.hit_tokens, sim.totals.hit_tokens);
+}
+
+#[test]
+fn lhd_names() {
+    for (name, v) in [
+        ("model-lhd", LhdVariant::Queue),
+        ("model-lhd-classes", LhdVariant::Classes),
+        ("model-lhd-age", LhdVariant::Age),
+    ] {
+        assert_eq!(Ceiling::from_name(name), Ok(Some(Ceiling::Lhd(v))));
+        assert_eq!(Ceiling::Lhd(v).label(false), Some(name));
+    }
+    let trace = trace_of(&[(&[1], 0, 1)]);
+    let c = ReplayConfig { ceiling: Ceiling::Lhd(LhdVariant::Queue), optimal: true, ..config(4 * 512, 512, true) };
+    assert!(matches!(run_optimal(&trace, &c), Err(ReplayError::Config(_))));
+}
