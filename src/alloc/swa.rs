@@ -63,7 +63,7 @@ use crate::slots::FreeGroup;
 use crate::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// A full pool and a smaller sliding-window pool that allocate together, and the
-/// mapping between them (see the [module docs](self)).
+/// mapping between them (described in the module docs of `src/alloc/swa.rs`).
 pub struct SwaAllocator {
     full: PagedAllocator,
     window: SwaWindow,

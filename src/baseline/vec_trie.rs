@@ -938,12 +938,12 @@ impl<S: BuildHasher> VecTrieCache<S> {
 
     /// Allocate the new slots of an extend (prefill) batch, all or nothing, with
     /// SGLang's page semantics (DESIGN.md, "Extend and decode on pages"), through
-    /// [`expand_extend`](crate::alloc::expand_extend). Does not evict.
+    /// [`expand_extend`]. Does not evict.
     ///
     /// # Errors
     ///
     /// [`AllocError::Invalid`] for a malformed batch (see
-    /// [`plan_extend`](crate::alloc::plan_extend)), a wrong `out` length, or a
+    /// [`plan_extend`]), a wrong `out` length, or a
     /// `last_loc` that part 1 reads and that is not a held slot at the right position
     /// of its page; [`AllocError::OutOfMemory`] (in tokens) when too few pages are free.
     /// Nothing changes on error.
@@ -990,12 +990,12 @@ impl<S: BuildHasher> VecTrieCache<S> {
     }
 
     /// Allocate one slot per request of a decode batch (`seq_lens[i]` counts the new
-    /// token), through [`expand_decode`](crate::alloc::expand_decode). Does not evict.
+    /// token), through [`expand_decode`]. Does not evict.
     ///
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend), with
-    /// [`plan_decode`](crate::alloc::plan_decode)'s validation.
+    /// [`plan_decode`]'s validation.
     pub fn alloc_decode(&mut self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let ps = self.page_size;
         let plan = plan_decode(ps, seq_lens)?;

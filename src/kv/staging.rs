@@ -9,7 +9,7 @@
 //! pads the bucket with [`StepRecord::PAD`] records (slot 0, no row access) and keeps
 //! the fresh pages, in request order, after the records for the host. It never
 //! allocates and never touches the device: the CUDA layer
-//! ([`DecodeGraphs`](crate::cuda)) uploads the block and launches the captured graph.
+//! (`DecodeGraphs` in the `cuda` module, feature `cuda`) uploads the block and launches the captured graph.
 
 use bytemuck::{Pod, Zeroable};
 

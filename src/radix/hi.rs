@@ -1603,7 +1603,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
 
     /// The pages transfer `t` copies, in key order: device pages (the allocator's page
     /// numbers) into `device`, host pages (`1..=host_pages`, a
-    /// [`HostKvPool`](crate::kv::host::HostKvPool)'s numbering) into `host`, pair by
+    /// [`HostKvPool`]'s numbering) into `host`, pair by
     /// pair. Returns the number of pairs ([`Transfer::pages`]).
     ///
     /// # Errors

@@ -25,7 +25,7 @@ pub(crate) mod sealed {
 }
 
 /// A kind of radix tree: what a node carries besides its KV pages (see the
-/// [module docs](self)). Sealed: its hooks see the core's internals, and the core's
+/// module docs of `src/radix/variant.rs`). Sealed: its hooks see the core's internals, and the core's
 /// invariants depend on them.
 pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// What a node carries besides its pages (writer-only).

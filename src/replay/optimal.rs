@@ -78,7 +78,7 @@ pub enum Ceiling {
     /// (LRU), then those (LRU). `W` is a power of two, 1 to [`MAX_RETURN_WINDOW`].
     ReturnWithin(u32),
     /// Not a ceiling: an online policy (LHD) modelled here to measure it cheaply
-    /// (`model-lhd`, `model-lhd-classes`, `model-lhd-age`; see [`lhd`]).
+    /// (`model-lhd`, `model-lhd-classes`, `model-lhd-age`; see the module docs of `src/replay/optimal/lhd.rs`).
     Lhd(LhdVariant),
 }
 

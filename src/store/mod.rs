@@ -33,7 +33,7 @@
 //! pages would have to stay allocated until a network write completes, so a host
 //! eviction could no longer make room at once for the backup that asked for it.
 //!
-//! The implementation is [`redis::RedisStore`] (feature `redis`): Redis or Redis
+//! The implementation is `redis::RedisStore` (feature `redis`): Redis or Redis
 //! Cluster through the `redis` crate, pipelined, with timeouts, exponential backoff and
 //! automatic reconnection. The store being down, slow or full never touches device or
 //! host data: the operation fails with a typed [`StoreError`] within its timeout (or at
@@ -65,7 +65,7 @@
 //! }
 //! ```
 //!
-//! With Redis (feature `redis`; see [`redis`] for the configuration):
+//! With Redis (feature `redis`; see the `redis` module for the configuration):
 //!
 //! ```no_run
 //! # #[cfg(feature = "redis")] {
