@@ -519,6 +519,34 @@ fn capacity_must_be_whole_pages_and_hold_a_request() {
     check(&v, &[("requests", 4), ("rejected", 3), ("prompt_tokens", 5)]);
 }
 
+// A request with no KV at all (an empty prompt and at most one output token) fits in
+// any pool: a trace of only such requests, or of such requests and others too large
+// for the pool, is served, not refused as one of which no request fits.
+#[test]
+fn requests_without_kv_fit_in_any_pool() {
+    let empty = write_trace("no-kv.jsonl", &[(0, 0, &[]), (0, 1, &[])]);
+    let mixed = write_trace("no-kv-and-huge.jsonl", &[(0, 1, &[]), (1000, 1, &[1, 2])]);
+    for (path, rejected) in [(&empty, 0), (&mixed, 1)] {
+        let trace = path.to_str().unwrap();
+        for mode in [
+            &["--mode", "sequential"][..],
+            &["--mode", "overlap"],
+            &["--mode", "sequential", "--cache", "reference"],
+            &["--model", "hybrid", "--mamba-states", "3"],
+            &["--model", "swa"],
+            &["--host-capacity-tokens", "64"],
+            &["--policy", "optimal"],
+        ] {
+            let mut args = vec!["--trace", trace, "--capacity-tokens", "64", "--page-size", "16"];
+            args.extend_from_slice(mode);
+            let v = replay_json(&args);
+            assert_eq!((int(&v, "requests"), int(&v, "rejected")), (2, rejected), "{mode:?}: {v}");
+            assert_eq!((int(&v, "prompt_tokens"), int(&v, "hit_tokens")), (0, 0), "{mode:?}: {v}");
+            assert_eq!(v["invariants_ok"], serde_json::Value::Bool(true));
+        }
+    }
+}
+
 // Issue 14, finding 7: --plot does not touch an existing file until the replay is
 // done, and leaves nothing behind when it fails.
 #[test]
