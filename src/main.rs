@@ -269,6 +269,11 @@ mod cli {
         fn create(target: &Path) -> Result<PlotFile, ReplayError> {
             let fail = |e: std::io::Error| ReplayError::Plot(format!("{}: {e}", target.display()));
             let name = target.file_name().ok_or_else(|| fail(std::io::ErrorKind::InvalidInput.into()))?;
+            // The plot is renamed over the target at the end: a directory there would
+            // fail only then, after the report was printed.
+            if target.is_dir() {
+                return Err(ReplayError::Plot(format!("{}: is a directory", target.display())));
+            }
             let mut temp_name = std::ffi::OsString::from(".");
             temp_name.push(name);
             temp_name.push(format!(".{}.tmp", std::process::id()));
@@ -524,14 +529,15 @@ mod cli {
             let _ = writeln!(text, "trace: {} ({} requests)", trace.source(), trace.len());
             let _ = writeln!(text, "{report}");
         }
-        print(&text)?;
+        // The plot first: if it fails, the run fails with nothing printed on stdout.
         if let Some(plot) = plot {
             let path = plot.target.clone();
             plot.finish(&report)?;
             if !args.json {
-                print(&format!("plot written to {}\n", path.display()))?;
+                let _ = writeln!(text, "plot written to {}", path.display());
             }
         }
+        print(&text)?;
         Ok(())
     }
 }

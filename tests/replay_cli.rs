@@ -571,6 +571,29 @@ fn plot_replaces_the_file_only_at_the_end() {
     assert_eq!(names, ["keep.svg"]);
 }
 
+// A --plot target that is a directory cannot be replaced by the plot: a clear error
+// before the replay, with nothing on stdout (not the report followed by a failure)
+// and nothing left beside it.
+#[test]
+fn plot_onto_a_directory_fails_before_the_replay() {
+    let path = write_trace("plot-dir.jsonl", SCENARIO_A);
+    let dir = std::env::temp_dir().join(format!("kvpool-plot-dir-{}", std::process::id()));
+    let target = dir.join("a-directory");
+    std::fs::create_dir_all(&target).unwrap();
+    for json in [true, false] {
+        let mut args = vec!["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential"];
+        args.extend_from_slice(&["--plot", target.to_str().unwrap()]);
+        if json {
+            args.push("--json");
+        }
+        let e = fails(&args);
+        assert!(e.contains("cannot write the plot") && e.contains("a-directory"), "{e}");
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["a-directory"], "a temporary file was left behind");
+        assert!(target.is_dir());
+    }
+}
+
 /// `--store` needs the Redis client: without the `redis` feature it is a typed error (the
 /// engines alone still run).
 #[cfg(not(feature = "redis"))]
