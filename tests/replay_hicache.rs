@@ -110,6 +110,9 @@ fn host_flags_and_their_errors() {
     assert!(e.contains("expected write_through, write_through_selective or write_back"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--link-gbps", "0"]);
     assert!(e.contains("--link-gbps must be a positive number"), "{e}");
+    // The error names the option the command line has.
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--transfer-bytes-per-token", "0"]);
+    assert!(e.contains("--transfer-bytes-per-token must be at least 1"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--cache", "vectrie"]);
     assert!(e.contains("the host tier runs on the two-tier trees") && e.contains("not --cache vectrie"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--mode", "overlap"]);

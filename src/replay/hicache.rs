@@ -79,7 +79,7 @@ impl HostTierConfig {
             return bad(format!("--host-capacity-tokens {} has too many pages", self.host_capacity_tokens));
         }
         if self.bytes_per_token == 0 {
-            return bad("--bytes-per-token must be at least 1".to_string());
+            return bad("--transfer-bytes-per-token must be at least 1".to_string());
         }
         if self.link_bytes_per_second == 0 {
             return bad("--link-gbps must be positive".to_string());
