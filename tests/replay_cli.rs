@@ -378,6 +378,36 @@ fn arenas_too_large_for_memory_are_a_config_error() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+// The sequential driver's waiting queue holds at most the trace's requests: a long
+// --lookahead on a short trace of long prompts reserves a prompt buffer per request
+// of the trace, not per place in the lookahead (4097 buffers of 4 MiB here).
+#[test]
+fn lookahead_longer_than_the_trace_reserves_only_the_trace() {
+    let blocks: Vec<String> = (0..2048).map(|b| b.to_string()).collect();
+    let line = format!("{{\"input_length\": 1048576, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks.join(","));
+    let path = write_text("long-prompts.jsonl", &line.repeat(2));
+    for policy in ["hinted", "reuse"] {
+        let args = [
+            "replay",
+            "--json",
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            "sequential",
+            "--capacity-tokens",
+            "2097152",
+            "--policy",
+            policy,
+            "--lookahead",
+            "4096",
+        ];
+        let out = kvpool_limited(LIMIT_KIB, &args);
+        assert!(out.status.success(), "{policy}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((int(&v, "requests"), int(&v, "hit_tokens")), (2, 1 << 20), "{policy}: {v}");
+    }
+}
+
 // Issue 14, finding 6: an input_length past 32 bits is an error naming its line, not
 // a prompt wrapped to a small one.
 #[test]

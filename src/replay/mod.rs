@@ -484,9 +484,10 @@ impl ReplayConfig {
             CacheKind::Reference | CacheKind::VecTrie => 0,
         };
         let buffers = match self.mode {
-            // The lookahead's prompts (only under the hinted policy).
+            // The lookahead's prompts (only under the hinted policy; no more than the
+            // trace's requests).
             Mode::Sequential if self.policy.uses_hints() => {
-                2 * max_kv * slot + (self.lookahead() as u128 + 1) * max_input * slot
+                2 * max_kv * slot + (self.lookahead().min(trace.len()) as u128 + 1) * max_input * slot
             }
             Mode::Sequential => 2 * max_kv * slot,
             // Scheduler and routers: a prompt and its slots each; the output thread: KV tokens.
