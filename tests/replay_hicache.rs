@@ -150,3 +150,29 @@ fn the_plot_shows_both_tiers() {
         assert!(text.contains(label), "{label} missing from the plot");
     }
 }
+
+/// The bytes moved are `tokens * --transfer-bytes-per-token`: a product past 64 bits is
+/// reported as `u64::MAX` bytes (not wrapped to a small number, nor a panic), and the
+/// transfer time is still the product over the link. One engine and two (whose
+/// figures are summed).
+#[test]
+fn transfer_bytes_past_64_bits_saturate() {
+    let path = write_trace("hicache_huge_bytes.jsonl", TRACE);
+    let p = path.to_str().unwrap();
+    let max = u64::MAX.to_string();
+    for engines in [None, Some("2")] {
+        let mut args = vec!["--trace", p, "--capacity-tokens", "1536", "--host-capacity-tokens", "4096"];
+        args.extend_from_slice(&["--transfer-bytes-per-token", &max, "--link-gbps", "1"]);
+        if let Some(n) = engines {
+            args.extend_from_slice(&["--engines", n]);
+        }
+        let v = replay_json(&args);
+        let h = host(&v);
+        let (written, loaded) = (int(h, "written_tokens"), int(h, "loaded_tokens"));
+        assert!(written > 1, "{engines:?}: {h}");
+        assert_eq!(int(h, "bytes_written"), u64::MAX, "{engines:?}: {h}");
+        let seconds = (written + loaded) as f64 * u64::MAX as f64 / 1e9;
+        let got = h["transfer_seconds"].as_f64().unwrap();
+        assert!((got - seconds).abs() <= seconds * 1e-9, "{engines:?}: {got} s, not {seconds}");
+    }
+}
