@@ -401,6 +401,16 @@ mod cli {
                 None
             }
         };
+        // The router's options would be ignored without engines to route to, and
+        // --route-tokens with any router but the prefix one.
+        if args.engines.is_none() && args.store.is_none() {
+            let given = [("--router", args.router.is_some()), ("--route-tokens", args.route_tokens.is_some())];
+            if let Some((flag, _)) = given.into_iter().find(|(_, g)| *g) {
+                return Err(ReplayError::Config(format!("{flag} is an option of --engines (or --store)")));
+            }
+        } else if args.route_tokens.is_some() && args.router != Some(Router::Prefix) {
+            return Err(ReplayError::Config("--route-tokens is an option of --router prefix".into()));
+        }
         Ok(EnginesConfig {
             engines: args.engines.unwrap_or(d.engines),
             router: args.router.unwrap_or(d.router),

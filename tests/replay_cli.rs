@@ -624,6 +624,24 @@ fn plot_onto_a_directory_fails_before_the_replay() {
     }
 }
 
+// The engine router's options without the engines (or, for --route-tokens, without the
+// prefix router) would be silently ignored: refused, as the other tiers' options are.
+#[test]
+fn router_options_without_their_router_are_refused() {
+    let path = write_trace("router-options.jsonl", SCENARIO_A);
+    let t = path.to_str().unwrap();
+    let e = fails(&["replay", "--trace", t, "--router", "prefix"]);
+    assert!(e.contains("--router is an option of --engines"), "{e}");
+    let e = fails(&["replay", "--trace", t, "--route-tokens", "16"]);
+    assert!(e.contains("--route-tokens is an option of --engines"), "{e}");
+    let e = fails(&["replay", "--trace", t, "--engines", "2", "--route-tokens", "16"]);
+    assert!(e.contains("--route-tokens is an option of --router prefix"), "{e}");
+    let v = replay_json(&["--trace", t, "--engines", "2", "--router", "prefix", "--route-tokens", "16"]);
+    assert_eq!(int(&v, "requests"), 4);
+    let v = replay_json(&["--trace", t, "--engines", "2", "--router", "round_robin"]);
+    assert_eq!(int(&v, "requests"), 4);
+}
+
 /// `--store` needs the Redis client: without the `redis` feature it is a typed error (the
 /// engines alone still run).
 #[cfg(not(feature = "redis"))]
