@@ -435,7 +435,16 @@ mod cli {
         let tokens = match (args.host_capacity_tokens, args.host_ratio) {
             (Some(n), _) => n,
             (None, Some(r)) if r.is_finite() && r > 0.0 && r * args.capacity_tokens as f64 <= usize::MAX as f64 => {
-                (r * args.capacity_tokens as f64) as usize
+                let tokens = (r * args.capacity_tokens as f64) as usize;
+                // Named here: the tier's own check would name --host-capacity-tokens.
+                if tokens < args.page_size as usize {
+                    return Err(ReplayError::Config(format!(
+                        "--host-ratio {r} makes a host tier of {tokens} tokens (of --capacity-tokens {}), less than \
+                         one page of {} tokens",
+                        args.capacity_tokens, args.page_size
+                    )));
+                }
+                tokens
             }
             (None, Some(r)) => {
                 return Err(ReplayError::Config(format!("--host-ratio must be a positive number, not {r}")))

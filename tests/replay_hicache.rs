@@ -104,6 +104,9 @@ fn host_flags_and_their_errors() {
     };
     let e = fails(&["replay", "--trace", p, "--host-capacity-tokens", "8"]);
     assert!(e.contains("--host-capacity-tokens 8 holds no page of 16 tokens"), "{e}");
+    // A ratio too small for a page names --host-ratio, which the command line has.
+    let e = fails(&["replay", "--trace", p, "--capacity-tokens", "1536", "--host-ratio", "0.001"]);
+    assert!(e.contains("--host-ratio 0.001 makes a host tier of 1 tokens") && e.contains("one page of 16"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio=-1"]);
     assert!(e.contains("--host-ratio must be a positive number"), "{e}");
     let e = fails(&["replay", "--trace", p, "--write-policy", "sometimes"]);
