@@ -446,6 +446,14 @@ mod cli {
                 }
                 tokens
             }
+            (None, Some(r)) if r.is_finite() && r > 0.0 => {
+                return Err(ReplayError::Config(format!(
+                    "--host-ratio {r:e} is too large: the host tier of {r:e} x --capacity-tokens {} tokens does not \
+                     fit in {} bits",
+                    args.capacity_tokens,
+                    usize::BITS
+                )))
+            }
             (None, Some(r)) => {
                 return Err(ReplayError::Config(format!("--host-ratio must be a positive number, not {r}")))
             }
@@ -459,8 +467,14 @@ mod cli {
             host.bytes_per_token = b;
         }
         if let Some(g) = args.link_gbps {
-            if !(g.is_finite() && g > 0.0 && g * 1e9 <= u64::MAX as f64) {
+            if !(g.is_finite() && g > 0.0) {
                 return Err(ReplayError::Config(format!("--link-gbps must be a positive number, not {g}")));
+            }
+            if g * 1e9 > u64::MAX as f64 {
+                return Err(ReplayError::Config(format!(
+                    "--link-gbps {g:e} is too large: at most {:e} (bytes per second must fit in 64 bits)",
+                    u64::MAX as f64 / 1e9
+                )));
             }
             host.link_bytes_per_second = ((g * 1e9) as u64).max(1);
         }

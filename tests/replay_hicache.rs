@@ -113,6 +113,11 @@ fn host_flags_and_their_errors() {
     assert!(e.contains("expected write_through, write_through_selective or write_back"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--link-gbps", "0"]);
     assert!(e.contains("--link-gbps must be a positive number"), "{e}");
+    // Positive but too large: said so, not that it must be positive.
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--link-gbps", "1e300"]);
+    assert!(e.contains("--link-gbps 1e300 is too large") && !e.contains("positive"), "{e}");
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "1e300"]);
+    assert!(e.contains("--host-ratio 1e300 is too large") && !e.contains("positive"), "{e}");
     // The error names the option the command line has.
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--transfer-bytes-per-token", "0"]);
     assert!(e.contains("--transfer-bytes-per-token must be at least 1"), "{e}");
