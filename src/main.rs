@@ -271,6 +271,11 @@ mod cli {
         fn create(target: &Path) -> Result<PlotFile, ReplayError> {
             let fail = |e: std::io::Error| ReplayError::Plot(format!("{}: {e}", target.display()));
             let name = target.file_name().ok_or_else(|| fail(std::io::ErrorKind::InvalidInput.into()))?;
+            // The plot is renamed over the target at the end: a directory there would
+            // fail only then, after the report was printed.
+            if target.is_dir() {
+                return Err(ReplayError::Plot(format!("{}: is a directory", target.display())));
+            }
             let mut temp_name = std::ffi::OsString::from(".");
             temp_name.push(name);
             temp_name.push(format!(".{}.tmp", std::process::id()));
@@ -398,6 +403,16 @@ mod cli {
                 None
             }
         };
+        // The router's options would be ignored without engines to route to, and
+        // --route-tokens with any router but the prefix one.
+        if args.engines.is_none() && args.store.is_none() {
+            let given = [("--router", args.router.is_some()), ("--route-tokens", args.route_tokens.is_some())];
+            if let Some((flag, _)) = given.into_iter().find(|(_, g)| *g) {
+                return Err(ReplayError::Config(format!("{flag} is an option of --engines (or --store)")));
+            }
+        } else if args.route_tokens.is_some() && args.router != Some(Router::Prefix) {
+            return Err(ReplayError::Config("--route-tokens is an option of --router prefix".into()));
+        }
         Ok(EnginesConfig {
             engines: args.engines.unwrap_or(d.engines),
             router: args.router.unwrap_or(d.router),
@@ -422,7 +437,24 @@ mod cli {
         let tokens = match (args.host_capacity_tokens, args.host_ratio) {
             (Some(n), _) => n,
             (None, Some(r)) if r.is_finite() && r > 0.0 && r * args.capacity_tokens as f64 <= usize::MAX as f64 => {
-                (r * args.capacity_tokens as f64) as usize
+                let tokens = (r * args.capacity_tokens as f64) as usize;
+                // Named here: the tier's own check would name --host-capacity-tokens.
+                if tokens < args.page_size as usize {
+                    return Err(ReplayError::Config(format!(
+                        "--host-ratio {r} makes a host tier of {tokens} tokens (of --capacity-tokens {}), less than \
+                         one page of {} tokens",
+                        args.capacity_tokens, args.page_size
+                    )));
+                }
+                tokens
+            }
+            (None, Some(r)) if r.is_finite() && r > 0.0 => {
+                return Err(ReplayError::Config(format!(
+                    "--host-ratio {r:e} is too large: the host tier of {r:e} x --capacity-tokens {} tokens does not \
+                     fit in {} bits",
+                    args.capacity_tokens,
+                    usize::BITS
+                )))
             }
             (None, Some(r)) => {
                 return Err(ReplayError::Config(format!("--host-ratio must be a positive number, not {r}")))
@@ -437,8 +469,14 @@ mod cli {
             host.bytes_per_token = b;
         }
         if let Some(g) = args.link_gbps {
-            if !(g.is_finite() && g > 0.0 && g * 1e9 <= u64::MAX as f64) {
+            if !(g.is_finite() && g > 0.0) {
                 return Err(ReplayError::Config(format!("--link-gbps must be a positive number, not {g}")));
+            }
+            if g * 1e9 > u64::MAX as f64 {
+                return Err(ReplayError::Config(format!(
+                    "--link-gbps {g:e} is too large: at most {:e} (bytes per second must fit in 64 bits)",
+                    u64::MAX as f64 / 1e9
+                )));
             }
             host.link_bytes_per_second = ((g * 1e9) as u64).max(1);
         }
@@ -526,14 +564,15 @@ mod cli {
             let _ = writeln!(text, "trace: {} ({} requests)", trace.source(), trace.len());
             let _ = writeln!(text, "{report}");
         }
-        print(&text)?;
+        // The plot first: if it fails, the run fails with nothing printed on stdout.
         if let Some(plot) = plot {
             let path = plot.target.clone();
             plot.finish(&report)?;
             if !args.json {
-                print(&format!("plot written to {}\n", path.display()))?;
+                let _ = writeln!(text, "plot written to {}", path.display());
             }
         }
+        print(&text)?;
         Ok(())
     }
 }

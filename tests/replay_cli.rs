@@ -378,6 +378,36 @@ fn arenas_too_large_for_memory_are_a_config_error() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+// The sequential driver's waiting queue holds at most the trace's requests: a long
+// --lookahead on a short trace of long prompts reserves a prompt buffer per request
+// of the trace, not per place in the lookahead (4097 buffers of 4 MiB here).
+#[test]
+fn lookahead_longer_than_the_trace_reserves_only_the_trace() {
+    let blocks: Vec<String> = (0..2048).map(|b| b.to_string()).collect();
+    let line = format!("{{\"input_length\": 1048576, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks.join(","));
+    let path = write_text("long-prompts.jsonl", &line.repeat(2));
+    for policy in ["hinted", "reuse"] {
+        let args = [
+            "replay",
+            "--json",
+            "--trace",
+            path.to_str().unwrap(),
+            "--mode",
+            "sequential",
+            "--capacity-tokens",
+            "2097152",
+            "--policy",
+            policy,
+            "--lookahead",
+            "4096",
+        ];
+        let out = kvpool_limited(LIMIT_KIB, &args);
+        assert!(out.status.success(), "{policy}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((int(&v, "requests"), int(&v, "hit_tokens")), (2, 1 << 20), "{policy}: {v}");
+    }
+}
+
 // Issue 14, finding 6: an input_length past 32 bits is an error naming its line, not
 // a prompt wrapped to a small one.
 #[test]
@@ -519,6 +549,34 @@ fn capacity_must_be_whole_pages_and_hold_a_request() {
     check(&v, &[("requests", 4), ("rejected", 3), ("prompt_tokens", 5)]);
 }
 
+// A request with no KV at all (an empty prompt and at most one output token) fits in
+// any pool: a trace of only such requests, or of such requests and others too large
+// for the pool, is served, not refused as one of which no request fits.
+#[test]
+fn requests_without_kv_fit_in_any_pool() {
+    let empty = write_trace("no-kv.jsonl", &[(0, 0, &[]), (0, 1, &[])]);
+    let mixed = write_trace("no-kv-and-huge.jsonl", &[(0, 1, &[]), (1000, 1, &[1, 2])]);
+    for (path, rejected) in [(&empty, 0), (&mixed, 1)] {
+        let trace = path.to_str().unwrap();
+        for mode in [
+            &["--mode", "sequential"][..],
+            &["--mode", "overlap"],
+            &["--mode", "sequential", "--cache", "reference"],
+            &["--model", "hybrid", "--mamba-states", "3"],
+            &["--model", "swa"],
+            &["--host-capacity-tokens", "64"],
+            &["--policy", "optimal"],
+        ] {
+            let mut args = vec!["--trace", trace, "--capacity-tokens", "64", "--page-size", "16"];
+            args.extend_from_slice(mode);
+            let v = replay_json(&args);
+            assert_eq!((int(&v, "requests"), int(&v, "rejected")), (2, rejected), "{mode:?}: {v}");
+            assert_eq!((int(&v, "prompt_tokens"), int(&v, "hit_tokens")), (0, 0), "{mode:?}: {v}");
+            assert_eq!(v["invariants_ok"], serde_json::Value::Bool(true));
+        }
+    }
+}
+
 // Issue 14, finding 7: --plot does not touch an existing file until the replay is
 // done, and leaves nothing behind when it fails.
 #[test]
@@ -541,6 +599,47 @@ fn plot_replaces_the_file_only_at_the_end() {
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
     let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["keep.svg"]);
+}
+
+// A --plot target that is a directory cannot be replaced by the plot: a clear error
+// before the replay, with nothing on stdout (not the report followed by a failure)
+// and nothing left beside it.
+#[test]
+fn plot_onto_a_directory_fails_before_the_replay() {
+    let path = write_trace("plot-dir.jsonl", SCENARIO_A);
+    let dir = std::env::temp_dir().join(format!("kvpool-plot-dir-{}", std::process::id()));
+    let target = dir.join("a-directory");
+    std::fs::create_dir_all(&target).unwrap();
+    for json in [true, false] {
+        let mut args = vec!["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential"];
+        args.extend_from_slice(&["--plot", target.to_str().unwrap()]);
+        if json {
+            args.push("--json");
+        }
+        let e = fails(&args);
+        assert!(e.contains("cannot write the plot") && e.contains("a-directory"), "{e}");
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["a-directory"], "a temporary file was left behind");
+        assert!(target.is_dir());
+    }
+}
+
+// The engine router's options without the engines (or, for --route-tokens, without the
+// prefix router) would be silently ignored: refused, as the other tiers' options are.
+#[test]
+fn router_options_without_their_router_are_refused() {
+    let path = write_trace("router-options.jsonl", SCENARIO_A);
+    let t = path.to_str().unwrap();
+    let e = fails(&["replay", "--trace", t, "--router", "prefix"]);
+    assert!(e.contains("--router is an option of --engines"), "{e}");
+    let e = fails(&["replay", "--trace", t, "--route-tokens", "16"]);
+    assert!(e.contains("--route-tokens is an option of --engines"), "{e}");
+    let e = fails(&["replay", "--trace", t, "--engines", "2", "--route-tokens", "16"]);
+    assert!(e.contains("--route-tokens is an option of --router prefix"), "{e}");
+    let v = replay_json(&["--trace", t, "--engines", "2", "--router", "prefix", "--route-tokens", "16"]);
+    assert_eq!(int(&v, "requests"), 4);
+    let v = replay_json(&["--trace", t, "--engines", "2", "--router", "round_robin"]);
+    assert_eq!(int(&v, "requests"), 4);
 }
 
 /// `--store` needs the Redis client: without the `redis` feature it is a typed error (the

@@ -104,12 +104,23 @@ fn host_flags_and_their_errors() {
     };
     let e = fails(&["replay", "--trace", p, "--host-capacity-tokens", "8"]);
     assert!(e.contains("--host-capacity-tokens 8 holds no page of 16 tokens"), "{e}");
+    // A ratio too small for a page names --host-ratio, which the command line has.
+    let e = fails(&["replay", "--trace", p, "--capacity-tokens", "1536", "--host-ratio", "0.001"]);
+    assert!(e.contains("--host-ratio 0.001 makes a host tier of 1 tokens") && e.contains("one page of 16"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio=-1"]);
     assert!(e.contains("--host-ratio must be a positive number"), "{e}");
     let e = fails(&["replay", "--trace", p, "--write-policy", "sometimes"]);
     assert!(e.contains("expected write_through, write_through_selective or write_back"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--link-gbps", "0"]);
     assert!(e.contains("--link-gbps must be a positive number"), "{e}");
+    // Positive but too large: said so, not that it must be positive.
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--link-gbps", "1e300"]);
+    assert!(e.contains("--link-gbps 1e300 is too large") && !e.contains("positive"), "{e}");
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "1e300"]);
+    assert!(e.contains("--host-ratio 1e300 is too large") && !e.contains("positive"), "{e}");
+    // The error names the option the command line has.
+    let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--transfer-bytes-per-token", "0"]);
+    assert!(e.contains("--transfer-bytes-per-token must be at least 1"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--cache", "vectrie"]);
     assert!(e.contains("the host tier runs on the two-tier trees") && e.contains("not --cache vectrie"), "{e}");
     let e = fails(&["replay", "--trace", p, "--host-ratio", "2", "--mode", "overlap"]);
@@ -145,5 +156,31 @@ fn the_plot_shows_both_tiers() {
     let text = std::fs::read_to_string(&svg).unwrap();
     for label in ["tokens held in host memory", "host pool (write_through)", "loaded back from host (final 28.57%)"] {
         assert!(text.contains(label), "{label} missing from the plot");
+    }
+}
+
+/// The bytes moved are `tokens * --transfer-bytes-per-token`: a product past 64 bits is
+/// reported as `u64::MAX` bytes (not wrapped to a small number, nor a panic), and the
+/// transfer time is still the product over the link. One engine and two (whose
+/// figures are summed).
+#[test]
+fn transfer_bytes_past_64_bits_saturate() {
+    let path = write_trace("hicache_huge_bytes.jsonl", TRACE);
+    let p = path.to_str().unwrap();
+    let max = u64::MAX.to_string();
+    for engines in [None, Some("2")] {
+        let mut args = vec!["--trace", p, "--capacity-tokens", "1536", "--host-capacity-tokens", "4096"];
+        args.extend_from_slice(&["--transfer-bytes-per-token", &max, "--link-gbps", "1"]);
+        if let Some(n) = engines {
+            args.extend_from_slice(&["--engines", n]);
+        }
+        let v = replay_json(&args);
+        let h = host(&v);
+        let (written, loaded) = (int(h, "written_tokens"), int(h, "loaded_tokens"));
+        assert!(written > 1, "{engines:?}: {h}");
+        assert_eq!(int(h, "bytes_written"), u64::MAX, "{engines:?}: {h}");
+        let seconds = (written + loaded) as f64 * u64::MAX as f64 / 1e9;
+        let got = h["transfer_seconds"].as_f64().unwrap();
+        assert!((got - seconds).abs() <= seconds * 1e-9, "{engines:?}: {got} s, not {seconds}");
     }
 }

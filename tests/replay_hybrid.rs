@@ -318,6 +318,10 @@ fn hybrid_flags_and_their_errors() {
     assert!(e.contains("--mamba-states 2 is too few: a request needs 3 state slots"), "{e}");
     let e = hy(&["--mamba-states", "99999999999"]);
     assert!(e.contains("--mamba-states 99999999999 is too many"), "{e}");
+    // A pool derived from the sizes names them, not --mamba-states (not given).
+    let e = hy(&["--kv-bytes-per-token", "18446744073709551615"]);
+    assert!(!e.contains("--mamba-states 225303744411719714"), "{e}");
+    assert!(e.contains("--kv-bytes-per-token 18446744073709551615") && e.contains("too many"), "{e}");
     let e = hy(&["--mamba-memory-ratio", "0.001"]);
     assert!(e.contains("holds 0 state slots") && e.contains("set --mamba-states 3 or more"), "{e}");
     for bad in ["0", "-1", "nan", "inf"] {

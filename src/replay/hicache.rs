@@ -79,13 +79,19 @@ impl HostTierConfig {
             return bad(format!("--host-capacity-tokens {} has too many pages", self.host_capacity_tokens));
         }
         if self.bytes_per_token == 0 {
-            return bad("--bytes-per-token must be at least 1".to_string());
+            return bad("--transfer-bytes-per-token must be at least 1".to_string());
         }
         if self.link_bytes_per_second == 0 {
             return bad("--link-gbps must be positive".to_string());
         }
         Ok(())
     }
+}
+
+/// Seconds `tokens` of KV take over the host link (in floating point: the bytes may
+/// not fit in 64 bits).
+pub(crate) fn transfer_seconds(tokens: u64, host: &HostTierConfig) -> f64 {
+    tokens as f64 * host.bytes_per_token as f64 / host.link_bytes_per_second as f64
 }
 
 /// The host tier's figures of a two-tier replay.
@@ -474,7 +480,10 @@ pub(crate) fn replay_hicache(
         let (hits, skipped) = (cache.host_hits.load(Ordering::Relaxed), cache.skipped.load(Ordering::Relaxed));
         (report, t.counters(), t.host_size(), hits, skipped)
     };
-    let (bytes_written, bytes_loaded) = (c.written * host.bytes_per_token, c.loaded * host.bytes_per_token);
+    // Saturating: --transfer-bytes-per-token is not bounded, and a product past 64 bits
+    // must not wrap to a small figure (the time is computed in floating point).
+    let (bytes_written, bytes_loaded) =
+        (c.written.saturating_mul(host.bytes_per_token), c.loaded.saturating_mul(host.bytes_per_token));
     let tree = if config.cache == CacheKind::Kvpool { "HiRadixCache" } else { "ReferenceHiCache" };
     report.host = Some(HostReport {
         tree,
@@ -488,7 +497,7 @@ pub(crate) fn replay_hicache(
         loaded_tokens: c.loaded,
         bytes_written,
         bytes_loaded,
-        transfer_seconds: (bytes_written + bytes_loaded) as f64 / host.link_bytes_per_second as f64,
+        transfer_seconds: transfer_seconds(c.written + c.loaded, host),
         link_gbps: host.link_bytes_per_second as f64 / 1e9,
         device_evicted_tokens: c.device_evicted,
         host_evicted_tokens: c.host_evicted,

@@ -186,7 +186,18 @@ impl HybridConfig {
             });
         }
         if n > MAX_MAMBA_STATES {
-            return bad(format!("--mamba-states {n} is too many: at most {MAX_MAMBA_STATES}"));
+            return bad(match self.states {
+                Some(_) => format!("--mamba-states {n} is too many: at most {MAX_MAMBA_STATES}"),
+                None => format!(
+                    "the state pool derived from --capacity-tokens {capacity_tokens}, --mamba-memory-ratio {}, \
+                     --kv-bytes-per-token {} and --mamba-state-bytes {} holds {n} state slots, too many: at most \
+                     {MAX_MAMBA_STATES}; lower --mamba-memory-ratio or raise --mamba-state-bytes, or set \
+                     --mamba-states",
+                    self.memory_ratio_permille as f64 / 1000.0,
+                    self.kv_bytes_per_token,
+                    self.state_bytes
+                ),
+            });
         }
         Ok(())
     }

@@ -433,7 +433,9 @@ impl ReplayConfig {
         }
         self.engines.validate(self)?;
         let max_kv = trace.max_kv_len_fitting(capacity);
-        if max_kv == 0 && !trace.is_empty() {
+        // Not `max_kv == 0`: a request without KV (an empty prompt, at most one output
+        // token) fits in any pool.
+        if !trace.is_empty() && !trace.requests().iter().any(|q| q.kv_len() <= capacity) {
             let shortest = trace.requests().iter().map(|q| q.kv_len().div_ceil(ps).saturating_mul(ps)).min();
             return bad(format!(
                 "no request of the trace fits in --capacity-tokens {capacity}: the smallest needs {} KV tokens \
@@ -482,9 +484,10 @@ impl ReplayConfig {
             CacheKind::Reference | CacheKind::VecTrie => 0,
         };
         let buffers = match self.mode {
-            // The lookahead's prompts (only under the hinted policy).
+            // The lookahead's prompts (only under the hinted policy; no more than the
+            // trace's requests).
             Mode::Sequential if self.policy.uses_hints() => {
-                2 * max_kv * slot + (self.lookahead() as u128 + 1) * max_input * slot
+                2 * max_kv * slot + (self.lookahead().min(trace.len()) as u128 + 1) * max_input * slot
             }
             Mode::Sequential => 2 * max_kv * slot,
             // Scheduler and routers: a prompt and its slots each; the output thread: KV tokens.

@@ -8,8 +8,9 @@
 //! short, the evictable leaf whose next use lies furthest ahead goes first, and a leaf
 //! no later request uses goes before any other. The next use of a cached page is the
 //! first later request whose prompt's whole pages include it (as a prefix: its tokens
-//! and all tokens before it equal); it is precomputed from the whole trace, per prompt
-//! block chain (the hash ids up to a block), the list of requests using it.
+//! and all tokens before it equal; a request too large for the pool is rejected
+//! before it matches, and uses nothing); it is precomputed from the whole trace, per
+//! prompt block chain (the hash ids up to a block), the list of requests using it.
 //!
 //! * **Whole leaves** (SGLang's semantics, the default): a leaf's next use is its first
 //!   page's (any use of a leaf uses its first page). Belady's rule is a heuristic here:
@@ -174,8 +175,9 @@ const ROOT: u32 = 0;
 /// Page ids with this bit are private to one request (they hold output tokens).
 const PRIVATE: u64 = 1 << 63;
 
-/// For each prompt block chain, the requests whose prompt reaches it, in order, with
-/// how many whole pages of the block each one's prompt covers.
+/// For each prompt block chain, the requests whose prompt reaches it (of those that fit
+/// in the pool), in order, with how many whole pages of the block each one's prompt
+/// covers.
 struct Uses {
     ps: usize,
     pages_per_block: usize,
@@ -187,12 +189,18 @@ struct Uses {
 }
 
 impl Uses {
-    fn new(trace: &Trace, ps: usize) -> Self {
+    /// The uses in `trace` with pages of `ps` tokens in a pool of `capacity_pages`.
+    fn new(trace: &Trace, ps: usize, capacity_pages: usize) -> Self {
         let pages_per_block = BLOCK_TOKENS as usize / ps;
         let mut intern: HashMap<(u32, u32), u32> = HashMap::new();
         let (mut chain_start, mut chains, mut uses) = (Vec::with_capacity(trace.len() + 1), Vec::new(), Vec::new());
         for r in 0..trace.len() {
             chain_start.push(chains.len());
+            // A request too large for the pool is rejected before it matches: it uses
+            // no page (its prompt's pages are never looked up).
+            if trace.request(r).kv_len().div_ceil(ps) > capacity_pages {
+                continue;
+            }
             let len = trace.request(r).input_length as usize;
             let mut parent = u32::MAX;
             for (b, &h) in trace.hash_ids(r).iter().enumerate() {
@@ -768,7 +776,7 @@ pub(crate) fn simulate(
     choose: &mut Option<Chooser<'_>>,
 ) -> Result<SimTotals, ReplayError> {
     let ps = check(config)?;
-    let uses = Uses::new(trace, ps);
+    let uses = Uses::new(trace, ps, config.capacity_tokens / ps);
     Ok(Sim::new(&uses, config.capacity_tokens, policy, config.partial_evict).run(trace, choose))
 }
 

@@ -67,8 +67,9 @@ pub fn run_sequential<C: ReplayCache>(
         )));
     }
     let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
-    // The waiting queue, told to the cache under the hinted policy.
-    let queue = if config.policy.uses_hints() { config.lookahead() } else { 0 };
+    // The waiting queue, told to the cache under the hinted policy: at most the
+    // trace's requests wait behind the one admitted.
+    let queue = if config.policy.uses_hints() { config.lookahead().min(trace.len()) } else { 0 };
     let mut queue = super::lookahead::Lookahead::new(queue, trace.max_input_length_fitting(capacity))?;
     let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
     let mut totals = Totals::default();

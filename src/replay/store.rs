@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::hicache::{settle, HostReport, HostTierConfig, KvHiReplay};
+use super::hicache::{settle, transfer_seconds, HostReport, HostTierConfig, KvHiReplay};
 use super::sequential::{release, serve, write_row};
 use super::stats::thousands;
 use super::{
@@ -289,7 +289,7 @@ pub struct TierFigures {
 impl TierFigures {
     fn add(&mut self, o: &TierFigures) {
         macro_rules! sum {
-            ($($f:ident),*) => { $(self.$f += o.$f;)* };
+            ($($f:ident),*) => { $(self.$f = self.$f.saturating_add(o.$f);)* };
         }
         sum!(
             requests,
@@ -755,8 +755,8 @@ pub(crate) fn replay_engines(
         f.prefetched_tokens = c.prefetched;
         f.device_evicted_tokens = c.device_evicted;
         f.host_evicted_tokens = c.host_evicted;
-        f.bytes_to_host = c.written * host.bytes_per_token;
-        f.bytes_from_host = c.loaded * host.bytes_per_token;
+        f.bytes_to_host = c.written.saturating_mul(host.bytes_per_token);
+        f.bytes_from_host = c.loaded.saturating_mul(host.bytes_per_token);
         f.final_cached_tokens = report.final_cached_tokens;
         f.final_host_used_tokens = tree.host_size() as u64;
         f.rates();
@@ -822,7 +822,7 @@ pub(crate) fn replay_engines(
         loaded_tokens: total.loaded_tokens,
         bytes_written: total.bytes_to_host,
         bytes_loaded: total.bytes_from_host,
-        transfer_seconds: (total.bytes_to_host + total.bytes_from_host) as f64 / host.link_bytes_per_second as f64,
+        transfer_seconds: transfer_seconds(total.written_to_host_tokens + total.loaded_tokens, &host),
         link_gbps: host.link_bytes_per_second as f64 / 1e9,
         device_evicted_tokens: total.device_evicted_tokens,
         host_evicted_tokens: total.host_evicted_tokens,

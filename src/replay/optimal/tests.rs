@@ -202,6 +202,21 @@ fn unused_pages_go_first() {
     assert_eq!(brute_force(&trace, &c), 3 * 512);
 }
 
+/// A request too large for the pool is rejected before it matches anything: it is no
+/// later use of the pages its prompt names. Room for two pages: request 2 must evict
+/// [1] or [2]; [1]'s only later "use" is request 3, which cannot fit (3 pages), while
+/// [2] comes back at request 4. The optimum keeps [2], as it does without request 3.
+#[test]
+fn requests_too_large_for_the_pool_are_no_later_use() {
+    let c = config(2 * 512, 512, true);
+    let with = trace_of(&[(&[1], 0, 1), (&[2], 0, 1), (&[3], 0, 1), (&[1, 9, 8], 0, 1), (&[2], 0, 1)]);
+    let without = trace_of(&[(&[1], 0, 1), (&[2], 0, 1), (&[3], 0, 1), (&[2], 0, 1)]);
+    assert_eq!(brute_force(&with, &c), 512);
+    assert_eq!(optimal(&without, &c), 512);
+    assert_eq!(optimal(&with, &c), 512);
+    assert_eq!(optimal(&with, &config(2 * 512, 512, false)), 512);
+}
+
 #[test]
 fn page_size_must_divide_blocks() {
     let trace = trace_of(&[(&[1], 0, 1)]);
@@ -289,7 +304,7 @@ fn return_oracles_between_lru_and_the_optimum() {
 /// The model of `policy` with every leaf re-keyed at every request (`rekey`) or with
 /// the promotion queue.
 fn run_sim(trace: &Trace, c: &ReplayConfig, policy: SimPolicy, rekey: bool) -> SimTotals {
-    let uses = Uses::new(trace, c.page_size as usize);
+    let uses = Uses::new(trace, c.page_size as usize, c.capacity_tokens / c.page_size as usize);
     let mut sim = Sim::new(&uses, c.capacity_tokens, policy, c.partial_evict);
     sim.rekey_all = rekey;
     sim.run(trace, &mut None)
