@@ -395,7 +395,7 @@ fn lhd_learns_that_remainders_do_not_return() {
     trace.truncate(if cfg!(debug_assertions) { 1500 } else { 3000 });
     // A pool that keeps conversations until their next turn (2 M tokens).
     let c = config(1 << 21, 16, false);
-    let uses = Uses::new(&trace, 16);
+    let uses = Uses::new(&trace, 16, c.capacity_tokens / 16);
     let mut sim = Sim::new(&uses, c.capacity_tokens, SimPolicy::Lhd(LhdVariant::Classes), false);
     for r in 0..trace.len() {
         if (r + 1) % super::lhd::PERIOD == 0 {
