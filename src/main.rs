@@ -108,8 +108,9 @@ mod cli {
         #[arg(long)]
         cache: Option<CacheKind>,
         /// A host-memory tier of N tokens under the device pool (SGLang's HiCache):
-        /// evicted KV that was backed up is loaded back on a later match. Runs the
-        /// two-tier reference tree, sequential mode.
+        /// evicted KV that was backed up is loaded back on a later match. Runs kvpool's
+        /// HiRadixCache (with --cache reference, the two-tier reference tree),
+        /// sequential mode.
         #[arg(long, value_name = "N", conflicts_with = "host_ratio")]
         host_capacity_tokens: Option<usize>,
         /// A host tier of this many times --capacity-tokens [SGLang's default ratio:

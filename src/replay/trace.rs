@@ -238,11 +238,17 @@ impl std::error::Error for TraceError {
 #[derive(Deserialize)]
 #[serde(expecting = "a JSON object with input_length, output_length and hash_ids")]
 struct RawRequest {
-    #[serde(default)]
+    /// Ignored by the replay; absent and `null` read as 0.
+    #[serde(default, deserialize_with = "number_or_null")]
     timestamp: f64,
     input_length: u64,
     output_length: u64,
     hash_ids: Vec<u64>,
+}
+
+/// A JSON number, or `null` (as 0).
+fn number_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(0.0))
 }
 
 impl Trace {
@@ -551,6 +557,20 @@ mod tests {
 
     fn parse(text: &str) -> Result<Trace, TraceError> {
         Trace::from_jsonl_str(text, "t.jsonl")
+    }
+
+    /// The timestamp is ignored: a number, `null` or no field read the same, and a
+    /// value of another type is still an error naming the line.
+    #[test]
+    fn timestamp_may_be_null_or_absent() {
+        let rest = "\"input_length\": 20, \"output_length\": 2, \"hash_ids\": [7]}";
+        let with = |ts: &str| parse(&format!("{{{ts}{rest}\n"));
+        let plain = with("").unwrap();
+        for ts in ["\"timestamp\": null, ", "\"timestamp\": 1700000000123, ", "\"timestamp\": 0.5, "] {
+            let t = with(ts).unwrap();
+            assert_eq!((t.request(0).input_length, t.hash_ids(0)), (plain.request(0).input_length, plain.hash_ids(0)));
+        }
+        assert!(with("\"timestamp\": \"soon\", ").is_err());
     }
 
     #[test]
