@@ -378,6 +378,23 @@ fn arenas_too_large_for_memory_are_a_config_error() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+// The error names the options that size the replay: in overlap mode the request rows
+// (--max-running x the longest request) can be what does not fit, not the pool.
+#[test]
+fn too_large_names_the_options_that_size_the_replay() {
+    let blocks: Vec<String> = (0..256).map(|b| b.to_string()).collect();
+    let line = format!("{{\"input_length\": 131072, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks.join(","));
+    let path = write_text("rows-too-large.jsonl", &line.repeat(2));
+    let trace = path.to_str().unwrap();
+    let base = ["replay", "--trace", trace, "--capacity-tokens", "262144"];
+    let overlap = [&base[..], &["--mode", "overlap", "--max-running", "4000"]].concat();
+    let e = clean_failure(&kvpool_limited(LIMIT_KIB, &overlap));
+    assert!(e.contains("more than this machine can allocate") && e.contains("--max-running"), "{e}");
+    // The same pool with few rows fits.
+    let out = kvpool_limited(LIMIT_KIB, &[&base[..], &["--mode", "overlap", "--max-running", "4"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 // The sequential driver's waiting queue holds at most the trace's requests: a long
 // --lookahead on a short trace of long prompts reserves a prompt buffer per request
 // of the trace, not per place in the lookahead (4097 buffers of 4 MiB here).

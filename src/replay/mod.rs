@@ -283,6 +283,18 @@ impl ReplayConfig {
         }
     }
 
+    /// The options that size this replay's memory ([`memory_bytes`](Self::memory_bytes)),
+    /// for an error that asks to lower them: the pool always; the request rows in
+    /// overlap mode (`--max-running`); the waiting queue's prompts in sequential mode
+    /// under a policy that reads it (`--lookahead`).
+    fn size_options(&self) -> &'static str {
+        match self.mode {
+            Mode::Overlap => "--capacity-tokens or --max-running",
+            Mode::Sequential if self.policy.uses_hints() && self.lookahead() > 0 => "--capacity-tokens or --lookahead",
+            Mode::Sequential => "--capacity-tokens",
+        }
+    }
+
     /// Check the configuration against a trace.
     ///
     /// `capacity_tokens` must be a whole number of pages (a remainder would be silently
@@ -587,7 +599,7 @@ impl From<crate::ConfigError> for ReplayError {
 /// final accounting fails, [`ReplayError::Internal`] on a refused call.
 pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sync)) -> Result<Report, ReplayError> {
     config.validate(trace)?;
-    let too_large = |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower --capacity-tokens"));
+    let too_large = |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower {}", config.size_options()));
     // kvpool's cache sizes its arenas infallibly (an abort when the machine cannot
     // hold them): check that the whole replay can be reserved before building it.
     crate::arena::probe(
