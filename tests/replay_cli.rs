@@ -378,13 +378,20 @@ fn arenas_too_large_for_memory_are_a_config_error() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A trace of two identical requests whose prompt is `blocks` whole 512-token blocks,
+/// with 2 output tokens each.
+fn twice_one_long_prompt(name: &str, blocks: usize) -> std::path::PathBuf {
+    let ids: Vec<String> = (0..blocks).map(|b| b.to_string()).collect();
+    let line =
+        format!("{{\"input_length\": {}, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks * 512, ids.join(","));
+    write_text(name, &line.repeat(2))
+}
+
 // The error names the options that size the replay: in overlap mode the request rows
 // (--max-running x the longest request) can be what does not fit, not the pool.
 #[test]
 fn too_large_names_the_options_that_size_the_replay() {
-    let blocks: Vec<String> = (0..256).map(|b| b.to_string()).collect();
-    let line = format!("{{\"input_length\": 131072, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks.join(","));
-    let path = write_text("rows-too-large.jsonl", &line.repeat(2));
+    let path = twice_one_long_prompt("rows-too-large.jsonl", 256);
     let trace = path.to_str().unwrap();
     let base = ["replay", "--trace", trace, "--capacity-tokens", "262144"];
     let overlap = [&base[..], &["--mode", "overlap", "--max-running", "4000"]].concat();
@@ -400,9 +407,7 @@ fn too_large_names_the_options_that_size_the_replay() {
 // of the trace, not per place in the lookahead (4097 buffers of 4 MiB here).
 #[test]
 fn lookahead_longer_than_the_trace_reserves_only_the_trace() {
-    let blocks: Vec<String> = (0..2048).map(|b| b.to_string()).collect();
-    let line = format!("{{\"input_length\": 1048576, \"output_length\": 2, \"hash_ids\": [{}]}}\n", blocks.join(","));
-    let path = write_text("long-prompts.jsonl", &line.repeat(2));
+    let path = twice_one_long_prompt("long-prompts.jsonl", 2048);
     for policy in ["hinted", "reuse"] {
         let args = [
             "replay",

@@ -29,11 +29,11 @@ pub(super) struct Tokens {
 
 /// Token arrays of this many bytes or more (16 M slots) store long runs with
 /// non-temporal stores. Measured with the `cache_ops` loop (BENCHMARKS.md, "Streaming
-/// token stores"): on a 16-core Xeon (2 MiB of L2 per core) streaming was 5-13% faster
-/// from 16 M slots up and 5-20% slower at 4 M; the 2-core development VM crosses over
-/// between 4 M and 8 M. The threshold sits at the larger crossover: an array this big
+/// token stores"): on a 16-core Xeon (2 MiB of L2 per core) streaming was mostly 5-15%
+/// faster from 16 M slots up and 20-23% slower at 4 M; the 2-core development VM
+/// crosses over between 4 M and 8 M. The threshold sits at the larger crossover: an array this big
 /// is far beyond any core's share of the last-level cache.
-pub(super) const STREAM_MIN_BYTES: usize = 64 << 20;
+const STREAM_MIN_BYTES: usize = 64 << 20;
 
 /// Words from which a run is streamed (in an array that streams): 4 KiB, so the fence
 /// that ends a streamed run is a small share of it.
@@ -203,7 +203,7 @@ impl Tokens {
     }
 
     /// An array for `slots` slots, all 0, that streams long runs if `stream`.
-    pub(super) fn with_streaming(slots: usize, stream: bool) -> Result<Self, crate::ConfigError> {
+    fn with_streaming(slots: usize, stream: bool) -> Result<Self, crate::ConfigError> {
         let words = super::boxed("radix slot tokens", slots.div_ceil(2), |_| AtomicU64::new(0))?;
         Ok(Tokens { words, slots, stream })
     }
