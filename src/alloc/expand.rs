@@ -363,7 +363,18 @@ mod tests {
                 last.push(if p == 0 { 0 } else { 1000 * ps + (p - 1) % ps });
             }
             let plan = plan_extend(ps, &prefix, &seq).unwrap();
-            let pages: Vec<u32> = (0..plan.new_pages).map(|k| 7 + 3 * k as u32).collect();
+            // Stretches of consecutive page numbers between jumps up and down, as a
+            // pool hands them out.
+            let mut pages: Vec<u32> = Vec::with_capacity(plan.new_pages);
+            let mut page = 500;
+            for _ in 0..plan.new_pages {
+                page = match next(4) {
+                    0 => page + 3 + next(5),
+                    1 => page.saturating_sub(1 + next(7)),
+                    _ => page + 1,
+                };
+                pages.push(page);
+            }
             let mut out = vec![0u32; plan.new_tokens];
             expand_extend(ps, &prefix, &seq, &last, &pages, &mut out).unwrap();
             assert_eq!(out, forward(ps, &prefix, &seq, &last, &pages), "ps {ps} {prefix:?} {seq:?}");

@@ -516,6 +516,29 @@ enum Lookup {
     Conflict,
 }
 
+/// Index of the first position where `a` and `b` differ (the shorter length if one is
+/// a prefix of the other). Blocks of 64 are compared with one branch-free pass each (it
+/// vectorizes), so a long equal stretch costs what a `memcmp` of it costs, and only the
+/// block holding the difference is scanned element by element.
+#[cfg_attr(loom, allow(dead_code))]
+fn first_diff(a: &[u32], b: &[u32]) -> usize {
+    const BLOCK: usize = 64;
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut i = 0;
+    while i + BLOCK <= n {
+        let mut diff = 0u32;
+        for (x, y) in a[i..i + BLOCK].iter().zip(&b[i..i + BLOCK]) {
+            diff |= x ^ y;
+        }
+        if diff != 0 {
+            break;
+        }
+        i += BLOCK;
+    }
+    i + a[i..].iter().zip(&b[i..]).position(|(x, y)| x != y).unwrap_or(n - i)
+}
+
 fn span_of(v: u64) -> (u32, u32) {
     ((v >> 32) as u32, v as u32)
 }
@@ -817,11 +840,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         if LOCKED {
             // SAFETY: the caller holds the latch, and only its holder writes tokens.
             let tokens = unsafe { self.slot_token.plain(base, pages * ps) };
-            if tokens == key {
-                return pages;
-            }
-            let first_diff = tokens.iter().zip(key).position(|(a, b)| a != b).unwrap_or(key.len());
-            return first_diff / ps;
+            return first_diff(tokens, key) / ps;
         }
         self.slot_token.first_diff_atomic(base, key) / ps
     }

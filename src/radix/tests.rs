@@ -482,3 +482,25 @@ fn construction_checks_the_geometry() {
     assert_eq!(e, ConfigError::TooLargeForMemory { what: "test arena", bytes: u64::MAX - 7 });
     assert!(e.to_string().contains("18446744073709551608 bytes"), "{e}");
 }
+
+#[test]
+fn first_diff_finds_the_first_difference_at_every_position() {
+    // Lengths around the 64-element block, a difference at every position (in the
+    // first block, at a block edge, in the tail), and one slice a prefix of the other.
+    for n in [0usize, 1, 15, 63, 64, 65, 127, 128, 129, 200] {
+        let a: Vec<u32> = (0..n as u32).map(|x| x.wrapping_mul(2_654_435_761)).collect();
+        assert_eq!(super::first_diff(&a, &a), n);
+        for at in 0..n {
+            let mut b = a.clone();
+            b[at] ^= 1 << (at % 32);
+            assert_eq!(super::first_diff(&a, &b), at, "n {n}, difference at {at}");
+            // A second, later difference does not move the answer.
+            if at + 70 < n {
+                b[at + 70] ^= 1;
+                assert_eq!(super::first_diff(&a, &b), at);
+            }
+        }
+        assert_eq!(super::first_diff(&a, &a[..n / 2]), n / 2);
+        assert_eq!(super::first_diff(&a[..n / 3], &a), n / 3);
+    }
+}
