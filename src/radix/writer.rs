@@ -448,6 +448,12 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             let Lookup::Found { id, .. } = self.c.find_child_in::<true>(cur, namespace, &key[pos..pos + ps]) else {
                 break;
             };
+            // The next look-up's bucket, if this node matches whole: its parent page is
+            // this node's last, its key page the one after this node's pages.
+            let next = pos + span_of(self.c.records[id as usize].span.load(Ordering::Relaxed)).1 as usize * ps;
+            if next + ps <= key.len() {
+                self.c.prefetch_child(self.s.meta[id as usize].last_page, namespace, &key[next..next + ps]);
+            }
             self.s.meta[id as usize].hit_count += 1;
             if V::TOUCH_WHILE_WALKING {
                 self.touch(id);
