@@ -23,7 +23,7 @@
 //!   0, never handed out, stands for the root).
 //!
 //! So the token work of an operation runs a run at a time: a match compares a run's
-//! tokens with the key in one `memcmp` (the latch holder) and writes its slots as one
+//! tokens with the key in one vectorized pass (the latch holder) and writes its slots as one
 //! ascending fill; an insert copies a run's tokens with one atomic store per two tokens;
 //! claiming a run's pages for the tree checks and sets one word of the in-tree bitmap
 //! and one of the allocator's bitmap per 64 pages; eviction frees a run with one
@@ -61,8 +61,8 @@
 //! tokens and links, issues an `Acquire` fence and re-loads `gen`. A reader that saw any
 //! token written by a later insert therefore sees the retirement and retries: stale data
 //! is never returned. Only the latch holder writes tokens, so it reads them as plain
-//! memory (`memcmp`), and it alone read-modify-writes the word a run boundary shares with
-//! a neighbouring slot.
+//! memory (one vectorized compare per run), and it alone read-modify-writes the word a
+//! run boundary shares with a neighbouring slot.
 //!
 //! Keying children by the parent's *last page* is what makes splits cheap and atomic:
 //! splitting node `C = (f, n)` after `m` pages creates `U = (f, m)` and `C' = (p_m, n-m)`;
@@ -853,8 +853,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
 
     /// How many leading whole pages of `key` equal the tokens cached in the `pages`
     /// consecutive pages from `page`. `LOCKED`: the caller holds the latch, so no token
-    /// can be written meanwhile and the tokens may be read as plain memory (one `memcmp`
-    /// instead of an atomic load per token).
+    /// can be written meanwhile and the tokens may be read as plain memory (one
+    /// vectorized pass, [`first_diff`], instead of an atomic load per token pair).
     fn run_matches<const LOCKED: bool>(&self, page: u32, pages: usize, key: &[u32]) -> usize {
         let ps = self.ps;
         let base = page as usize * ps;

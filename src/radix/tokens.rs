@@ -16,7 +16,7 @@
 //!
 //! Slot `s` is the `u32` at byte offset `4 * s` of the array: the low-addressed half of
 //! word `s / 2` when `s` is even. The latch holder, which no write can race, reads the
-//! array as plain `u32` memory (one `memcmp` per run).
+//! array as plain `u32` memory (one vectorized compare per run).
 
 use crate::sync::atomic::{AtomicU64, Ordering};
 
