@@ -504,3 +504,44 @@ fn first_diff_finds_the_first_difference_at_every_position() {
         assert_eq!(super::first_diff(&a[..n / 3], &a), n / 3);
     }
 }
+
+#[test]
+fn finishing_refuses_a_row_that_is_not_whole_pages() {
+    // The row's page shape is checked before the latch is taken; a bad shape is still
+    // refused with the slot that starts the bad stretch, and nothing changes.
+    use crate::error::InvalidInput;
+    let c = paged_cache(64, 4);
+    // One page cached and leased, then two new pages: the second's slots out of order.
+    let mut s = [0u32; 4];
+    c.allocator().alloc(&mut s).unwrap();
+    c.insert(0, &[1, 2, 3, 4], &s, 0).unwrap();
+    let mut kv = [0u32; 12];
+    let lease = c.match_and_lock(0, &[1, 2, 3, 4], &mut kv[..4]);
+    c.allocator().alloc(&mut kv[4..]).unwrap();
+    kv.swap(9, 10);
+    let mut row = c.req_pool().alloc().unwrap();
+    c.req_pool().write(&mut row, 0, &kv).unwrap();
+    let key: Vec<u32> = (1..=12).collect();
+    let before = snapshot(&c);
+    let mut e = c.cache_finished_req(0, &key, row, lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::Invalid(InvalidInput::NotAPage { slot: kv[8] }));
+    assert_eq!(snapshot(&c), before, "a refused finish must change nothing");
+    // The same through the chunked-prefill path, with the row mended afterwards.
+    let err = c.cache_unfinished_req(0, &key, &mut e.row, &mut e.lease, 0).unwrap_err();
+    assert_eq!(err, CacheError::Invalid(InvalidInput::NotAPage { slot: kv[8] }));
+    assert_eq!(snapshot(&c), before);
+    // A page that starts mid-page is refused too.
+    let mut shifted = kv;
+    shifted.swap(9, 10);
+    shifted[4..8].iter_mut().for_each(|x| *x += 1);
+    c.req_pool().write(&mut e.row, 0, &shifted).unwrap();
+    let mut e = c.cache_finished_req(0, &key, e.row, e.lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::Invalid(InvalidInput::NotAPage { slot: shifted[4] }));
+    assert_eq!(snapshot(&c), before);
+    // Mended, it finishes.
+    kv.swap(9, 10);
+    c.req_pool().write(&mut e.row, 0, &kv).unwrap();
+    assert_eq!(c.cache_finished_req(0, &key, e.row, e.lease, 0).unwrap(), 4);
+    assert_eq!(c.total_size(), 12);
+    c.check_invariants().unwrap();
+}

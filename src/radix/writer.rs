@@ -154,6 +154,42 @@ impl RowRuns {
     }
 }
 
+impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
+    /// The page shape of `slots` from slot `from` (page-aligned) on: whole pages, each
+    /// page's slots that page's slots in order, in range; the runs of consecutive pages
+    /// go into `runs` (keyed by the address of `slots[from..]`).
+    ///
+    /// It reads only `slots` and the cache's geometry, so the request helpers run it
+    /// before taking the latch: reading a row another thread wrote (the scheduler's
+    /// slots, checked on the output thread) is the slow part of caching a request in
+    /// overlap mode, and no other writer should wait for it.
+    pub(super) fn check_shape(&self, slots: &[u32], from: usize, runs: &mut RowRuns) -> Result<(), CacheError> {
+        let ps = self.ps;
+        if slots.len() % ps != 0 {
+            return Err(InvalidInput::NotPageAligned { count: slots.len(), page_size: ps as u32 }.into());
+        }
+        let (lo, hi) = (ps as u32, (self.num_pages + 1).saturating_mul(ps as u32).wrapping_sub(1));
+        // A run of consecutive slots at a time: one ascending sequence covers every whole
+        // page of a run of consecutive pages, so the check is one branch-free pass per 64
+        // slots (it vectorizes), with work per run, not per page.
+        debug_assert_eq!(from % ps, 0, "a page-aligned start");
+        let mut i = from;
+        runs.start(if from < slots.len() { slots[from..].as_ptr() as usize } else { 0 });
+        while i < slots.len() {
+            let s0 = slots[i];
+            let whole = ascending_len(&slots[i..], s0) / ps * ps;
+            let last = s0 as u64 + whole as u64 - 1;
+            if whole == 0 || self.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
+                runs.clear();
+                return Err(InvalidInput::NotAPage { slot: s0 }.into());
+            }
+            i += whole;
+            runs.push(i - from);
+        }
+        Ok(())
+    }
+}
+
 impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
     /// Pages in the run of consecutive pages that starts at page `i` of `slots` (whole
     /// pages of a checked shape): [`run_at`], or the run the shape check recorded.
@@ -650,35 +686,13 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// [`check_insert_shape`](Self::check_insert_shape) with the page shapes checked
     /// only from slot `from` (page-aligned) on: the caller compares `slots[..from]` with
-    /// the tree's own slots, which are whole pages.
+    /// the tree's own slots, which are whole pages. Records the runs for the passes that
+    /// follow ([`RowRuns`]).
     pub(super) fn check_shape_from(&mut self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
-        let ps = self.c.ps;
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
         }
-        if key.len() % ps != 0 {
-            return Err(InvalidInput::NotPageAligned { count: key.len(), page_size: ps as u32 }.into());
-        }
-        let (lo, hi) = (ps as u32, (self.c.num_pages + 1).saturating_mul(ps as u32).wrapping_sub(1));
-        // A run of consecutive slots at a time: one ascending sequence covers every whole
-        // page of a run of consecutive pages, so the check is one branch-free pass per 64
-        // slots (it vectorizes), with work per run, not per page.
-        debug_assert_eq!(from % ps, 0, "a page-aligned start");
-        let mut i = from;
-        let runs = &mut self.s.row_runs;
-        runs.start(if from < slots.len() { slots[from..].as_ptr() as usize } else { 0 });
-        while i < slots.len() {
-            let s0 = slots[i];
-            let whole = ascending_len(&slots[i..], s0) / ps * ps;
-            let last = s0 as u64 + whole as u64 - 1;
-            if whole == 0 || self.c.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
-                runs.clear();
-                return Err(InvalidInput::NotAPage { slot: s0 }.into());
-            }
-            i += whole;
-            runs.push(i - from);
-        }
-        Ok(())
+        self.c.check_shape(slots, from, &mut self.s.row_runs)
     }
 
     /// Mark the whole pages of `slots` (checked shape) as held by the tree, after checking
@@ -753,6 +767,11 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     ///
     /// On success the new pages are marked as in the tree (as [`insert`](Self::insert)'s
     /// claim does) and [`apply_insert`](Self::apply_insert) must follow.
+    ///
+    /// `shape`: the result of [`RadixCache::check_shape`] of `kv[..key.len()]` from the
+    /// lease's end, when the caller ran it before taking the latch and installed its runs
+    /// in `row_runs`; `None` checks here.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn prepare_request(
         &mut self,
         namespace: u64,
@@ -760,12 +779,16 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         kv: &[u32],
         lease: super::LeaseKey,
         tail: bool,
+        shape: Option<Result<(), CacheError>>,
     ) -> Result<Prepared, CacheError> {
         let ps = self.c.ps;
         let aligned = key.len();
         let protected = lease.len;
         // The leased prefix is compared with the tree's slots below (whole pages).
-        self.check_shape_from(key, &kv[..aligned], protected.min(aligned))?;
+        match shape {
+            Some(checked) => checked?,
+            None => self.check_shape_from(key, &kv[..aligned], protected.min(aligned))?,
+        }
         let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
         // Walk the cached part of the key; compare the leased prefix with the row.
         // Nodes wholly inside the leased prefix were compared with the key when the lease
