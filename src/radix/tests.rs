@@ -545,3 +545,20 @@ fn finishing_refuses_a_row_that_is_not_whole_pages() {
     assert_eq!(c.total_size(), 12);
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn ascending_len_counts_the_leading_run_at_every_length() {
+    // Runs shorter than the scalar head, at the head's edge, around the 64-slot blocks,
+    // and the whole slice; a break at every position; a first slot near u32::MAX.
+    for base in [5u32, u32::MAX - 70] {
+        for n in [0usize, 1, 7, 8, 9, 63, 64, 65, 72, 73, 130, 200] {
+            let run: Vec<u32> = (0..n as u32).map(|k| base.wrapping_add(k)).collect();
+            assert_eq!(super::writer::ascending_len(&run, base), n);
+            for at in 0..n {
+                let mut s = run.clone();
+                s[at] = s[at].wrapping_add(2);
+                assert_eq!(super::writer::ascending_len(&s, base), at, "n {n}, break at {at}");
+            }
+        }
+    }
+}

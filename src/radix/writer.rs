@@ -66,10 +66,20 @@ fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
     move |i, slot| CacheError::RowMismatch { index: offset + i, slot }
 }
 
-/// How many leading elements of `s` are `first, first + 1, ...`: 64 at a time with one
+/// How many leading elements of `s` are `first, first + 1, ...`: the first few one by
+/// one (short runs are common: a decode step hands each running request one slot, so at
+/// page size 1 a row's decode part is all runs of one slot), then 64 at a time with one
 /// branch-free pass each (it vectorizes), then one by one.
-fn ascending_len(s: &[u32], first: u32) -> usize {
+pub(super) fn ascending_len(s: &[u32], first: u32) -> usize {
+    const HEAD: usize = 8;
     let mut n = 0;
+    let head = s.len().min(HEAD);
+    while n < head && s[n] == first.wrapping_add(n as u32) {
+        n += 1;
+    }
+    if n < head {
+        return n;
+    }
     while n + 64 <= s.len() && ascending_from(&s[n..n + 64], first.wrapping_add(n as u32)) {
         n += 64;
     }
