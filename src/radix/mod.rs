@@ -1340,18 +1340,16 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let (aligned, protected) = self.request_lengths(token_ids, lease)?;
         let aligned = self.insert_len(aligned, protected, limit);
         let kv = rows.read(row, 0..token_ids.len())?;
-        // The row's page shape needs no latch (see `check_shape`): checked first, its
-        // result reported where `prepare_request` reports it.
-        let mut runs = writer::RowRuns::default();
-        let shape = self.check_shape(&kv[..aligned], protected.min(aligned), &mut runs);
+        // The row's page shape needs no latch (see `check_row_shape`): checked first,
+        // reported where `prepare_request` reports it.
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned));
         let r = self.write(|w| {
             // Everything is checked (the variant's part, the leased prefix against the
             // tree, the pages to insert, the duplicates and the tail to free) before
             // anything changes.
             check(w)?;
             let key = &token_ids[..aligned];
-            w.s.row_runs = runs;
-            let p = w.prepare_request(namespace, key, kv, lease.key, true, Some(shape))?;
+            let p = w.prepare_request(namespace, key, kv, lease.key, true, shape)?;
             let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);
@@ -1383,13 +1381,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let aligned = self.insert_len(aligned, protected, limit);
         let kv = rows.read_mut(row, 0..token_ids.len())?;
         // As in `finish`: the row's shape before the latch.
-        let mut runs = writer::RowRuns::default();
-        let shape = self.check_shape(&kv[..aligned], protected.min(aligned), &mut runs);
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned));
         let (key, r) = self.write(|w| {
             check(w)?;
             let key = &token_ids[..aligned];
-            w.s.row_runs = runs;
-            let p = w.prepare_request(namespace, key, kv, lease.key, false, Some(shape))?;
+            let p = w.prepare_request(namespace, key, kv, lease.key, false, shape)?;
             let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);

@@ -164,16 +164,32 @@ impl RowRuns {
     }
 }
 
+/// A row's page shape, checked before the latch was taken
+/// ([`RadixCache::check_row_shape`]): the result, and the runs it recorded, which
+/// [`Writer::prepare_request`] installs for the passes that follow.
+pub(super) struct CheckedShape {
+    runs: RowRuns,
+    result: Result<(), CacheError>,
+}
+
 impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
-    /// The page shape of `slots` from slot `from` (page-aligned) on: whole pages, each
-    /// page's slots that page's slots in order, in range; the runs of consecutive pages
-    /// go into `runs` (keyed by the address of `slots[from..]`).
+    /// [`check_shape`](Self::check_shape) of a request's row, for
+    /// [`Writer::prepare_request`].
     ///
-    /// It reads only `slots` and the cache's geometry, so the request helpers run it
+    /// It reads only the row and the cache's geometry, so the request helpers run it
     /// before taking the latch: reading a row another thread wrote (the scheduler's
     /// slots, checked on the output thread) is the slow part of caching a request in
     /// overlap mode, and no other writer should wait for it.
-    pub(super) fn check_shape(&self, slots: &[u32], from: usize, runs: &mut RowRuns) -> Result<(), CacheError> {
+    pub(super) fn check_row_shape(&self, slots: &[u32], from: usize) -> CheckedShape {
+        let mut runs = RowRuns::default();
+        let result = self.check_shape(slots, from, &mut runs);
+        CheckedShape { runs, result }
+    }
+
+    /// The page shape of `slots` from slot `from` (page-aligned) on: whole pages, each
+    /// page's slots that page's slots in order, in range; the runs of consecutive pages
+    /// go into `runs` (keyed by the address of `slots[from..]`).
+    fn check_shape(&self, slots: &[u32], from: usize, runs: &mut RowRuns) -> Result<(), CacheError> {
         let ps = self.ps;
         if slots.len() % ps != 0 {
             return Err(InvalidInput::NotPageAligned { count: slots.len(), page_size: ps as u32 }.into());
@@ -778,10 +794,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// On success the new pages are marked as in the tree (as [`insert`](Self::insert)'s
     /// claim does) and [`apply_insert`](Self::apply_insert) must follow.
     ///
-    /// `shape`: the result of [`RadixCache::check_shape`] of `kv[..key.len()]` from the
-    /// lease's end, when the caller ran it before taking the latch and installed its runs
-    /// in `row_runs`; `None` checks here.
-    #[allow(clippy::too_many_arguments)]
+    /// `shape`: [`RadixCache::check_row_shape`] of `kv[..key.len()]` from the lease's
+    /// end, run by the caller before it took the latch.
     pub(super) fn prepare_request(
         &mut self,
         namespace: u64,
@@ -789,16 +803,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         kv: &[u32],
         lease: super::LeaseKey,
         tail: bool,
-        shape: Option<Result<(), CacheError>>,
+        shape: CheckedShape,
     ) -> Result<Prepared, CacheError> {
         let ps = self.c.ps;
         let aligned = key.len();
         let protected = lease.len;
         // The leased prefix is compared with the tree's slots below (whole pages).
-        match shape {
-            Some(checked) => checked?,
-            None => self.check_shape_from(key, &kv[..aligned], protected.min(aligned))?,
-        }
+        self.s.row_runs = shape.runs;
+        shape.result?;
         let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
         // Walk the cached part of the key; compare the leased prefix with the row.
         // Nodes wholly inside the leased prefix were compared with the key when the lease
