@@ -88,19 +88,20 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots
         let prompt = req.input_length as usize;
         let (hit, lease) = cache.match_and_lock(0, &tokens[..prompt], &mut slots[..prompt]);
         hits += hit;
-        let last = if hit > 0 { slots[hit - 1] } else { 0 };
+        // The row gets the match, then the rest straight from the allocator.
+        let mut row = cache.req_pool().alloc().unwrap();
+        cache.req_pool().write(&mut row, 0, &slots[..hit]).unwrap();
         // Evict the shortfall first (as the replay drivers and SGLang do).
         let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
         let avail = cache.available_tokens();
         if avail < need {
             cache.evict(need - avail);
         }
-        if cache.alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
             cache.unlock(lease);
+            cache.req_pool().free(row).unwrap();
             continue;
         }
-        let mut row = cache.req_pool().alloc().unwrap();
-        cache.req_pool().write(&mut row, 0, &slots[..kv]).unwrap();
         cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
     }
     hits

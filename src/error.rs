@@ -255,6 +255,9 @@ pub enum AllocError {
     OutOfMemory(OutOfMemory),
     /// The arguments can never succeed; nothing changed.
     Invalid(InvalidInput),
+    /// The request row to fill is not the caller's to write there (out of bounds, or
+    /// another pool's); nothing changed.
+    Row(RowError),
 }
 
 impl fmt::Display for AllocError {
@@ -262,6 +265,7 @@ impl fmt::Display for AllocError {
         match self {
             AllocError::OutOfMemory(e) => e.fmt(f),
             AllocError::Invalid(e) => write!(f, "invalid allocation request: {e}"),
+            AllocError::Row(e) => write!(f, "cannot allocate into the request row: {e}"),
         }
     }
 }
@@ -271,7 +275,14 @@ impl std::error::Error for AllocError {
         match self {
             AllocError::OutOfMemory(e) => Some(e),
             AllocError::Invalid(e) => Some(e),
+            AllocError::Row(e) => Some(e),
         }
+    }
+}
+
+impl From<RowError> for AllocError {
+    fn from(e: RowError) -> Self {
+        AllocError::Row(e)
     }
 }
 
@@ -292,7 +303,7 @@ impl AllocError {
     pub fn out_of_memory(&self) -> Option<&OutOfMemory> {
         match self {
             AllocError::OutOfMemory(e) => Some(e),
-            AllocError::Invalid(_) => None,
+            AllocError::Invalid(_) | AllocError::Row(_) => None,
         }
     }
 }

@@ -24,7 +24,7 @@
 
 use core::cell::UnsafeCell;
 
-use crate::error::{ConfigError, InvariantViolation, OutOfMemory, RowError, Unit};
+use crate::error::{ConfigError, InvalidInput, InvariantViolation, OutOfMemory, RowError, Unit};
 use crate::slots::SlotPool;
 
 /// A request row handle: the right to read and write one row of a [`ReqToTokenPool`].
@@ -36,12 +36,24 @@ pub struct ReqRow {
     /// 1-based index in the row pool.
     slot: u32,
     pool: u64,
+    /// Positions `shaped.0..shaped.1` hold what an allocator's page expansion wrote
+    /// there ([`ReqToTokenPool::fill_extension`]) and nothing has written over since:
+    /// whole pages in order. Any write that starts below `shaped.1` forgets it.
+    shaped: (u32, u32),
 }
 
 impl ReqRow {
     /// The row number, `0..size` (SGLang's `req_pool_idx`).
     pub fn index(&self) -> usize {
         self.slot as usize - 1
+    }
+
+    /// A write from position `start` on: the expansion's positions from there on can
+    /// no longer be vouched for, nor those after them (they continue the slot before).
+    fn overwritten_from(&mut self, start: usize) {
+        if start < self.shaped.1 as usize {
+            self.shaped = (0, 0);
+        }
     }
 }
 
@@ -124,7 +136,7 @@ impl ReqToTokenPool {
     pub fn alloc(&self) -> Result<ReqRow, OutOfMemory> {
         let mut one = [0u32];
         self.rows.alloc_as(&mut one, Unit::Rows)?;
-        Ok(ReqRow { slot: one[0], pool: self.generation })
+        Ok(ReqRow { slot: one[0], pool: self.generation, shaped: (0, 0) })
     }
 
     /// Give a row back.
@@ -163,6 +175,7 @@ impl ReqToTokenPool {
     /// another pool's handle. Nothing is written on error.
     pub fn write(&self, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), RowError> {
         let at = self.bounds(row, start, slots.len())?;
+        row.overwritten_from(start);
         let cells = &self.table[at..at + slots.len()];
         // SAFETY: `&mut ReqRow` is the unique right to this row (module docs), so no
         // other reference to these cells exists while we write.
@@ -207,10 +220,53 @@ impl ReqToTokenPool {
     ) -> Result<&'a mut [u32], RowError> {
         let len = range.end.saturating_sub(range.start);
         let at = self.bounds(row, range.start, len)?;
+        row.overwritten_from(range.start);
         let cells = &self.table[at..at + len];
         // SAFETY: the returned slice borrows the unique handle mutably, so nothing else
         // reads or writes this row while it lives (module docs).
         Ok(unsafe { core::slice::from_raw_parts_mut(UnsafeCell::raw_get(cells.as_ptr()), len) })
+    }
+
+    /// Fill positions `prefix..seq` of the row with `fill(last_loc, out)`, where
+    /// `last_loc` is the row's slot at `prefix - 1` (0 for an empty prefix): an
+    /// allocator's `alloc_extend` for one request, writing straight into the row. On
+    /// success the row remembers that these positions hold the expansion's whole pages
+    /// (see [`shaped`](Self::shaped)); on error what `fill` wrote stays, unmarked.
+    ///
+    /// `fill` gets `(prefix, seq, last_loc, out)`, the lengths as `u32` (a row longer
+    /// than `u32` positions is refused with [`InvalidInput::OutOfBounds`]).
+    pub(crate) fn fill_extension<E: From<RowError> + From<InvalidInput>>(
+        &self,
+        row: &mut ReqRow,
+        prefix: usize,
+        seq: usize,
+        fill: impl FnOnce(u32, u32, u32, &mut [u32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (Ok(prefix32), Ok(seq32)) = (u32::try_from(prefix), u32::try_from(seq)) else {
+            let (what, len) = ("token positions (u32)", u32::MAX as usize);
+            return Err(InvalidInput::OutOfBounds { what, end: seq, len }.into());
+        };
+        let last_loc = match prefix.checked_sub(1) {
+            Some(p) => self.read(row, p..prefix)?[0],
+            None => 0,
+        };
+        let before = row.shaped;
+        let out = self.read_mut(row, prefix..seq.max(prefix))?;
+        fill(prefix32, seq32, last_loc, out)?;
+        // Extending the expansion the row ended with keeps one interval.
+        row.shaped = if before.0 < before.1 && before.1 as usize == prefix && row.shaped == before {
+            (before.0, seq32)
+        } else {
+            (prefix32, seq32)
+        };
+        Ok(())
+    }
+
+    /// The positions of `row` that hold an allocator's expansion, unchanged since
+    /// ([`fill_extension`](Self::fill_extension)): there every page is whole and in
+    /// order, so a shape check need only look at the pages' first slots.
+    pub(crate) fn shaped(row: &ReqRow) -> core::ops::Range<usize> {
+        row.shaped.0 as usize..row.shaped.1 as usize
     }
 
     /// The whole row (`max_context_len` slots).

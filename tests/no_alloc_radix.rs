@@ -31,10 +31,15 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
                 let mut lease = cache.match_and_lock(0, key, &mut hit);
                 let h = lease.len();
                 cache.req_pool().write(row, 0, &hit[..h]).unwrap();
-                let last = if h > 0 { hit[h - 1] } else { 0 };
-                let out = &mut new[..key.len() - h];
-                cache.alloc_extend(&[h as u32], &[key.len() as u32], &[last], out).unwrap();
-                cache.req_pool().write(row, h, out).unwrap();
+                if round == 1 {
+                    // Straight into the row: checked by page starts where it is unchanged.
+                    cache.alloc_extend_row(row, h, key.len()).unwrap();
+                } else {
+                    let last = if h > 0 { hit[h - 1] } else { 0 };
+                    let out = &mut new[..key.len() - h];
+                    cache.alloc_extend(&[h as u32], &[key.len() as u32], &[last], out).unwrap();
+                    cache.req_pool().write(row, h, out).unwrap();
+                }
                 cache.cache_unfinished_req(0, key, row, &mut lease, 0).unwrap();
                 drop(lease);
                 let _ = cache.peek_prefix(0, key, &mut hit);
@@ -49,14 +54,10 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
     assert_eq!(n, 0, "allocations in the radix cache's hot paths");
 
     // The finishing helper too (it consumes the row; do it last).
-    let mut lease = cache.match_and_lock(0, &prompt, &mut hit);
+    let lease = cache.match_and_lock(0, &prompt, &mut hit);
     let h = lease.len();
     cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
-    let out = &mut new[..prompt.len() - h];
-    let last = if h > 0 { hit[h - 1] } else { 0 };
-    cache.alloc_extend(&[h as u32], &[prompt.len() as u32], &[last], out).unwrap();
-    cache.req_pool().write(&mut row, h, out).unwrap();
-    cache.cache_unfinished_req(0, &prompt, &mut row, &mut lease, 0).unwrap();
+    cache.alloc_extend_row(&mut row, h, prompt.len()).unwrap();
     let (n, ()) = allocations(|| {
         cache.cache_finished_req(0, &prompt, row, lease, 1).unwrap();
         cache.evict(usize::MAX);

@@ -1138,6 +1138,7 @@ fn alloc_outcome(r: &Result<Allocated, AllocError>) -> &'static str {
         Err(AllocError::Invalid(InvalidInput::BadLastLoc { .. })) => "bad last_loc",
         Err(AllocError::Invalid(InvalidInput::NotPageAligned { .. })) => "not page aligned",
         Err(AllocError::Invalid(_)) => "malformed batch",
+        Err(AllocError::Row(_)) => "bad request row",
     }
 }
 

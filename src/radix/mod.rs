@@ -1137,6 +1137,50 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }
 
+    /// [`alloc_extend`](Self::alloc_extend) for one request, writing the new slots
+    /// straight into its row: positions `prefix_len..seq_len` of `row` get the
+    /// expansion, and the prefix's last slot (`last_loc`) is read from the row itself,
+    /// so it cannot disagree with it. This is SGLang's `alloc_extend` followed by its
+    /// `write_req_to_token_pool`, without the copy in between.
+    ///
+    /// The row remembers what the allocator wrote until something writes over it, so
+    /// [`cache_finished_req`](Self::cache_finished_req) and
+    /// [`cache_unfinished_req`](Self::cache_unfinished_req) check those positions'
+    /// page shape by their pages' first slots only (at page size 16, a sixteenth of
+    /// the reads). Every other position of the row is checked slot by slot as before;
+    /// any [`ReqToTokenPool::write`] or [`read_mut`](ReqToTokenPool::read_mut) from a
+    /// position below the expansion's end makes the row forget it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::radix::{RadixCache, RadixConfig};
+    /// use kvpool::{PagedAllocator, ReqToTokenPool};
+    ///
+    /// let cache = RadixCache::new(PagedAllocator::new(256, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?;
+    /// let tokens: Vec<u32> = (100..110).collect();
+    /// let mut row = cache.req_pool().alloc()?;
+    /// let lease = cache.match_and_lock(0, &tokens, &mut [0; 10]);
+    /// let hit = lease.len();
+    /// assert_eq!(hit, 0);
+    /// cache.alloc_extend_row(&mut row, hit, tokens.len())?; // pages 1, 2 and 3
+    /// assert_eq!(cache.req_pool().read(&row, 0..10)?, &[4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    /// assert_eq!(cache.cache_finished_req(0, &tokens, row, lease, 0).map_err(|e| e.error)?, 0);
+    /// assert_eq!(cache.total_size(), 8); // two whole pages; the tail was freed
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend), and [`AllocError::Row`] if
+    /// `prefix_len..seq_len` is past the row's end or the row is another pool's.
+    /// Nothing is allocated on error.
+    pub fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+        self.req_pool.fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out| {
+            self.alloc_extend(&[prefix], &[seq], &[last_loc], out)
+        })
+    }
+
     /// [`KvAllocator::alloc_decode`], evicting the shortfall first.
     ///
     /// # Errors
@@ -1342,7 +1386,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let kv = rows.read(row, 0..token_ids.len())?;
         // The row's page shape needs no latch (see `check_row_shape`): checked first,
         // reported where `prepare_request` reports it.
-        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned));
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), ReqToTokenPool::shaped(row));
         let r = self.write(|w| {
             // Everything is checked (the variant's part, the leased prefix against the
             // tree, the pages to insert, the duplicates and the tail to free) before
@@ -1379,9 +1423,12 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ) -> Result<R, CacheError> {
         let (aligned, protected) = self.request_lengths(token_ids, lease)?;
         let aligned = self.insert_len(aligned, protected, limit);
+        // What the allocator wrote, noted before `read_mut` forgets it (the change below
+        // writes the tree's slots over the cached prefix).
+        let expanded = ReqToTokenPool::shaped(row);
         let kv = rows.read_mut(row, 0..token_ids.len())?;
         // As in `finish`: the row's shape before the latch.
-        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned));
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), expanded);
         let (key, r) = self.write(|w| {
             check(w)?;
             let key = &token_ids[..aligned];

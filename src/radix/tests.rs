@@ -562,3 +562,133 @@ fn ascending_len_counts_the_leading_run_at_every_length() {
         }
     }
 }
+
+#[test]
+fn alloc_extend_row_fills_the_row_as_alloc_extend_and_a_write_do() {
+    // Two caches driven alike, one through the batch call and a copy into the row, one
+    // straight into the row: same slots, same cache afterwards. The extension comes in
+    // two chunks, the second starting mid-page, so its `last_loc` is read from the row.
+    for ps in [1u32, 4] {
+        let (a, b) = (paged_cache(64, ps), paged_cache(64, ps));
+        let key: Vec<u32> = (1..=15).collect();
+        for c in [&a, &b] {
+            let mut s = vec![0u32; 8];
+            c.allocator().alloc(&mut s).unwrap();
+            c.insert(0, &key[..8], &s, 0).unwrap();
+        }
+        let (mut ra, mut rb) = (a.req_pool().alloc().unwrap(), b.req_pool().alloc().unwrap());
+        let mut kv = [0u32; 15];
+        let la = a.match_and_lock(0, &key, &mut kv);
+        let lb = b.match_and_lock(0, &key, &mut [0; 15]);
+        assert_eq!(la.len(), 8);
+        a.req_pool().write(&mut ra, 0, &kv[..8]).unwrap();
+        b.req_pool().write(&mut rb, 0, &kv[..8]).unwrap();
+        for (p, q) in [(8usize, 10usize), (10, 15)] {
+            a.alloc_extend(&[p as u32], &[q as u32], &[kv[p - 1]], &mut kv[p..q]).unwrap();
+            a.req_pool().write(&mut ra, p, &kv[p..q]).unwrap();
+            b.alloc_extend_row(&mut rb, p, q).unwrap();
+        }
+        assert_eq!(a.req_pool().read(&ra, 0..15).unwrap(), b.req_pool().read(&rb, 0..15).unwrap(), "ps {ps}");
+        // Both chunks are remembered as one stretch.
+        assert_eq!(crate::ReqToTokenPool::shaped(&rb), 8..15);
+        assert_eq!(snapshot(&a), snapshot(&b));
+        let ca = a.cache_finished_req(0, &key, ra, la, 0).map_err(|e| e.error).unwrap();
+        let cb = b.cache_finished_req(0, &key, rb, lb, 0).map_err(|e| e.error).unwrap();
+        assert_eq!((ca, snapshot(&a)), (cb, snapshot(&b)), "ps {ps}");
+    }
+}
+
+#[test]
+fn alloc_extend_row_errors_change_nothing() {
+    let c = paged_cache(64, 4);
+    let mut row = c.req_pool().alloc().unwrap();
+    let before = snapshot(&c);
+    // Past the row's end (64 positions), a prefix longer than the sequence, and a
+    // prefix whose last slot (read from the row: 0) is no slot.
+    assert!(matches!(c.alloc_extend_row(&mut row, 60, 70), Err(AllocError::Row(RowError::OutOfBounds { .. }))));
+    assert!(matches!(c.alloc_extend_row(&mut row, 8, 4), Err(AllocError::Invalid(_))));
+    assert!(matches!(c.alloc_extend_row(&mut row, 3, 8), Err(AllocError::Invalid(_))));
+    assert_eq!(snapshot(&c), before);
+    // More than the pool holds.
+    let small = paged_cache(32, 4);
+    let mut r = small.req_pool().alloc().unwrap();
+    let before_small = snapshot(&small);
+    assert!(matches!(small.alloc_extend_row(&mut r, 0, 64), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(snapshot(&small), before_small);
+    assert_eq!(c.req_pool().read(&row, 0..64).unwrap(), &[0; 64]);
+    // A row of another pool.
+    let other = ReqToTokenPool::new(1, 64).unwrap();
+    let mut foreign = other.alloc().unwrap();
+    assert!(matches!(c.alloc_extend_row(&mut foreign, 0, 4), Err(AllocError::Row(RowError::ForeignRow { .. }))));
+    assert_eq!(snapshot(&c), before);
+}
+
+#[test]
+fn a_write_over_the_allocated_part_makes_the_row_checked_again() {
+    // What `alloc_extend_row` wrote is checked by page starts only; a slot changed
+    // afterwards inside a page (by `write` or through `read_mut`) must be caught, so
+    // every such write makes the row forget what the allocator wrote.
+    use crate::error::InvalidInput;
+    let key: Vec<u32> = (1..=16).collect();
+    for via_read_mut in [false, true] {
+        let c = paged_cache(64, 4);
+        let mut row = c.req_pool().alloc().unwrap();
+        let lease = c.match_and_lock(0, &key, &mut [0; 16]);
+        let hit = lease.len();
+        c.alloc_extend_row(&mut row, hit, 16).unwrap();
+        // Swap two slots inside the third page: its first slot stays right.
+        let mut kv = [0u32; 16];
+        kv.copy_from_slice(c.req_pool().read(&row, 0..16).unwrap());
+        kv.swap(9, 10);
+        if via_read_mut {
+            c.req_pool().read_mut(&mut row, 8..16).unwrap().copy_from_slice(&kv[8..]);
+        } else {
+            c.req_pool().write(&mut row, 9, &kv[9..11]).unwrap();
+        }
+        let before = snapshot(&c);
+        let e = c.cache_finished_req(0, &key, row, lease, 0).unwrap_err();
+        assert_eq!(e.error, CacheError::Invalid(InvalidInput::NotAPage { slot: kv[8] }), "read_mut: {via_read_mut}");
+        assert_eq!(snapshot(&c), before);
+    }
+    // A write past the allocated part (a decode step's slot) keeps it: still cached.
+    let c = paged_cache(64, 4);
+    let mut row = c.req_pool().alloc().unwrap();
+    let lease = c.match_and_lock(0, &key, &mut [0; 16]);
+    let hit = lease.len();
+    c.alloc_extend_row(&mut row, hit, 15).unwrap();
+    let last = c.req_pool().read(&row, 14..15).unwrap()[0];
+    let mut one = [0u32];
+    c.alloc_decode(&[16], &[last], &mut one).unwrap();
+    c.req_pool().write(&mut row, 15, &one).unwrap();
+    assert_eq!(crate::ReqToTokenPool::shaped(&row), 0..15);
+    assert_eq!(c.cache_finished_req(0, &key, row, lease, 0).map_err(|e| e.error).unwrap(), 0);
+    assert_eq!(c.total_size(), 16);
+}
+
+#[test]
+fn shape_run_agrees_with_a_full_scan_on_page_shaped_rows() {
+    // Rows of whole pages in order (what an expansion writes) with runs of every
+    // length and breaks between pages; any trusted window of whole pages gives the
+    // same run lengths as comparing every slot.
+    use super::writer::{ascending_len, shape_run};
+    let ps = 4usize;
+    let mut rng = 0x9e37_79b9_u64;
+    for _ in 0..200 {
+        let pages = 1 + (rng % 24) as usize;
+        let mut row = Vec::new();
+        let mut page = 1u32;
+        for _ in 0..pages {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            page += if rng >> 61 == 0 { 2 + (rng >> 40) as u32 % 5 } else { 1 };
+            row.extend((0..ps as u32).map(|k| page * ps as u32 + k));
+        }
+        for t0 in (0..=pages).map(|p| p * ps) {
+            for t1 in (t0..=pages).map(|p| p * ps) {
+                for i in (0..pages).map(|p| p * ps) {
+                    let want = ascending_len(&row[i..], row[i]);
+                    assert_eq!(shape_run(&row, i, ps, t0..t1), want, "row {row:?}, trusted {t0}..{t1}, at {i}");
+                }
+            }
+        }
+    }
+}

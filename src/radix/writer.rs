@@ -1,5 +1,6 @@
 //! Tree changes, applied by the latch holder. See the parent module for the protocol.
 
+use core::ops::Range;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
@@ -105,6 +106,52 @@ pub(super) fn run_at(slots: &[u32], ps: usize, i: usize) -> usize {
     len
 }
 
+/// The page-aligned positions `t0..t1` of `len` that lie wholly inside `expanded`
+/// (empty at page size 1, where a page's first slot is all of it).
+fn whole_pages_within(expanded: Range<usize>, ps: usize, len: usize) -> Range<usize> {
+    if ps == 1 {
+        return 0..0;
+    }
+    let (t0, t1) = (expanded.start.div_ceil(ps) * ps, expanded.end.min(len) / ps * ps);
+    if t0 < t1 {
+        t0..t1
+    } else {
+        0..0
+    }
+}
+
+/// How many slots of `slots` from `i` continue `slots[i]` one by one (as
+/// [`ascending_len`]), given that the whole pages at positions `trusted` are each in
+/// order already: there only the pages' first slots are compared.
+pub(super) fn shape_run(slots: &[u32], i: usize, ps: usize, trusted: Range<usize>) -> usize {
+    let s0 = slots[i];
+    let mut n = 0usize;
+    loop {
+        let at = i + n;
+        if at >= slots.len() {
+            return n;
+        }
+        if trusted.contains(&at) {
+            debug_assert_eq!((at - trusted.start) % ps, 0, "runs start on page boundaries");
+            let mut k = 0;
+            while at + k < trusted.end && slots[at + k] == s0.wrapping_add((n + k) as u32) {
+                k += ps;
+            }
+            n += k;
+            if at + k < trusted.end {
+                return n;
+            }
+        } else {
+            let end = if at < trusted.start { trusted.start } else { slots.len() };
+            let k = ascending_len(&slots[at..end], s0.wrapping_add(n as u32));
+            n += k;
+            if at + k < end || end == slots.len() {
+                return n;
+            }
+        }
+    }
+}
+
 /// Runs of consecutive pages recorded per row, at most.
 const ROW_RUNS: usize = 64;
 
@@ -180,17 +227,32 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// before taking the latch: reading a row another thread wrote (the scheduler's
     /// slots, checked on the output thread) is the slow part of caching a request in
     /// overlap mode, and no other writer should wait for it.
-    pub(super) fn check_row_shape(&self, slots: &[u32], from: usize) -> CheckedShape {
+    ///
+    /// `expanded`: positions of `slots` that an allocator's expansion wrote and nobody
+    /// has written over since ([`ReqToTokenPool::fill_extension`], through
+    /// [`RadixCache::alloc_extend_row`]). Their whole pages are whole and in order by
+    /// construction, so there only each page's first slot is compared (a sixteenth of
+    /// the reads at page size 16); everything else is checked slot by slot.
+    ///
+    /// [`ReqToTokenPool::fill_extension`]: crate::ReqToTokenPool
+    pub(super) fn check_row_shape(&self, slots: &[u32], from: usize, expanded: Range<usize>) -> CheckedShape {
         let mut runs = RowRuns::default();
-        let result = self.check_shape(slots, from, &mut runs);
+        let result = self.check_shape(slots, from, expanded, &mut runs);
         CheckedShape { runs, result }
     }
 
     /// The page shape of `slots` from slot `from` (page-aligned) on: whole pages, each
     /// page's slots that page's slots in order, in range; the runs of consecutive pages
     /// go into `runs` (keyed by the address of `slots[from..]`).
-    fn check_shape(&self, slots: &[u32], from: usize, runs: &mut RowRuns) -> Result<(), CacheError> {
+    fn check_shape(
+        &self,
+        slots: &[u32],
+        from: usize,
+        expanded: Range<usize>,
+        runs: &mut RowRuns,
+    ) -> Result<(), CacheError> {
         let ps = self.ps;
+        let trusted = whole_pages_within(expanded, ps, slots.len());
         if slots.len() % ps != 0 {
             return Err(InvalidInput::NotPageAligned { count: slots.len(), page_size: ps as u32 }.into());
         }
@@ -203,7 +265,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         runs.start(if from < slots.len() { slots[from..].as_ptr() as usize } else { 0 });
         while i < slots.len() {
             let s0 = slots[i];
-            let whole = ascending_len(&slots[i..], s0) / ps * ps;
+            let whole = shape_run(slots, i, ps, trusted.clone()) / ps * ps;
             let last = s0 as u64 + whole as u64 - 1;
             if whole == 0 || self.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
                 runs.clear();
@@ -718,7 +780,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
         }
-        self.c.check_shape(slots, from, &mut self.s.row_runs)
+        self.c.check_shape(slots, from, 0..0, &mut self.s.row_runs)
     }
 
     /// Mark the whole pages of `slots` (checked shape) as held by the tree, after checking

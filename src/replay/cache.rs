@@ -89,6 +89,20 @@ pub trait ReplayCache: Sync {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError>;
+    /// [`alloc_extend`](Self::alloc_extend) for one request, straight into its row:
+    /// positions `prefix_len..seq_len` of `row` get the new slots, and `last_loc` is the
+    /// row's slot at `prefix_len - 1` (see [`RadixCache::alloc_extend_row`]). Every
+    /// cache gets the same copy-free fill; kvpool's also skips re-reading the
+    /// expansion's pages slot by slot when the request is cached.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError`]; nothing is allocated on error.
+    fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+        self.req_pool().fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out| {
+            self.alloc_extend(&[prefix], &[seq], &[last_loc], out)
+        })
+    }
     /// The allocator's `alloc_decode` (see [`KvAllocator::alloc_decode`]).
     ///
     /// # Errors

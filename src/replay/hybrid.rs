@@ -625,18 +625,7 @@ pub fn run_hybrid<A: KvAllocator>(
                 write_row(&kv, &mut row, 0, &slots[..prefix])?;
                 let outcome = {
                     let mut room = |need: usize, totals: &mut Totals| make_room_counted(cache, need, totals, &mut st);
-                    serve(
-                        &kv,
-                        &mut row,
-                        prefix,
-                        prompt,
-                        kv_len,
-                        &mut slots,
-                        &mut totals,
-                        &mut hist,
-                        &mut room,
-                        &mut |_, _| Ok(()),
-                    )?
+                    serve(&kv, &mut row, prefix, prompt, kv_len, &mut totals, &mut hist, &mut room, &mut |_, _| Ok(()))?
                 };
                 in_use = states_in_use(cache);
                 if let Some(held_end) = outcome {

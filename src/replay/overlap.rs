@@ -12,7 +12,7 @@ use crate::alloc::new_pages;
 use crate::req_to_token::ReqRow;
 use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use super::sequential::{out_of_memory, release, PROGRESS_EVERY};
+use super::sequential::{last_slot, out_of_memory, release, PROGRESS_EVERY};
 use super::{
     buffer, decode_need, finish_report, fits_in_pool, Histograms, LatencyHistogram, ReplayCache, ReplayConfig,
     ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE,
@@ -409,11 +409,10 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             return Ok(Admission::Wait);
         };
         write_row(cache, &mut row, 0, &self.slots[..hit])?;
-        let last_loc = if hit > 0 { self.slots[hit - 1] } else { 0 };
         let fits = self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
         let res = if fits {
             let t = Instant::now();
-            let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut self.slots[..prompt - hit]);
+            let res = cache.alloc_extend_row(&mut row, hit, prompt);
             self.hist.alloc_extend.record_since(t);
             res.map(|()| true)
         } else {
@@ -432,9 +431,8 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             let nobody_else = alone && pending_before == 0;
             return Ok(if nobody_else { Admission::Rejected } else { Admission::Wait });
         }
-        write_row(cache, &mut row, hit, &self.slots[..prompt - hit])?;
         self.note_peak();
-        let last_loc = if prompt > hit { self.slots[prompt - hit - 1] } else { last_loc };
+        let last_loc = last_slot(cache, &row, prompt)?;
         Ok(Admission::Admitted(Running { r, row, lease, hit, seq: prompt, kv_len, last_loc }))
     }
 

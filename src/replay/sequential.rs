@@ -116,9 +116,7 @@ pub fn run_sequential<C: ReplayCache>(
 
         let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
         let outcome =
-            serve(cache, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room, &mut |_, _| {
-                Ok(())
-            })?;
+            serve(cache, &mut row, hit, prompt, kv_len, &mut totals, &mut hist, &mut room, &mut |_, _| Ok(()))?;
         // For the timeline: the slots in use with this request's all allocated.
         let used_before_finish = if config.timeline { capacity - cache.available_tokens() } else { 0 };
         if let Some(held_end) = outcome {
@@ -169,7 +167,6 @@ pub(crate) fn serve<C: ReplayCache>(
     hit: usize,
     prompt: usize,
     kv_len: usize,
-    slots: &mut [u32],
     totals: &mut Totals,
     hist: &mut Histograms,
     room: &mut dyn FnMut(usize, &mut Totals),
@@ -182,32 +179,23 @@ pub(crate) fn serve<C: ReplayCache>(
         totals.peak_used_tokens = totals.peak_used_tokens.max(used);
     };
 
-    // Prefill: the prompt past the cached prefix. The prefix is page-aligned, so
-    // `last_loc` is never read for a partial page; pass the real one anyway.
-    let last_loc = if hit > 0 { slots[hit - 1] } else { 0 };
+    // Prefill: the prompt past the cached prefix, allocated straight into the row (its
+    // `last_loc` is the row's slot before, the match's last).
     let need = new_pages(ps, hit as u32, prompt as u32) as usize * ps as usize;
     room(need, totals);
     let t = Instant::now();
-    let res = cache.alloc_extend(&[hit as u32], &[prompt as u32], &[last_loc], &mut slots[..prompt - hit]);
+    let res = cache.alloc_extend_row(row, hit, prompt);
     hist.alloc_extend.record_since(t);
     if let Err(e) = res {
         out_of_memory(&e, "alloc_extend")?;
         return Ok(Some(hit));
     }
-    write_row(cache, row, hit, &slots[..prompt - hit])?;
     peak(cache, totals);
     after(row, prompt)?;
 
-    // Decode: one slot per output token after the first.
-    // The prompt's last slot: the extend's last, or (nothing extended) the match's last,
-    // which the empty extend left in place.
-    let mut last_loc = if prompt > hit {
-        slots[prompt - hit - 1]
-    } else if hit > 0 {
-        slots[hit - 1]
-    } else {
-        0
-    };
+    // Decode: one slot per output token after the first, from the prompt's last slot
+    // (the extend's last, or with nothing extended the match's).
+    let mut last_loc = last_slot(cache, row, prompt)?;
     let mut one = [0u32];
     for seq in prompt + 1..=kv_len {
         let need = decode_need(ps, seq as u32);
@@ -229,6 +217,14 @@ pub(crate) fn serve<C: ReplayCache>(
         after(row, seq)?;
     }
     Ok(None)
+}
+
+/// The row's slot at position `len - 1` (0 for `len == 0`): a request's `last_loc`.
+pub(crate) fn last_slot<C: ReplayCache>(cache: &C, row: &ReqRow, len: usize) -> Result<u32, ReplayError> {
+    match len.checked_sub(1) {
+        Some(p) => Ok(cache.req_pool().read(row, p..len).map_err(|e| ReplayError::internal("read row", e))?[0]),
+        None => Ok(0),
+    }
 }
 
 pub(crate) fn write_row<C: ReplayCache>(
@@ -258,5 +254,6 @@ pub(crate) fn out_of_memory(e: &AllocError, what: &str) -> Result<(), ReplayErro
     match e {
         AllocError::OutOfMemory(_) => Ok(()),
         AllocError::Invalid(e) => Err(ReplayError::internal(what, e)),
+        AllocError::Row(e) => Err(ReplayError::internal(what, e)),
     }
 }

@@ -922,7 +922,7 @@ fn serve_one(
     let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
     write_row(cache, &mut row, 0, &slots[..hit])?;
     let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
-    let outcome = serve(cache, &mut row, hit, prompt, kv_len, slots, totals, hist, &mut room, &mut |_, _| Ok(()))?;
+    let outcome = serve(cache, &mut row, hit, prompt, kv_len, totals, hist, &mut room, &mut |_, _| Ok(()))?;
     if let Some(held_end) = outcome {
         release(cache, row, hit..held_end)?;
         cache.unlock(lease);

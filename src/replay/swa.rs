@@ -362,7 +362,7 @@ pub fn run_swa(
                     }
                     Ok(())
                 };
-                serve(&full, &mut row, hit, prompt, kv_len, &mut slots, &mut totals, &mut hist, &mut room, &mut after)?
+                serve(&full, &mut row, hit, prompt, kv_len, &mut totals, &mut hist, &mut room, &mut after)?
             };
             if let Some(held_end) = outcome {
                 release(&full, row, hit..held_end)?;
