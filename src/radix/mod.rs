@@ -48,6 +48,13 @@
 //! pages of that run are left. A reader of a record being split reads at most that many
 //! pages and validates the record's `gen` afterwards (below).
 //!
+//! A request's row is checked before its pages are claimed: whole pages, each page's
+//! slots in order. The positions that [`alloc_extend_row`](RadixCache::alloc_extend_row)
+//! filled, and that nothing has written over since (the [`ReqRow`] handle remembers
+//! them, and any write from below their end makes it forget), are whole pages in order
+//! by construction. There only each page's first slot is read. Everything a caller
+//! wrote is read slot by slot.
+//!
 //! ## Why lookups stay correct with tokens written by runs
 //!
 //! A lock-free lookup can be reading a record that is being evicted while its pages are
