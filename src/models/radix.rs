@@ -229,7 +229,18 @@ fn apply<'c>(
             check("start: hit", step, &hit[..h], &ref_hit[..])?;
             let last = if h > 0 { hit[h - 1] } else { 0 };
             let mut new = vec![0u32; t.len() - h];
-            let got = cache.alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut new);
+            // Every other start allocates straight into its row (the finish then checks
+            // the allocated pages by their first slots), the others through a buffer.
+            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
+            cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+            let into_row = step % 2 == 1;
+            let got = if into_row {
+                let got = cache.alloc_extend_row(&mut row, h, t.len());
+                new.copy_from_slice(cache.req_pool().read(&row, h..t.len()).unwrap());
+                got
+            } else {
+                cache.alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut new)
+            };
             // reference: evict the shortfall, then allocate
             let need = reference.allocator().extend_need(&[h as u32], &[t.len() as u32]).unwrap();
             let avail = reference.allocator().available_size();
@@ -241,13 +252,14 @@ fn apply<'c>(
             check("start: alloc ok", step, got.is_ok(), want.is_ok())?;
             if got.is_err() {
                 drop(lease);
+                cache.req_pool().free(row).unwrap();
                 reference.dec_lock_ref(ref_node);
                 return Ok(());
             }
             check("start: new slots", step, &new, &ref_new)?;
-            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
-            cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
-            cache.req_pool().write(&mut row, h, &new).unwrap();
+            if !into_row {
+                cache.req_pool().write(&mut row, h, &new).unwrap();
+            }
             let mut ref_kv = ref_hit;
             ref_kv.extend_from_slice(&ref_new);
             reqs.push(Req { ns, tokens: t, row, lease, ref_kv, ref_node, ref_protected: h });
