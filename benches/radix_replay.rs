@@ -78,7 +78,7 @@ const SETUPS: [Setup; 3] = [
 ];
 
 /// The cache work of every request of `trace`; returns the hit tokens.
-fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots: &mut [u32]) -> usize {
+fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -> usize {
     let ps = cache.page_size();
     let mut hits = 0;
     for r in 0..trace.len() {
@@ -86,11 +86,10 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32], slots
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let (hit, lease) = cache.match_and_lock(0, &tokens[..prompt], &mut slots[..prompt]);
-        hits += hit;
         // The row gets the match, then the rest straight from the allocator.
         let mut row = cache.req_pool().alloc().unwrap();
-        cache.req_pool().write(&mut row, 0, &slots[..hit]).unwrap();
+        let (hit, lease) = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
+        hits += hit;
         // Evict the shortfall first (as the replay drivers and SGLang do).
         let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
         let avail = cache.available_tokens();
@@ -365,9 +364,9 @@ fn bench(c: &mut Criterion) {
     group.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(Duration::from_secs(1));
     for s in SETUPS {
         // Hit tokens of each cache, once per configuration.
-        let a = cache_ops(&kvpool_cache(s, max_kv), &trace, &mut tokens, &mut slots);
-        let b = cache_ops(&reference_cache(s, max_kv), &trace, &mut tokens, &mut slots);
-        let v = cache_ops(&vectrie_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        let a = cache_ops(&kvpool_cache(s, max_kv), &trace, &mut tokens);
+        let b = cache_ops(&reference_cache(s, max_kv), &trace, &mut tokens);
+        let v = cache_ops(&vectrie_cache(s, max_kv), &trace, &mut tokens);
         assert_eq!(a, b, "{}: kvpool and the reference disagree on hits", s.label);
         let (mkv, mstate) = cache_ops_mamba(&mamba_cache(s, max_kv), &trace, &mut tokens, &mut slots);
         assert!(mstate <= mkv, "{}: state hits beyond the KV hits", s.label);
@@ -402,7 +401,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "kvpool"),
             || kvpool_cache(s, max_kv),
             |c| {
-                cache_ops(c, trace, tokens, slots);
+                cache_ops(c, trace, tokens);
             },
         );
         timed(
@@ -435,7 +434,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "reference"),
             || reference_cache(s, max_kv),
             |c| {
-                cache_ops(c, trace, tokens, slots);
+                cache_ops(c, trace, tokens);
             },
         );
         timed(
@@ -443,7 +442,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "vectrie"),
             || vectrie_cache(s, max_kv),
             |c| {
-                cache_ops(c, trace, tokens, slots);
+                cache_ops(c, trace, tokens);
             },
         );
         let config = &config;

@@ -40,6 +40,11 @@ pub struct ReqRow {
     /// there ([`ReqToTokenPool::fill_extension`]) and nothing has written over since:
     /// whole pages in order. Any write that starts below `shaped.1` forgets it.
     shaped: (u32, u32),
+    /// `(len, last_page, epoch)`: positions `0..len` hold the slots of the prefix
+    /// cache's path that ends at the node `(last_page, epoch)`, written there by the
+    /// cache itself (a match into the row, or a chunk's rewrite) and unchanged since.
+    /// Any write that starts below `len` forgets it.
+    matched: (u32, u32, u32),
 }
 
 impl ReqRow {
@@ -53,6 +58,9 @@ impl ReqRow {
     fn overwritten_from(&mut self, start: usize) {
         if start < self.shaped.1 as usize {
             self.shaped = (0, 0);
+        }
+        if start < self.matched.0 as usize {
+            self.matched = (0, 0, 0);
         }
     }
 }
@@ -136,7 +144,7 @@ impl ReqToTokenPool {
     pub fn alloc(&self) -> Result<ReqRow, OutOfMemory> {
         let mut one = [0u32];
         self.rows.alloc_as(&mut one, Unit::Rows)?;
-        Ok(ReqRow { slot: one[0], pool: self.generation, shaped: (0, 0) })
+        Ok(ReqRow { slot: one[0], pool: self.generation, shaped: (0, 0), matched: (0, 0, 0) })
     }
 
     /// Give a row back.
@@ -267,6 +275,22 @@ impl ReqToTokenPool {
     /// order, so a shape check need only look at the pages' first slots.
     pub(crate) fn shaped(row: &ReqRow) -> core::ops::Range<usize> {
         row.shaped.0 as usize..row.shaped.1 as usize
+    }
+
+    /// Note that positions `0..len` of `row` now hold the prefix cache's slots for the
+    /// path ending at node `(last_page, epoch)` (see [`matched`](Self::matched)).
+    pub(crate) fn set_matched(row: &mut ReqRow, len: usize, last_page: u32, epoch: u32) {
+        row.matched = match u32::try_from(len) {
+            Ok(len) if len > 0 => (len, last_page, epoch),
+            _ => (0, 0, 0),
+        };
+    }
+
+    /// `(len, last_page, epoch)` if positions `0..len` of `row` hold the prefix cache's
+    /// own slots for the path ending at that node, written by the cache and unchanged
+    /// since; `len` is 0 otherwise.
+    pub(crate) fn matched(row: &ReqRow) -> (usize, u32, u32) {
+        (row.matched.0 as usize, row.matched.1, row.matched.2)
     }
 
     /// The whole row (`max_context_len` slots).

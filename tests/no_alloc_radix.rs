@@ -28,11 +28,16 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
         for round in 0..3 {
             for key in [&prompt, &other] {
                 let row = if round % 2 == 0 { &mut row } else { &mut row2 };
-                let mut lease = cache.match_and_lock(0, key, &mut hit);
+                let mut lease = if round == 1 {
+                    cache.match_and_lock_row(0, key, row).unwrap()
+                } else {
+                    let lease = cache.match_and_lock(0, key, &mut hit);
+                    cache.req_pool().write(row, 0, &hit[..lease.len()]).unwrap();
+                    lease
+                };
                 let h = lease.len();
-                cache.req_pool().write(row, 0, &hit[..h]).unwrap();
                 if round == 1 {
-                    // Straight into the row: checked by page starts where it is unchanged.
+                    // Straight into the row: what the cache wrote there is trusted.
                     cache.alloc_extend_row(row, h, key.len()).unwrap();
                 } else {
                     let last = if h > 0 { hit[h - 1] } else { 0 };
@@ -54,9 +59,8 @@ fn exercise<A: KvAllocator>(cache: &RadixCache<A>) {
     assert_eq!(n, 0, "allocations in the radix cache's hot paths");
 
     // The finishing helper too (it consumes the row; do it last).
-    let lease = cache.match_and_lock(0, &prompt, &mut hit);
+    let lease = cache.match_and_lock_row(0, &prompt, &mut row).unwrap();
     let h = lease.len();
-    cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
     cache.alloc_extend_row(&mut row, h, prompt.len()).unwrap();
     let (n, ()) = allocations(|| {
         cache.cache_finished_req(0, &prompt, row, lease, 1).unwrap();

@@ -222,18 +222,26 @@ fn apply<'c>(
             }
             let ns = *ns as u64;
             let mut hit = vec![0u32; t.len()];
-            let lease = cache.match_and_lock(ns, &t, &mut hit);
+            // Every other start matches and allocates straight into its row (the finish
+            // then trusts what the cache wrote there), the others through buffers.
+            let into_row = step % 2 == 1;
+            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
+            let lease = if into_row {
+                let lease = cache.match_and_lock_row(ns, &t, &mut row).map_err(|e| e.to_string())?;
+                hit[..lease.len()].copy_from_slice(cache.req_pool().read(&row, 0..lease.len()).unwrap());
+                lease
+            } else {
+                cache.match_and_lock(ns, &t, &mut hit)
+            };
             let (ref_hit, ref_node) = reference.match_prefix(ns, &t);
             reference.inc_lock_ref(ref_node);
             let h = lease.len();
             check("start: hit", step, &hit[..h], &ref_hit[..])?;
             let last = if h > 0 { hit[h - 1] } else { 0 };
             let mut new = vec![0u32; t.len() - h];
-            // Every other start allocates straight into its row (the finish then checks
-            // the allocated pages by their first slots), the others through a buffer.
-            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
-            cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
-            let into_row = step % 2 == 1;
+            if !into_row {
+                cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
+            }
             let got = if into_row {
                 let got = cache.alloc_extend_row(&mut row, h, t.len());
                 new.copy_from_slice(cache.req_pool().read(&row, h..t.len()).unwrap());

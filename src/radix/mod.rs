@@ -1019,6 +1019,51 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         Lease { cache: self, key }
     }
 
+    /// [`match_and_lock`](Self::match_and_lock) writing the matched slots straight into
+    /// the request's row (positions `0..lease.len()`; the key is cut to the row's
+    /// length). The row remembers that those positions are the cache's own slots for
+    /// the lease's path until something writes over them, so
+    /// [`cache_finished_req`](Self::cache_finished_req) and
+    /// [`cache_unfinished_req`](Self::cache_unfinished_req) need not compare them with
+    /// the tree again (a row written by the caller still is, slot by slot).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::radix::{RadixCache, RadixConfig};
+    /// use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+    ///
+    /// let cache = RadixCache::new(PagedAllocator::new(256, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?;
+    /// let mut slots = [0u32; 8];
+    /// cache.allocator().alloc(&mut slots)?;
+    /// cache.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &slots, 0)?;
+    ///
+    /// let tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+    /// let mut row = cache.req_pool().alloc()?;
+    /// let lease = cache.match_and_lock_row(0, &tokens, &mut row)?;
+    /// assert_eq!(lease.len(), 8);
+    /// assert_eq!(cache.req_pool().read(&row, 0..8)?, &slots);
+    /// cache.alloc_extend_row(&mut row, 8, 10)?;
+    /// assert_eq!(cache.cache_finished_req(0, &tokens, row, lease, 0).map_err(|e| e.error)?, 8);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::ForeignRow`] if the row is another pool's; nothing is matched or
+    /// locked then.
+    pub fn match_and_lock_row(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<Lease<'_, A, V>, RowError> {
+        let n = key.len().min(self.req_pool.max_context_len());
+        let lease = self.match_and_lock(namespace, &key[..n], self.req_pool.read_mut(row, 0..n)?);
+        ReqToTokenPool::set_matched(row, lease.key.len, lease.key.last_page, lease.key.epoch);
+        Ok(lease)
+    }
+
     /// Lock the path of an earlier [`match_prefix`](Self::match_prefix).
     ///
     /// # Errors
@@ -1390,6 +1435,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ) -> Result<(usize, R), CacheError> {
         let (aligned, protected) = self.request_lengths(token_ids, lease)?;
         let aligned = self.insert_len(aligned, protected, limit);
+        let vouched = vouched_prefix(row, &lease.key);
         let kv = rows.read(row, 0..token_ids.len())?;
         // The row's page shape needs no latch (see `check_row_shape`): checked first,
         // reported where `prepare_request` reports it.
@@ -1400,7 +1446,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             // anything changes.
             check(w)?;
             let key = &token_ids[..aligned];
-            let p = w.prepare_request(namespace, key, kv, lease.key, true, shape)?;
+            let p = w.prepare_request(namespace, key, kv, lease.key, true, shape, vouched)?;
             let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);
@@ -1433,13 +1479,14 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         // What the allocator wrote, noted before `read_mut` forgets it (the change below
         // writes the tree's slots over the cached prefix).
         let expanded = ReqToTokenPool::shaped(row);
+        let vouched = vouched_prefix(row, &lease.key);
         let kv = rows.read_mut(row, 0..token_ids.len())?;
         // As in `finish`: the row's shape before the latch.
         let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), expanded);
         let (key, r) = self.write(|w| {
             check(w)?;
             let key = &token_ids[..aligned];
-            let p = w.prepare_request(namespace, key, kv, lease.key, false, shape)?;
+            let p = w.prepare_request(namespace, key, kv, lease.key, false, shape, vouched)?;
             let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);
@@ -1457,8 +1504,23 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             Ok::<_, CacheError>((new, r))
         })?;
         lease.key = key;
+        // The row's prefix now holds the tree's slots for the moved lease.
+        ReqToTokenPool::set_matched(row, key.len, key.last_page, key.epoch);
         crate::debug_check(self);
         Ok(r)
+    }
+}
+
+/// How much of `row`'s prefix the cache wrote itself for the path `lease` locks (0 if
+/// none): there the row holds the tree's slots by construction. The lease keeps that
+/// path from being evicted and splits never move a slot, so those positions need no
+/// comparison with the tree.
+fn vouched_prefix(row: &ReqRow, lease: &LeaseKey) -> usize {
+    let (len, last_page, epoch) = ReqToTokenPool::matched(row);
+    if len == lease.len && last_page == lease.last_page && epoch == lease.epoch {
+        len
+    } else {
+        0
     }
 }
 

@@ -692,3 +692,71 @@ fn shape_run_agrees_with_a_full_scan_on_page_shaped_rows() {
         }
     }
 }
+
+#[test]
+fn a_match_into_the_row_is_trusted_only_for_its_own_lease_and_until_overwritten() {
+    // The row holds the tree's slots where `match_and_lock_row` wrote them; the finish
+    // does not compare them again. A slot written over afterwards, or the row used
+    // with another lease, is compared as before and refused.
+    let key: Vec<u32> = (1..=12).collect();
+    let other: Vec<u32> = (101..=112).collect();
+    let setup = || {
+        let c = paged_cache(64, 4);
+        for k in [&key, &other] {
+            let mut s = [0u32; 8];
+            c.allocator().alloc(&mut s).unwrap();
+            c.insert(0, &k[..8], &s, 0).unwrap();
+        }
+        c
+    };
+    // Trusted and right: cached as with a copied row.
+    let c = setup();
+    let mut row = c.req_pool().alloc().unwrap();
+    let lease = c.match_and_lock_row(0, &key, &mut row).unwrap();
+    assert_eq!(lease.len(), 8);
+    let mut want = [0u32; 8];
+    assert_eq!(c.match_prefix(0, &key, &mut want).len(), 8);
+    assert_eq!(c.req_pool().read(&row, 0..8).unwrap(), &want);
+    c.alloc_extend_row(&mut row, 8, 12).unwrap();
+    assert_eq!(c.cache_finished_req(0, &key, row, lease, 0).map_err(|e| e.error).unwrap(), 8);
+    assert_eq!(c.total_size(), 20);
+    // A prefix slot written over (with another page's slot) after the match: refused.
+    let c = setup();
+    let mut row = c.req_pool().alloc().unwrap();
+    let lease = c.match_and_lock_row(0, &key, &mut row).unwrap();
+    c.alloc_extend_row(&mut row, 8, 12).unwrap();
+    let bad = c.req_pool().read(&row, 8..9).unwrap()[0];
+    c.req_pool().write(&mut row, 4, &[bad]).unwrap();
+    let before = snapshot(&c);
+    let e = c.cache_finished_req(0, &key, row, lease, 0).unwrap_err();
+    assert_eq!(e.error, CacheError::RowMismatch { index: 4, slot: bad });
+    assert_eq!(snapshot(&c), before);
+    // A row matched for one path, finished with the lease of another: refused.
+    let c = setup();
+    let mut row = c.req_pool().alloc().unwrap();
+    let mut row2 = c.req_pool().alloc().unwrap();
+    let lease_key = c.match_and_lock_row(0, &key, &mut row).unwrap();
+    let lease_other = c.match_and_lock_row(0, &other, &mut row2).unwrap();
+    let before = snapshot(&c);
+    let e = c.cache_finished_req(0, &other[..8], row, lease_other, 0).unwrap_err();
+    assert!(matches!(e.error, CacheError::RowMismatch { index: 0, .. }), "{:?}", e.error);
+    assert_eq!(snapshot(&c), before);
+    drop((e, lease_key, row2));
+    // A key longer than the row is cut to it.
+    let c = RadixCache::new(
+        PagedAllocator::new(64, 4).unwrap(),
+        ReqToTokenPool::new(1, 8).unwrap(),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let mut s = [0u32; 8];
+    c.allocator().alloc(&mut s).unwrap();
+    c.insert(0, &key[..8], &s, 0).unwrap();
+    let mut row = c.req_pool().alloc().unwrap();
+    assert_eq!(c.match_and_lock_row(0, &key, &mut row).unwrap().len(), 8);
+    // Another pool's row: an error, nothing locked.
+    let foreign = ReqToTokenPool::new(1, 64).unwrap();
+    let mut f = foreign.alloc().unwrap();
+    assert!(matches!(c.match_and_lock_row(0, &key, &mut f), Err(RowError::ForeignRow { .. })));
+    assert_eq!(c.protected_size(), 0);
+}

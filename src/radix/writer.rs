@@ -857,7 +857,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// claim does) and [`apply_insert`](Self::apply_insert) must follow.
     ///
     /// `shape`: [`RadixCache::check_row_shape`] of `kv[..key.len()]` from the lease's
-    /// end, run by the caller before it took the latch.
+    /// end, run by the caller before it took the latch. `vouched`: how many leading
+    /// positions of `kv` the cache itself wrote with this lease's path (see
+    /// [`RadixCache::match_and_lock_row`]); they are not compared again.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn prepare_request(
         &mut self,
         namespace: u64,
@@ -866,6 +869,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         lease: super::LeaseKey,
         tail: bool,
         shape: CheckedShape,
+        vouched: usize,
     ) -> Result<Prepared, CacheError> {
         let ps = self.c.ps;
         let aligned = key.len();
@@ -891,8 +895,9 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                 break;
             }
             let mut check_row = |at: usize, page: u32, pages: usize| {
-                // The row must hold the tree's slots (consecutive in a run) where leased.
-                let from = pos + at * ps;
+                // The row must hold the tree's slots (consecutive in a run) where leased,
+                // past what the cache wrote there itself for this lease (`vouched`).
+                let from = (pos + at * ps).max(vouched);
                 let to = (from + pages * ps).min(protected);
                 let base = page * ps as u32;
                 if bad.is_none() && from < to && !ascending_from(&kv[from..to], base) {
@@ -902,10 +907,12 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             };
             let n = self.span(id).1 as usize;
             let (m, last) = if pos + n * ps <= protected {
-                let mut at = 0;
-                for (start, len) in self.runs(id) {
-                    check_row(at, start, len as usize);
-                    at += len as usize;
+                if pos + n * ps > vouched {
+                    let mut at = 0;
+                    for (start, len) in self.runs(id) {
+                        check_row(at, start, len as usize);
+                        at += len as usize;
+                    }
                 }
                 (n, self.s.meta[id as usize].last_page)
             } else {

@@ -5,7 +5,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::baseline::{RefNodeId, ReferenceRadixCache};
-use crate::error::{AllocError, FreeError, InvariantViolation};
+use crate::error::{AllocError, FreeError, InvariantViolation, RowError};
 use crate::radix::{EvictionPolicy, Lease, RadixCache};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::KvAllocator;
@@ -65,6 +65,25 @@ pub trait ReplayCache: Sync {
     /// Match `key`'s longest cached page-aligned prefix, write its slots into
     /// `out[..hit]` and lock it; returns `hit` and the lease.
     fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>);
+    /// [`match_and_lock`](Self::match_and_lock) writing the matched slots straight into
+    /// positions `0..hit` of `row` (the key cut to the row's length; see
+    /// [`RadixCache::match_and_lock_row`]). Every cache gets the copy-free match;
+    /// kvpool's also skips comparing those positions with the tree when the request is
+    /// cached.
+    ///
+    /// # Errors
+    ///
+    /// [`RowError`] for another pool's row; nothing is matched then.
+    fn match_and_lock_row(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<(usize, Self::Lease<'_>), RowError> {
+        let n = key.len().min(self.req_pool().max_context_len());
+        let out = self.req_pool().read_mut(row, 0..n)?;
+        Ok(self.match_and_lock(namespace, &key[..n], out))
+    }
     /// Match without locking (a router's look-up); returns the hit length.
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize;
     /// [`peek_prefix`](Self::peek_prefix), telling the cache the prefix is wanted by
@@ -369,6 +388,15 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
     fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Lease<'_, A>) {
         let lease = RadixCache::match_and_lock(self, namespace, key, out);
         (lease.len(), lease)
+    }
+    fn match_and_lock_row(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<(usize, Lease<'_, A>), RowError> {
+        let lease = RadixCache::match_and_lock_row(self, namespace, key, row)?;
+        Ok((lease.len(), lease))
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         RadixCache::peek_prefix(self, namespace, key, out)

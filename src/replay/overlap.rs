@@ -170,7 +170,6 @@ pub(crate) fn run_overlap_counted<C: ReplayCache>(
     // Every buffer is reserved (fallibly) before any thread starts.
     let mut buffers = Buffers {
         prompt: buffer(max_input, "the scheduler's prompt buffer")?,
-        slots: buffer(max_input, "the scheduler's slot buffer")?,
         output_tokens: buffer(max_kv.max(1), "the output thread's token buffer")?,
         routers: Vec::with_capacity(config.routers),
     };
@@ -178,7 +177,7 @@ pub(crate) fn run_overlap_counted<C: ReplayCache>(
         let prompt = buffer(max_input, "a router's prompt buffer")?;
         buffers.routers.push((prompt, buffer(max_input, "a router's slot buffer")?));
     }
-    let Buffers { prompt, slots, output_tokens, routers } = buffers;
+    let Buffers { prompt, output_tokens, routers } = buffers;
     let start = Instant::now();
     let (tx, rx) = crossbeam_channel::bounded(config.max_running);
     let (sched, output, routers) = std::thread::scope(|s| {
@@ -191,7 +190,7 @@ pub(crate) fn run_overlap_counted<C: ReplayCache>(
             .collect();
         let router_threads: Vec<Thread> = routers.iter().map(|h| h.thread().clone()).collect();
         let done = RoutersDone { shared, routers: router_threads.clone() };
-        let sched = scheduler(cache, trace, config, tx, shared, router_threads, (prompt, slots));
+        let sched = scheduler(cache, trace, config, tx, shared, router_threads, prompt);
         drop(done);
         let output = output.join();
         let routers: Vec<_> = routers.into_iter().map(|h| h.join()).collect();
@@ -240,7 +239,6 @@ impl Drop for RoutersDone<'_> {
 /// Every thread's buffers, reserved before the threads start.
 struct Buffers {
     prompt: Vec<u32>,
-    slots: Vec<u32>,
     output_tokens: Vec<u32>,
     /// Each router's prompt and slot buffers.
     routers: Vec<(Vec<u32>, Vec<u32>)>,
@@ -275,7 +273,6 @@ struct Scheduler<'c, C: ReplayCache> {
     prompt: Vec<u32>,
     /// The request whose prompt is in `prompt`.
     prompt_of: usize,
-    slots: Vec<u32>,
     totals: Totals,
     hist: Histograms,
 }
@@ -287,7 +284,7 @@ fn scheduler<'c, C: ReplayCache>(
     tx: Sender<Finished<C::Lease<'c>>>,
     shared: &'c Shared,
     routers: Vec<Thread>,
-    (prompt, slots): (Vec<u32>, Vec<u32>),
+    prompt: Vec<u32>,
 ) -> Result<(Totals, Histograms), ReplayError> {
     let max_running = config.max_running;
     let mut s = Scheduler {
@@ -301,7 +298,6 @@ fn scheduler<'c, C: ReplayCache>(
         capacity: cache.capacity_tokens(),
         prompt,
         prompt_of: usize::MAX,
-        slots,
         totals: Totals::default(),
         hist: Histograms::default(),
     };
@@ -401,14 +397,14 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             self.trace.write_prompt(r, &mut self.prompt);
             self.prompt_of = r;
         }
-        let t = Instant::now();
-        let (hit, lease) = cache.match_and_lock(NAMESPACE, &self.prompt[..prompt], &mut self.slots[..prompt]);
-        self.hist.match_.record_since(t);
         let Ok(mut row) = cache.req_pool().alloc() else {
-            cache.unlock(lease);
             return Ok(Admission::Wait);
         };
-        write_row(cache, &mut row, 0, &self.slots[..hit])?;
+        let t = Instant::now();
+        let (hit, lease) = cache
+            .match_and_lock_row(NAMESPACE, &self.prompt[..prompt], &mut row)
+            .map_err(|e| ReplayError::internal("match into the row", e))?;
+        self.hist.match_.record_since(t);
         let fits = self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
         let res = if fits {
             let t = Instant::now();

@@ -71,7 +71,6 @@ pub fn run_sequential<C: ReplayCache>(
     // trace's requests wait behind the one admitted.
     let queue = if config.policy.uses_hints() { config.lookahead().min(trace.len()) } else { 0 };
     let mut queue = super::lookahead::Lookahead::new(queue, trace.max_input_length_fitting(capacity))?;
-    let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
     let mut totals = Totals::default();
     let mut hist = Histograms::default();
     let mut timeline = Vec::new();
@@ -107,12 +106,13 @@ pub fn run_sequential<C: ReplayCache>(
         }
         trace.write_kv_tokens(r, &mut tokens);
 
+        let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
         let t = Instant::now();
-        let (hit, lease) = cache.match_and_lock(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
+        let (hit, lease) = cache
+            .match_and_lock_row(NAMESPACE, &tokens[..prompt], &mut row)
+            .map_err(|e| ReplayError::internal("match into the row", e))?;
         hist.match_.record_since(t);
         queue.hint(cache, trace, r);
-        let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
-        write_row(cache, &mut row, 0, &slots[..hit])?;
 
         let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
         let outcome =
