@@ -55,6 +55,13 @@
 //! by construction. There only each page's first slot is read. Everything a caller
 //! wrote is read slot by slot.
 //!
+//! The leased prefix is compared with the tree's slots the same way: by default slot by
+//! slot, but not where [`match_and_lock_row`](RadixCache::match_and_lock_row) wrote it
+//! for the very lease the request finishes with. There the row holds the tree's slots
+//! by construction: the lease keeps the path from eviction, splits never move a slot,
+//! and the lease names the path's last node incarnation (page and epoch). The row
+//! handle remembers that incarnation until a write goes over the prefix.
+//!
 //! ## Why lookups stay correct with tokens written by runs
 //!
 //! A lock-free lookup can be reading a record that is being evicted while its pages are
