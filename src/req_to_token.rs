@@ -261,8 +261,9 @@ impl ReqToTokenPool {
         let before = row.shaped;
         let out = self.read_mut(row, prefix..seq.max(prefix))?;
         fill(prefix32, seq32, last_loc, out)?;
-        // Extending the expansion the row ended with keeps one interval.
-        row.shaped = if before.0 < before.1 && before.1 as usize == prefix && row.shaped == before {
+        // Extending the expansion the row ended with keeps one interval (`read_mut`
+        // from its end left it in place).
+        row.shaped = if before.0 < before.1 && before.1 as usize == prefix {
             (before.0, seq32)
         } else {
             (prefix32, seq32)
