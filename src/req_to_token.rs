@@ -263,11 +263,8 @@ impl ReqToTokenPool {
         fill(prefix32, seq32, last_loc, out)?;
         // Extending the expansion the row ended with keeps one interval (`read_mut`
         // from its end left it in place).
-        row.shaped = if before.0 < before.1 && before.1 as usize == prefix {
-            (before.0, seq32)
-        } else {
-            (prefix32, seq32)
-        };
+        row.shaped =
+            if before.0 < before.1 && before.1 as usize == prefix { (before.0, seq32) } else { (prefix32, seq32) };
         Ok(())
     }
 
