@@ -568,6 +568,25 @@ impl KvFreeGroup<'_> {
         })
     }
 
+    /// Free many runs of whole pages `(first_page, pages)`, as
+    /// [`free_pages`](Self::free_pages) of each, but with one read-modify-write per
+    /// bitmap word the runs share (see `FreeGroup::free_ranges`). Not all-or-nothing
+    /// across runs: for owners of the pages (eviction), where an error is a bug.
+    pub(crate) fn free_page_runs(&mut self, runs: impl Iterator<Item = (u32, u32)>) -> Result<(), FreeError> {
+        let a = self.alloc;
+        if self.window.is_some() {
+            // A dual allocator releases window pages run by run.
+            for (first, pages) in runs {
+                self.free_pages(first, pages)?;
+            }
+            return Ok(());
+        }
+        self.group.free_ranges(runs).map_err(|mut e| {
+            e.index = e.index.saturating_mul(a.page_size);
+            e
+        })
+    }
+
     /// Tokens freed into the group so far (not yet available).
     pub fn pending_tokens(&self) -> usize {
         self.group.pending() * self.alloc.page_size as usize

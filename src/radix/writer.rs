@@ -1192,16 +1192,18 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             // Unpublish and retire before any page is freed (see the module docs).
             self.unlink(x);
             self.retire(x);
-            for (start, len) in self.runs(x) {
+            // One pass over the runs: the in-tree bits and events per run, the
+            // allocator's bits gathered per word (a fragmented leaf is many short runs).
+            let runs = self.runs(x).inspect(|&(start, len)| {
                 self.set_in_tree_range(start, len, false);
                 if self.c.events.is_some() {
                     for page in start..start + len {
                         self.event(KvEvent::BlockRemoved { hash: self.s.digests[page as usize], page });
                     }
                 }
-                let r = group.free_pages(start, len);
-                debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
-            }
+            });
+            let r = group.free_page_runs(runs);
+            debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
             self.s.page_owner[last_page as usize] = NIL;
             let len = count as usize * ps;
             self.c.evictable.fetch_sub(len, Ordering::Release);
