@@ -15,9 +15,12 @@
 //!   by the pool (two tokens per 64-bit atomic word, see below);
 //! * **runs**: the pages of a node, in key order, are cut into runs of consecutive page
 //!   numbers (what a lowest-first allocator hands out: on the bundled trace a run is
-//!   ~4,100 pages long at page size 1 and ~255 at page size 16). Only the first page of
-//!   a run records its length (`run_len[p]`) and only the last links to the next run
-//!   (`next_page[p]`); pages inside a run carry no bookkeeping at all;
+//!   ~4,100 pages long at page size 1 and ~255 at page size 16). Only the last page of
+//!   a run has a cell: the link to the next run, its first page and its length in one
+//!   64-bit word (`links[p]`; the node record holds the first run's length). Pages
+//!   inside a run carry no bookkeeping at all, and a walk over a node's runs makes one
+//!   dependent load per run (an evicted leaf of a fragmented pool is hundreds of short
+//!   runs, and eviction walks it);
 //! * a **node record**: `(first page, page count)`, the pages left in the run that
 //!   starts at its first page, the namespace, and the *last page of its parent* (page
 //!   0, never handed out, stands for the root).
@@ -66,7 +69,7 @@
 //!
 //! A lock-free lookup can be reading a record that is being evicted while its pages are
 //! recycled and overwritten by an insert. Every cell it reads is an atomic (tokens as
-//! 64-bit words, run lengths and links as 32-bit words), so there is no data race, only
+//! 64-bit words, links as 64-bit words), so there is no data race, only
 //! possibly stale or mixed values; every length is clamped to the record's page count and
 //! every page bounds-checked, so garbage ends the walk early instead of leaving the
 //! arenas. The writer stores a node's tokens and links (after one `Release` fence) before
@@ -495,10 +498,10 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     tree_pages: u32,
     records: Box<[Record]>,
     slot_token: tokens::Tokens,
-    /// For the last page of a run: the first page of the node chain's next run.
-    next_page: Box<[AtomicU32]>,
-    /// For the first page of a run: the run's length in pages.
-    run_len: Box<[AtomicU32]>,
+    /// For the last page of a run: the node chain's next run, as its first page (low
+    /// 32 bits) and its length in pages (high 32 bits); 0 ends the chain. One cell per
+    /// run, read with one load: a walk's only dependent load per run.
+    links: Box<[AtomicU64]>,
     /// `removal_version << 32 | head record`.
     buckets: Box<[AtomicU64]>,
     bucket_mask: usize,
@@ -555,6 +558,16 @@ fn first_diff(a: &[u32], b: &[u32]) -> usize {
 
 fn span_of(v: u64) -> (u32, u32) {
     ((v >> 32) as u32, v as u32)
+}
+
+/// A run link's (next run's first page, its length in pages); `(0, 0)` ends a chain.
+pub(super) fn link_of(v: u64) -> (u32, u32) {
+    (v as u32, (v >> 32) as u32)
+}
+
+/// The link to a run of `len` pages from `first`.
+pub(super) fn link_to(first: u32, len: u32) -> u64 {
+    u64::from(len) << 32 | u64::from(first)
 }
 
 fn cache_id() -> u64 {
@@ -662,8 +675,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             tree_pages,
             records,
             slot_token: tokens::Tokens::new(nslots)?,
-            next_page: boxed("radix page links", pages, |_| AtomicU32::new(0))?,
-            run_len: boxed("radix run lengths", pages, |_| AtomicU32::new(0))?,
+            links: boxed("radix run links", pages, |_| AtomicU64::new(0))?,
             buckets: boxed("radix hash buckets", nbuckets, |_| AtomicU64::new(NIL as u64))?,
             bucket_mask: nbuckets - 1,
             latch: CachePadded::new(AtomicBool::new(false)),
@@ -915,11 +927,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             if k < len || m == n || m == key_pages {
                 break;
             }
-            page = self.next_page[(page as usize) + len - 1].load(Ordering::Acquire);
-            in_run = match self.run_len.get(page as usize) {
-                Some(l) => l.load(Ordering::Acquire) as usize,
-                None => 0,
-            };
+            let (next, next_len) = link_of(self.links[(page as usize) + len - 1].load(Ordering::Acquire));
+            (page, in_run) = (next, next_len as usize);
         }
         (m, last, n)
     }

@@ -7,12 +7,13 @@ use std::fmt::Write as _;
 use super::heap::{Heap, Leaves};
 use super::variant::Variant;
 use super::{
-    page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta, RadixCache, NIL, ROOT,
+    link_of, link_to, page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta,
+    RadixCache, NIL, ROOT,
 };
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
 use crate::slots::{ascending_from, bit_ends, bit_words};
-use crate::sync::atomic::{fence, AtomicU32, Ordering};
+use crate::sync::atomic::{fence, AtomicU64, Ordering};
 
 /// The latch holder's view: all tree changes go through here (and through the
 /// variant's hooks, which receive it).
@@ -298,20 +299,14 @@ impl<'a, A: KvAllocator, V: Variant> Writer<'a, A, V> {
         let c: &'a RadixCache<A, V> = self.c;
         let r = &c.records[id as usize];
         let (first, count) = span_of(r.span.load(Ordering::Relaxed));
-        Runs {
-            next: &c.next_page,
-            lens: &c.run_len,
-            page: first,
-            in_run: r.first_run.load(Ordering::Relaxed),
-            left: count,
-        }
+        Runs { links: &c.links, page: first, in_run: r.first_run.load(Ordering::Relaxed), left: count }
     }
 
     /// The runs of a chain of `count` pages from `first`, whose run holds `first_run`
     /// pages from there (a node's own, or a variant's second copy of them).
     pub(super) fn chain(&self, first: u32, first_run: u32, count: u32) -> Runs<'a> {
         let c: &'a RadixCache<A, V> = self.c;
-        Runs { next: &c.next_page, lens: &c.run_len, page: first, in_run: first_run, left: count }
+        Runs { links: &c.links, page: first, in_run: first_run, left: count }
     }
 
     /// The pages of node `id`, in order (introspection and checks).
@@ -677,41 +672,42 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Where a chain (see [`chain`](Self::chain)) is cut after `m` pages (`0 < m <
     /// count`): the cut page (its `m`-th) and the rest's first page and run from there.
     pub(super) fn cut_chain(&self, first: u32, first_run: u32, count: u32, m: usize) -> (u32, u32, u32) {
-        let mut at = 0usize;
-        for (start, len) in self.chain(first, first_run, count) {
-            if at + len as usize >= m {
+        // Walk whole runs (`run`: the pages of the run from `start`), not the chain's
+        // clamped view of them: the cut keeps the rest of its run.
+        let (mut at, mut start, mut run) = (0usize, first, first_run);
+        while at < count as usize && run > 0 {
+            if at + run as usize >= m {
                 let off = (m - 1 - at) as u32;
                 let cut = start + off;
-                let run = if at == 0 { first_run } else { self.c.run_len[start as usize].load(Ordering::Relaxed) };
                 return if off + 1 < run {
                     (cut, cut + 1, run - off - 1)
                 } else {
-                    let next = self.c.next_page[(start + len - 1) as usize].load(Ordering::Relaxed);
-                    (cut, next, self.c.run_len[next as usize].load(Ordering::Relaxed))
+                    let (next, next_run) = link_of(self.c.links[(start + run - 1) as usize].load(Ordering::Relaxed));
+                    (cut, next, next_run)
                 };
             }
-            at += len as usize;
+            at += run as usize;
+            (start, run) = link_of(self.c.links[(start + run - 1) as usize].load(Ordering::Relaxed));
         }
         debug_assert!(false, "a chain of {count} pages cut after {m}");
         (0, 0, 0)
     }
 
-    /// Link runs `(start, len)` into a chain: each run's length at its first page, a
-    /// link from each run's last page to the next run. Returns (first page, its run,
-    /// last page). The pages' tokens are the caller's to write.
+    /// Link runs `(start, len)` into a chain: a link from each run's last page to the
+    /// next run (its first page and length). Returns (first page, its run, last page).
+    /// The pages' tokens are the caller's to write.
     pub(super) fn link_runs(&mut self, runs: impl Iterator<Item = (u32, u32)>) -> (u32, u32, u32) {
         let (mut first, mut first_run, mut last) = (0u32, 0u32, 0u32);
         for (start, len) in runs {
-            self.c.run_len[start as usize].store(len, Ordering::Relaxed);
             if first == 0 {
                 (first, first_run) = (start, len);
             } else {
-                self.c.next_page[last as usize].store(start, Ordering::Relaxed);
+                self.c.links[last as usize].store(link_to(start, len), Ordering::Relaxed);
             }
             last = start + len - 1;
         }
         if last != 0 {
-            self.c.next_page[last as usize].store(0, Ordering::Relaxed);
+            self.c.links[last as usize].store(0, Ordering::Relaxed);
         }
         (first, first_run, last)
     }
@@ -1042,17 +1038,16 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             let len = self.row_run(slots, i);
             let base = start as usize * ps;
             self.c.slot_token.write(base, &key[i * ps..(i + len) * ps]);
-            self.c.run_len[start as usize].store(len as u32, Ordering::Relaxed);
             if i == 0 {
                 first_run = len as u32;
             } else {
-                self.c.next_page[prev_end as usize].store(start, Ordering::Relaxed);
+                self.c.links[prev_end as usize].store(link_to(start, len as u32), Ordering::Relaxed);
             }
             prev_end = start + len as u32 - 1;
             last = prev_end;
             i += len;
         }
-        self.c.next_page[last as usize].store(0, Ordering::Relaxed);
+        self.c.links[last as usize].store(0, Ordering::Relaxed);
         let first = slots[0] / ps as u32;
         let leaf = NewLeaf { parent_page, namespace, first, first_run, pages: pages as u32, last };
         self.attach_leaf(leaf, &key[..ps], priority, 0, true)
@@ -1394,11 +1389,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                 }
                 seen += len;
                 if seen < count {
-                    start = self.c.next_page[page as usize].load(Ordering::Relaxed);
+                    (start, in_run) = link_of(self.c.links[page as usize].load(Ordering::Relaxed));
                     if start == 0 || start > np {
                         return Err(format!("node {id} links to page {start}"));
                     }
-                    in_run = self.c.run_len[start as usize].load(Ordering::Relaxed);
                 }
             }
             if page != m.last_page || self.s.page_owner[page as usize] != id {
@@ -1507,8 +1501,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
 /// The runs of a node, for the latch holder (see [`Writer::runs`]).
 pub(super) struct Runs<'a> {
-    next: &'a [AtomicU32],
-    lens: &'a [AtomicU32],
+    links: &'a [AtomicU64],
     page: u32,
     in_run: u32,
     left: u32,
@@ -1525,8 +1518,7 @@ impl Iterator for Runs<'_> {
         debug_assert!(len > 0, "a node's run is empty");
         self.left -= len;
         if self.left > 0 {
-            self.page = self.next[(start + len - 1) as usize].load(Ordering::Relaxed);
-            self.in_run = self.lens[self.page as usize].load(Ordering::Relaxed);
+            (self.page, self.in_run) = link_of(self.links[(start + len - 1) as usize].load(Ordering::Relaxed));
         }
         Some((start, len))
     }

@@ -164,7 +164,7 @@ impl FreeGroup<'_> {
         let mut error = None;
         // The word being gathered (`usize::MAX`: none yet) and its bits.
         let (mut word, mut bits) = (usize::MAX, 0u64);
-        let mut flush = |w: usize, m: u64, acc: &mut Applied, error: &mut Option<FreeError>| {
+        let flush = |w: usize, m: u64, acc: &mut Applied, error: &mut Option<FreeError>| {
             let set = pool.not_held(w, m);
             if set != 0 {
                 let index = (w * BITS + set.trailing_zeros() as usize + 1) as u32;
