@@ -214,7 +214,8 @@ impl PagedAllocator {
         Ok(PagedAllocator {
             // No magazines (yet): the allocator frees through free groups, which bypass
             // magazines, and its page order is part of DESIGN.md's test vectors and
-            // the radix tests (lowest free pages first, always).
+            // the radix tests (lowest free pages first, but for the slot pool's
+            // placement of large claims over scattered free pages).
             pages: SlotPool::without_magazines(num_pages as u32),
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),

@@ -550,6 +550,32 @@ pub struct Allocated {
     pub pages: Vec<u32>,
 }
 
+/// The indices a single thread's claim of `n` takes from a [`SlotPool`] whose free
+/// indices are `words` (bit `b` of word `r` is index `64r + b + 1`): the pool's
+/// placement (its module docs): words in ascending order, the lowest bits of each, but
+/// while 64 or more are still needed a sparse word is passed over, and taken in a
+/// second pass if the first comes up short. `n` must not exceed the free count.
+pub(crate) fn placement(words: &[u64], n: usize) -> Vec<u32> {
+    let mut words = words.to_vec();
+    let mut out = Vec::with_capacity(n);
+    for picky in [true, false] {
+        for (r, bits) in words.iter_mut().enumerate() {
+            let need = n - out.len();
+            if need == 0 {
+                break;
+            }
+            if *bits == 0 || (picky && need >= 64 && crate::slots::sparse(*bits)) {
+                continue;
+            }
+            while out.len() < n && *bits != 0 {
+                out.push((r * 64) as u32 + bits.trailing_zeros() + 1);
+                *bits &= *bits - 1;
+            }
+        }
+    }
+    out
+}
+
 /// The sequential reference model of a [`SlotPool`], [`TokenAllocator`] or
 /// [`PagedAllocator`]: the set of free pages (a slot pool's indices and a token
 /// allocator's slots are pages of one), lowest first.
@@ -722,24 +748,24 @@ impl AllocModel {
         if n > self.free_count - self.pending {
             return Err(self.oom(n));
         }
-        // The lowest free pages outside the magazine, ascending.
-        let mut pages = Vec::with_capacity(n);
-        for (w, word) in self.free.iter_mut().enumerate() {
-            let mut avail = *word;
-            for &m in &self.mag {
-                if m as usize / 64 == w {
-                    avail &= !(1u64 << (m % 64));
-                }
-            }
-            while pages.len() < n && avail != 0 {
-                let bit = avail.trailing_zeros();
-                avail &= avail - 1;
-                *word &= !(1u64 << bit);
-                pages.push((w * 64) as u32 + bit);
-            }
-            if pages.len() == n {
-                break;
-            }
+        // The lowest free pages outside the magazine, ascending, word by word of the
+        // pool's bitmap (its word `r` holds pages `64r+1 ..= 64r+64`), with the pool's
+        // placement: while 64 or more are still needed, a sparse word is passed over,
+        // and taken in a second pass if the first comes up short.
+        let words = self.free.len();
+        let mut in_mag = vec![0u64; if self.mag.is_empty() { 0 } else { words }];
+        for &m in &self.mag {
+            in_mag[(m as usize - 1) / 64] |= 1 << ((m - 1) % 64);
+        }
+        let avail: Vec<u64> = (0..words)
+            .map(|r| {
+                let bits = self.free[r] >> 1 | self.free.get(r + 1).map_or(0, |w| w & 1) << 63;
+                bits & !in_mag.get(r).copied().unwrap_or(0)
+            })
+            .collect();
+        let pages = placement(&avail, n);
+        for &page in &pages {
+            self.free[page as usize / 64] &= !(1u64 << (page % 64));
         }
         self.free_count -= n;
         Ok(pages)

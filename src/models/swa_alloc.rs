@@ -15,7 +15,8 @@
 //!   from the full pool (else out of memory in [`Unit::Tokens`]) and as many from the
 //!   window pool (else out of memory in [`Unit::WindowTokens`], `available` counting
 //!   the window pool's published free pages); a refused call changes nothing. The
-//!   `k`-th fresh full page (ascending) maps to the `k`-th lowest free window page;
+//!   `k`-th fresh full page maps to the `k`-th window page the window pool hands out
+//!   (both in the order of the pools' placement, see `kvpool::slots`);
 //! * `free` (plain or through a group) releases the window page of every full page it
 //!   names that has one, but only when every slot of the batch is allocated; then the
 //!   full pool frees as `PagedAllocator` does (with page size 1, a slot named twice
@@ -314,17 +315,16 @@ impl SwaModel {
             }));
         }
         self.full = full;
-        // The k-th fresh full page (ascending) gets the k-th lowest free window page.
-        let mut pages = a.pages.clone();
-        pages.sort_unstable();
-        let mut w = 1usize;
-        for p in pages {
-            while !self.window_free[w] {
-                w += 1;
-            }
-            self.window_free[w] = false;
+        // The k-th fresh full page (in the order the full pool hands them out) gets
+        // the k-th window page the window pool's claim hands out (the same placement).
+        let mut words = vec![0u64; (self.window_free.len() - 1).div_ceil(64)];
+        for (w, _) in self.window_free.iter().enumerate().skip(1).filter(|(_, &f)| f) {
+            words[(w - 1) / 64] |= 1 << ((w - 1) % 64);
+        }
+        for (&p, w) in a.pages.iter().zip(super::placement(&words, n)) {
+            self.window_free[w as usize] = false;
             debug_assert_eq!(self.map[p as usize], 0, "a fresh full page {p} had a window page");
-            self.map[p as usize] = w as u32;
+            self.map[p as usize] = w;
         }
         Ok(a)
     }

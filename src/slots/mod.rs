@@ -276,6 +276,27 @@
 //! lowest-first. Still, the summary is only a hint for the scan: a claim whose guided
 //! pass around the bitmap comes up short scans every word, as before.
 //!
+//! # Placement
+//!
+//! Lowest-first has one exception, against fragmentation. While a claim still needs
+//! 64 indices or more, its first pass over the words passes over *sparse* ones: words
+//! whose free stretches strictly inside the word (not reaching its bottom or top bit,
+//! which may go on in the neighbouring word) are shorter than 8 on average — the
+//! isolated free bits that interleaved small frees leave (a decode step gives each of
+//! 32 running requests one slot, so an evicted request frees every 32nd slot). Small
+//! claims take those bits, lowest first; a large claim takes them only when its first
+//! pass came up short (a second pass takes everything). The hint does not move past a
+//! sparse word a claim left behind.
+//!
+//! Why: a prefix cache at page size 1 with an overlap scheduler otherwise feeds its own
+//! fragmentation. With the pool full, each prompt is allocated into the holes that the
+//! eviction just made, so it is cut into short runs too, and its eviction later makes
+//! more holes: on the bundled trace an evicted leaf averaged 2.6 pages per run, and
+//! the radix cache's per-run work (links, bitmaps, token stores) ran 54 M times instead
+//! of 35 thousand. With this placement the prompts stay in long runs and only the
+//! decode slots are scattered (BENCHMARKS.md, "Issue 8, seventh round"). A fresh pool,
+//! or any pool without sparse words, hands out exactly what lowest-first would.
+//!
 //! So with several threads that each allocate and free, one claims lowest-first from
 //! the hint and the others each from their own region: no cache line of words or
 //! counters is written by two of them. A single thread owns the hint and never loses a
@@ -512,8 +533,9 @@ impl SlotPool {
     }
 
     /// A pool of indices `1..=capacity` without magazines: every allocation takes the
-    /// lowest free indices, ascending (SGLang's sorted free list), at the cost of a
-    /// compare-and-swap per bitmap word each way.
+    /// lowest free indices, ascending (SGLang's sorted free list; but see "Placement"
+    /// in the module docs for large claims), at the cost of a compare-and-swap per
+    /// bitmap word each way.
     ///
     /// # Examples
     ///
@@ -788,7 +810,9 @@ impl SlotPool {
     /// ones, in the order they were freed (a run freed together comes back as that
     /// run). Otherwise, and always for larger batches and in a pool
     /// [`without_magazines`](Self::without_magazines), single-threaded the indices are
-    /// the lowest free ones, ascending (a fresh pool hands out `1, 2, 3, ...`).
+    /// the lowest free ones, ascending (a fresh pool hands out `1, 2, 3, ...`), except
+    /// that a batch of 64 or more passes over scattered free indices while it can
+    /// (module docs, "Placement").
     ///
     /// # Errors
     ///
@@ -989,6 +1013,10 @@ impl SlotPool {
         let mut guided = true;
         // Words this claim emptied, not yet cleared in the summary.
         let mut emptied = SummaryBits::default();
+        // Placement (see "Placement"): while a claim still needs a whole word or more,
+        // its first pass skips sparse words, and the lowest word it skipped.
+        let mut picky = n >= BITS;
+        let mut skipped = usize::MAX;
         loop {
             let word = &self.words[w];
             let mut cur = word.load(Ordering::Relaxed);
@@ -996,6 +1024,10 @@ impl SlotPool {
                 cur = self.unmark_empty(w);
             } else if cur != 0 && !guided {
                 self.mark(SummaryBits::of(w));
+            }
+            if picky && cur != 0 && n - filled >= BITS && sparse(cur) {
+                skipped = skipped.min(w);
+                cur = 0;
             }
             let mut lost = false;
             if cur != 0 && n - filled >= BITS {
@@ -1066,7 +1098,11 @@ impl SlotPool {
             }
             // A countdown, not `scanned % nwords`: a division per scanned word was a
             // fifth of a page-size-1 replay's time.
-            if scanned >= nwords {
+            if scanned >= nwords && picky {
+                // A full pass without the sparse words found too little: take them.
+                scanned = 0;
+                picky = false;
+            } else if scanned >= nwords {
                 // A full pass found too little: other threads are claiming and
                 // freeing the bits we are entitled to, or the summary missed a word.
                 // Let them run, and scan every word from now on.
@@ -1084,7 +1120,9 @@ impl SlotPool {
                 shard.cursor.store(last_word, untracked::Ordering::Relaxed);
             }
         } else if last_word != start {
-            let _ = self.hint.compare_exchange(start, last_word, Ordering::Relaxed, Ordering::Relaxed);
+            // Not past a sparse word left behind: the next claims need it.
+            let to = if (start..last_word).contains(&skipped) { skipped } else { last_word };
+            let _ = self.hint.compare_exchange(start, to, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 
@@ -1778,6 +1816,27 @@ fn ones(v: u64) -> usize {
         v.count_ones() as usize
     }
 }
+
+/// Whether the free bits `v` (not 0) are too scattered for a claim that needs a whole
+/// word or more (see "Placement"): the stretches of consecutive bits strictly inside
+/// the word are shorter than [`SPARSE_STRETCH`] on average. A stretch that reaches
+/// the word's bottom or top bit may go on in the neighbouring word, so it is not
+/// judged.
+#[inline]
+pub(crate) fn sparse(v: u64) -> bool {
+    if v == u64::MAX {
+        return false;
+    }
+    // Both below 64: some bit is clear.
+    let inner = v & (u64::MAX << v.trailing_ones()) & (u64::MAX >> v.leading_ones());
+    // A stretch starts at each set bit whose lower neighbour is clear.
+    let stretches = (inner & !(inner << 1)).count_ones();
+    inner.count_ones() < SPARSE_STRETCH * stretches
+}
+
+/// The average length of a word's free stretches below which a large claim leaves
+/// the word to smaller ones (see "Placement").
+const SPARSE_STRETCH: u32 = 8;
 
 /// The lowest `min(n, ones(v))` set bits of `v`, and how many that is; `n >= 1`.
 /// A stretch of consecutive bits (what lowest-first claims leave) is counted from

@@ -336,7 +336,7 @@ mod tests {
         pool.alloc(&mut all).unwrap();
         let mut group = pool.free_group();
         let e = group.free_ranges([(1, 3), (70, 2), (71, 1), (100, 1)]).unwrap_err();
-        assert_eq!((e.index, e.kind.clone(), e.rest_freed), (71, FreeErrorKind::NotAllocated, true));
+        assert_eq!((e.index, e.kind, e.rest_freed), (71, FreeErrorKind::NotAllocated, true));
         assert_eq!(group.end(), 3, "indices 1..=3 were freed, 70.. not");
         assert!(pool.is_allocated(70) && pool.is_allocated(100));
         let mut group = pool.free_group();

@@ -223,10 +223,35 @@ impl Rng {
     }
 }
 
+/// What a single thread's claim of `n` takes from the free set `free` (see "Placement"
+/// in the module docs): words in ascending order, the lowest bits of each; while 64 or
+/// more are still needed, a sparse word is passed over (and a word is taken whole);
+/// if that pass comes up short, a second pass takes what is left, lowest first.
+fn placement_model(free: &std::collections::BTreeSet<u32>, n: usize) -> Vec<u32> {
+    let mut words = std::collections::BTreeMap::<usize, u64>::new();
+    for &i in free {
+        *words.entry((i as usize - 1) / 64).or_default() |= 1 << ((i - 1) % 64);
+    }
+    let mut out = Vec::with_capacity(n);
+    for picky in [true, false] {
+        for (&w, bits) in words.iter_mut() {
+            let need = n - out.len();
+            if need == 0 || *bits == 0 || (picky && need >= 64 && sparse(*bits)) {
+                continue;
+            }
+            let take = lowest_bits(*bits, need);
+            *bits &= !take;
+            out.extend((0..64).filter(|b| take >> b & 1 == 1).map(|b| (w * 64 + b + 1) as u32));
+        }
+    }
+    out
+}
+
 /// Random allocs and frees — runs of consecutive indices, scattered ones, duplicates,
 /// freed and out-of-range ones, batches with more runs than the stack buffer holds —
-/// against a sorted-set model: lowest-first order, the error and its index, and that a
-/// refused free changes nothing.
+/// against a sorted-set model: lowest-first order but for the placement of large
+/// claims ([`placement_model`]), the error and its index, and that a refused free
+/// changes nothing.
 #[test]
 fn free_paths_match_a_sequential_model() {
     use std::collections::BTreeSet;
@@ -247,7 +272,7 @@ fn free_paths_match_a_sequential_model() {
                 let mut out = vec![0u32; n];
                 match pool.alloc(&mut out) {
                     Ok(()) => {
-                        let want: Vec<u32> = free.iter().copied().take(n).collect();
+                        let want = placement_model(&free, n);
                         assert_eq!(out, want, "seed {seed} step {step}: not the lowest free, ascending");
                         for i in &out {
                             free.remove(i);
@@ -447,8 +472,9 @@ fn summary_is_exact_and_only_a_hint() {
     assert_eq!(pool.available(), 0);
 }
 
-/// A large claim takes whole words with `swap(0)`: partly free words, full words and
-/// a last word it needs only part of, all lowest-first and counted exactly.
+/// A large claim takes whole words with `swap(0)`: full words, a partly free last
+/// word, and (in its second pass, see "Placement") a sparse word it passed over at
+/// first, it needs only part of, all counted exactly.
 #[test]
 fn large_claims_take_whole_words_lowest_first() {
     let pool = SlotPool::without_magazines(400);
@@ -460,11 +486,71 @@ fn large_claims_take_whole_words_lowest_first() {
     pool.free(&freed).unwrap();
     let mut got = vec![0u32; freed.len() - 10];
     pool.alloc(&mut got).unwrap();
-    assert_eq!(got, freed[..freed.len() - 10]);
+    // Words 1-4 first, then word 0's lowest (it is sparse: isolated bits).
+    let (sparse_word, dense) = freed.split_at(21);
+    assert_eq!(got[..dense.len()], dense[..]);
+    assert_eq!(got[dense.len()..], sparse_word[..11]);
     assert_eq!(pool.available(), 10);
     let mut rest = [0u32; 10];
     pool.alloc(&mut rest).unwrap();
-    assert_eq!(rest[..], freed[freed.len() - 10..]);
+    assert_eq!(rest[..], sparse_word[11..]);
     assert!(pool.alloc(&mut [0u32; 1]).is_err());
     pool.check_invariants().unwrap();
+}
+
+/// Placement: a claim that needs a whole word or more passes over words whose free
+/// bits are isolated (what interleaved one-slot frees leave) and takes whole free
+/// words instead; smaller claims then take those bits, lowest first.
+#[test]
+fn large_claims_leave_scattered_free_bits_to_small_ones() {
+    let pool = SlotPool::without_magazines(256);
+    let mut all = [0u32; 256];
+    pool.alloc(&mut all).unwrap();
+    // Word 0: every 8th index free (isolated bits); word 2 (129..=192) wholly free.
+    let scattered: Vec<u32> = (1..=64).step_by(8).collect();
+    pool.free(&scattered).unwrap();
+    pool.free(&(129..=192).collect::<Vec<u32>>()).unwrap();
+    let mut big = [0u32; 64];
+    pool.alloc(&mut big).unwrap();
+    assert_eq!(big.to_vec(), (129..=192).collect::<Vec<u32>>(), "one run, not the scattered bits");
+    let mut small = [0u32; 3];
+    pool.alloc(&mut small).unwrap();
+    assert_eq!(small, [1, 9, 17], "the scattered bits go to small claims, lowest first");
+    pool.check_invariants().unwrap();
+}
+
+/// Placement never costs an allocation: when only scattered bits are free, a large
+/// claim takes them; a run that starts at a word's top bits or ends at its bottom
+/// bits is not scattered.
+#[test]
+fn large_claims_take_scattered_bits_when_nothing_else_is_free() {
+    let pool = SlotPool::without_magazines(256);
+    let mut all = [0u32; 256];
+    pool.alloc(&mut all).unwrap();
+    let scattered: Vec<u32> = (1..=256).step_by(4).collect();
+    pool.free(&scattered).unwrap();
+    let mut big = [0u32; 64];
+    pool.alloc(&mut big).unwrap();
+    assert_eq!(big.to_vec(), scattered);
+    assert_eq!(pool.available(), 0);
+
+    // Free the top 4 bits of word 0 and all of word 1: one run of 68, which a claim
+    // of 68 takes whole (the edge stretch is not judged scattered).
+    pool.free(&(61..=128).collect::<Vec<u32>>()).unwrap();
+    let mut run = [0u32; 68];
+    pool.alloc(&mut run).unwrap();
+    assert_eq!(run.to_vec(), (61..=128).collect::<Vec<u32>>());
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn sparse_words_are_those_of_short_inner_stretches() {
+    assert!(!sparse(u64::MAX));
+    assert!(!sparse(0xF << 60), "a top stretch may go on in the next word");
+    assert!(!sparse(0x7), "a bottom stretch may go on from the word before");
+    assert!(!sparse(0xFFFF << 20), "an inner stretch of 16");
+    assert!(!sparse(0xFF << 20), "an inner stretch of 8");
+    assert!(sparse(0x7F << 20), "an inner stretch of 7");
+    assert!(sparse(0x0101_0101_0101_0100), "isolated bits");
+    assert!(sparse(0x7 | 0x1 << 30 | 0xF << 60), "edges are not judged, the inner bit is");
 }
