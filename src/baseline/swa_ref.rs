@@ -13,7 +13,8 @@
 //!
 //! Two bitmaps of pages (full and window, page 0 reserved in each), lowest free page
 //! first, as [`SwaAllocator`](crate::alloc::SwaAllocator)'s two `PagedAllocator`s hand
-//! them out; an allocation of `n` pages takes the `n` lowest free pages of each pool or
+//! them out; an allocation of `n` pages takes the `n` lowest free pages of each pool
+//! (but for the slot pool's placement of large claims over sparse words) or
 //! nothing, and maps the `i`-th full page to the `i`-th window page. The mapping is kept
 //! per full page (0: no window part). `free` releases both parts of each distinct page,
 //! `free_swa` the window part only.
@@ -119,20 +120,26 @@ impl RefDualPool {
         self.map.get(page as usize).copied().unwrap_or(0)
     }
 
-    /// Take `n` pages of each pool, lowest first, mapped in order; `None` (nothing
-    /// taken) when either pool has fewer free.
+    /// Take `n` pages of each pool, lowest first (with the slot pool's placement of
+    /// claims of 64 or more, see `kvpool::slots`), the `i`-th full page mapped to the
+    /// `i`-th window page; `None` (nothing taken) when either pool has fewer free.
     pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
-        let free = |v: &[bool]| (1..v.len()).filter(|&p| !v[p]).take(n).collect::<Vec<_>>();
-        let (f, w) = (free(&self.full), free(&self.window));
-        if f.len() < n || w.len() < n {
-            return None;
-        }
+        let take = |v: &[bool]| {
+            let mut words = vec![0u64; (v.len() - 1).div_ceil(64)];
+            let mut free = 0;
+            for p in (1..v.len()).filter(|&p| !v[p]) {
+                words[(p - 1) / 64] |= 1 << ((p - 1) % 64);
+                free += 1;
+            }
+            (free >= n).then(|| crate::slots::placement(&words, n))
+        };
+        let (f, w) = (take(&self.full)?, take(&self.window)?);
         for (&p, &q) in f.iter().zip(&w) {
-            self.full[p] = true;
-            self.window[q] = true;
-            self.map[p] = q as u32;
+            self.full[p as usize] = true;
+            self.window[q as usize] = true;
+            self.map[p as usize] = q;
         }
-        Some(f.into_iter().map(|p| p as u32).collect())
+        Some(f)
     }
 
     /// `n` tokens (whole pages): the slots of fresh pages, or `None`.
@@ -949,6 +956,32 @@ mod tests {
         assert_eq!(c.match_prefix(0, &[1, 2, 3, 4, 5, 6, 7, 8]).len, 0);
         assert_eq!(c.peek(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9]), Vec::<u32>::new());
         assert_eq!(c.tombstones().len(), 2);
+    }
+
+    /// The reference pools place a large claim as `SwaAllocator` does: past the sparse
+    /// words (isolated free pages) while 64 or more are still needed.
+    #[test]
+    fn pools_place_large_claims_as_the_allocator_does() {
+        use crate::alloc::{KvAllocator, SwaAllocator};
+        let (pages, ps) = (256usize, 1usize);
+        let real = SwaAllocator::new(pages * ps, pages * ps, ps as u32).unwrap();
+        let mut model = RefDualPool::new(pages * ps, pages * ps, ps);
+        let mut all = vec![0u32; pages];
+        real.alloc(&mut all).unwrap();
+        assert_eq!(model.alloc(pages).unwrap(), all);
+        // Every 8th page of the first word, and the whole third word.
+        let freed: Vec<u32> = (1..=64).step_by(8).chain(129..=192).collect();
+        real.free(&freed).unwrap();
+        model.free(&freed);
+        for n in [64, 3] {
+            let mut got = vec![0u32; n];
+            real.alloc(&mut got).unwrap();
+            assert_eq!(model.alloc(n).unwrap(), got, "a claim of {n}");
+            for &p in &got {
+                assert_eq!(model.window_page(p), real.window_slot(p).unwrap_or(0), "page {p}'s window page");
+            }
+        }
+        assert_eq!(model.alloc(64).map(|v| v.len()), None);
     }
 
     #[test]

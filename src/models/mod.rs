@@ -550,32 +550,6 @@ pub struct Allocated {
     pub pages: Vec<u32>,
 }
 
-/// The indices a single thread's claim of `n` takes from a [`SlotPool`] whose free
-/// indices are `words` (bit `b` of word `r` is index `64r + b + 1`): the pool's
-/// placement (its module docs): words in ascending order, the lowest bits of each, but
-/// while 64 or more are still needed a sparse word is passed over, and taken in a
-/// second pass if the first comes up short. `n` must not exceed the free count.
-pub(crate) fn placement(words: &[u64], n: usize) -> Vec<u32> {
-    let mut words = words.to_vec();
-    let mut out = Vec::with_capacity(n);
-    for picky in [true, false] {
-        for (r, bits) in words.iter_mut().enumerate() {
-            let need = n - out.len();
-            if need == 0 {
-                break;
-            }
-            if *bits == 0 || (picky && need >= 64 && crate::slots::sparse(*bits)) {
-                continue;
-            }
-            while out.len() < n && *bits != 0 {
-                out.push((r * 64) as u32 + bits.trailing_zeros() + 1);
-                *bits &= *bits - 1;
-            }
-        }
-    }
-    out
-}
-
 /// The sequential reference model of a [`SlotPool`], [`TokenAllocator`] or
 /// [`PagedAllocator`]: the set of free pages (a slot pool's indices and a token
 /// allocator's slots are pages of one), lowest first.
@@ -763,7 +737,7 @@ impl AllocModel {
                 bits & !in_mag.get(r).copied().unwrap_or(0)
             })
             .collect();
-        let pages = placement(&avail, n);
+        let pages = crate::slots::placement(&avail, n);
         for &page in &pages {
             self.free[page as usize / 64] &= !(1u64 << (page % 64));
         }

@@ -321,7 +321,7 @@ impl SwaModel {
         for (w, _) in self.window_free.iter().enumerate().skip(1).filter(|(_, &f)| f) {
             words[(w - 1) / 64] |= 1 << ((w - 1) % 64);
         }
-        for (&p, w) in a.pages.iter().zip(super::placement(&words, n)) {
+        for (&p, w) in a.pages.iter().zip(crate::slots::placement(&words, n)) {
             self.window_free[w as usize] = false;
             debug_assert_eq!(self.map[p as usize], 0, "a fresh full page {p} had a window page");
             self.map[p as usize] = w;

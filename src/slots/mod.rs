@@ -1817,6 +1817,32 @@ fn ones(v: u64) -> usize {
     }
 }
 
+/// The indices a single thread's claim of `n` takes from a pool whose free indices
+/// are `words` (bit `b` of word `r` is index `64r + b + 1`), for the sequential models
+/// and reference pools: words in ascending order, the lowest bits of each, but while
+/// 64 or more are still needed a sparse word is passed over, and taken in a second
+/// pass if the first comes up short ("Placement"). `n` must not exceed the free count.
+pub(crate) fn placement(words: &[u64], n: usize) -> Vec<u32> {
+    let mut words = words.to_vec();
+    let mut out = Vec::with_capacity(n);
+    for picky in [true, false] {
+        for (r, bits) in words.iter_mut().enumerate() {
+            let need = n - out.len();
+            if need == 0 {
+                break;
+            }
+            if *bits == 0 || (picky && need >= BITS && sparse(*bits)) {
+                continue;
+            }
+            while out.len() < n && *bits != 0 {
+                out.push((r * BITS) as u32 + bits.trailing_zeros() + 1);
+                *bits &= *bits - 1;
+            }
+        }
+    }
+    out
+}
+
 /// Whether the free bits `v` (not 0) are too scattered for a claim that needs a whole
 /// word or more (see "Placement"): the stretches of consecutive bits strictly inside
 /// the word are shorter than [`SPARSE_STRETCH`] on average. A stretch that reaches

@@ -224,27 +224,13 @@ impl Rng {
 }
 
 /// What a single thread's claim of `n` takes from the free set `free` (see "Placement"
-/// in the module docs): words in ascending order, the lowest bits of each; while 64 or
-/// more are still needed, a sparse word is passed over (and a word is taken whole);
-/// if that pass comes up short, a second pass takes what is left, lowest first.
+/// in the module docs).
 fn placement_model(free: &std::collections::BTreeSet<u32>, n: usize) -> Vec<u32> {
-    let mut words = std::collections::BTreeMap::<usize, u64>::new();
+    let mut words = vec![0u64; 1 + free.last().map_or(0, |&i| (i as usize - 1) / 64)];
     for &i in free {
-        *words.entry((i as usize - 1) / 64).or_default() |= 1 << ((i - 1) % 64);
+        words[(i as usize - 1) / 64] |= 1 << ((i - 1) % 64);
     }
-    let mut out = Vec::with_capacity(n);
-    for picky in [true, false] {
-        for (&w, bits) in words.iter_mut() {
-            let need = n - out.len();
-            if need == 0 || *bits == 0 || (picky && need >= 64 && sparse(*bits)) {
-                continue;
-            }
-            let take = lowest_bits(*bits, need);
-            *bits &= !take;
-            out.extend((0..64).filter(|b| take >> b & 1 == 1).map(|b| (w * 64 + b + 1) as u32));
-        }
-    }
-    out
+    placement(&words, n)
 }
 
 /// Random allocs and frees — runs of consecutive indices, scattered ones, duplicates,
