@@ -67,7 +67,8 @@ pub struct RefTransfer {
     pub pages: Vec<u32>,
 }
 
-/// A host page pool model: pages `1..=pages`, handed out lowest first.
+/// A host page pool model: pages `1..=pages`, handed out lowest first (with the slot
+/// pool's placement of claims of 64 or more over sparse words, see `kvpool::slots`).
 #[derive(Clone, Debug)]
 pub struct HostPages {
     free: BTreeSet<u32>,
@@ -80,12 +81,25 @@ impl HostPages {
         HostPages { free: (1..=pages).collect(), pages }
     }
 
-    /// `n` pages, lowest first, or `None` (nothing taken) when fewer are free.
+    /// `n` pages, lowest first (as the host tier's slot pool places them), or `None`
+    /// (nothing taken) when fewer are free.
     pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
         if self.free.len() < n {
             return None;
         }
-        Some((0..n).map(|_| self.free.pop_first().expect("counted above")).collect())
+        if n < 64 {
+            // Small claims: lowest first, no placement pass.
+            return Some((0..n).map(|_| self.free.pop_first().expect("counted above")).collect());
+        }
+        let mut words = vec![0u64; (self.pages as usize).div_ceil(64)];
+        for &p in &self.free {
+            words[(p as usize - 1) / 64] |= 1 << ((p - 1) % 64);
+        }
+        let got = crate::slots::placement(&words, n);
+        for p in &got {
+            self.free.remove(p);
+        }
+        Some(got)
     }
 
     /// Give `pages` back.
