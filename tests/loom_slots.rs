@@ -22,6 +22,7 @@
 //! | `magazine_exchange_racing_alloc`        | a full magazine flushed to the bitmap by a free racing its owner's pop and another thread's flush-on-shortage: one owner per index, count conserved |
 //! | `double_free_of_a_magazine_index`       | a second free of an index sitting in a magazine is refused, racing the pop that hands it out again and a free into the same (shared) magazine |
 //! | `large_claim_swap_racing_free_and_claim` | a claim of 64 that takes a whole word with `swap(0)` while a free and a one-index claim change that word: one owner per index, count conserved |
+//! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
 //! share a magazine (thread slot = loom thread number), so its `busy` flag is contended.
@@ -562,4 +563,60 @@ fn large_claim_swap_racing_free_and_claim() {
         pool.check_invariants().unwrap();
     });
     seen.expect_seen("large_claim_swap_racing_free_and_claim", &["swap_took_all_64", "swap_took_63"]);
+}
+
+/// Placement: a claim of 64 passes over a sparse word (isolated free bits) in its first
+/// pass and takes what it still needs from it in a second. Word 0 holds 7 isolated free
+/// indices (3, 12, ..., 57: sparse), word 1 holds 58 (71..=128). Thread 1 allocates 64:
+/// all 58 of word 1, then 6 of word 0's; thread 2 allocates 1, lowest first, from word
+/// 0. Together they take all 65: whoever gets an index owns it alone.
+#[test]
+fn large_claim_placement_racing_small_claim() {
+    let seen = Outcomes::new(&["small_took_the_lowest", "small_took_another"]);
+    let s = seen.clone();
+    loom_common::model("large_claim_placement_racing_small_claim", move || {
+        const CAP: u32 = 128;
+        let pool = Arc::new(SlotPool::without_magazines(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        let sparse: Vec<u32> = (3..=57).step_by(9).collect();
+        let dense: Vec<u32> = (71..=128).collect();
+        pool.free(&sparse).unwrap();
+        pool.free(&dense).unwrap();
+
+        let big = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut got = vec![0u32; 64];
+                pool.alloc(&mut got).expect("65 are free, 64 + 1 asked");
+                distinct_in_range(&got, CAP);
+                owners.claim(&got, 1);
+                owners.check(&got, 1);
+                got
+            })
+        };
+        let small = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                // May find the count in transit in the big claim's sweep of the shards
+                // (the module docs: a sweeper holds a count out of `available`).
+                let i = pool.alloc_one().ok()?;
+                owners.claim(&[i], 2);
+                owners.check(&[i], 2);
+                Some(i)
+            })
+        };
+        let got = big.join().unwrap();
+        let i = small.join().unwrap().map_or_else(|| pool.alloc_one().expect("one is left"), |i| i);
+        let mut every: Vec<u32> = got.iter().copied().chain([i]).collect();
+        every.sort_unstable();
+        let mut want: Vec<u32> = sparse.iter().chain(&dense).copied().collect();
+        want.sort_unstable();
+        assert_eq!(every, want, "all 65 free indices, each once");
+        s.hit(if i == 3 { "small_took_the_lowest" } else { "small_took_another" });
+        assert_eq!(pool.available(), 0);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen("large_claim_placement_racing_small_claim", &["small_took_the_lowest", "small_took_another"]);
 }
