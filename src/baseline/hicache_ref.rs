@@ -87,15 +87,7 @@ impl HostPages {
         if self.free.len() < n {
             return None;
         }
-        if n < 64 {
-            // Small claims: lowest first, no placement pass.
-            return Some((0..n).map(|_| self.free.pop_first().expect("counted above")).collect());
-        }
-        let mut words = vec![0u64; (self.pages as usize).div_ceil(64)];
-        for &p in &self.free {
-            words[(p as usize - 1) / 64] |= 1 << ((p - 1) % 64);
-        }
-        let got = crate::slots::placement(&words, n);
+        let got = crate::slots::placement(self.free.iter().copied(), n);
         for p in &got {
             self.free.remove(p);
         }

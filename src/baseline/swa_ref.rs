@@ -125,13 +125,8 @@ impl RefDualPool {
     /// `i`-th window page; `None` (nothing taken) when either pool has fewer free.
     pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
         let take = |v: &[bool]| {
-            let mut words = vec![0u64; (v.len() - 1).div_ceil(64)];
-            let mut free = 0;
-            for p in (1..v.len()).filter(|&p| !v[p]) {
-                words[(p - 1) / 64] |= 1 << ((p - 1) % 64);
-                free += 1;
-            }
-            (free >= n).then(|| crate::slots::placement(&words, n))
+            let free = (1..v.len()).filter(|&p| !v[p]).map(|p| p as u32);
+            (free.clone().count() >= n).then(|| crate::slots::placement(free, n))
         };
         let (f, w) = (take(&self.full)?, take(&self.window)?);
         for (&p, &q) in f.iter().zip(&w) {

@@ -722,22 +722,14 @@ impl AllocModel {
         if n > self.free_count - self.pending {
             return Err(self.oom(n));
         }
-        // The lowest free pages outside the magazine, ascending, word by word of the
-        // pool's bitmap (its word `r` holds pages `64r+1 ..= 64r+64`), with the pool's
-        // placement: while 64 or more are still needed, a sparse word is passed over,
-        // and taken in a second pass if the first comes up short.
-        let words = self.free.len();
-        let mut in_mag = vec![0u64; if self.mag.is_empty() { 0 } else { words }];
+        // The free pages outside the magazine, as the pool's placement takes them
+        // (lowest first, but for large claims over sparse words).
+        let mut outside = self.free.clone();
         for &m in &self.mag {
-            in_mag[(m as usize - 1) / 64] |= 1 << ((m - 1) % 64);
+            outside[m as usize / 64] &= !(1u64 << (m % 64));
         }
-        let avail: Vec<u64> = (0..words)
-            .map(|r| {
-                let bits = self.free[r] >> 1 | self.free.get(r + 1).map_or(0, |w| w & 1) << 63;
-                bits & !in_mag.get(r).copied().unwrap_or(0)
-            })
-            .collect();
-        let pages = crate::slots::placement(&avail, n);
+        let free = (1..=self.num_pages).filter(|&p| outside[p as usize / 64] >> (p % 64) & 1 == 1);
+        let pages = crate::slots::placement(free, n);
         for &page in &pages {
             self.free[page as usize / 64] &= !(1u64 << (page % 64));
         }

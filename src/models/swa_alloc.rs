@@ -317,11 +317,8 @@ impl SwaModel {
         self.full = full;
         // The k-th fresh full page (in the order the full pool hands them out) gets
         // the k-th window page the window pool's claim hands out (the same placement).
-        let mut words = vec![0u64; (self.window_free.len() - 1).div_ceil(64)];
-        for (w, _) in self.window_free.iter().enumerate().skip(1).filter(|(_, &f)| f) {
-            words[(w - 1) / 64] |= 1 << ((w - 1) % 64);
-        }
-        for (&p, w) in a.pages.iter().zip(crate::slots::placement(&words, n)) {
+        let free = (1..self.window_free.len()).filter(|&w| self.window_free[w]).map(|w| w as u32);
+        for (&p, w) in a.pages.iter().zip(crate::slots::placement(free, n)) {
             self.window_free[w as usize] = false;
             debug_assert_eq!(self.map[p as usize], 0, "a fresh full page {p} had a window page");
             self.map[p as usize] = w;

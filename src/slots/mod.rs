@@ -1818,12 +1818,19 @@ fn ones(v: u64) -> usize {
 }
 
 /// The indices a single thread's claim of `n` takes from a pool whose free indices
-/// are `words` (bit `b` of word `r` is index `64r + b + 1`), for the sequential models
-/// and reference pools: words in ascending order, the lowest bits of each, but while
-/// 64 or more are still needed a sparse word is passed over, and taken in a second
-/// pass if the first comes up short ("Placement"). `n` must not exceed the free count.
-pub(crate) fn placement(words: &[u64], n: usize) -> Vec<u32> {
-    let mut words = words.to_vec();
+/// (`1..`, any order) are `free`, for the sequential models and reference pools: words
+/// in ascending order, the lowest bits of each, but while 64 or more are still needed
+/// a sparse word is passed over, and taken in a second pass if the first comes up
+/// short ("Placement"). `n` must not exceed the free count.
+pub(crate) fn placement(free: impl IntoIterator<Item = u32>, n: usize) -> Vec<u32> {
+    let mut words = Vec::<u64>::new();
+    for i in free {
+        let (w, b) = ((i - 1) as usize / BITS, (i - 1) as usize % BITS);
+        if w >= words.len() {
+            words.resize(w + 1, 0);
+        }
+        words[w] |= 1 << b;
+    }
     let mut out = Vec::with_capacity(n);
     for picky in [true, false] {
         for (r, bits) in words.iter_mut().enumerate() {

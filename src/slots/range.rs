@@ -184,12 +184,11 @@ impl FreeGroup<'_> {
                 let index = if first == 0 { 0 } else { (pool.capacity as u64 + 1).min(last) as u32 };
                 let kind = FreeErrorKind::OutOfRange { first: 1, last: pool.capacity };
                 // The words before this range stay freed.
-                if word != usize::MAX && !flush(word, bits, &mut acc, &mut error) {
+                if word != usize::MAX {
+                    flush(word, bits, &mut acc, &mut error);
                     word = usize::MAX;
-                    break;
                 }
-                word = usize::MAX;
-                error = Some(FreeError { index, kind, rest_freed: acc.freed > 0 });
+                error = error.or(Some(FreeError { index, kind, rest_freed: acc.freed > 0 }));
                 break;
             }
             for (w, m) in words_of(first, count) {

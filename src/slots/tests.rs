@@ -223,20 +223,10 @@ impl Rng {
     }
 }
 
-/// What a single thread's claim of `n` takes from the free set `free` (see "Placement"
-/// in the module docs).
-fn placement_model(free: &std::collections::BTreeSet<u32>, n: usize) -> Vec<u32> {
-    let mut words = vec![0u64; 1 + free.last().map_or(0, |&i| (i as usize - 1) / 64)];
-    for &i in free {
-        words[(i as usize - 1) / 64] |= 1 << ((i - 1) % 64);
-    }
-    placement(&words, n)
-}
-
 /// Random allocs and frees — runs of consecutive indices, scattered ones, duplicates,
 /// freed and out-of-range ones, batches with more runs than the stack buffer holds —
 /// against a sorted-set model: lowest-first order but for the placement of large
-/// claims ([`placement_model`]), the error and its index, and that a refused free
+/// claims (`placement`), the error and its index, and that a refused free
 /// changes nothing.
 #[test]
 fn free_paths_match_a_sequential_model() {
@@ -258,7 +248,7 @@ fn free_paths_match_a_sequential_model() {
                 let mut out = vec![0u32; n];
                 match pool.alloc(&mut out) {
                     Ok(()) => {
-                        let want = placement_model(&free, n);
+                        let want = placement(free.iter().copied(), n);
                         assert_eq!(out, want, "seed {seed} step {step}: not the lowest free, ascending");
                         for i in &out {
                             free.remove(i);
