@@ -65,6 +65,67 @@ impl ReqRow {
     }
 }
 
+/// Most run breaks a row remembers (see [`Breaks`]).
+pub(crate) const ROW_BREAKS: usize = 16;
+
+/// Where the slots of a row's expansion stop being consecutive, as the allocator
+/// reported them while claiming ([`KvAllocator::alloc_extend_runs`]): every position `p`
+/// in `shaped.0 + 1..known` with `slot[p] != slot[p - 1] + 1` is in `at[..n]`
+/// (ascending), and no other. From `known` on nothing is recorded: more breaks than
+/// fit, or an allocator that does not report them.
+///
+/// [`KvAllocator::alloc_extend_runs`]: crate::KvAllocator::alloc_extend_runs
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Breaks {
+    known: u32,
+    n: u32,
+    at: [u32; ROW_BREAKS],
+}
+
+impl Breaks {
+    /// Nothing known from position `known` on.
+    const fn none(known: u32) -> Self {
+        Breaks { known, n: 0, at: [0; ROW_BREAKS] }
+    }
+
+    /// Positions up to here (exclusive) have their breaks recorded.
+    pub(crate) fn known(&self) -> usize {
+        self.known as usize
+    }
+
+    /// The recorded breaks, ascending.
+    pub(crate) fn at(&self) -> &[u32] {
+        &self.at[..self.n as usize]
+    }
+
+    /// Record the breaks `new` (ascending, at or above `known`), then know up to `end`:
+    /// or only up to the first break that does not fit.
+    fn extend(&mut self, new: impl IntoIterator<Item = u32>, end: u32) {
+        for p in new {
+            if self.n as usize == ROW_BREAKS {
+                self.known = p;
+                return;
+            }
+            self.at[self.n as usize] = p;
+            self.n += 1;
+        }
+        self.known = end;
+    }
+}
+
+/// What the allocator wrote into a row and nobody has written over since: the
+/// positions (`shaped`) and where their runs of consecutive slots break.
+#[derive(Clone, Debug)]
+pub(crate) struct Expansion {
+    pub(crate) shaped: core::ops::Range<usize>,
+    pub(crate) breaks: Breaks,
+}
+
+impl Expansion {
+    /// Nothing vouched for (every position is checked slot by slot).
+    pub(crate) const NONE: Expansion = Expansion { shaped: 0..0, breaks: Breaks::none(0) };
+}
+
 /// `size` request rows of `max_context_len` KV slots each.
 ///
 /// # Examples
@@ -84,12 +145,16 @@ impl ReqRow {
 pub struct ReqToTokenPool {
     rows: SlotPool,
     table: Box<[UnsafeCell<u32>]>,
+    /// Per row: where the runs of its expansion (`ReqRow::shaped`) break, meaningful
+    /// only while that interval is not empty (every fill that sets it writes this).
+    breaks: Box<[UnsafeCell<Breaks>]>,
     max_context_len: usize,
     generation: u64,
 }
 
-// SAFETY: the table's cells are only reached through a unique `ReqRow` for their row
-// (see the module docs); every other field is atomic or immutable.
+// SAFETY: the table's cells and a row's run breaks are only reached through a unique
+// `ReqRow` for their row (see the module docs); every other field is atomic or
+// immutable.
 unsafe impl Sync for ReqToTokenPool {}
 // SAFETY: the pool owns its table; nothing in it is tied to a thread.
 unsafe impl Send for ReqToTokenPool {}
@@ -111,11 +176,16 @@ impl ReqToTokenPool {
         )?;
         let table =
             crate::arena::try_vec_with(cells, "the request-row table", |_| UnsafeCell::new(0))?.into_boxed_slice();
+        let breaks = crate::arena::try_vec_with(size as usize, "the request rows' run breaks", |_| {
+            UnsafeCell::new(Breaks::none(0))
+        })?
+        .into_boxed_slice();
         // Rows stay lowest-first (no magazines): a row is one index per request, where a
         // magazine saves nothing worth the changed order.
         Ok(ReqToTokenPool {
             rows: SlotPool::without_magazines(size),
             table,
+            breaks,
             max_context_len,
             generation: next_generation(),
         })
@@ -241,14 +311,19 @@ impl ReqToTokenPool {
     /// success the row remembers that these positions hold the expansion's whole pages
     /// (see [`shaped`](Self::shaped)); on error what `fill` wrote stays, unmarked.
     ///
-    /// `fill` gets `(prefix, seq, last_loc, out)`, the lengths as `u32` (a row longer
-    /// than `u32` positions is refused with [`InvalidInput::OutOfBounds`]).
+    /// `fill` gets `(prefix, seq, last_loc, out, breaks)`, the lengths as `u32` (a row
+    /// longer than `u32` positions is refused with [`InvalidInput::OutOfBounds`]), and
+    /// returns whether it called `breaks(p)` for every position `p` of `out` where the
+    /// slots stop being consecutive ([`KvAllocator::alloc_extend_runs`]); the row then
+    /// remembers them too ([`expansion`](Self::expansion)).
+    ///
+    /// [`KvAllocator::alloc_extend_runs`]: crate::KvAllocator::alloc_extend_runs
     pub(crate) fn fill_extension<E: From<RowError> + From<InvalidInput>>(
         &self,
         row: &mut ReqRow,
         prefix: usize,
         seq: usize,
-        fill: impl FnOnce(u32, u32, u32, &mut [u32]) -> Result<(), E>,
+        fill: impl FnOnce(u32, u32, u32, &mut [u32], &mut dyn FnMut(usize)) -> Result<bool, E>,
     ) -> Result<(), E> {
         let (Ok(prefix32), Ok(seq32)) = (u32::try_from(prefix), u32::try_from(seq)) else {
             let (what, len) = ("token positions (u32)", u32::MAX as usize);
@@ -259,13 +334,50 @@ impl ReqToTokenPool {
             None => 0,
         };
         let before = row.shaped;
+        let before_breaks = self.expansion(row).breaks;
         let out = self.read_mut(row, prefix..seq.max(prefix))?;
-        fill(prefix32, seq32, last_loc, out)?;
+        // The reported breaks, in row positions; past `ROW_BREAKS`, only the first
+        // that does not fit matters (nothing is known from there on).
+        let (mut new, mut n, mut past) = ([0u32; ROW_BREAKS], 0, None);
+        let reported = fill(prefix32, seq32, last_loc, out, &mut |p| {
+            let p = prefix32 + p as u32;
+            if n < ROW_BREAKS {
+                new[n] = p;
+                n += 1;
+            } else if past.is_none() {
+                past = Some(p);
+            }
+        })?;
+        let first = out.first().copied();
         // Extending the expansion the row ended with keeps one interval (`read_mut`
-        // from its end left it in place).
-        row.shaped =
-            if before.0 < before.1 && before.1 as usize == prefix { (before.0, seq32) } else { (prefix32, seq32) };
+        // from its end left it in place), and its breaks, with one more where the new
+        // slots do not continue the row's last.
+        let extend = before.0 < before.1 && before.1 as usize == prefix;
+        let mut breaks = if extend { before_breaks } else { Breaks::none(prefix32) };
+        if reported && breaks.known == prefix32 {
+            let joint = extend && first.is_some_and(|f| f != last_loc.wrapping_add(1));
+            let new = joint.then_some(prefix32).into_iter().chain(new[..n].iter().copied()).chain(past);
+            breaks.extend(new, seq32);
+        }
+        row.shaped = if extend { (before.0, seq32) } else { (prefix32, seq32) };
+        // SAFETY: `&mut ReqRow` of this pool (`read_mut` checked) is the unique right to
+        // its row's cells, this one included (module docs).
+        unsafe { *self.breaks[row.index()].get() = breaks };
         Ok(())
+    }
+
+    /// What the allocator wrote into `row` and nobody has written over since
+    /// ([`fill_extension`](Self::fill_extension)): [`shaped`](Self::shaped), and the
+    /// breaks between its runs as far as they were reported.
+    /// Nothing is vouched for in another pool's row.
+    pub(crate) fn expansion(&self, row: &ReqRow) -> Expansion {
+        let shaped = Self::shaped(row);
+        if shaped.is_empty() || self.own(row).is_err() {
+            return Expansion::NONE;
+        }
+        // SAFETY: a shared borrow of this pool's unique handle for the row: nobody
+        // writes the row's cells meanwhile (module docs).
+        Expansion { shaped, breaks: unsafe { *self.breaks[row.index()].get() } }
     }
 
     /// The positions of `row` that hold an allocator's expansion, unchanged since

@@ -8,7 +8,7 @@
 //!
 //! | model                                  | what it proves                                          |
 //! |----------------------------------------|---------------------------------------------------------|
-//! | `extend_and_decode_race_with_free`     | page size 4: the pages of racing extend and decode are distinct, their slots follow the three-part formula, the freed page is reused safely, counts add up |
+//! | `extend_and_decode_race_with_free`     | page size 4: the pages of racing extend and decode are distinct, their slots follow the three-part formula (and the extend reports exactly where they stop being consecutive), the freed page is reused safely, counts add up |
 //! | `decode_races_alloc_and_group_free`    | page size 3 (not a power of two): a decode batch that fills a partial page and opens a new one, racing a plain alloc and a free group |
 
 mod loom_common;
@@ -67,11 +67,15 @@ fn extend_and_decode_race_with_free() {
             let (alloc, owners) = (Arc::clone(&alloc), Arc::clone(&owners));
             thread::spawn(move || {
                 let mut out = [u32::MAX; 5];
-                match alloc.alloc_extend(&[2], &[7], &[5], &mut out) {
+                // The call that also reports where the slots stop being consecutive.
+                let mut breaks = Vec::new();
+                match alloc.alloc_extend_runs(2, 7, 5, &mut out, &mut |p| breaks.push(p)) {
                     Ok(()) => {
                         let page = out[2] / 4;
                         assert!(page == 2 || page == 3, "{out:?}");
                         assert_eq!(out, [6, 7, page * 4, page * 4 + 1, page * 4 + 2]);
+                        // Page 2 continues slot 7; page 3 does not.
+                        assert_eq!(breaks, if page == 2 { vec![] } else { vec![2] }, "{out:?}");
                         owners.claim(page, 1);
                         Some(page)
                     }

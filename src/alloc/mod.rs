@@ -57,6 +57,30 @@ pub trait KvAllocator: Send + Sync {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError>;
+    /// [`alloc_extend`](Self::alloc_extend) for one request, also reporting where the
+    /// slots it writes stop being consecutive: `breaks(p)` for every position `p >= 1`
+    /// of `out`, ascending, with `out[p] != out[p - 1] + 1`. Returns whether it reported
+    /// them; what was reported counts only on success.
+    ///
+    /// A prefix cache uses the report to cut a request's slots into runs without
+    /// reading them back ([`RadixCache::alloc_extend_row`](crate::radix::RadixCache::alloc_extend_row)).
+    /// The default reports nothing and returns `false`; kvpool's allocators report
+    /// one call per run, found while claiming (see [`PagedAllocator::alloc_extend_runs`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend); nothing changes on error.
+    fn alloc_extend_runs(
+        &self,
+        prefix_len: u32,
+        seq_len: u32,
+        last_loc: u32,
+        out: &mut [u32],
+        breaks: &mut dyn FnMut(usize),
+    ) -> Result<bool, AllocError> {
+        let _ = breaks;
+        self.alloc_extend(&[prefix_len], &[seq_len], &[last_loc], out).map(|()| false)
+    }
     /// Allocate one slot per request of a decode batch; see [`PagedAllocator::alloc_decode`].
     ///
     /// # Errors
@@ -343,6 +367,64 @@ impl PagedAllocator {
         self.reserve_and_expand(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len())
     }
 
+    /// [`alloc_extend`](Self::alloc_extend) for one request (`prefix_len..seq_len`,
+    /// after the prefix's last slot `last_loc`), also calling `breaks(p)` for every
+    /// position `p` of `out`, ascending, where the slots stop being consecutive
+    /// (`out[p] != out[p - 1] + 1`). The runs are found while claiming the pages (one
+    /// call per run, never a pass over the slots), so a prefix cache can cut the
+    /// request into runs without reading its slots back.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc_extend`](Self::alloc_extend); nothing changes and nothing is reported
+    /// on error.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let alloc = kvpool::PagedAllocator::new(64, 4)?;
+    /// let mut held = [0u32; 4];
+    /// alloc.alloc(&mut held)?;            // page 1 (slots 4..8)
+    /// let mut gap = [0u32; 4];
+    /// alloc.alloc(&mut gap)?;             // page 2
+    /// alloc.free(&held)?;                 // page 1 is free again, page 2 is not
+    /// let (mut out, mut at) = ([0u32; 10], Vec::new());
+    /// alloc.alloc_extend_runs(0, 10, 0, &mut out, &mut |p| at.push(p))?;
+    /// assert_eq!(out, [4, 5, 6, 7, 12, 13, 14, 15, 16, 17]); // pages 1, 3, 4
+    /// assert_eq!(at, [4]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn alloc_extend_runs(
+        &self,
+        prefix_len: u32,
+        seq_len: u32,
+        last_loc: u32,
+        out: &mut [u32],
+        breaks: &mut dyn FnMut(usize),
+    ) -> Result<(), AllocError> {
+        let plan = plan_extend(self.page_size, &[prefix_len], &[seq_len])?;
+        self.check_batch(plan, 1, &[last_loc], out, |_| (prefix_len, seq_len))?;
+        let ps = u64::from(self.page_size);
+        if plan.new_pages > 0 {
+            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
+            // The new tokens first fill the prefix's last page (`p1` slots after
+            // `last_loc`), then whole pages: page `j` of the claim lands at `p1 + j * ps`.
+            let (prefix, seq) = (u64::from(prefix_len), u64::from(seq_len));
+            let p1 = (seq.min(prefix.div_ceil(ps) * ps) - prefix) as usize;
+            let after = u64::from(last_loc) + p1 as u64 + 1;
+            self.pages.claim_runs(&mut out[..plan.new_pages], |j, page| {
+                if j > 0 {
+                    breaks(p1 + j * ps as usize);
+                } else if p1 > 0 && u64::from(page) * ps != after {
+                    breaks(p1);
+                }
+            });
+        }
+        expand::expand_in_place(self.page_size, 1, |_| (prefix_len, seq_len, last_loc), plan.new_pages, out);
+        crate::debug_check(self);
+        Ok(())
+    }
+
     /// Allocate one slot per request of a decode batch; `seq_lens[i]` counts the new
     /// token, so request `i` needs a fresh page exactly when its new token starts one.
     ///
@@ -453,6 +535,16 @@ impl KvAllocator for PagedAllocator {
         out: &mut [u32],
     ) -> Result<(), AllocError> {
         PagedAllocator::alloc_extend(self, prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_extend_runs(
+        &self,
+        prefix_len: u32,
+        seq_len: u32,
+        last_loc: u32,
+        out: &mut [u32],
+        breaks: &mut dyn FnMut(usize),
+    ) -> Result<bool, AllocError> {
+        PagedAllocator::alloc_extend_runs(self, prefix_len, seq_len, last_loc, out, breaks).map(|()| true)
     }
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         PagedAllocator::alloc_decode(self, seq_lens, last_locs, out)
@@ -668,6 +760,16 @@ impl KvAllocator for TokenAllocator {
         out: &mut [u32],
     ) -> Result<(), AllocError> {
         self.0.alloc_extend(prefix_lens, seq_lens, last_locs, out)
+    }
+    fn alloc_extend_runs(
+        &self,
+        prefix_len: u32,
+        seq_len: u32,
+        last_loc: u32,
+        out: &mut [u32],
+        breaks: &mut dyn FnMut(usize),
+    ) -> Result<bool, AllocError> {
+        self.0.alloc_extend_runs(prefix_len, seq_len, last_loc, out, breaks).map(|()| true)
     }
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         self.0.alloc_decode(seq_lens, last_locs, out)

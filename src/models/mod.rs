@@ -997,7 +997,17 @@ impl<A: KvAllocator> Subject for Kv<A> {
         Ok(one[0])
     }
     fn alloc_extend(&self, prefix: &[u32], seq: &[u32], last: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.alloc_extend(prefix, seq, last, out)
+        let ([p], [s], [l]) = (prefix, seq, last) else {
+            return self.0.alloc_extend(prefix, seq, last, out);
+        };
+        // One request: through the call that also reports where the runs break, which
+        // must be exactly where the slots it wrote stop being consecutive.
+        let mut reported = Vec::new();
+        if self.0.alloc_extend_runs(*p, *s, *l, out, &mut |at| reported.push(at))? {
+            let breaks: Vec<usize> = (1..out.len()).filter(|&i| out[i] != out[i - 1].wrapping_add(1)).collect();
+            assert_eq!(reported, breaks, "alloc_extend_runs({p}, {s}, {l}) reported other breaks than {out:?} has");
+        }
+        Ok(())
     }
     fn alloc_decode(&self, seq: &[u32], last: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         self.0.alloc_decode(seq, last, out)

@@ -1196,13 +1196,24 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
+        self.room_to_extend(prefix_lens, seq_lens, last_locs, out.len())?;
+        self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+    }
+
+    /// Check an extend batch's shape and evict its shortfall.
+    fn room_to_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out_len: usize,
+    ) -> Result<(), InvalidInput> {
         let plan = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?;
-        let need = plan.new_pages * self.ps;
-        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), plan.new_tokens, |i| {
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out_len, plan.new_tokens, |i| {
             (prefix_lens[i], seq_lens[i])
         })?;
-        self.make_room(need);
-        self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+        self.make_room(plan.new_pages * self.ps);
+        Ok(())
     }
 
     /// [`alloc_extend`](Self::alloc_extend) for one request, writing the new slots
@@ -1215,9 +1226,13 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// [`cache_finished_req`](Self::cache_finished_req) and
     /// [`cache_unfinished_req`](Self::cache_unfinished_req) check those positions'
     /// page shape by their pages' first slots only (at page size 16, a sixteenth of
-    /// the reads). Every other position of the row is checked slot by slot as before;
-    /// any [`ReqToTokenPool::write`] or [`read_mut`](ReqToTokenPool::read_mut) from a
-    /// position below the expansion's end makes the row forget it.
+    /// the reads). With kvpool's allocators it also remembers where the slots stop
+    /// being consecutive, as the claim found it ([`KvAllocator::alloc_extend_runs`];
+    /// up to 16 such breaks per row, the rest is read): there the finish reads only
+    /// each run's first slot, at any page size. Every other position of the row is
+    /// checked slot by slot as before; any [`ReqToTokenPool::write`] or
+    /// [`read_mut`](ReqToTokenPool::read_mut) from a position below the expansion's end
+    /// makes the row forget it.
     ///
     /// # Examples
     ///
@@ -1244,8 +1259,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// `prefix_len..seq_len` is past the row's end or the row is another pool's.
     /// Nothing is allocated on error.
     pub fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
-        self.req_pool.fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out| {
-            self.alloc_extend(&[prefix], &[seq], &[last_loc], out)
+        self.req_pool.fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out, breaks| {
+            self.room_to_extend(&[prefix], &[seq], &[last_loc], out.len())?;
+            self.alloc.alloc_extend_runs(prefix, seq, last_loc, out, breaks).map_err(|e| self.with_evictable(e))
         })
     }
 
@@ -1455,7 +1471,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let kv = rows.read(row, 0..token_ids.len())?;
         // The row's page shape needs no latch (see `check_row_shape`): checked first,
         // reported where `prepare_request` reports it.
-        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), ReqToTokenPool::shaped(row));
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), &rows.expansion(row));
         let r = self.write(|w| {
             // Everything is checked (the variant's part, the leased prefix against the
             // tree, the pages to insert, the duplicates and the tail to free) before
@@ -1494,11 +1510,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let aligned = self.insert_len(aligned, protected, limit);
         // What the allocator wrote, noted before `read_mut` forgets it (the change below
         // writes the tree's slots over the cached prefix).
-        let expanded = ReqToTokenPool::shaped(row);
+        let expanded = rows.expansion(row);
         let vouched = vouched_prefix(row, &lease.key);
         let kv = rows.read_mut(row, 0..token_ids.len())?;
         // As in `finish`: the row's shape before the latch.
-        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), expanded);
+        let shape = self.check_row_shape(&kv[..aligned], protected.min(aligned), &expanded);
         let (key, r) = self.write(|w| {
             check(w)?;
             let key = &token_ids[..aligned];

@@ -599,6 +599,108 @@ fn alloc_extend_row_fills_the_row_as_alloc_extend_and_a_write_do() {
 }
 
 #[test]
+fn the_row_remembers_where_the_allocators_runs_break() {
+    // Fragmented pools (single pages held and freed at random), requests filled in one
+    // to three chunks (some ending mid-page). The row's recorded breaks are exactly the
+    // positions where its slots stop being consecutive, as far as it knows them: the
+    // whole expansion, or up to the first break past `ROW_BREAKS`. The finish then
+    // caches what a twin cache caches from the same slots written by hand (and so
+    // checked slot by slot).
+    use crate::req_to_token::ROW_BREAKS;
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let (mut overflowed, mut extended) = (0, 0);
+    for ps in [1u32, 2, 4, 16] {
+        let pages = 512usize;
+        let make = || {
+            let rows = ReqToTokenPool::new(2, pages * ps as usize).unwrap();
+            RadixCache::new(PagedAllocator::new(pages * ps as usize, ps).unwrap(), rows, RadixConfig::default())
+                .unwrap()
+        };
+        let (a, b) = (make(), make());
+        let mut held: Vec<(u32, u32)> = Vec::new();
+        for round in 0..120 {
+            // Hold and free single pages at random, in both pools alike.
+            for _ in 0..next(40) {
+                if next(3) > 0 || held.is_empty() {
+                    let (mut x, mut y) = (vec![0u32; ps as usize], vec![0u32; ps as usize]);
+                    if a.alloc(&mut x).is_ok() {
+                        b.alloc(&mut y).unwrap();
+                        assert_eq!(x, y);
+                        held.push((x[0], y[0]));
+                    }
+                } else {
+                    let (x, y) = held.swap_remove(next(held.len()));
+                    a.allocator().free(&[x]).unwrap();
+                    b.allocator().free(&[y]).unwrap();
+                }
+            }
+            let len = 1 + next(40 * ps as usize);
+            let key: Vec<u32> = (0..len).map(|_| 1 + next(3) as u32).collect();
+            let (mut ra, mut rb) = (a.req_pool().alloc().unwrap(), b.req_pool().alloc().unwrap());
+            let la = a.match_and_lock_row(0, &key, &mut ra).unwrap();
+            let mut kv = vec![0u32; len];
+            let lb = b.match_and_lock(0, &key, &mut kv);
+            let hit = la.len();
+            assert_eq!(hit, lb.len());
+            b.req_pool().write(&mut rb, 0, &kv[..hit]).unwrap();
+            let mut cuts = vec![hit, len];
+            for _ in 0..next(3) {
+                cuts.push(hit + next(len - hit + 1));
+            }
+            cuts.sort_unstable();
+            let mut filled = hit;
+            for w in cuts.windows(2) {
+                let (p, q) = (w[0], w[1]);
+                let last = if p > 0 { kv[p - 1] } else { 0 };
+                let got = a.alloc_extend_row(&mut ra, p, q);
+                let want = b.alloc_extend(&[p as u32], &[q as u32], &[last], &mut kv[p..q]);
+                assert_eq!(got.is_ok(), want.is_ok(), "ps {ps}, round {round}");
+                if want.is_err() {
+                    break;
+                }
+                b.req_pool().write(&mut rb, p, &kv[p..q]).unwrap();
+                extended += usize::from(p > hit && p < q);
+                filled = q;
+            }
+            if filled < len {
+                // Out of memory: give back what was allocated.
+                for (c, row, lease) in [(&a, ra, la), (&b, rb, lb)] {
+                    c.allocator().free(&kv[hit..filled]).unwrap();
+                    drop(lease);
+                    c.req_pool().free(row).unwrap();
+                }
+                continue;
+            }
+            let row = a.req_pool().read(&ra, 0..len).unwrap();
+            assert_eq!(row, &kv[..], "ps {ps}, round {round}");
+            let e = a.req_pool().expansion(&ra);
+            assert_eq!(e.shaped, if hit < len { hit..len } else { 0..0 });
+            let all: Vec<u32> =
+                (hit + 1..len).filter(|&p| row[p] != row[p - 1].wrapping_add(1)).map(|p| p as u32).collect();
+            if all.len() > ROW_BREAKS {
+                overflowed += 1;
+                assert_eq!(e.breaks.at(), &all[..ROW_BREAKS], "ps {ps}, round {round}");
+                assert_eq!(e.breaks.known(), all[ROW_BREAKS] as usize, "ps {ps}, round {round}");
+            } else if hit < len {
+                assert_eq!(e.breaks.at(), &all[..], "ps {ps}, round {round}: {row:?}");
+                assert_eq!(e.breaks.known(), len, "ps {ps}, round {round}");
+            }
+            let ca = a.cache_finished_req(0, &key, ra, la, 0).map_err(|e| e.error).unwrap();
+            let cb = b.cache_finished_req(0, &key, rb, lb, 0).map_err(|e| e.error).unwrap();
+            assert_eq!((ca, snapshot(&a)), (cb, snapshot(&b)), "ps {ps}, round {round}");
+        }
+    }
+    // Both the overflow and the chunk joints were reached.
+    assert!(overflowed > 0 && extended > 0, "overflowed {overflowed}, extended {extended}");
+}
+
+#[test]
 fn alloc_extend_row_errors_change_nothing() {
     let c = paged_cache(64, 4);
     let mut row = c.req_pool().alloc().unwrap();
@@ -686,7 +788,7 @@ fn shape_run_agrees_with_a_full_scan_on_page_shaped_rows() {
             for t1 in (t0..=pages).map(|p| p * ps) {
                 for i in (0..pages).map(|p| p * ps) {
                     let want = ascending_len(&row[i..], row[i]);
-                    assert_eq!(shape_run(&row, i, ps, t0..t1), want, "row {row:?}, trusted {t0}..{t1}, at {i}");
+                    assert_eq!(shape_run(&row, i, 0, ps, t0..t1), want, "row {row:?}, trusted {t0}..{t1}, at {i}");
                 }
             }
         }

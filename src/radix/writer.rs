@@ -12,6 +12,7 @@ use super::{
 };
 use crate::alloc::KvAllocator;
 use crate::error::{InvalidInput, InvariantViolation};
+use crate::req_to_token::Expansion;
 use crate::slots::{ascending_from, bit_ends, bit_words};
 use crate::sync::atomic::{fence, AtomicU64, Ordering};
 
@@ -122,11 +123,12 @@ fn whole_pages_within(expanded: Range<usize>, ps: usize, len: usize) -> Range<us
 }
 
 /// How many slots of `slots` from `i` continue `slots[i]` one by one (as
-/// [`ascending_len`]), given that the whole pages at positions `trusted` are each in
-/// order already: there only the pages' first slots are compared.
-pub(super) fn shape_run(slots: &[u32], i: usize, ps: usize, trusted: Range<usize>) -> usize {
+/// [`ascending_len`]), given that the first `known` of them do, and that the whole
+/// pages at positions `trusted` are each in order already: there only the pages' first
+/// slots are compared.
+pub(super) fn shape_run(slots: &[u32], i: usize, known: usize, ps: usize, trusted: Range<usize>) -> usize {
     let s0 = slots[i];
-    let mut n = 0usize;
+    let mut n = known;
     loop {
         let at = i + n;
         if at >= slots.len() {
@@ -236,7 +238,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// the reads at page size 16); everything else is checked slot by slot.
     ///
     /// [`ReqToTokenPool::fill_extension`]: crate::ReqToTokenPool
-    pub(super) fn check_row_shape(&self, slots: &[u32], from: usize, expanded: Range<usize>) -> CheckedShape {
+    ///
+    /// Where the allocator also reported the breaks between the expansion's runs of
+    /// consecutive slots ([`KvAllocator::alloc_extend_runs`]), a run there is not read
+    /// at all: only its first slot, for the range check.
+    pub(super) fn check_row_shape(&self, slots: &[u32], from: usize, expanded: &Expansion) -> CheckedShape {
         let mut runs = RowRuns::default();
         let result = self.check_shape(slots, from, expanded, &mut runs);
         CheckedShape { runs, result }
@@ -249,11 +255,12 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         &self,
         slots: &[u32],
         from: usize,
-        expanded: Range<usize>,
+        expanded: &Expansion,
         runs: &mut RowRuns,
     ) -> Result<(), CacheError> {
         let ps = self.ps;
-        let trusted = whole_pages_within(expanded, ps, slots.len());
+        let trusted = whole_pages_within(expanded.shaped.clone(), ps, slots.len());
+        let (breaks, known) = (expanded.breaks.at(), expanded.breaks.known().min(slots.len()));
         if slots.len() % ps != 0 {
             return Err(InvalidInput::NotPageAligned { count: slots.len(), page_size: ps as u32 }.into());
         }
@@ -266,7 +273,17 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         runs.start(if from < slots.len() { slots[from..].as_ptr() as usize } else { 0 });
         while i < slots.len() {
             let s0 = slots[i];
-            let whole = shape_run(slots, i, ps, trusted.clone()) / ps * ps;
+            let whole = if (expanded.shaped.start..known).contains(&i) {
+                // Consecutive up to the next reported break, or at least to `known`.
+                let b = breaks.partition_point(|&b| b as usize <= i);
+                match breaks.get(b) {
+                    Some(&end) if (end as usize) < known => end as usize - i,
+                    _ => shape_run(slots, i, known - i, ps, trusted.clone()),
+                }
+            } else {
+                shape_run(slots, i, 0, ps, trusted.clone())
+            } / ps
+                * ps;
             let last = s0 as u64 + whole as u64 - 1;
             if whole == 0 || self.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
                 runs.clear();
@@ -776,7 +793,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
         }
-        self.c.check_shape(slots, from, 0..0, &mut self.s.row_runs)
+        self.c.check_shape(slots, from, &Expansion::NONE, &mut self.s.row_runs)
     }
 
     /// Mark the whole pages of `slots` (checked shape) as held by the tree, after checking

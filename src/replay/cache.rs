@@ -118,8 +118,8 @@ pub trait ReplayCache: Sync {
     ///
     /// [`AllocError`]; nothing is allocated on error.
     fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
-        self.req_pool().fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out| {
-            self.alloc_extend(&[prefix], &[seq], &[last_loc], out)
+        self.req_pool().fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out, _| {
+            self.alloc_extend(&[prefix], &[seq], &[last_loc], out).map(|()| false)
         })
     }
     /// The allocator's `alloc_decode` (see [`KvAllocator::alloc_decode`]).
@@ -397,6 +397,9 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
     ) -> Result<(usize, Lease<'_, A>), RowError> {
         let lease = RadixCache::match_and_lock_row(self, namespace, key, row)?;
         Ok((lease.len(), lease))
+    }
+    fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+        RadixCache::alloc_extend_row(self, row, prefix_len, seq_len)
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         RadixCache::peek_prefix(self, namespace, key, out)

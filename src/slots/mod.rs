@@ -990,6 +990,35 @@ impl SlotPool {
         self.claim_with(out.len(), |w, take| filled += write_indices(take, w, &mut out[filled..]));
     }
 
+    /// [`claim`](Self::claim), also telling `start(pos, index)` where each run of
+    /// consecutive indices in `out` starts: `out[pos] = index`, and `pos` is 0 or
+    /// `out[pos] != out[pos - 1] + 1`. Ascending in `pos`; one call per run, not per
+    /// index (a stretch of a word's claimed bits is one run, joined with the previous
+    /// word's last stretch when they meet).
+    pub(crate) fn claim_runs(&self, out: &mut [u32], mut start: impl FnMut(usize, u32)) {
+        let mut filled = 0;
+        // One past the last index written (0: nothing written; indices start at 1).
+        let mut next = 0u32;
+        self.claim_with(out.len(), |w, take| {
+            let base = (w * BITS + 1) as u32;
+            // The bits that start a stretch (their lower neighbour is not taken).
+            let mut starts = take & !(take << 1);
+            let low = starts.trailing_zeros();
+            if base + low != next {
+                start(filled, base + low);
+            }
+            starts &= starts - 1;
+            while starts != 0 {
+                let b = starts.trailing_zeros();
+                // The stretch's position: the taken bits below it come first.
+                start(filled + ones(take & ((1u64 << b) - 1)), base + b);
+                starts &= starts - 1;
+            }
+            next = base + (BITS - take.leading_zeros() as usize) as u32;
+            filled += write_indices(take, w, &mut out[filled..]);
+        });
+    }
+
     /// [`claim`](Self::claim) `n` bits, handing each word's claimed bits to `each`
     /// (word, bits) instead of writing indices (index `w * 64 + b + 1` is bit `b` of
     /// word `w`).
