@@ -364,7 +364,8 @@ impl PagedAllocator {
     ) -> Result<(), AllocError> {
         let plan = plan_extend(self.page_size, prefix_lens, seq_lens)?;
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (prefix_lens[i], seq_lens[i]))?;
-        self.reserve_and_expand(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len())
+        let req = |i| (prefix_lens[i], seq_lens[i], last_locs[i]);
+        self.reserve_and_expand(plan, out, req, seq_lens.len(), |pages| self.pages.claim(pages))
     }
 
     /// [`alloc_extend`](Self::alloc_extend) for one request (`prefix_len..seq_len`,
@@ -404,25 +405,22 @@ impl PagedAllocator {
     ) -> Result<(), AllocError> {
         let plan = plan_extend(self.page_size, &[prefix_len], &[seq_len])?;
         self.check_batch(plan, 1, &[last_loc], out, |_| (prefix_len, seq_len))?;
+        // The new tokens first fill the prefix's last page (`p1` slots after
+        // `last_loc`), then whole pages: page `j` of the claim lands at `p1 + j * ps`.
         let ps = u64::from(self.page_size);
-        if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-            // The new tokens first fill the prefix's last page (`p1` slots after
-            // `last_loc`), then whole pages: page `j` of the claim lands at `p1 + j * ps`.
-            let (prefix, seq) = (u64::from(prefix_len), u64::from(seq_len));
-            let p1 = (seq.min(prefix.div_ceil(ps) * ps) - prefix) as usize;
-            let after = u64::from(last_loc) + p1 as u64 + 1;
-            self.pages.claim_runs(&mut out[..plan.new_pages], |j, page| {
+        let (prefix, seq) = (u64::from(prefix_len), u64::from(seq_len));
+        let p1 = (seq.min(prefix.div_ceil(ps) * ps) - prefix) as usize;
+        let after = u64::from(last_loc) + p1 as u64 + 1;
+        let claim = |pages: &mut [u32]| {
+            self.pages.claim_runs(pages, |j, page| {
                 if j > 0 {
                     breaks(p1 + j * ps as usize);
                 } else if p1 > 0 && u64::from(page) * ps != after {
                     breaks(p1);
                 }
-            });
-        }
-        expand::expand_in_place(self.page_size, 1, |_| (prefix_len, seq_len, last_loc), plan.new_pages, out);
-        crate::debug_check(self);
-        Ok(())
+            })
+        };
+        self.reserve_and_expand(plan, out, |_| (prefix_len, seq_len, last_loc), 1, claim)
     }
 
     /// Allocate one slot per request of a decode batch; `seq_lens[i]` counts the new
@@ -434,7 +432,8 @@ impl PagedAllocator {
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let plan = plan_decode(self.page_size, seq_lens)?;
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
-        self.reserve_and_expand(plan, out, |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), seq_lens.len())
+        let req = |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]);
+        self.reserve_and_expand(plan, out, req, seq_lens.len(), |pages| self.pages.claim(pages))
     }
 
     /// Shapes, and every `last_loc` that part 1 will read.
@@ -452,19 +451,21 @@ impl PagedAllocator {
         check_batch_shape(self, batch, last_locs, out.len(), plan.new_tokens, req)
     }
 
+    /// Reserve the batch's new pages, `claim` them into `out`'s front, expand.
     fn reserve_and_expand<R>(
         &self,
         plan: expand::BatchPlan,
         out: &mut [u32],
         req: R,
         batch: usize,
+        claim: impl FnOnce(&mut [u32]),
     ) -> Result<(), AllocError>
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
         if plan.new_pages > 0 {
             self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-            self.pages.claim(&mut out[..plan.new_pages]);
+            claim(&mut out[..plan.new_pages]);
         }
         expand::expand_in_place(self.page_size, batch, req, plan.new_pages, out);
         crate::debug_check(self);
