@@ -75,6 +75,64 @@ proptest! {
         }
     }
 
+    /// Long single-request extends on large fragmented pools: stretches of many whole
+    /// words, runs that continue across words, a prefix's partial page and a last page
+    /// cut short. `alloc_extend_runs` (filled straight from the claim) writes exactly
+    /// what `alloc_extend` writes on a twin pool in the same state, reports exactly the
+    /// breaks of what it wrote, and leaves the pool as the twin.
+    #[test]
+    fn long_single_extends_write_what_the_batch_call_writes(
+        page_size in prop::sample::select(vec![1u32, 2, 3, 16, 64]),
+        blocks in vec((1u32..400, any::<bool>()), 1..40),
+        extends in vec((0u32..200, 1u32..9000), 1..10),
+    ) {
+        let size = (8192 * page_size) as usize;
+        let ps = page_size as usize;
+        let (runs, twin) = (PagedAllocator::new(size, page_size).unwrap(), PagedAllocator::new(size, page_size).unwrap());
+        // Fragment both alike: allocate blocks of pages, free the ones not kept.
+        for &(pages, keep) in &blocks {
+            let (mut a, mut b) = (vec![0u32; pages as usize * ps], vec![0u32; pages as usize * ps]);
+            if runs.alloc(&mut a).is_err() {
+                break;
+            }
+            twin.alloc(&mut b).unwrap();
+            prop_assert_eq!(&a, &b);
+            if !keep {
+                runs.free(&a).unwrap();
+                twin.free(&b).unwrap();
+            }
+        }
+        for &(prefix, len) in &extends {
+            // A prefix ending inside a page needs that page allocated: take a fresh one.
+            let last_loc = if prefix as usize % ps == 0 {
+                0
+            } else {
+                let (mut a, mut b) = (vec![0u32; ps], vec![0u32; ps]);
+                if runs.alloc(&mut a).is_err() {
+                    break;
+                }
+                twin.alloc(&mut b).unwrap();
+                prop_assert_eq!(&a, &b);
+                a[prefix as usize % ps - 1]
+            };
+            let seq = prefix + len;
+            let (mut a, mut b) = (vec![0u32; len as usize], vec![0u32; len as usize]);
+            let mut reported = Vec::new();
+            let ra = runs.alloc_extend_runs(prefix, seq, last_loc, &mut a, &mut |p| reported.push(p));
+            let rb = twin.alloc_extend(&[prefix], &[seq], &[last_loc], &mut b);
+            prop_assert_eq!(&ra, &rb);
+            prop_assert_eq!(&a, &b, "prefix {}, seq {}, last_loc {}", prefix, seq, last_loc);
+            if ra.is_ok() {
+                let breaks: Vec<usize> = (1..a.len()).filter(|&i| a[i] != a[i - 1].wrapping_add(1)).collect();
+                prop_assert_eq!(&reported, &breaks);
+            } else {
+                prop_assert!(reported.is_empty());
+            }
+            prop_assert_eq!(runs.available_size(), twin.available_size());
+            prop_assert!(runs.check_invariants().is_ok());
+        }
+    }
+
     /// The fuzz target's input type, so a fuzz crash can be replayed here too.
     #[test]
     fn scenarios_match_model(bytes in vec(any::<u8>(), 0..MAX_BYTES)) {

@@ -227,7 +227,7 @@ pub fn expand_decode(
 /// `out` holds the slots. Inputs are already validated.
 /// `out[k] = base + k`.
 #[inline]
-fn fill_ascending(out: &mut [u32], base: u32) {
+pub(crate) fn fill_ascending(out: &mut [u32], base: u32) {
     for (k, o) in out.iter_mut().enumerate() {
         *o = base.wrapping_add(k as u32);
     }

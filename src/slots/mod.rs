@@ -990,32 +990,23 @@ impl SlotPool {
         self.claim_with(out.len(), |w, take| filled += write_indices(take, w, &mut out[filled..]));
     }
 
-    /// [`claim`](Self::claim), also telling `start(pos, index)` where each run of
-    /// consecutive indices in `out` starts: `out[pos] = index`, and `pos` is 0 or
-    /// `out[pos] != out[pos - 1] + 1`. Ascending in `pos`; one call per run, not per
-    /// index (a stretch of a word's claimed bits is one run, joined with the previous
-    /// word's last stretch when they meet).
-    pub(crate) fn claim_runs(&self, out: &mut [u32], mut start: impl FnMut(usize, u32)) {
-        let mut filled = 0;
-        // One past the last index written (0: nothing written; indices start at 1).
-        let mut next = 0u32;
-        self.claim_with(out.len(), |w, take| {
+    /// [`claim`](Self::claim) `n` indices, handing them to `each(first, count)` as
+    /// stretches of consecutive indices (`first..first + count`) instead of writing
+    /// them: one call per stretch of a word's claimed bits, in claim order (what
+    /// `claim` would write, in order). Two calls in a row may continue each other
+    /// (across a word boundary).
+    #[inline]
+    pub(crate) fn claim_stretches(&self, n: usize, mut each: impl FnMut(u32, usize)) {
+        self.claim_with(n, |w, take| {
             let base = (w * BITS + 1) as u32;
-            // The bits that start a stretch (their lower neighbour is not taken).
-            let mut starts = take & !(take << 1);
-            let low = starts.trailing_zeros();
-            if base + low != next {
-                start(filled, base + low);
+            let mut t = take;
+            while t != 0 {
+                let b = t.trailing_zeros();
+                let count = (!(t >> b)).trailing_zeros();
+                each(base + b, count as usize);
+                let end = b + count;
+                t = if end >= BITS as u32 { 0 } else { t & (!0u64 << end) };
             }
-            starts &= starts - 1;
-            while starts != 0 {
-                let b = starts.trailing_zeros();
-                // The stretch's position: the taken bits below it come first.
-                start(filled + ones(take & ((1u64 << b) - 1)), base + b);
-                starts &= starts - 1;
-            }
-            next = base + (BITS - take.leading_zeros() as usize) as u32;
-            filled += write_indices(take, w, &mut out[filled..]);
         });
     }
 
