@@ -75,61 +75,86 @@ proptest! {
         }
     }
 
-    /// Long single-request extends on large fragmented pools: stretches of many whole
-    /// words, runs that continue across words, a prefix's partial page and a last page
-    /// cut short. `alloc_extend_runs` (filled straight from the claim) writes exactly
-    /// what `alloc_extend` writes on a twin pool in the same state, reports exactly the
-    /// breaks of what it wrote, and leaves the pool as the twin.
+    /// Long extends on large fragmented pools: stretches of many whole words, runs that
+    /// continue across words, prefixes' partial pages, last pages cut short, batches of
+    /// one to four requests. The allocator writes the slots straight from its claim;
+    /// here they must equal the pure expansion (`expand_extend`) of the pages a twin
+    /// pool in the same state hands out (`reserve_pages`), and a single request's
+    /// `alloc_extend_runs` must report exactly the breaks of what it wrote.
     #[test]
-    fn long_single_extends_write_what_the_batch_call_writes(
+    fn long_extends_write_the_expansion_of_the_claimed_pages(
         page_size in prop::sample::select(vec![1u32, 2, 3, 16, 64]),
-        blocks in vec((1u32..400, any::<bool>()), 1..40),
-        extends in vec((0u32..200, 1u32..9000), 1..10),
+        blocks in vec((1u32..90, any::<bool>()), 1..12),
+        batches in vec(vec((0u32..200, 1u32..9000), 1..5), 1..8),
     ) {
         let size = (8192 * page_size) as usize;
         let ps = page_size as usize;
-        let (runs, twin) = (PagedAllocator::new(size, page_size).unwrap(), PagedAllocator::new(size, page_size).unwrap());
-        // Fragment both alike: allocate blocks of pages, free the ones not kept.
-        for &(pages, keep) in &blocks {
+        let (pool, twin) = (PagedAllocator::new(size, page_size).unwrap(), PagedAllocator::new(size, page_size).unwrap());
+        // Fragment both alike: fill the pool with blocks of pages (the sizes cycle), then
+        // free the blocks not kept (their kept flags cycle too).
+        let mut held = Vec::new();
+        for &(pages, keep) in blocks.iter().cycle() {
             let (mut a, mut b) = (vec![0u32; pages as usize * ps], vec![0u32; pages as usize * ps]);
-            if runs.alloc(&mut a).is_err() {
+            if pool.alloc(&mut a).is_err() {
                 break;
             }
             twin.alloc(&mut b).unwrap();
             prop_assert_eq!(&a, &b);
+            held.push((a, keep));
+        }
+        for (a, keep) in &held {
             if !keep {
-                runs.free(&a).unwrap();
-                twin.free(&b).unwrap();
+                pool.free(a).unwrap();
+                twin.free(a).unwrap();
             }
         }
-        for &(prefix, len) in &extends {
-            // A prefix ending inside a page needs that page allocated: take a fresh one.
-            let last_loc = if prefix as usize % ps == 0 {
-                0
-            } else {
-                let (mut a, mut b) = (vec![0u32; ps], vec![0u32; ps]);
-                if runs.alloc(&mut a).is_err() {
-                    break;
-                }
-                twin.alloc(&mut b).unwrap();
-                prop_assert_eq!(&a, &b);
-                a[prefix as usize % ps - 1]
-            };
-            let seq = prefix + len;
-            let (mut a, mut b) = (vec![0u32; len as usize], vec![0u32; len as usize]);
-            let mut reported = Vec::new();
-            let ra = runs.alloc_extend_runs(prefix, seq, last_loc, &mut a, &mut |p| reported.push(p));
-            let rb = twin.alloc_extend(&[prefix], &[seq], &[last_loc], &mut b);
-            prop_assert_eq!(&ra, &rb);
-            prop_assert_eq!(&a, &b, "prefix {}, seq {}, last_loc {}", prefix, seq, last_loc);
-            if ra.is_ok() {
-                let breaks: Vec<usize> = (1..a.len()).filter(|&i| a[i] != a[i - 1].wrapping_add(1)).collect();
-                prop_assert_eq!(&reported, &breaks);
-            } else {
-                prop_assert!(reported.is_empty());
+        for batch in &batches {
+            let (mut prefixes, mut seqs, mut last_locs) = (vec![], vec![], vec![]);
+            for &(prefix, len) in batch {
+                // A prefix ending inside a page needs that page: take a fresh one.
+                let last_loc = if prefix as usize % ps == 0 {
+                    0
+                } else {
+                    let (mut a, mut b) = (vec![0u32; ps], vec![0u32; ps]);
+                    if pool.alloc(&mut a).is_err() {
+                        break;
+                    }
+                    twin.alloc(&mut b).unwrap();
+                    a[prefix as usize % ps - 1]
+                };
+                prefixes.push(prefix);
+                seqs.push(prefix + len);
+                last_locs.push(last_loc);
             }
-            prop_assert_eq!(runs.available_size(), twin.available_size());
-            prop_assert!(runs.check_invariants().is_ok());
+            let n: usize = batch.iter().take(seqs.len()).map(|&(_, len)| len as usize).sum();
+            let mut got = vec![0u32; n];
+            let mut reported = Vec::new();
+            let r = if seqs.len() == 1 {
+                pool.alloc_extend_runs(prefixes[0], seqs[0], last_locs[0], &mut got, &mut |p| reported.push(p))
+            } else {
+                pool.alloc_extend(&prefixes, &seqs, &last_locs, &mut got)
+            };
+            let plan = kvpool::alloc::plan_extend(page_size, &prefixes, &seqs).unwrap();
+            let mut pages = vec![0u32; plan.new_pages];
+            match twin.reserve_pages(&mut pages) {
+                Ok(()) => {
+                    prop_assert!(r.is_ok(), "{:?}", r);
+                    let mut want = vec![0u32; n];
+                    expand_extend(page_size, &prefixes, &seqs, &last_locs, &pages, &mut want).unwrap();
+                    prop_assert_eq!(&got, &want, "prefixes {:?}, seqs {:?}, last_locs {:?}", prefixes, seqs, last_locs);
+                    if seqs.len() == 1 {
+                        let breaks: Vec<usize> =
+                            (1..got.len()).filter(|&i| got[i] != got[i - 1].wrapping_add(1)).collect();
+                        prop_assert_eq!(&reported, &breaks);
+                    }
+                }
+                Err(e) => {
+                    prop_assert_eq!(r, Err(e));
+                    prop_assert!(got.iter().all(|&s| s == 0) && reported.is_empty());
+                }
+            }
+            prop_assert_eq!(pool.available_size(), twin.available_size());
+            prop_assert!(pool.check_invariants().is_ok());
         }
     }
 

@@ -22,14 +22,23 @@
 //!
 //! # In place
 //!
-//! The allocators claim the fresh pages straight into the front of the caller's output
-//! buffer and expand them in place, so no scratch memory is needed. That works because
-//! a batch never needs more new pages than it has new tokens, and a token at output
-//! position `q` always reads a page at index `<= q` (`out_start(i) >= page_start(i)`,
-//! and each new page of a request comes after at least one token per earlier new
-//! page). Walking the output backwards, position `q` is written only after every
-//! token that reads page `q` at a position above `q` is done, and a token at `q`
+//! [`expand_extend`] and [`expand_decode`] copy the fresh pages into the front of the
+//! output buffer and expand them in place, so no scratch memory is needed. That works
+//! because a batch never needs more new pages than it has new tokens, and a token at
+//! output position `q` always reads a page at index `<= q` (`out_start(i) >=
+//! page_start(i)`, and each new page of a request comes after at least one token per
+//! earlier new page). Walking the output backwards, position `q` is written only after
+//! every token that reads page `q` at a position above `q` is done, and a token at `q`
 //! reads its page before it overwrites it.
+//!
+//! # Straight from the claim
+//!
+//! The allocators (`PagedAllocator`, `TokenAllocator`) write no page numbers at all:
+//! their bitmap claim hands out stretches of consecutive pages, and a stretch is
+//! consecutive slots, so `Placer` writes each as one ascending fill at its place (part
+//! 1 of every request first). Same output as the expansion of the claimed pages
+//! (`tests/alloc_model.rs` checks it on large fragmented pools), without the pass that
+//! writes the pages and reads them back page by page.
 
 use crate::error::InvalidInput;
 
@@ -221,6 +230,88 @@ pub fn expand_decode(
     out[..pages.len()].copy_from_slice(pages);
     expand_in_place(page_size, seq_lens.len(), |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), pages.len(), out);
     Ok(())
+}
+
+/// The old partial page's share of a request's new tokens (part 1).
+#[inline]
+fn part1(ps: u64, prefix: u64, seq: u64) -> usize {
+    (seq.min(div_ceil_ps(prefix, ps) * ps) - prefix) as usize
+}
+
+/// Writes a batch's slots as the allocator claims its fresh pages, with no pages
+/// written first and read back (what [`expand_in_place`] needs): every request's part
+/// 1 up front, then each stretch of consecutive claimed pages, in claim order, as
+/// ascending fills at its requests' places (page `j` of the claim belongs to the
+/// request whose pages it falls in, as in `expand_in_place`). Inputs are validated.
+pub(crate) struct Placer<R> {
+    ps: usize,
+    req: R,
+    batch: usize,
+    /// The next request to start, and where its slots start in the output.
+    next_req: usize,
+    next_start: usize,
+    /// The current request: where its next page lands, the end of its slots, the
+    /// pages it still needs, and the slot its next page must start at to continue
+    /// what it holds (`None`: nothing to continue).
+    at: usize,
+    end: usize,
+    left: usize,
+    follows: Option<u64>,
+}
+
+impl<R: Fn(usize) -> (u32, u32, u32)> Placer<R> {
+    /// Write every request's part 1 and get ready for the first fresh page.
+    pub(crate) fn new(ps: u32, batch: usize, req: R, out: &mut [u32]) -> Self {
+        let mut start = 0;
+        for i in 0..batch {
+            let (prefix, seq, last_loc) = req(i);
+            let p1 = part1(ps as u64, prefix as u64, seq as u64);
+            fill_ascending(&mut out[start..start + p1], last_loc.wrapping_add(1));
+            start += (seq - prefix) as usize;
+        }
+        let mut placer =
+            Placer { ps: ps as usize, req, batch, next_req: 0, next_start: 0, at: 0, end: 0, left: 0, follows: None };
+        placer.next_request();
+        placer
+    }
+
+    /// Move on to the next request that needs fresh pages.
+    fn next_request(&mut self) {
+        while self.next_req < self.batch {
+            let (prefix, seq, last_loc) = (self.req)(self.next_req);
+            let start = self.next_start;
+            self.next_req += 1;
+            self.next_start += (seq - prefix) as usize;
+            let pages = new_pages(self.ps as u32, prefix, seq) as usize;
+            if pages > 0 {
+                let p1 = part1(self.ps as u64, prefix as u64, seq as u64);
+                (self.at, self.end, self.left) = (start + p1, start + (seq - prefix) as usize, pages);
+                self.follows = (p1 > 0).then(|| last_loc as u64 + p1 as u64 + 1);
+                return;
+            }
+        }
+    }
+
+    /// Place `count` claimed pages from `page` on, calling `breaks(p)` for every output
+    /// position `p` where a request's slots stop being consecutive.
+    #[inline]
+    pub(crate) fn place(&mut self, out: &mut [u32], mut page: u32, mut count: usize, breaks: &mut impl FnMut(usize)) {
+        while count > 0 {
+            let take = count.min(self.left);
+            let first = page as u64 * self.ps as u64;
+            if self.follows.is_some_and(|f| f != first) {
+                breaks(self.at);
+            }
+            let to = (self.at + take * self.ps).min(self.end);
+            fill_ascending(&mut out[self.at..to], first as u32);
+            (self.at, self.left, count) = (self.at + take * self.ps, self.left - take, count - take);
+            page += take as u32;
+            self.follows = Some(page as u64 * self.ps as u64);
+            if self.left == 0 {
+                self.next_request();
+            }
+        }
+    }
 }
 
 /// The expansion itself. `out[..n_pages]` holds the fresh pages on entry; on return

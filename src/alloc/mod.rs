@@ -293,16 +293,12 @@ impl PagedAllocator {
             return Ok(());
         }
         self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
-        self.pages.claim(&mut out[..n]);
-        if ps > 1 {
-            // Backwards, so page k (at out[k]) is read before slot k*ps.. overwrites it.
-            for p in (0..n).rev() {
-                let base = out[p] * self.page_size;
-                for k in (0..ps).rev() {
-                    out[p * ps + k] = base + k as u32;
-                }
-            }
-        }
+        // Each stretch of consecutive pages is one ascending fill of its slots.
+        let mut at = 0;
+        self.pages.claim_stretches(n, |page, count| {
+            expand::fill_ascending(&mut out[at..at + count * ps], page * self.page_size);
+            at += count * ps;
+        });
         crate::debug_check(self);
         Ok(())
     }
@@ -365,7 +361,7 @@ impl PagedAllocator {
         let plan = plan_extend(self.page_size, prefix_lens, seq_lens)?;
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (prefix_lens[i], seq_lens[i]))?;
         let req = |i| (prefix_lens[i], seq_lens[i], last_locs[i]);
-        self.reserve_and_expand(plan, out, req, seq_lens.len())
+        self.claim_and_fill(plan, out, req, seq_lens.len(), |_| {})
     }
 
     /// [`alloc_extend`](Self::alloc_extend) for one request (`prefix_len..seq_len`,
@@ -405,38 +401,7 @@ impl PagedAllocator {
     ) -> Result<(), AllocError> {
         let plan = plan_extend(self.page_size, &[prefix_len], &[seq_len])?;
         self.check_batch(plan, 1, &[last_loc], out, |_| (prefix_len, seq_len))?;
-        if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-        }
-        // The new tokens first fill the prefix's last page (`p1` slots after
-        // `last_loc`), then whole pages: page `j` of the claim lands at `p1 + j * ps`,
-        // the last one possibly cut short by the end of `out`. A stretch of claimed
-        // pages is consecutive slots: one ascending fill, straight from the claim (no
-        // page numbers written and read back, as `expand_in_place` needs for a batch).
-        let ps = self.page_size as usize;
-        let (prefix, seq) = (u64::from(prefix_len), u64::from(seq_len));
-        let p1 = (seq.min(prefix.div_ceil(ps as u64) * ps as u64) - prefix) as usize;
-        expand::fill_ascending(&mut out[..p1], last_loc.wrapping_add(1));
-        let after = u64::from(last_loc) + p1 as u64 + 1;
-        let len = out.len();
-        // Pages placed so far, and one past the last page placed.
-        let (mut placed, mut next) = (0usize, 0u32);
-        self.pages.claim_stretches(plan.new_pages, |page, count| {
-            let at = p1 + placed * ps;
-            if placed > 0 {
-                if page != next {
-                    breaks(at);
-                }
-            } else if p1 > 0 && u64::from(page) * ps as u64 != after {
-                breaks(p1);
-            }
-            let end = (at + count * ps).min(len);
-            expand::fill_ascending(&mut out[at..end], page * ps as u32);
-            placed += count;
-            next = page + count as u32;
-        });
-        crate::debug_check(self);
-        Ok(())
+        self.claim_and_fill(plan, out, |_| (prefix_len, seq_len, last_loc), 1, breaks)
     }
 
     /// Allocate one slot per request of a decode batch; `seq_lens[i]` counts the new
@@ -449,7 +414,7 @@ impl PagedAllocator {
         let plan = plan_decode(self.page_size, seq_lens)?;
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
         let req = |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]);
-        self.reserve_and_expand(plan, out, req, seq_lens.len())
+        self.claim_and_fill(plan, out, req, seq_lens.len(), |_| {})
     }
 
     /// Shapes, and every `last_loc` that part 1 will read.
@@ -467,22 +432,26 @@ impl PagedAllocator {
         check_batch_shape(self, batch, last_locs, out.len(), plan.new_tokens, req)
     }
 
-    /// Reserve the batch's new pages, claim them into `out`'s front, expand.
-    fn reserve_and_expand<R>(
+    /// Reserve the batch's new pages, claim them and write the batch's slots straight
+    /// from the claim ([`expand::Placer`]): each stretch of consecutive pages is one
+    /// ascending fill at its place. `breaks(p)` hears every position `p` where a
+    /// request's slots stop being consecutive.
+    fn claim_and_fill<R>(
         &self,
         plan: expand::BatchPlan,
         out: &mut [u32],
         req: R,
         batch: usize,
+        mut breaks: impl FnMut(usize),
     ) -> Result<(), AllocError>
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
         if plan.new_pages > 0 {
             self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-            self.pages.claim(&mut out[..plan.new_pages]);
         }
-        expand::expand_in_place(self.page_size, batch, req, plan.new_pages, out);
+        let mut placer = expand::Placer::new(self.page_size, batch, req, out);
+        self.pages.claim_stretches(plan.new_pages, |page, count| placer.place(out, page, count, &mut breaks));
         crate::debug_check(self);
         Ok(())
     }
