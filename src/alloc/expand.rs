@@ -33,12 +33,14 @@
 //!
 //! # Straight from the claim
 //!
-//! The allocators (`PagedAllocator`, `TokenAllocator`) write no page numbers at all:
-//! their bitmap claim hands out stretches of consecutive pages, and a stretch is
-//! consecutive slots, so `Placer` writes each as one ascending fill at its place (part
-//! 1 of every request first). Same output as the expansion of the claimed pages
+//! The allocators' extends (`PagedAllocator`, `TokenAllocator`) write no page numbers
+//! at all: their bitmap claim hands out stretches of consecutive pages, and a stretch
+//! is consecutive slots, so `Placer` writes each as one ascending fill at its place
+//! (part 1 of every request first). Same output as the expansion of the claimed pages
 //! (`tests/alloc_model.rs` checks it on large fragmented pools), without the pass that
-//! writes the pages and reads them back page by page.
+//! writes the pages and reads them back page by page. A decode batch has at most one
+//! page per request and no stretches to fill: its pages are claimed into `out` and
+//! expanded in place, which costs less per request.
 
 use crate::error::InvalidInput;
 
