@@ -164,24 +164,24 @@ fn cache_ops_mamba(
     (kv_hits, hits)
 }
 
-/// [`cache_ops`] through an `SwaRadixCache` (its allocation helpers evict both pools'
-/// shortfall). Returns the hit tokens.
-fn cache_ops_swa(cache: &SwaRadixCache, trace: &Trace, tokens: &mut [u32], slots: &mut [u32]) -> usize {
+/// [`cache_ops`] through an `SwaRadixCache`, with the same row calls (its
+/// `alloc_extend_row` evicts both pools' shortfall). Returns the hit tokens.
+fn cache_ops_swa(cache: &SwaRadixCache, trace: &Trace, tokens: &mut [u32]) -> usize {
     let mut hits = 0;
     for r in 0..trace.len() {
         let req = trace.request(r);
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let lease = cache.match_and_lock(0, &tokens[..prompt], &mut slots[..prompt]);
+        let mut row = cache.req_pool().alloc().unwrap();
+        let lease = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
         let hit = lease.len();
         hits += hit;
-        let last = if hit > 0 { slots[hit - 1] } else { 0 };
-        if cache.alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
+            drop(lease);
+            cache.req_pool().free(row).unwrap();
             continue;
         }
-        let mut row = cache.req_pool().alloc().unwrap();
-        cache.req_pool().write(&mut row, 0, &slots[..kv]).unwrap();
         cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
     }
     hits
@@ -384,7 +384,7 @@ fn bench(c: &mut Criterion) {
             sv as i64 - sa as i64
         );
         println!("{}: hit tokens cache_ops kvpool_mamba: KV {mkv}, state (resumable) {mstate}", s.label);
-        let w = cache_ops_swa(&swa_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        let w = cache_ops_swa(&swa_cache(s, max_kv), &trace, &mut tokens);
         println!("{}: hit tokens cache_ops kvpool_swa: {w} (kvpool {a})", s.label);
         let mut flight = Flight::new(max_kv);
         let (hd, hh) = cache_ops_hi(&hi_cache(s, max_kv), &trace, &mut tokens, &mut slots, &mut flight);
@@ -417,7 +417,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "kvpool_swa"),
             || swa_cache(s, max_kv),
             |c| {
-                cache_ops_swa(c, trace, tokens, slots);
+                cache_ops_swa(c, trace, tokens);
             },
         );
         let fl = &mut flight;

@@ -35,6 +35,90 @@ fn run_both_shapes(bytes: &[u8], ps: u32) -> Result<(), TestCaseError> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
 
+    /// Long extends on large, finely fragmented pools (up to hundreds of stretches of
+    /// claimed pages, past the 256 the allocator maps with one window claim): the full
+    /// slots equal the expansion of the pages a twin full pool hands out, each new full
+    /// page maps to the window page a twin window pool hands out in the same order (in
+    /// the same claims), and a single request's breaks are exactly those of what it
+    /// wrote.
+    #[test]
+    fn long_extends_map_claimed_pages_in_order(
+        page_size in prop::sample::select(vec![1u32, 2, 16]),
+        blocks in vec((1u32..12, any::<bool>()), 1..12),
+        batches in vec(vec((0u32..100, 1u32..6000), 1..4), 1..6),
+    ) {
+        use kvpool::alloc::expand_extend;
+        let ps = page_size as usize;
+        let (full_size, window_size) = (4096 * ps, 5000 * ps);
+        let swa = SwaAllocator::new(full_size, window_size, page_size).unwrap();
+        let full = kvpool::PagedAllocator::new(full_size, page_size).unwrap();
+        let window = kvpool::PagedAllocator::new(window_size, page_size).unwrap();
+        // Fragment all three alike: fill with blocks (sizes cycle), free those not kept.
+        let mut held = Vec::new();
+        for &(pages, keep) in blocks.iter().cycle() {
+            let n = pages as usize * ps;
+            let (mut a, mut f, mut w) = (vec![0u32; n], vec![0u32; n], vec![0u32; n]);
+            if swa.alloc(&mut a).is_err() {
+                break;
+            }
+            full.alloc(&mut f).unwrap();
+            window.alloc(&mut w).unwrap();
+            prop_assert_eq!(&a, &f);
+            let mapped: Vec<u32> = a.iter().map(|&s| swa.window_slot(s).unwrap()).collect();
+            prop_assert_eq!(&mapped, &w);
+            held.push((a, w, keep));
+        }
+        for (a, w, keep) in &held {
+            if !keep {
+                swa.free(a).unwrap();
+                full.free(a).unwrap();
+                window.free(w).unwrap();
+            }
+        }
+        for batch in &batches {
+            // Prefixes of whole pages only (no held partial page to continue).
+            let prefixes: Vec<u32> = batch.iter().map(|&(p, _)| p / page_size * page_size).collect();
+            let seqs: Vec<u32> = batch.iter().zip(&prefixes).map(|(&(_, len), &p)| p + len).collect();
+            let last_locs = vec![0u32; batch.len()];
+            let n: usize = batch.iter().map(|&(_, len)| len as usize).sum();
+            let mut got = vec![0u32; n];
+            let mut reported = Vec::new();
+            let r = if batch.len() == 1 {
+                swa.alloc_extend_runs(prefixes[0], seqs[0], 0, &mut got, &mut |p| reported.push(p)).map(drop)
+            } else {
+                swa.alloc_extend(&prefixes, &seqs, &last_locs, &mut got)
+            };
+            let plan = kvpool::alloc::plan_extend(page_size, &prefixes, &seqs).unwrap();
+            let (mut pages, mut wpages) = (vec![0u32; plan.new_pages], vec![0u32; plan.new_pages]);
+            if window.available_size() < plan.new_pages * ps || full.reserve_pages(&mut pages).is_err() {
+                prop_assert!(r.is_err());
+                break;
+            }
+            // The window pages come in one claim per 256 stretches of full pages (a
+            // stretch: consecutive pages of one bitmap word).
+            let starts: Vec<usize> = (0..pages.len())
+                .filter(|&i| i == 0 || pages[i] != pages[i - 1] + 1 || (pages[i] - 1) % 64 == 0)
+                .collect();
+            let mut from = 0;
+            for chunk in starts.chunks(256).skip(1).map(|c| c[0]).chain([pages.len()]) {
+                window.reserve_pages(&mut wpages[from..chunk]).unwrap();
+                from = chunk;
+            }
+            prop_assert!(r.is_ok(), "{:?}", r);
+            let mut want = vec![0u32; n];
+            expand_extend(page_size, &prefixes, &seqs, &last_locs, &pages, &mut want).unwrap();
+            prop_assert_eq!(&got, &want);
+            for (&p, &w) in pages.iter().zip(&wpages) {
+                prop_assert_eq!(swa.window_slot(p * page_size), Some(w * page_size), "full page {}", p);
+            }
+            if batch.len() == 1 {
+                let breaks: Vec<usize> = (1..got.len()).filter(|&i| got[i] != got[i - 1].wrapping_add(1)).collect();
+                prop_assert_eq!(&reported, &breaks);
+            }
+            prop_assert!(swa.check_invariants().is_ok());
+        }
+    }
+
     #[test]
     fn page_size_1_matches_model(bytes in vec(any::<u8>(), 0..MAX_BYTES)) {
         run_both_shapes(&bytes, 1)?;

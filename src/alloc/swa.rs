@@ -228,6 +228,68 @@ impl SwaAllocator {
         self.window.publish(out.iter().copied());
     }
 
+    /// Reserve the batch's new pages in both pools, claim the full pages and write the
+    /// batch's slots straight from the claim (as `PagedAllocator` does), then map each
+    /// claimed full page, in claim order, to a fresh window page. `breaks(p)` hears
+    /// every position `p` where a request's slots stop being consecutive.
+    fn claim_and_fill<R>(
+        &self,
+        plan: BatchPlan,
+        out: &mut [u32],
+        req: R,
+        batch: usize,
+        mut breaks: impl FnMut(usize),
+    ) -> Result<(), AllocError>
+    where
+        R: Fn(usize) -> (u32, u32, u32),
+    {
+        self.reserve_both(plan.new_pages)?;
+        let ps = self.full.page_size;
+        let mut placer = expand::Placer::new(ps, batch, req, out);
+        // The full stretches, in claim order, mapped to window pages `STAGE` at a time.
+        let mut stage = [(0u32, 0u32); STAGE];
+        let mut staged = 0;
+        self.full.pages.claim_stretches(plan.new_pages, |page, count| {
+            placer.place(out, page, count, &mut breaks);
+            if staged == STAGE {
+                self.map_window(&stage);
+                staged = 0;
+            }
+            stage[staged] = (page, count as u32);
+            staged += 1;
+        });
+        self.map_window(&stage[..staged]);
+        crate::debug_check(self);
+        Ok(())
+    }
+
+    /// Map the full pages of `stretches`, in order, to fresh (reserved) window pages,
+    /// claimed in one call: an ascending store per page into the mapping, and the
+    /// held bits one read-modify-write per 64 pages.
+    fn map_window(&self, stretches: &[(u32, u32)]) {
+        let n: u32 = stretches.iter().map(|s| s.1).sum();
+        let map = &self.window.map;
+        let (mut s, mut used) = (0, 0u32);
+        self.window.pages.pages.claim_stretches(n as usize, |mut window, count| {
+            let mut count = count as u32;
+            while count > 0 {
+                let (full, len) = stretches[s];
+                let take = (len - used).min(count);
+                let at = (full + used) as usize;
+                for (e, w) in map[at..at + take as usize].iter().zip(window..) {
+                    e.store(w, Ordering::Relaxed);
+                }
+                (used, window, count) = (used + take, window + take, count - take);
+                if used == len {
+                    (s, used) = (s + 1, 0);
+                }
+            }
+        });
+        for &(full, len) in stretches {
+            self.window.publish_run(full, len);
+        }
+    }
+
     fn reserve_and_expand<R>(&self, plan: BatchPlan, out: &mut [u32], req: R, batch: usize) -> Result<(), AllocError>
     where
         R: Fn(usize) -> (u32, u32, u32),
@@ -239,6 +301,11 @@ impl SwaAllocator {
         Ok(())
     }
 }
+
+/// Full-page stretches [`SwaAllocator`]'s extends gather before mapping them to window
+/// pages with one claim (2 KiB of stack): a request of more stretches than this gets
+/// its window pages in several claims.
+const STAGE: usize = 256;
 
 impl SwaWindow {
     /// Tokens per page (the full pool's).
@@ -331,6 +398,13 @@ impl SwaWindow {
 
     /// Set the bits of full pages `pages` (their `map` entries written), one
     /// read-modify-write per stretch of pages in one bitmap word.
+    /// [`publish`](Self::publish) the full pages `first..first + count`.
+    fn publish_run(&self, first: u32, count: u32) {
+        for (w, mask) in bit_words(first as usize, count as usize) {
+            self.held[w].fetch_or(mask, Ordering::Release);
+        }
+    }
+
     fn publish(&self, pages: impl Iterator<Item = u32>) {
         for (w, mask) in words_of_pages(pages) {
             self.held[w].fetch_or(mask, Ordering::Release);
@@ -521,7 +595,19 @@ impl KvAllocator for SwaAllocator {
     ) -> Result<(), AllocError> {
         let plan = plan_extend(self.full.page_size, prefix_lens, seq_lens)?;
         self.full.check_batch(plan, seq_lens.len(), last_locs, out, |i| (prefix_lens[i], seq_lens[i]))?;
-        self.reserve_and_expand(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len())
+        self.claim_and_fill(plan, out, |i| (prefix_lens[i], seq_lens[i], last_locs[i]), seq_lens.len(), |_| {})
+    }
+    fn alloc_extend_runs(
+        &self,
+        prefix_len: u32,
+        seq_len: u32,
+        last_loc: u32,
+        out: &mut [u32],
+        breaks: &mut dyn FnMut(usize),
+    ) -> Result<bool, AllocError> {
+        let plan = plan_extend(self.full.page_size, &[prefix_len], &[seq_len])?;
+        self.full.check_batch(plan, 1, &[last_loc], out, |_| (prefix_len, seq_len))?;
+        self.claim_and_fill(plan, out, |_| (prefix_len, seq_len, last_loc), 1, breaks).map(|()| true)
     }
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let plan = plan_decode(self.full.page_size, seq_lens)?;

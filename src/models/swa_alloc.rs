@@ -711,7 +711,25 @@ fn step<'s>(
                 }
             }
             let mut out = vec![SENTINEL; out_len];
-            let got = a.alloc_extend(&prefix, &seq, &last, &mut out);
+            let got = match (&prefix[..], &seq[..], &last[..]) {
+                // One request: through the call that also reports where the runs break,
+                // which must be exactly where the slots it wrote stop being consecutive.
+                ([p], [s], [l]) => {
+                    let mut reported = Vec::new();
+                    let got = a.alloc_extend_runs(*p, *s, *l, &mut out, &mut |at| reported.push(at)).map(drop);
+                    if got.is_ok() {
+                        let breaks: Vec<usize> =
+                            (1..out.len()).filter(|&i| out[i] != out[i - 1].wrapping_add(1)).collect();
+                        if reported != breaks {
+                            return Err(format!(
+                                "alloc_extend_runs({p}, {s}, {l}) reported {reported:?}, wrote {out:?}"
+                            ));
+                        }
+                    }
+                    got
+                }
+                _ => a.alloc_extend(&prefix, &seq, &last, &mut out),
+            };
             let want = model.alloc_extend(&prefix, &seq, &last, out_len);
             compare_alloc(runner, "alloc_extend", got, want, &out, ps)?;
         }
