@@ -13,8 +13,12 @@
 //! 3. **expand** — turn the pages into per-token slots ([`expand_extend`],
 //!    [`expand_decode`]): the pure function the GPU kernels are checked against.
 //!
-//! The pages are claimed into the caller's output buffer and expanded in place, so a
-//! batch allocation touches no memory but the pool's bitmap and the caller's buffer.
+//! The host allocators fuse the claim with step 3: the bitmap hands out stretches of
+//! consecutive pages, and each stretch is written straight into the caller's output
+//! buffer as one ascending run of slots, equal to what `expand_extend` makes of the
+//! claimed pages (a decode batch claims its pages into the buffer and expands them in
+//! place). Either way a batch allocation touches no memory but the pool's bitmap and
+//! the caller's buffer.
 
 mod expand;
 mod swa;
