@@ -106,17 +106,12 @@ fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -> us
     hits
 }
 
-/// [`cache_ops`] for a hybrid model through a `MambaRadixCache`: a request resumes from
-/// the deepest cached state (`lease.len()` tokens), allocates KV for the rest, holds a
-/// running state and a checkpoint state, and caches its tokens up to its last
-/// checkpoint with the checkpoint state (as `kvpool replay --model hybrid`, without the
-/// decode steps). Returns the (KV, state) hit tokens.
-fn cache_ops_mamba(
-    cache: &MambaRadixCache<PagedAllocator>,
-    trace: &Trace,
-    tokens: &mut [u32],
-    slots: &mut [u32],
-) -> (usize, usize) {
+/// [`cache_ops`] for a hybrid model through a `MambaRadixCache`, with the same row
+/// calls: a request resumes from the deepest cached state (`lease.len()` tokens),
+/// allocates KV for the rest, holds a running state and a checkpoint state, and caches
+/// its tokens up to its last checkpoint with the checkpoint state (as `kvpool replay
+/// --model hybrid`, without the decode steps). Returns the (KV, state) hit tokens.
+fn cache_ops_mamba(cache: &MambaRadixCache<PagedAllocator>, trace: &Trace, tokens: &mut [u32]) -> (usize, usize) {
     let ps = cache.page_size() as u32;
     let m = cache.checkpoint_config();
     let (mut kv_hits, mut hits) = (0, 0);
@@ -125,7 +120,8 @@ fn cache_ops_mamba(
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let matched = cache.match_and_lock_checkpoint(0, &tokens[..prompt], &mut slots[..prompt]);
+        let mut row = cache.req_pool().alloc().unwrap();
+        let matched = cache.match_and_lock_checkpoint_row(0, &tokens[..prompt], &mut row).unwrap();
         let hit = matched.lease.len();
         kv_hits += matched.kv_len;
         hits += hit;
@@ -135,14 +131,14 @@ fn cache_ops_mamba(
         let checkpoint = if decode > prompt { decode.max(first) } else { first };
         let running = cache.alloc_state().unwrap();
         let saved = (checkpoint > hit).then(|| cache.alloc_state().unwrap());
-        let last = if hit > 0 { slots[hit - 1] } else { 0 };
         let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
         let avail = cache.allocator().available_size();
         if avail < need {
             cache.evict(need - avail);
         }
-        if cache.allocator().alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
             drop(matched.lease);
+            cache.req_pool().free(row).unwrap();
             cache.states().free(&[running]).unwrap();
             if let Some(s) = saved {
                 cache.states().free(&[s]).unwrap();
@@ -150,14 +146,13 @@ fn cache_ops_mamba(
             continue;
         }
         if kv > checkpoint {
-            cache.allocator().free(&slots[checkpoint..kv]).unwrap();
+            cache.allocator().free(cache.req_pool().read(&row, checkpoint..kv).unwrap()).unwrap();
         }
         if let Some(state) = saved {
-            let mut row = cache.req_pool().alloc().unwrap();
-            cache.req_pool().write(&mut row, 0, &slots[..checkpoint]).unwrap();
             cache.cache_finished_req(0, &tokens[..checkpoint], row, matched.lease, state).unwrap();
         } else {
             drop(matched.lease);
+            cache.req_pool().free(row).unwrap();
         }
         cache.states().free(&[running]).unwrap();
     }
@@ -368,7 +363,7 @@ fn bench(c: &mut Criterion) {
         let b = cache_ops(&reference_cache(s, max_kv), &trace, &mut tokens);
         let v = cache_ops(&vectrie_cache(s, max_kv), &trace, &mut tokens);
         assert_eq!(a, b, "{}: kvpool and the reference disagree on hits", s.label);
-        let (mkv, mstate) = cache_ops_mamba(&mamba_cache(s, max_kv), &trace, &mut tokens, &mut slots);
+        let (mkv, mstate) = cache_ops_mamba(&mamba_cache(s, max_kv), &trace, &mut tokens);
         assert!(mstate <= mkv, "{}: state hits beyond the KV hits", s.label);
         let config = replay_config(s);
         let seq = |r: Result<kvpool::replay::Report, _>| r.expect("sequential replay").hit_tokens;
@@ -409,7 +404,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "kvpool_mamba"),
             || mamba_cache(s, max_kv),
             |c| {
-                cache_ops_mamba(c, trace, tokens, slots);
+                cache_ops_mamba(c, trace, tokens);
             },
         );
         timed(

@@ -507,6 +507,56 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         MambaMatch { lease, state, kv_len, branching_len }
     }
 
+    /// [`match_and_lock_checkpoint`](Self::match_and_lock_checkpoint) into request row
+    /// `row` (from position 0; the key is cut to the row's length), as
+    /// [`match_and_lock_row`](RadixCache::match_and_lock_row) does for the plain match:
+    /// the row remembers that its first `lease.len()` slots came from this lease, so the
+    /// finish need not compare them with the tree again. The KV matched past the lease
+    /// (`kv_len`) is written to the row too; a request that resumes from the state
+    /// allocates over it (`alloc_extend_row(row, lease.len(), ..)`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::radix::{MambaRadixCache, RadixConfig};
+    /// use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+    ///
+    /// let states = SlotPool::without_magazines(4);
+    /// let rows = ReqToTokenPool::new(2, 256)?;
+    /// let c = MambaRadixCache::with_states(TokenAllocator::new(256)?, rows, states, RadixConfig::default())?;
+    /// let tokens: Vec<u32> = (1..=80).collect();
+    /// let mut slots = vec![0u32; 64];
+    /// c.allocator().alloc(&mut slots)?;
+    /// let state = c.alloc_state()?;
+    /// c.insert(0, &tokens[..64], &slots, state)?;
+    ///
+    /// let mut row = c.req_pool().alloc()?;
+    /// let m = c.match_and_lock_checkpoint_row(0, &tokens, &mut row)?;
+    /// assert_eq!((m.lease.len(), m.state), (64, Some(state)));
+    /// assert_eq!(c.req_pool().read(&row, 0..64)?, &slots);
+    /// c.alloc_extend_row(&mut row, 64, 80)?;
+    /// let checkpoint = c.alloc_state()?;
+    /// c.cache_finished_req(0, &tokens, row, m.lease, checkpoint).map_err(|e| e.error)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::ForeignRow`](crate::error::RowError::ForeignRow) if the row is another
+    /// pool's; nothing is matched or locked then.
+    pub fn match_and_lock_checkpoint_row(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<MambaMatch<'_, A, P>, crate::error::RowError> {
+        let n = key.len().min(self.req_pool.max_context_len());
+        let m = self.match_and_lock_checkpoint(namespace, &key[..n], self.req_pool.read_mut(row, 0..n)?);
+        let k = &m.lease.key;
+        ReqToTokenPool::set_matched(row, k.len, k.last_page, k.epoch);
+        Ok(m)
+    }
+
     /// The state pool.
     pub fn states(&self) -> &P {
         &self.variant.pool

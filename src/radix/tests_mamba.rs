@@ -462,3 +462,55 @@ fn c_slots<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, key: &[u32]) -> Vec
     out.truncate(n);
     out
 }
+
+/// The checkpoint match into a row answers as the match into a buffer on a twin cache
+/// (lease, state, KV length, branching point, slots), marks the leased slots as the
+/// cache's own so the finish takes them unchecked, and refuses a foreign row with
+/// nothing locked.
+#[test]
+fn the_checkpoint_match_into_a_row_answers_as_into_a_buffer() {
+    let (a, b) = (cache(4096, 8), cache(4096, 8));
+    let shared = toks(&[(7, 64), (8, 64)]);
+    for c in [&a, &b] {
+        // 128 tokens cached, with states at 64 and 128: a request of 200 tokens
+        // resumes at 128.
+        let slots = kv(c, 64);
+        let s = c.alloc_state().unwrap();
+        c.insert(0, &shared[..64], &slots, s).unwrap();
+        let longer = kv(c, 128);
+        let s2 = c.alloc_state().unwrap();
+        let r = c.insert(0, &shared, &longer, s2).unwrap();
+        assert_eq!((r.cached, r.state_kept), (64, true));
+        c.allocator().free(&longer[..64]).unwrap(); // duplicates of the first insert's
+    }
+    let request = toks(&[(7, 64), (8, 64), (9, 72)]);
+    let mut out = vec![0u32; request.len()];
+    let want = a.match_and_lock_checkpoint(0, &request, &mut out);
+    let mut row = b.req_pool().alloc().unwrap();
+    let got = b.match_and_lock_checkpoint_row(0, &request, &mut row).unwrap();
+    assert_eq!(
+        (got.lease.len(), got.state.is_some(), got.kv_len, got.branching_len),
+        (want.lease.len(), want.state.is_some(), want.kv_len, want.branching_len)
+    );
+    assert_eq!(got.lease.len(), 128);
+    // The row knows its leased slots are the cache's own (the finish skips them).
+    let k = &got.lease.key;
+    assert_eq!(ReqToTokenPool::matched(&row), (128, k.last_page, k.epoch));
+    assert_eq!(b.req_pool().read(&row, 0..want.kv_len).unwrap(), &out[..want.kv_len]);
+    // Resume from the state: allocate the rest into the row and cache it all.
+    b.alloc_extend_row(&mut row, got.lease.len(), request.len()).unwrap();
+    let state = b.alloc_state().unwrap();
+    let cached = b.cache_finished_req(0, &request, row, got.lease, state).map_err(|e| e.error).unwrap();
+    assert_eq!((cached.cached, cached.state_kept), (128, true));
+    b.check_invariants().unwrap();
+    drop(want);
+    // A row of another pool: refused, nothing locked.
+    let mut foreign = a.req_pool().alloc().unwrap();
+    let before = b.protected_size();
+    assert!(matches!(
+        b.match_and_lock_checkpoint_row(0, &request, &mut foreign),
+        Err(crate::error::RowError::ForeignRow { .. })
+    ));
+    assert_eq!(b.protected_size(), before);
+    a.req_pool().free(foreign).unwrap();
+}
