@@ -454,7 +454,7 @@ impl PagedAllocator {
         out: &mut [u32],
         req: R,
         batch: usize,
-        mut breaks: impl FnMut(usize),
+        breaks: impl FnMut(usize),
     ) -> Result<(), AllocError>
     where
         R: Fn(usize) -> (u32, u32, u32),
@@ -462,10 +462,31 @@ impl PagedAllocator {
         if plan.new_pages > 0 {
             self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
         }
-        let mut placer = expand::Placer::new(self.page_size, batch, req, out);
-        self.pages.claim_stretches(plan.new_pages, |page, count| placer.place(out, page, count, &mut breaks));
+        self.place_claimed(plan.new_pages, out, req, batch, breaks, |_, _| {});
         crate::debug_check(self);
         Ok(())
+    }
+
+    /// Claim `pages` reserved pages and write the batch's slots from them: every
+    /// request's old partial page, then each stretch of consecutive pages as one
+    /// ascending fill at its place ([`expand::Placer`]), which `stretch(first, count)`
+    /// also hears, in claim order.
+    pub(super) fn place_claimed<R>(
+        &self,
+        pages: usize,
+        out: &mut [u32],
+        req: R,
+        batch: usize,
+        mut breaks: impl FnMut(usize),
+        mut stretch: impl FnMut(u32, usize),
+    ) where
+        R: Fn(usize) -> (u32, u32, u32),
+    {
+        let mut placer = expand::Placer::new(self.page_size, batch, req, out);
+        self.pages.claim_stretches(pages, |page, count| {
+            placer.place(out, page, count, &mut breaks);
+            stretch(page, count);
+        });
     }
 
     /// Free token slots: the distinct pages they lie in are freed (slots of one page may

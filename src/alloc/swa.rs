@@ -238,19 +238,16 @@ impl SwaAllocator {
         out: &mut [u32],
         req: R,
         batch: usize,
-        mut breaks: impl FnMut(usize),
+        breaks: impl FnMut(usize),
     ) -> Result<(), AllocError>
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
         self.reserve_both(plan.new_pages)?;
-        let ps = self.full.page_size;
-        let mut placer = expand::Placer::new(ps, batch, req, out);
         // The full stretches, in claim order, mapped to window pages `STAGE` at a time.
         let mut stage = [(0u32, 0u32); STAGE];
         let mut staged = 0;
-        self.full.pages.claim_stretches(plan.new_pages, |page, count| {
-            placer.place(out, page, count, &mut breaks);
+        self.full.place_claimed(plan.new_pages, out, req, batch, breaks, |page, count| {
             if staged == STAGE {
                 self.map_window(&stage);
                 staged = 0;
@@ -396,8 +393,6 @@ impl SwaWindow {
         self.pages.pages.free_group()
     }
 
-    /// Set the bits of full pages `pages` (their `map` entries written), one
-    /// read-modify-write per stretch of pages in one bitmap word.
     /// [`publish`](Self::publish) the full pages `first..first + count`.
     fn publish_run(&self, first: u32, count: u32) {
         for (w, mask) in bit_words(first as usize, count as usize) {
@@ -405,6 +400,8 @@ impl SwaWindow {
         }
     }
 
+    /// Set the bits of full pages `pages` (their `map` entries written), one
+    /// read-modify-write per stretch of pages in one bitmap word.
     fn publish(&self, pages: impl Iterator<Item = u32>) {
         for (w, mask) in words_of_pages(pages) {
             self.held[w].fetch_or(mask, Ordering::Release);

@@ -550,11 +550,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         key: &[u32],
         row: &mut ReqRow,
     ) -> Result<MambaMatch<'_, A, P>, crate::error::RowError> {
-        let n = key.len().min(self.req_pool.max_context_len());
-        let m = self.match_and_lock_checkpoint(namespace, &key[..n], self.req_pool.read_mut(row, 0..n)?);
-        let k = &m.lease.key;
-        ReqToTokenPool::set_matched(row, k.len, k.last_page, k.epoch);
-        Ok(m)
+        self.match_into_row(key, row, |key, out| self.match_and_lock_checkpoint(namespace, key, out), |m| m.lease.key)
     }
 
     /// The state pool.

@@ -1074,10 +1074,24 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         key: &[u32],
         row: &mut ReqRow,
     ) -> Result<Lease<'_, A, V>, RowError> {
+        self.match_into_row(key, row, |key, out| self.match_and_lock(namespace, key, out), |lease| lease.key)
+    }
+
+    /// Run `lock_match(key, out)` into `row` from position 0 (the key cut to the row's
+    /// length), then mark the row's first slots, up to the lease (`lease_of`), as this
+    /// cache's own: the finish then takes them without comparing them with the tree.
+    fn match_into_row<T>(
+        &self,
+        key: &[u32],
+        row: &mut ReqRow,
+        lock_match: impl FnOnce(&[u32], &mut [u32]) -> T,
+        lease_of: impl FnOnce(&T) -> LeaseKey,
+    ) -> Result<T, RowError> {
         let n = key.len().min(self.req_pool.max_context_len());
-        let lease = self.match_and_lock(namespace, &key[..n], self.req_pool.read_mut(row, 0..n)?);
-        ReqToTokenPool::set_matched(row, lease.key.len, lease.key.last_page, lease.key.epoch);
-        Ok(lease)
+        let matched = lock_match(&key[..n], self.req_pool.read_mut(row, 0..n)?);
+        let k = lease_of(&matched);
+        ReqToTokenPool::set_matched(row, k.len, k.last_page, k.epoch);
+        Ok(matched)
     }
 
     /// Lock the path of an earlier [`match_prefix`](Self::match_prefix).
