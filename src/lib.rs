@@ -65,6 +65,7 @@ pub mod alloc;
 mod arena;
 pub mod baseline;
 pub mod error;
+mod iota;
 pub mod kv;
 #[cfg(all(loom, not(shuttle)))]
 pub mod loom;

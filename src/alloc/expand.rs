@@ -318,13 +318,7 @@ impl<R: Fn(usize) -> (u32, u32, u32)> Placer<R> {
 
 /// The expansion itself. `out[..n_pages]` holds the fresh pages on entry; on return
 /// `out` holds the slots. Inputs are already validated.
-/// `out[k] = base + k`.
-#[inline]
-pub(crate) fn fill_ascending(out: &mut [u32], base: u32) {
-    for (k, o) in out.iter_mut().enumerate() {
-        *o = base.wrapping_add(k as u32);
-    }
-}
+pub(crate) use crate::iota::fill_ascending;
 
 pub(crate) fn expand_in_place<R>(ps: u32, batch: usize, request: R, n_pages: usize, out: &mut [u32])
 where

@@ -864,11 +864,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     fn match_in_node<const LOCKED: bool>(&self, id: u32, key: &[u32], out: &mut [u32]) -> (usize, u32, usize) {
         let ps = self.ps;
         self.walk_node::<LOCKED>(id, key, |at, page, pages| {
-            let base = page * ps as u32;
-            // An ascending fill (it vectorizes): a run's slots are consecutive.
-            for (k, o) in out[at * ps..(at + pages) * ps].iter_mut().enumerate() {
-                *o = base + k as u32;
-            }
+            // An ascending fill: a run's slots are consecutive.
+            crate::iota::fill_ascending(&mut out[at * ps..(at + pages) * ps], page * ps as u32);
         })
     }
 

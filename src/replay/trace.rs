@@ -433,10 +433,7 @@ impl Trace {
         let q = self.requests[r];
         let out = &mut out[..q.input_length as usize];
         for (block, &h) in out.chunks_mut(BLOCK_TOKENS as usize).zip(self.hash_ids(r)) {
-            let base = h * BLOCK_TOKENS;
-            for (k, t) in block.iter_mut().enumerate() {
-                *t = base + k as u32;
-            }
+            crate::iota::fill_ascending(block, h * BLOCK_TOKENS);
         }
     }
 

@@ -1943,10 +1943,7 @@ fn write_indices(mask: u64, w: usize, out: &mut [u32]) -> usize {
         // One stretch of consecutive bits (a full word included): a vectorised fill.
         // Its length is its bit length (no population count needed).
         let n = BITS - stretch.leading_zeros() as usize;
-        let first = base + tz;
-        for (k, o) in out[..n].iter_mut().enumerate() {
-            *o = first + k as u32;
-        }
+        crate::iota::fill_ascending(&mut out[..n], base + tz);
         return n;
     }
     let mut m = mask;
