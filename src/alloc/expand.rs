@@ -43,6 +43,7 @@
 //! expanded in place, which costs less per request.
 
 use crate::error::InvalidInput;
+use crate::iota::fill_ascending;
 
 /// Totals of a batch: the fresh pages it needs and the slots it writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -318,8 +319,6 @@ impl<R: Fn(usize) -> (u32, u32, u32)> Placer<R> {
 
 /// The expansion itself. `out[..n_pages]` holds the fresh pages on entry; on return
 /// `out` holds the slots. Inputs are already validated.
-pub(crate) use crate::iota::fill_ascending;
-
 pub(crate) fn expand_in_place<R>(ps: u32, batch: usize, request: R, n_pages: usize, out: &mut [u32])
 where
     R: Fn(usize) -> (u32, u32, u32),

@@ -300,7 +300,7 @@ impl PagedAllocator {
         // Each stretch of consecutive pages is one ascending fill of its slots.
         let mut at = 0;
         self.pages.claim_stretches(n, |page, count| {
-            expand::fill_ascending(&mut out[at..at + count * ps], page * self.page_size);
+            crate::iota::fill_ascending(&mut out[at..at + count * ps], page * self.page_size);
             at += count * ps;
         });
         crate::debug_check(self);
