@@ -482,11 +482,49 @@ impl PagedAllocator {
     ) where
         R: Fn(usize) -> (u32, u32, u32),
     {
+        if self.page_size == 1 {
+            return self.place_merged(pages, out, req, batch, breaks, stretch);
+        }
         let mut placer = expand::Placer::new(self.page_size, batch, req, out);
         self.pages.claim_stretches(pages, |page, count| {
             placer.place(out, page, count, &mut breaks);
             stretch(page, count);
         });
+    }
+
+    /// [`place_claimed`](Self::place_claimed) at page size 1, where a word's stretch is
+    /// at most 64 slots: stretches that continue each other (across word boundaries)
+    /// are placed as one, so the claim's swaps run back to back and the slots are
+    /// written by one long fill.
+    #[inline(never)]
+    fn place_merged<R>(
+        &self,
+        pages: usize,
+        out: &mut [u32],
+        req: R,
+        batch: usize,
+        mut breaks: impl FnMut(usize),
+        mut stretch: impl FnMut(u32, usize),
+    ) where
+        R: Fn(usize) -> (u32, u32, u32),
+    {
+        let mut placer = expand::Placer::new(self.page_size, batch, req, out);
+        let (mut first, mut len) = (0u32, 0usize);
+        self.pages.claim_stretches(pages, |page, count| {
+            if len > 0 && first as usize + len == page as usize {
+                len += count;
+                return;
+            }
+            if len > 0 {
+                placer.place(out, first, len, &mut breaks);
+                stretch(first, len);
+            }
+            (first, len) = (page, count);
+        });
+        if len > 0 {
+            placer.place(out, first, len, &mut breaks);
+            stretch(first, len);
+        }
     }
 
     /// Free token slots: the distinct pages they lie in are freed (slots of one page may
