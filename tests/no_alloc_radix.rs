@@ -80,13 +80,6 @@ fn radix_hot_paths_do_not_allocate() {
             let tok =
                 RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
             exercise(&tok.unwrap().with_partial_eviction(partial));
-            // Page size 1 claims through its own placement path.
-            let pages1 = RadixCache::new(
-                PagedAllocator::new(120, 1).unwrap(),
-                ReqToTokenPool::new(2, 64).unwrap(),
-                config.clone(),
-            );
-            exercise(&pages1.unwrap().with_partial_eviction(partial));
             let paged =
                 RadixCache::new(PagedAllocator::new(120 * 4, 4).unwrap(), ReqToTokenPool::new(2, 256).unwrap(), config);
             exercise(&paged.unwrap().with_partial_eviction(partial));

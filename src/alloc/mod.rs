@@ -495,7 +495,9 @@ impl PagedAllocator {
     /// [`place_claimed`](Self::place_claimed) at page size 1, where a word's stretch is
     /// at most 64 slots: stretches that continue each other (across word boundaries)
     /// are placed as one, so the claim's swaps run back to back and the slots are
-    /// written by one long fill.
+    /// written by one long fill. A function of its own, out of line: written into
+    /// `place_claimed`'s loop (or with a placement callback), it slowed page size 16 by
+    /// 4-8% through code layout alone (BENCHMARKS, issue 8, eleventh round).
     #[inline(never)]
     fn place_merged<R>(
         &self,
