@@ -101,20 +101,45 @@ mod x86 {
         // Lanes base + i + 0..8 and + 8..16; 32-bit lane adds wrap, as `wrapping_add`.
         let first = base.wrapping_add(head as u32) as i32;
         let mut lo = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        let mut hi = _mm256_add_epi32(lo, _mm256_set1_epi32(8));
+        let hi = _mm256_add_epi32(lo, _mm256_set1_epi32(8));
         let step = _mm256_set1_epi32(16);
         let mut i = head;
-        while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`, so both 8-value stores lie inside `out`, which the
-            // `&mut` borrow makes ours to write; `p + i` is 32-byte aligned (`head`,
-            // then steps of 64 bytes), as `store` needs.
+        if i + 16 <= n {
+            // The loop of two stores and two adds per 16 values, written out so that
+            // it starts on a 64-byte boundary whatever the code around it: compiled,
+            // its speed on Zen 5 moved by 10-30% with where the linker happened to put
+            // it, which made every change elsewhere in the crate look faster or slower
+            // (BENCHMARKS, issue 8, twelfth round). The padding before it runs once
+            // per call.
+            //
+            // SAFETY: the loop stores 16 values at `p + i` while `i + 16 <= n` (checked
+            // before the first round and after each), so every store lies inside
+            // `out`, which the `&mut` borrow makes ours to write; `p + i` is 32-byte
+            // aligned (`head`, then steps of 64 bytes), as `vmovdqa` needs. It touches
+            // no memory but `out` and no stack, and the CPU supports AVX2 (this
+            // function's contract).
             unsafe {
-                _mm256_store_si256(p.add(i).cast::<__m256i>(), lo);
-                _mm256_store_si256(p.add(i + 8).cast::<__m256i>(), hi);
+                core::arch::asm!(
+                    ".p2align 6",
+                    "2:",
+                    "vmovdqa ymmword ptr [{p} + 4*{i}], {lo}",
+                    "vmovdqa ymmword ptr [{p} + 4*{i} + 32], {hi}",
+                    "vpaddd {lo}, {lo}, {step}",
+                    "vpaddd {hi}, {hi}, {step}",
+                    "add {i}, 16",
+                    "lea {t}, [{i} + 16]",
+                    "cmp {t}, {n}",
+                    "jbe 2b",
+                    p = in(reg) p,
+                    i = inout(reg) i,
+                    n = in(reg) n,
+                    t = out(reg) _,
+                    lo = inout(ymm_reg) lo,
+                    hi = inout(ymm_reg) hi => _,
+                    step = in(ymm_reg) step,
+                    options(nostack),
+                );
             }
-            lo = _mm256_add_epi32(lo, step);
-            hi = _mm256_add_epi32(hi, step);
-            i += 16;
         }
         if i + 8 <= n {
             // SAFETY: `i + 8 <= n`: the store lies inside `out`; aligned as above.

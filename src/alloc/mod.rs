@@ -29,7 +29,7 @@ pub use swa::{SwaAllocator, SwaWindow};
 use crate::error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, Unit,
 };
-use crate::slots::{FreeGroup, SlotPool};
+use crate::slots::{FreeGroup, Reservation, SlotPool};
 
 /// What the prefix cache (and a scheduler) needs from a KV allocator; implemented by
 /// [`TokenAllocator`] and [`PagedAllocator`].
@@ -243,8 +243,17 @@ impl PagedAllocator {
             // No magazines (yet): the allocator frees through free groups, which bypass
             // magazines, and its page order is part of DESIGN.md's test vectors and
             // the radix tests (lowest free pages first, but for the slot pool's
-            // placement of large claims over scattered free pages).
-            pages: SlotPool::without_magazines(num_pages as u32),
+            // placement of large claims over scattered free pages). At page size 1
+            // the pool parks whole blocks of 512 slots: a request's slots span
+            // several, freed and taken with one read-modify-write each. With larger
+            // pages a request rarely covers a block (8,192 tokens at page 16), and
+            // taking parked blocks first would cut its pages into more runs
+            // (BENCHMARKS, issue 8, twelfth round).
+            pages: if page_size == 1 {
+                SlotPool::with_parking(num_pages as u32)
+            } else {
+                SlotPool::without_magazines(num_pages as u32)
+            },
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
         })
@@ -296,10 +305,10 @@ impl PagedAllocator {
         if n == 0 {
             return Ok(());
         }
-        self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
+        let r = self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
         // Each stretch of consecutive pages is one ascending fill of its slots.
         let mut at = 0;
-        self.pages.claim_stretches(n, |page, count| {
+        self.pages.claim_stretches(r, |page, count| {
             crate::iota::fill_ascending(&mut out[at..at + count * ps], page * self.page_size);
             at += count * ps;
         });
@@ -334,8 +343,8 @@ impl PagedAllocator {
         if n == 0 {
             return Ok(());
         }
-        self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
-        self.pages.claim(pages);
+        let r = self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?;
+        self.pages.claim(r, pages);
         crate::debug_check(self);
         Ok(())
     }
@@ -421,8 +430,8 @@ impl PagedAllocator {
         // One token per request, at most one page: no stretches to fill; the pages go
         // into the front of `out` and are expanded in place (cheaper per request).
         if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-            self.pages.claim(&mut out[..plan.new_pages]);
+            let r = self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
+            self.pages.claim(r, &mut out[..plan.new_pages]);
         }
         expand::expand_in_place(self.page_size, seq_lens.len(), req, plan.new_pages, out);
         crate::debug_check(self);
@@ -459,21 +468,22 @@ impl PagedAllocator {
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
-        if plan.new_pages > 0 {
-            self.pages.reserve(plan.new_pages, Unit::Pages).map_err(|e| self.oom(e))?;
-        }
-        self.place_claimed(plan.new_pages, out, req, batch, breaks, |_, _| {});
+        let r = match plan.new_pages {
+            0 => Reservation::words(0),
+            n => self.pages.reserve(n, Unit::Pages).map_err(|e| self.oom(e))?,
+        };
+        self.place_claimed(r, out, req, batch, breaks, |_, _| {});
         crate::debug_check(self);
         Ok(())
     }
 
-    /// Claim `pages` reserved pages and write the batch's slots from them: every
+    /// Claim the pages `r` reserved and write the batch's slots from them: every
     /// request's old partial page, then each stretch of consecutive pages as one
     /// ascending fill at its place ([`expand::Placer`]), which `stretch(first, count)`
     /// also hears, in claim order.
     pub(super) fn place_claimed<R>(
         &self,
-        pages: usize,
+        r: Reservation,
         out: &mut [u32],
         req: R,
         batch: usize,
@@ -483,10 +493,10 @@ impl PagedAllocator {
         R: Fn(usize) -> (u32, u32, u32),
     {
         if self.page_size == 1 {
-            return self.place_merged(pages, out, req, batch, breaks, stretch);
+            return self.place_merged(r, out, req, batch, breaks, stretch);
         }
         let mut placer = expand::Placer::new(self.page_size, batch, req, out);
-        self.pages.claim_stretches(pages, |page, count| {
+        self.pages.claim_stretches(r, |page, count| {
             placer.place(out, page, count, &mut breaks);
             stretch(page, count);
         });
@@ -501,7 +511,7 @@ impl PagedAllocator {
     #[inline(never)]
     fn place_merged<R>(
         &self,
-        pages: usize,
+        r: Reservation,
         out: &mut [u32],
         req: R,
         batch: usize,
@@ -512,7 +522,7 @@ impl PagedAllocator {
     {
         let mut placer = expand::Placer::new(self.page_size, batch, req, out);
         let (mut first, mut len) = (0u32, 0usize);
-        self.pages.claim_stretches(pages, |page, count| {
+        self.pages.claim_stretches(r, |page, count| {
             if len > 0 && first as usize + len == page as usize {
                 len += count;
                 return;

@@ -59,7 +59,7 @@ use super::expand::{self, BatchPlan};
 use super::{plan_decode, plan_extend, KvAllocator, KvFreeGroup, PagedAllocator};
 use crate::error::{AllocError, ConfigError, FreeError, InvalidInput, InvariantViolation, OutOfMemory, Unit};
 use crate::slots::bit_words;
-use crate::slots::FreeGroup;
+use crate::slots::{FreeGroup, Reservation};
 use crate::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// A full pool and a smaller sliding-window pool that allocate together, and the
@@ -195,29 +195,38 @@ impl SwaAllocator {
         })
     }
 
-    /// Reserve `n` pages in both pools, or in neither.
-    fn reserve_both(&self, n: usize) -> Result<(), AllocError> {
+    /// Reserve `n` pages in both pools, or in neither. The window's reservation is in
+    /// its words (its parked blocks unparked into them): the window pages are claimed
+    /// in several calls.
+    fn reserve_both(&self, n: usize) -> Result<Reservation, AllocError> {
         if n == 0 {
-            return Ok(());
+            return Ok(Reservation::words(0));
         }
-        self.full.pages.reserve(n, Unit::Pages).map_err(|e| self.full.oom(e))?;
-        if let Err(e) = self.window.pages.pages.reserve(n, Unit::Pages) {
-            // Give the full reservation back before the error is seen: a failed call
-            // holds nothing of either pool.
-            self.full.pages.publish(n);
-            return Err(self.window_oom(e));
+        let full = self.full.pages.reserve(n, Unit::Pages).map_err(|e| self.full.oom(e))?;
+        match self.window.pages.pages.reserve(n, Unit::Pages) {
+            Ok(window) => {
+                // Claimed in parts (`claim_both`, `map_window`), each a words-only
+                // part of this one.
+                let _all_in_words = self.window.pages.pages.spread_into_words(window);
+                Ok(full)
+            }
+            Err(e) => {
+                // Give the full reservation back before the error is seen: a failed
+                // call holds nothing of either pool.
+                self.full.pages.unreserve(full);
+                Err(self.window_oom(e))
+            }
         }
-        Ok(())
     }
 
     /// Claim the reserved pages: full pages into `out[..n]`, each mapped to a fresh
     /// window page.
-    fn claim_both(&self, out: &mut [u32]) {
-        self.full.pages.claim(out);
+    fn claim_both(&self, full: Reservation, out: &mut [u32]) {
+        self.full.pages.claim(full, out);
         let map = &self.window.map;
         let mut k = 0;
         // The window pages straight into the mapping, a claimed word at a time.
-        self.window.pages.pages.claim_with(out.len(), |w, mut take| {
+        self.window.pages.pages.claim_with(Reservation::words(out.len()), |w, mut take| {
             while take != 0 {
                 let page = (w * 64) as u32 + take.trailing_zeros() + 1;
                 take &= take - 1;
@@ -243,11 +252,11 @@ impl SwaAllocator {
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
-        self.reserve_both(plan.new_pages)?;
+        let full = self.reserve_both(plan.new_pages)?;
         // The full stretches, in claim order, mapped to window pages `STAGE` at a time.
         let mut stage = [(0u32, 0u32); STAGE];
         let mut staged = 0;
-        self.full.place_claimed(plan.new_pages, out, req, batch, breaks, |page, count| {
+        self.full.place_claimed(full, out, req, batch, breaks, |page, count| {
             if staged == STAGE {
                 self.map_window(&stage);
                 staged = 0;
@@ -267,7 +276,8 @@ impl SwaAllocator {
         let n: u32 = stretches.iter().map(|s| s.1).sum();
         let map = &self.window.map;
         let (mut s, mut used) = (0, 0u32);
-        self.window.pages.pages.claim_stretches(n as usize, |mut window, count| {
+        // A part of the window's reservation, which is all in its words.
+        self.window.pages.pages.claim_stretches(Reservation::words(n as usize), |mut window, count| {
             let mut count = count as u32;
             while count > 0 {
                 let (full, len) = stretches[s];
@@ -291,8 +301,8 @@ impl SwaAllocator {
     where
         R: Fn(usize) -> (u32, u32, u32),
     {
-        self.reserve_both(plan.new_pages)?;
-        self.claim_both(&mut out[..plan.new_pages]);
+        let full = self.reserve_both(plan.new_pages)?;
+        self.claim_both(full, &mut out[..plan.new_pages]);
         expand::expand_in_place(self.full.page_size, batch, req, plan.new_pages, out);
         crate::debug_check(self);
         Ok(())

@@ -729,13 +729,13 @@ fn last_of(runs: Runs<'_>) -> u32 {
 /// are the caller's to write. Returns the chain's (first page, its run, last page) in
 /// tree pages, or `None` (nothing taken) when fewer are free.
 fn take_host_pages<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, n: usize) -> Option<(u32, u32, u32)> {
-    w.c.variant.host().reserve(n, Unit::Pages).ok()?;
+    let r = w.c.variant.host().reserve(n, Unit::Pages).ok()?;
     let base = w.c.num_pages;
     // The claimed pages, a run of consecutive ones at a time (at most one run per page:
     // within the capacity reserved at construction).
     let mut runs = core::mem::take(&mut w.s.ext.runs);
     runs.clear();
-    w.c.variant.host().claim_with(n, |word, mut bits| {
+    w.c.variant.host().claim_with(r, |word, mut bits| {
         while bits != 0 {
             let low = bits.trailing_zeros();
             let len = (!(bits >> low)).trailing_zeros().min(64 - low);

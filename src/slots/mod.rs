@@ -310,6 +310,7 @@ use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{spin_loop, thread_slot, untracked, Backoff, UnsafeCell};
 use core::mem::MaybeUninit;
 use crossbeam_utils::CachePadded;
+pub(crate) use park::Reservation;
 
 const BITS: usize = 64;
 
@@ -360,6 +361,17 @@ pub struct SlotPool {
     /// Entries each magazine holds at most: `min(MAGAZINE, capacity)`, 0 without
     /// magazines.
     mag_cap: usize,
+    /// One state per block of [`park::BLOCK`] indices that can be parked (see "Parked
+    /// blocks"): a parked bit and a generation. Empty with magazines.
+    blocks: Box<[AtomicU64]>,
+    /// One bit per block: set when the block may be parked. A hint for the search,
+    /// as `summary` is for the words.
+    park_summary: Box<[AtomicU64]>,
+    /// Parked blocks not yet reserved: the blocks' part of `available`, in blocks.
+    parked: CachePadded<AtomicUsize>,
+    /// Where the search for a parked block starts, a heuristic only: the lowest block
+    /// a free parked since the last claim, or past the last block a claim unparked.
+    block_hint: CachePadded<untracked::AtomicUsize>,
     capacity: u32,
 }
 
@@ -529,7 +541,7 @@ impl SlotPool {
     /// Allocates the bitmaps (`capacity / 64` words each) and the magazines
     /// (`16 * min(1024, capacity)` indices) once; nothing after this allocates.
     pub fn new(capacity: u32) -> Self {
-        Self::build(capacity, MAGAZINE.min(capacity as usize))
+        Self::build(capacity, MAGAZINE.min(capacity as usize), false)
     }
 
     /// A pool of indices `1..=capacity` without magazines: every allocation takes the
@@ -550,7 +562,37 @@ impl SlotPool {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn without_magazines(capacity: u32) -> Self {
-        Self::build(capacity, 0)
+        Self::build(capacity, 0, false)
+    }
+
+    /// A pool of indices `1..=capacity` without magazines that **parks** whole blocks
+    /// (module docs, "Parked blocks"): a free of a range that covers an aligned block
+    /// of 512 indices parks it with one read-modify-write instead of eight, and an
+    /// allocation of 512 or more takes parked blocks whole, one read-modify-write
+    /// each, before it takes scattered free indices. For pools whose callers free and
+    /// allocate long ranges (the token allocator at page size 1); otherwise as
+    /// [`without_magazines`](Self::without_magazines).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let pool = kvpool::SlotPool::with_parking(2048);
+    /// let mut all = vec![0u32; 2048];
+    /// pool.alloc(&mut all)?;
+    /// let mut group = pool.free_group();
+    /// group.free_range(513, 1024)?;          // two whole blocks: parked
+    /// group.free_range(5, 3)?;               // three indices: in their word
+    /// assert_eq!(group.end(), 1027);
+    /// assert!(!pool.is_allocated(600) && pool.is_allocated(4));
+    /// let mut got = vec![0u32; 515];
+    /// pool.alloc(&mut got)?;                 // a parked block, then the word's indices
+    /// assert_eq!(got[0], 513);
+    /// assert_eq!(&got[512..], [5, 6, 7]);
+    /// assert_eq!(pool.available(), 512);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_parking(capacity: u32) -> Self {
+        Self::build(capacity, 0, true)
     }
 
     /// A pool of indices `1..=capacity` whose magazines hold `entries` indices each
@@ -572,14 +614,16 @@ impl SlotPool {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn with_magazines(capacity: u32, entries: usize) -> Self {
-        Self::build(capacity, entries.min(capacity as usize))
+        Self::build(capacity, entries.min(capacity as usize), false)
     }
 
-    fn build(capacity: u32, mag_cap: usize) -> Self {
+    fn build(capacity: u32, mag_cap: usize, parking: bool) -> Self {
         let nwords = (capacity as usize).div_ceil(BITS);
         let words: Box<[AtomicU64]> = (0..nwords).map(|_| AtomicU64::new(0)).collect();
         let held_words = if mag_cap > 0 { nwords } else { 0 };
         let (nmags, mag_cap) = if mag_cap > 0 { (SHARDS, mag_cap) } else { (0, 0) };
+        // Blocks wholly inside the capacity, in pools that park (never with magazines).
+        let nblocks = if parking && mag_cap == 0 { capacity as usize / park::BLOCK } else { 0 };
         let summary = (0..nwords.div_ceil(BITS)).map(|_| AtomicU64::new(0)).collect();
         let pool = SlotPool {
             words,
@@ -601,6 +645,10 @@ impl SlotPool {
             held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
             mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
             mag_cap,
+            blocks: (0..nblocks).map(|_| AtomicU64::new(0)).collect(),
+            park_summary: (0..nblocks.div_ceil(BITS)).map(|_| AtomicU64::new(0)).collect(),
+            parked: CachePadded::new(AtomicUsize::new(0)),
+            block_hint: CachePadded::new(untracked::AtomicUsize::new(0)),
             capacity,
         };
         pool.fill();
@@ -637,6 +685,7 @@ impl SlotPool {
             mag.len.store(0, Ordering::Relaxed);
             mag.busy.store(false, Ordering::Release);
         }
+        self.reset_blocks();
     }
 
     /// The calling thread's magazine, if the pool has magazines.
@@ -658,6 +707,7 @@ impl SlotPool {
     fn not_held(&self, w: usize, mask: u64) -> u64 {
         match self.held.get(w) {
             Some(h) => mask & !h.load(Ordering::Relaxed),
+            None if self.parked_at(w) => mask,
             None => mask & self.words[w].load(Ordering::Relaxed),
         }
     }
@@ -779,7 +829,10 @@ impl SlotPool {
         let shards = self.shards.iter().map(|s| s.available.load(Ordering::Acquire)).sum::<usize>();
         // Magazines last: a flush stores 0 in `len` before it publishes the count to a
         // shard, so if the shard loads above saw the count, these see the 0.
-        central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>()
+        // Parked blocks: a claim takes the count before it unparks a block, and a
+        // free parks a block before it publishes it, so a block is never counted twice.
+        let parked = self.parked.load(Ordering::Acquire) * park::BLOCK;
+        central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>() + parked
     }
 
     /// Whether `index` is currently handed out (`false` for out-of-range indices, for
@@ -793,7 +846,7 @@ impl SlotPool {
         let (w, bit) = Self::locate(index);
         match self.held.get(w) {
             Some(h) => h.load(Ordering::Acquire) & bit != 0,
-            None => self.words[w].load(Ordering::Acquire) & bit == 0,
+            None => self.words[w].load(Ordering::Acquire) & bit == 0 && !self.parked_at(w),
         }
     }
 
@@ -841,8 +894,8 @@ impl SlotPool {
             crate::debug_check(self);
             return Ok(());
         }
-        self.reserve(out.len(), unit)?;
-        self.claim(out);
+        let r = self.reserve(out.len(), unit)?;
+        self.claim(r, out);
         crate::debug_check(self);
         Ok(())
     }
@@ -883,8 +936,10 @@ impl SlotPool {
     ///
     /// From the calling thread's shard if it holds `n` (the common case: what this
     /// thread freed, on a cache line no other thread writes), else from the central
-    /// counter, else after sweeping every shard into the central counter.
-    pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<(), OutOfMemory> {
+    /// counter, else after sweeping every shard into the central counter; if that is
+    /// still short and blocks are parked, what the counter holds and parked blocks for
+    /// the rest ([`reserve_mixed`](Self::reserve_mixed)).
+    pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<Reservation, OutOfMemory> {
         let shard = self.my_shard();
         let taken = take(&shard.available, n)
             .or_else(|_| take(&self.central, n))
@@ -905,11 +960,20 @@ impl SlotPool {
         match taken {
             Ok(lost) => {
                 gauge_contention(shard, lost);
-                Ok(())
+                Ok(Reservation::words(n))
             }
             // What the central counter held after the sweep: the count the decision was
             // made on (at quiescence, everything).
-            Err(seen) => Err(OutOfMemory { requested: n, available: seen, evictable: None, unit }),
+            Err(seen) if self.blocks.is_empty() || self.parked.load(Ordering::Relaxed) == 0 => {
+                Err(OutOfMemory { requested: n, available: seen, evictable: None, unit })
+            }
+            // With the parked blocks: the total the decision was made on.
+            Err(_) => self.reserve_mixed(n).map_err(|seen| OutOfMemory {
+                requested: n,
+                available: seen,
+                evictable: None,
+                unit,
+            }),
         }
     }
 
@@ -985,9 +1049,10 @@ impl SlotPool {
     /// while the contention gauge is up; a compare-and-swap lost on a word moves the
     /// rest of the scan to the home word too. Where the scan starts never matters for
     /// correctness: it visits every word, wrapping around, until it has them all.
-    pub(crate) fn claim(&self, out: &mut [u32]) {
+    pub(crate) fn claim(&self, r: Reservation, out: &mut [u32]) {
+        debug_assert_eq!(r.len(), out.len());
         let mut filled = 0;
-        self.claim_with(out.len(), |w, take| filled += write_indices(take, w, &mut out[filled..]));
+        self.claim_with(r, |w, take| filled += write_indices(take, w, &mut out[filled..]));
     }
 
     /// [`claim`](Self::claim) `n` indices, handing them to `each(first, count)` as
@@ -996,8 +1061,8 @@ impl SlotPool {
     /// `claim` would write, in order). Two calls in a row may continue each other
     /// (across a word boundary).
     #[inline]
-    pub(crate) fn claim_stretches(&self, n: usize, mut each: impl FnMut(u32, usize)) {
-        self.claim_with(n, |w, take| {
+    pub(crate) fn claim_stretches(&self, r: Reservation, mut each: impl FnMut(u32, usize)) {
+        self.claim_with(r, |w, take| {
             let base = (w * BITS + 1) as u32;
             let mut t = take;
             while t != 0 {
@@ -1010,11 +1075,20 @@ impl SlotPool {
         });
     }
 
-    /// [`claim`](Self::claim) `n` bits, handing each word's claimed bits to `each`
-    /// (word, bits) instead of writing indices (index `w * 64 + b + 1` is bit `b` of
-    /// word `w`).
+    /// [`claim`](Self::claim) what `r` reserved, handing each word's claimed bits to
+    /// `each` (word, bits) instead of writing indices (index `w * 64 + b + 1` is bit `b`
+    /// of word `w`): first the parked blocks' words, then the bits from the words.
     #[inline]
-    pub(crate) fn claim_with(&self, n: usize, mut each: impl FnMut(usize, u64)) {
+    pub(crate) fn claim_with(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
+        if r.blocks > 0 {
+            self.claim_blocks(r, &mut each);
+        }
+        self.claim_words(r.words, each);
+    }
+
+    /// The word part of [`claim_with`](Self::claim_with): `n` bits from the words.
+    #[inline]
+    fn claim_words(&self, n: usize, mut each: impl FnMut(usize, u64)) {
         let nwords = self.words.len();
         if n == 0 || nwords == 0 {
             return;
@@ -1342,7 +1416,7 @@ impl SlotPool {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn free_group(&self) -> FreeGroup<'_> {
-        FreeGroup { pool: self, pending: 0, unit: Dup::Strict }
+        FreeGroup { pool: self, pending: 0, pending_blocks: 0, unit: Dup::Strict }
     }
 
     /// Validate then set the bits of `indices` (without publishing), strict about
@@ -1401,8 +1475,7 @@ impl SlotPool {
                 }
             }
         }
-        self.mark(acc.marks);
-        self.lower_hint(acc.min_word);
+        self.settle(&mut acc);
         match acc.first_dup {
             None => Ok(acc.freed),
             Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
@@ -1475,6 +1548,15 @@ impl SlotPool {
             }
         }
         acc.freed += (won & !old).count_ones() as usize;
+        if let Some(b) = self.block_of(w) {
+            // Parked blocks: remember what we set in this block, for the generation
+            // step when the free leaves the block (`close_block`).
+            if b != acc.blk {
+                self.close_block(acc);
+                acc.blk = b;
+            }
+            acc.blk_set[w % park::BLOCK_WORDS] |= won & !old;
+        }
         let again = (mask & !won) | (won & old);
         if again != 0 && dup == Dup::Strict && acc.first_dup.is_none() {
             acc.first_dup = Some((w * BITS + again.trailing_zeros() as usize + 1) as u32);
@@ -1504,6 +1586,16 @@ impl SlotPool {
         if w < self.hint.load(Ordering::Relaxed) {
             self.hint.fetch_min(w, Ordering::Relaxed);
         }
+    }
+
+    /// The end of a free's apply step: the generation step of the last block it set
+    /// bits in, then the summary, the hint and the block hint.
+    #[inline]
+    fn settle(&self, acc: &mut Applied) {
+        self.close_block(acc);
+        self.mark(acc.marks);
+        self.lower_hint(acc.min_word);
+        self.lower_block_hint(acc.min_block);
     }
 
     /// Validate then set the bits of `indices` (without publishing), for any iterator
@@ -1559,8 +1651,7 @@ impl SlotPool {
         if run_mask != 0 {
             self.set_bits(run_word, run_mask, dup, &mut acc);
         }
-        self.mark(acc.marks);
-        self.lower_hint(acc.min_word);
+        self.settle(&mut acc);
         match acc.first_dup {
             None => Ok(acc.freed),
             Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
@@ -1651,10 +1742,20 @@ impl SlotPool {
                 )));
             }
         }
+        let (parked, dirty, reservable) = self.parked_census();
+        if let Some(b) = dirty {
+            return Err(InvariantViolation(format!("block {b} is parked but its words hold free bits")));
+        }
+        if reservable > parked {
+            return Err(InvariantViolation(format!("{reservable} parked blocks counted but {parked} parked")));
+        }
+        let ones = ones + parked * park::BLOCK;
         let avail = self.available().saturating_sub(in_mags);
         let unpub = self.unpublished.load(Ordering::Acquire);
         if ones != avail + unpub {
-            return Err(InvariantViolation(format!("{ones} free bits but available {avail} + unpublished {unpub}")));
+            return Err(InvariantViolation(format!(
+                "{ones} free (bits and {parked} parked blocks) but available {avail} + unpublished {unpub}"
+            )));
         }
         if avail > cap {
             return Err(InvariantViolation(format!("available {avail} exceeds capacity {cap}")));
@@ -1687,11 +1788,27 @@ struct Applied {
     /// Words set so far whose summary bits are still to be set, with one summary
     /// access per 64 words ([`SlotPool::mark`]), after the free's RMWs on them.
     marks: SummaryBits,
+    /// The block (of a pool that parks blocks) the last words set lie in, or
+    /// `usize::MAX`, and the bits this free set in each of its words.
+    blk: usize,
+    blk_set: [u64; park::BLOCK_WORDS],
+    /// Blocks this free parked, and the lowest of them.
+    parked: usize,
+    min_block: usize,
 }
 
 impl Applied {
     fn new(first_dup: Option<u32>) -> Self {
-        Applied { freed: 0, first_dup, min_word: usize::MAX, marks: SummaryBits::default() }
+        Applied {
+            freed: 0,
+            first_dup,
+            min_word: usize::MAX,
+            marks: SummaryBits::default(),
+            blk: usize::MAX,
+            blk_set: [0; park::BLOCK_WORDS],
+            parked: 0,
+            min_block: usize::MAX,
+        }
     }
 }
 
@@ -1973,7 +2090,10 @@ const UNMARK_MIN: usize = 8;
 #[must_use = "a free group publishes its frees when it ends; dropping it at once is a plain free"]
 pub struct FreeGroup<'a> {
     pool: &'a SlotPool,
+    /// Indices freed into the bitmap words, not yet published.
     pending: usize,
+    /// Blocks parked, not yet published.
+    pending_blocks: usize,
     unit: Dup,
 }
 
@@ -1992,7 +2112,7 @@ impl<'a> FreeGroup<'a> {
     }
 
     pub(crate) fn merging(pool: &'a SlotPool) -> Self {
-        FreeGroup { pool, pending: 0, unit: Dup::Merge }
+        FreeGroup { pool, pending: 0, pending_blocks: 0, unit: Dup::Merge }
     }
 
     pub(crate) fn free_iter<I>(&mut self, indices: I) -> Result<(), FreeError>
@@ -2016,9 +2136,17 @@ impl<'a> FreeGroup<'a> {
         err.map_or(Ok(()), Err)
     }
 
+    /// Hold back the blocks a release parked.
+    fn account_parked(&mut self, blocks: usize) {
+        if blocks > 0 {
+            self.pool.unpublished.fetch_add(blocks * park::BLOCK, Ordering::Relaxed);
+            self.pending_blocks += blocks;
+        }
+    }
+
     /// Frees held back so far.
     pub fn pending(&self) -> usize {
-        self.pending
+        self.pending + self.pending_blocks * park::BLOCK
     }
 
     /// End the group, publishing its frees at once; returns how many.
@@ -2028,12 +2156,15 @@ impl<'a> FreeGroup<'a> {
 
     fn finish(&mut self) -> usize {
         let n = core::mem::take(&mut self.pending);
-        if n > 0 {
-            self.pool.publish(n);
-            self.pool.unpublished.fetch_sub(n, Ordering::Relaxed);
+        let blocks = core::mem::take(&mut self.pending_blocks);
+        self.pool.publish(n);
+        self.pool.publish_parked(blocks);
+        let total = n + blocks * park::BLOCK;
+        if total > 0 {
+            self.pool.unpublished.fetch_sub(total, Ordering::Relaxed);
         }
         crate::debug_check(self.pool);
-        n
+        total
     }
 }
 
@@ -2045,10 +2176,11 @@ impl Drop for FreeGroup<'_> {
 
 impl core::fmt::Debug for FreeGroup<'_> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("FreeGroup").field("pending", &self.pending).finish()
+        f.debug_struct("FreeGroup").field("pending", &self.pending()).finish()
     }
 }
 
+mod park;
 mod range;
 pub(crate) use range::{bit_ends, bit_words};
 

@@ -2,6 +2,7 @@
 //! (and one read-modify-write) per bitmap word instead of work per index. The radix
 //! cache holds its pages in runs of consecutive pages and uses these for a run at a time.
 
+use super::park::BLOCK_WORDS;
 use super::{Applied, Dup, FreeGroup, SlotPool, BITS};
 use crate::error::{FreeError, FreeErrorKind};
 use crate::sync::atomic::Ordering;
@@ -44,6 +45,24 @@ fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
     bit_words(first as usize - 1, count as usize)
 }
 
+/// The bits of word `w` inside bits `start..end` (a range that meets the word).
+#[inline]
+fn word_mask(w: usize, start: usize, end: usize) -> u64 {
+    let lo = start.max(w * BITS) - w * BITS;
+    let hi = end.min(w * BITS + BITS) - w * BITS;
+    if hi - lo == BITS {
+        u64::MAX
+    } else {
+        ((1u64 << (hi - lo)) - 1) << lo
+    }
+}
+
+/// Whether word `w` starts a block whose words all lie inside bits `start..end`.
+#[inline]
+fn starts_whole_block(w: usize, start: usize, end: usize) -> bool {
+    w % BLOCK_WORDS == 0 && w * BITS >= start && (w + BLOCK_WORDS) * BITS <= end
+}
+
 impl SlotPool {
     /// Whether every index of `first..first + count` is handed out (`false` if any is
     /// out of range or free). One load per 64 indices; a snapshot under concurrency.
@@ -78,6 +97,7 @@ impl SlotPool {
         // Relaxed, as `not_held`: a snapshot.
         if self.held.is_empty() {
             self.words[w0 + 1..w1].iter().fold(0, |a, w| a | w.load(Ordering::Relaxed)) == 0
+                && !self.any_parked(w0 + 1, w1)
         } else {
             self.held[w0 + 1..w1].iter().fold(u64::MAX, |a, h| a & h.load(Ordering::Relaxed)) == u64::MAX
         }
@@ -87,7 +107,15 @@ impl SlotPool {
     /// [`release_slice`](Self::release_slice) does for a slice: nothing changes unless
     /// every index is in range and allocated. Returns how many bits went 0 -> 1, and on
     /// error also that count.
-    pub(crate) fn release_range(&self, first: u32, count: u32) -> Result<usize, (usize, FreeError)> {
+    ///
+    /// Whole blocks of the range are parked ("Parked blocks" in the module docs) and
+    /// counted in `parked`, not in the result.
+    pub(crate) fn release_range(
+        &self,
+        first: u32,
+        count: u32,
+        parked: &mut usize,
+    ) -> Result<usize, (usize, FreeError)> {
         if count == 0 {
             return Ok(0);
         }
@@ -106,11 +134,21 @@ impl SlotPool {
             }
         }
         let mut acc = Applied::new(None);
-        for (w, mask) in words_of(first, count) {
-            self.set_bits(w, mask, Dup::Strict, &mut acc);
+        let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
+        let mut w = start / BITS;
+        while w * BITS < end {
+            if starts_whole_block(w, start, end) {
+                if let Some(b) = self.block_of(w).filter(|&b| self.try_park(b)) {
+                    self.note_parked(b, &mut acc);
+                    w += BLOCK_WORDS;
+                    continue;
+                }
+            }
+            self.set_bits(w, word_mask(w, start, end), Dup::Strict, &mut acc);
+            w += 1;
         }
-        self.mark(acc.marks);
-        self.lower_hint(acc.min_word);
+        self.settle(&mut acc);
+        *parked += acc.parked;
         match acc.first_dup {
             None => Ok(acc.freed),
             Some(index) => Err((acc.freed, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true })),
@@ -140,7 +178,9 @@ impl FreeGroup<'_> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn free_range(&mut self, first: u32, count: u32) -> Result<(), FreeError> {
-        let r = self.pool.release_range(first, count);
+        let mut parked = 0;
+        let r = self.pool.release_range(first, count, &mut parked);
+        self.account_parked(parked);
         self.account(r)
     }
 
@@ -168,7 +208,7 @@ impl FreeGroup<'_> {
             let set = pool.not_held(w, m);
             if set != 0 {
                 let index = (w * BITS + set.trailing_zeros() as usize + 1) as u32;
-                let rest_freed = acc.freed > 0;
+                let rest_freed = acc.freed > 0 || acc.parked > 0;
                 *error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed });
                 return false;
             }
@@ -188,14 +228,36 @@ impl FreeGroup<'_> {
                     flush(word, bits, &mut acc, &mut error);
                     word = usize::MAX;
                 }
-                error = error.or(Some(FreeError { index, kind, rest_freed: acc.freed > 0 }));
+                let rest_freed = acc.freed > 0 || acc.parked > 0;
+                error = error.or(Some(FreeError { index, kind, rest_freed }));
                 break;
             }
-            for (w, m) in words_of(first, count) {
-                if w == word {
+            let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
+            let mut w = start / BITS;
+            while w * BITS < end {
+                // A whole block of this range (not sharing a word with the ranges
+                // before it): park it.
+                if word != w && starts_whole_block(w, start, end) {
+                    if let Some(b) = pool.block_of(w) {
+                        if word != usize::MAX && !flush(word, bits, &mut acc, &mut error) {
+                            word = usize::MAX;
+                            break 'ranges;
+                        }
+                        word = usize::MAX;
+                        if pool.try_park(b) {
+                            pool.note_parked(b, &mut acc);
+                            w += BLOCK_WORDS;
+                            continue;
+                        }
+                    }
+                }
+                let (cur, m) = (w, word_mask(w, start, end));
+                w += 1;
+                if cur == word {
                     if bits & m != 0 {
-                        let index = (w * BITS + (bits & m).trailing_zeros() as usize + 1) as u32;
-                        error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: acc.freed > 0 });
+                        let index = (cur * BITS + (bits & m).trailing_zeros() as usize + 1) as u32;
+                        let rest_freed = acc.freed > 0 || acc.parked > 0;
+                        error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed });
                         word = usize::MAX;
                         break 'ranges;
                     }
@@ -206,17 +268,17 @@ impl FreeGroup<'_> {
                     word = usize::MAX;
                     break 'ranges;
                 }
-                (word, bits) = (w, m);
+                (word, bits) = (cur, m);
             }
         }
         if word != usize::MAX {
             flush(word, bits, &mut acc, &mut error);
         }
-        pool.mark(acc.marks);
-        pool.lower_hint(acc.min_word);
+        pool.settle(&mut acc);
         if let (None, Some(index)) = (&error, acc.first_dup) {
             error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: true });
         }
+        self.account_parked(acc.parked);
         self.account(Ok(acc.freed))?;
         error.map_or(Ok(()), Err)
     }

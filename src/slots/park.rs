@@ -1,0 +1,631 @@
+//! Parked blocks: whole aligned blocks of [`BLOCK`] indices (a cache line of bitmap
+//! words) freed and handed out with one read-modify-write each instead of one per word.
+//! The module docs of [`super`] ("Parked blocks") give the protocol and why it is
+//! correct; this file is its code.
+
+use super::{Applied, SlotPool, BITS};
+use crate::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::{spin_loop, untracked};
+
+/// Bitmap words per block: one 64-byte cache line of words.
+#[cfg(not(loom))]
+pub(super) const BLOCK_WORDS: usize = 8;
+/// Two words keep loom's models small while a block still spans several words.
+#[cfg(loom)]
+pub(super) const BLOCK_WORDS: usize = 2;
+
+/// Indices per block.
+pub(crate) const BLOCK: usize = BLOCK_WORDS * BITS;
+
+/// A block's state word: this bit while the block is parked (every index in it free,
+/// its bitmap words 0), and a generation in the other bits that every word-level free
+/// into the block advances.
+const PARKED: u64 = 1 << 63;
+const GEN: u64 = 1;
+
+/// What one reservation entitles its claim to: `words` indices from the bitmap words,
+/// then `from_blocks` indices from `blocks` parked blocks (the last one's remainder goes
+/// back to the words). Made by [`SlotPool::reserve`], spent by one claim.
+#[must_use = "a reservation holds indices out of `available` until it is claimed or given back"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reservation {
+    pub(super) words: usize,
+    pub(super) blocks: usize,
+    pub(super) from_blocks: usize,
+}
+
+impl Reservation {
+    /// `n` indices, all from the words.
+    pub(crate) fn words(n: usize) -> Self {
+        Reservation { words: n, blocks: 0, from_blocks: 0 }
+    }
+
+    /// How many indices the claim hands out.
+    pub(crate) fn len(&self) -> usize {
+        self.words + self.from_blocks
+    }
+}
+
+impl SlotPool {
+    /// The block word `w` lies in, if blocks of this pool can be parked there.
+    #[inline]
+    pub(super) fn block_of(&self, w: usize) -> Option<usize> {
+        let b = w / BLOCK_WORDS;
+        (b < self.blocks.len()).then_some(b)
+    }
+
+    /// Whether word `w` lies in a parked block (its indices all free). A snapshot.
+    #[inline]
+    pub(super) fn parked_at(&self, w: usize) -> bool {
+        self.block_of(w).is_some_and(|b| self.blocks[b].load(Ordering::Acquire) & PARKED != 0)
+    }
+
+    /// Whether any block with a word in `w0..w1` is parked. A snapshot.
+    pub(super) fn any_parked(&self, w0: usize, w1: usize) -> bool {
+        let end = (w1.div_ceil(BLOCK_WORDS)).min(self.blocks.len());
+        (w0 / BLOCK_WORDS..end).any(|b| self.blocks[b].load(Ordering::Acquire) & PARKED != 0)
+    }
+
+    /// Park block `b`, whose indices the caller frees (every word of it was handed out
+    /// by its claim): one compare-and-swap on the block's state. `false` when the block
+    /// is not entirely handed out or a word-level free into it raced with this one
+    /// (either is a double free): then nothing changed, and the caller frees the block's
+    /// words one by one instead, which reports the double free exactly as without
+    /// parking.
+    pub(super) fn try_park(&self, b: usize) -> bool {
+        let state = &self.blocks[b];
+        // Acquire: a word-level free that advanced the generation before this load set
+        // its bits before that; the loads below see them.
+        let s0 = state.load(Ordering::Acquire);
+        if s0 & PARKED != 0 {
+            return false;
+        }
+        let w0 = b * BLOCK_WORDS;
+        if self.words[w0..w0 + BLOCK_WORDS].iter().any(|w| w.load(Ordering::Relaxed) != 0) {
+            return false;
+        }
+        // Release: our writes to what these indices guard happen-before the claim that
+        // unparks the block (Acquire). Fails if a word-level free into the block
+        // advanced the generation since `s0`: its bits may be set after our loads.
+        // SeqCst: the first half of the summary's ordering (`unmark_parked`).
+        if state.compare_exchange(s0, s0 | PARKED, Ordering::SeqCst, Ordering::Relaxed).is_err() {
+            return false;
+        }
+        // The summary bit, read first (the line stays shared while it is set).
+        let (sw, bit) = (&self.park_summary[b / BITS], 1u64 << (b % BITS));
+        if sw.load(Ordering::SeqCst) & bit == 0 {
+            sw.fetch_or(bit, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// Clear block `b`'s summary bit (it was found, or just made, not parked); then
+    /// look at the block again and set the bit back if a park got in between. SeqCst
+    /// with the park's compare-and-swap and summary load: of the two, one sees the
+    /// other (as for the words' summary, `unmark`).
+    fn unmark_parked(&self, b: usize) {
+        let (sw, bit) = (&self.park_summary[b / BITS], 1u64 << (b % BITS));
+        sw.fetch_and(!bit, Ordering::SeqCst);
+        if self.blocks[b].load(Ordering::SeqCst) & PARKED != 0 {
+            sw.fetch_or(bit, Ordering::Relaxed);
+        }
+    }
+
+    /// The first block from `from` on whose summary bit is set, or `blocks.len()`.
+    fn next_marked_block(&self, from: usize) -> usize {
+        let nb = self.blocks.len();
+        if from >= nb {
+            return nb;
+        }
+        let mut k = from / BITS;
+        let mut bits = self.park_summary[k].load(Ordering::Relaxed) & (u64::MAX << (from % BITS));
+        loop {
+            if bits != 0 {
+                return (k * BITS + bits.trailing_zeros() as usize).min(nb);
+            }
+            k += 1;
+            if k == self.park_summary.len() {
+                return nb;
+            }
+            bits = self.park_summary[k].load(Ordering::Relaxed);
+        }
+    }
+
+    /// A free that set bits in block `acc.blk` is done with that block: advance the
+    /// block's generation (so that a block free that loaded the words before our bits
+    /// were set cannot park it). If the block was parked meanwhile, a block free of
+    /// the same indices won the race: take our bits back out of the words and report
+    /// them as freed twice (bits that a claim took in between stay counted: the
+    /// block free and this one both succeeded around that claim, the case
+    /// `FreeError` documents).
+    #[inline]
+    pub(super) fn close_block(&self, acc: &mut Applied) {
+        let b = core::mem::replace(&mut acc.blk, usize::MAX);
+        if b == usize::MAX {
+            return;
+        }
+        let set = core::mem::take(&mut acc.blk_set);
+        if set.iter().all(|&m| m == 0) {
+            return;
+        }
+        // AcqRel: Release orders our bits before the new generation (a block free that
+        // sees it sees them); Acquire, the block free's park before our undo.
+        let old = self.blocks[b].fetch_add(GEN, Ordering::AcqRel);
+        if old & PARKED != 0 {
+            self.withdraw(b, &set, acc);
+        }
+    }
+
+    /// Take back the bits this free set in block `b`, which a racing block free parked.
+    #[cold]
+    fn withdraw(&self, b: usize, set: &[u64; BLOCK_WORDS], acc: &mut Applied) {
+        for (k, &m) in set.iter().enumerate() {
+            if m == 0 {
+                continue;
+            }
+            let w = b * BLOCK_WORDS + k;
+            let removed = self.words[w].fetch_and(!m, Ordering::AcqRel) & m;
+            acc.freed -= removed.count_ones() as usize;
+            if removed != 0 && acc.first_dup.is_none() {
+                acc.first_dup = Some((w * BITS + removed.trailing_zeros() as usize + 1) as u32);
+            }
+        }
+    }
+
+    /// Note in `acc` that the free parked block `b`.
+    #[inline]
+    pub(super) fn note_parked(&self, b: usize, acc: &mut Applied) {
+        acc.parked += 1;
+        acc.min_block = acc.min_block.min(b);
+    }
+
+    /// After a free that parked blocks from `min_block` up: lower the block hint.
+    #[inline]
+    pub(super) fn lower_block_hint(&self, min_block: usize) {
+        if min_block != usize::MAX && min_block < self.block_hint.load(untracked::Ordering::Relaxed) {
+            self.block_hint.store(min_block, untracked::Ordering::Relaxed);
+        }
+    }
+
+    /// Make `blocks` parked blocks available (after their parking).
+    #[inline]
+    pub(super) fn publish_parked(&self, blocks: usize) {
+        if blocks > 0 {
+            // Release: the parks happened before; a reserver that sees the count
+            // (Acquire) finds the blocks parked.
+            self.parked.fetch_add(blocks, Ordering::Release);
+        }
+    }
+
+    /// The reservation of last resort, after the sweep: whole parked blocks for as many
+    /// whole blocks as `n` holds, the rest from what the words' counter holds, and one
+    /// more block if that is short. All or nothing: on failure what was taken goes
+    /// back, and the error carries the total seen. Blocks first: a large claim gets
+    /// long stretches instead of the scattered free indices the words may hold.
+    pub(super) fn reserve_mixed(&self, n: usize) -> Result<Reservation, usize> {
+        let whole = take_up_to(&self.parked, n / BLOCK);
+        let rest = n - whole * BLOCK;
+        let words = take_up_to(&self.central, rest);
+        let short = rest - words;
+        let extra = short.div_ceil(BLOCK);
+        match super::take(&self.parked, extra) {
+            Ok(_) => Ok(Reservation { words, blocks: whole + extra, from_blocks: whole * BLOCK + short }),
+            Err(seen) => {
+                self.publish_parked(whole);
+                if words > 0 {
+                    self.central.fetch_add(words, Ordering::Release);
+                }
+                Err(words + (whole + seen) * BLOCK)
+            }
+        }
+    }
+
+    /// Turn reservation `r` into one of `r.len()` indices in the words: its parked
+    /// blocks are unparked and freed into their words (one read-modify-write per word,
+    /// as before parking), and what they hold beyond `r` is published. For callers
+    /// that claim a reservation in several parts ([`Reservation::words`] of each).
+    pub(crate) fn spread_into_words(&self, r: Reservation) -> Reservation {
+        if r.blocks == 0 {
+            return r;
+        }
+        let mut acc = Applied::new(None);
+        for _ in 0..r.blocks {
+            let w0 = self.unpark_one() * BLOCK_WORDS;
+            for w in w0..w0 + BLOCK_WORDS {
+                self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
+            }
+        }
+        self.settle(&mut acc);
+        // `acc.freed` is `BLOCK * r.blocks` unless a misuse raced (see `close_block`).
+        self.publish(acc.freed.saturating_sub(r.from_blocks));
+        Reservation::words(r.len())
+    }
+
+    /// Give back a reservation that will not be claimed.
+    pub(crate) fn unreserve(&self, r: Reservation) {
+        self.publish(r.words);
+        self.publish_parked(r.blocks);
+    }
+
+    /// Take one parked block that a reservation entitles us to: scan from the block
+    /// hint, wrapping around, guided by the summary (64 blocks per load), and clear the
+    /// first parked bit we win. A guided pass that comes up short is followed by
+    /// passes over every state (the summary is only a hint).
+    fn unpark_one(&self) -> usize {
+        let nb = self.blocks.len();
+        let mut b = self.block_hint.load(untracked::Ordering::Relaxed).min(nb - 1);
+        let mut scanned = 0;
+        let mut guided = true;
+        loop {
+            if guided {
+                let next = self.next_marked_block(b);
+                scanned += next - b;
+                b = next;
+            }
+            if b < nb {
+                let state = &self.blocks[b];
+                if state.load(Ordering::Relaxed) & PARKED != 0 {
+                    // Acquire: pairs with the park's Release (the previous owner's
+                    // writes happen-before ours).
+                    if state.fetch_and(!PARKED, Ordering::AcqRel) & PARKED != 0 {
+                        self.unmark_parked(b);
+                        self.block_hint.store(b + 1, untracked::Ordering::Relaxed);
+                        return b;
+                    }
+                } else if guided {
+                    self.unmark_parked(b);
+                }
+                b += 1;
+                scanned += 1;
+            }
+            if b >= nb {
+                b = 0;
+            }
+            if scanned >= nb {
+                // A whole pass found none: other threads took and parked blocks
+                // meanwhile, or the summary missed one. Ours exist (the reservation
+                // counted them): scan every state from now on.
+                scanned = 0;
+                guided = false;
+                spin_loop();
+            }
+        }
+    }
+
+    /// The block part of a claim: unpark `r.blocks` blocks and hand their words to
+    /// `each(word, bits)` (all 64 bits of a word), `r.from_blocks` indices in all; the
+    /// last block's remainder is freed back to the words and published.
+    #[inline(never)]
+    pub(super) fn claim_blocks(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
+        let mut left = r.from_blocks;
+        for _ in 0..r.blocks {
+            let b = self.unpark_one();
+            let w0 = b * BLOCK_WORDS;
+            let take = left.min(BLOCK);
+            left -= take;
+            let (full, part) = (take / BITS, take % BITS);
+            for w in w0..w0 + full {
+                each(w, u64::MAX);
+            }
+            if take == BLOCK {
+                continue;
+            }
+            // The remainder: the rest of a partly taken word, then whole words.
+            let mut acc = Applied::new(None);
+            let mut w = w0 + full;
+            if part > 0 {
+                let low = (1u64 << part) - 1;
+                each(w, low);
+                self.set_bits(w, !low, super::Dup::Strict, &mut acc);
+                w += 1;
+            }
+            for w in w..w0 + BLOCK_WORDS {
+                self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
+            }
+            self.settle(&mut acc);
+            // These indices were ours (unparked, never handed out): a racing free
+            // cannot have made any of them a double free, except a misuse that parks
+            // this block again, which `close_block` resolves against the misuse.
+            debug_assert!(acc.first_dup.is_none() || cfg!(loom));
+            self.publish(acc.freed);
+        }
+    }
+
+    /// Parked blocks and their count, for `check_invariants`: `(parked states, words
+    /// of parked blocks that hold bits, count reservable)`.
+    pub(super) fn parked_census(&self) -> (usize, Option<usize>, usize) {
+        let mut parked = 0;
+        let mut dirty = None;
+        for (b, s) in self.blocks.iter().enumerate() {
+            if s.load(Ordering::Acquire) & PARKED != 0 {
+                parked += 1;
+                let w0 = b * BLOCK_WORDS;
+                if dirty.is_none() && self.words[w0..w0 + BLOCK_WORDS].iter().any(|w| w.load(Ordering::Acquire) != 0) {
+                    dirty = Some(b);
+                }
+            }
+        }
+        (parked, dirty, self.parked.load(Ordering::Acquire))
+    }
+
+    /// Reset every block to "not parked" (the pool is being refilled).
+    pub(super) fn reset_blocks(&self) {
+        for s in self.blocks.iter().chain(self.park_summary.iter()) {
+            s.store(0, Ordering::Relaxed);
+        }
+        self.parked.store(0, Ordering::Relaxed);
+        self.block_hint.store(0, untracked::Ordering::Relaxed);
+    }
+}
+
+/// Take up to `n` off `counter`; returns how many were taken.
+fn take_up_to(counter: &AtomicUsize, n: usize) -> usize {
+    let mut cur = counter.load(Ordering::Relaxed);
+    loop {
+        let t = cur.min(n);
+        if t == 0 {
+            return 0;
+        }
+        // Acquire, as in `take`.
+        match counter.compare_exchange(cur, cur - t, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => return t,
+            Err(actual) => cur = actual,
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::error::FreeErrorKind;
+    use proptest::prelude::*;
+
+    /// A parking pool of `cap` with everything handed out.
+    fn full(cap: u32) -> SlotPool {
+        let pool = SlotPool::with_parking(cap);
+        let mut all = vec![0u32; cap as usize];
+        pool.alloc(&mut all).unwrap();
+        pool
+    }
+
+    fn free_range(pool: &SlotPool, first: u32, count: u32) -> Result<usize, crate::FreeError> {
+        let mut group = pool.free_group();
+        let r = group.free_range(first, count);
+        let n = group.end();
+        r.map(|()| n)
+    }
+
+    fn parked_blocks(pool: &SlotPool) -> Vec<usize> {
+        (0..pool.blocks.len()).filter(|&b| pool.blocks[b].load(Ordering::Relaxed) & PARKED != 0).collect()
+    }
+
+    /// A range covering whole blocks parks them (their words stay 0) and counts them;
+    /// an allocation of a block's worth takes it whole, lowest block first.
+    #[test]
+    fn whole_blocks_park_and_come_back_whole() {
+        let pool = full(4096);
+        // 1 block and a bit before it, 2 whole blocks, a bit after.
+        assert_eq!(free_range(&pool, 500, 1100).unwrap(), 1100);
+        assert_eq!(parked_blocks(&pool), [1, 2]);
+        assert_eq!(pool.parked.load(Ordering::Relaxed), 2);
+        assert_eq!(pool.words[8].load(Ordering::Relaxed), 0, "a parked block's words stay 0");
+        assert_eq!(pool.available(), 1100);
+        assert!((500..1600).all(|i| !pool.is_allocated(i)));
+        assert!(pool.is_allocated(499) && pool.is_allocated(1600));
+        assert!(!pool.all_allocated(1, 700) && !pool.all_allocated(600, 10) && pool.all_allocated(1600, 100));
+        pool.check_invariants().unwrap();
+
+        // 600 = one block and 88 more. The words hold 76 (500..=512, 1537..=1599), so
+        // the claim takes block 1 (513..=1024) and 12 of block 2, whose other 500 go
+        // back to the words; then the 76 lowest free indices of the words: 500..=512
+        // and the rest of block 2 from 1037 on.
+        let mut got = vec![0u32; 600];
+        pool.alloc(&mut got).unwrap();
+        let want: Vec<u32> = (513..=1036).chain(500..=512).chain(1037..=1099).collect();
+        assert_eq!(got, want);
+        assert!(parked_blocks(&pool).is_empty());
+        assert_eq!(pool.available(), 500);
+        pool.check_invariants().unwrap();
+    }
+
+    /// A claim that needs part of a block takes it whole and frees the rest back into
+    /// its words, where the next claims find it.
+    #[test]
+    fn a_block_taken_in_part_returns_the_rest_to_its_words() {
+        let pool = full(2048);
+        free_range(&pool, 1025, 512).unwrap();
+        assert_eq!(parked_blocks(&pool), [2]);
+        let mut got = [0u32; 100];
+        pool.alloc(&mut got).unwrap();
+        assert!(got.iter().copied().eq(1025..1125));
+        assert!(parked_blocks(&pool).is_empty());
+        assert_eq!(pool.available(), 412);
+        assert!((1125..1537).all(|i| !pool.is_allocated(i)));
+        pool.check_invariants().unwrap();
+        let mut rest = [0u32; 412];
+        pool.alloc(&mut rest).unwrap();
+        assert!(rest.iter().copied().eq(1125..1537));
+        assert_eq!(pool.available(), 0);
+        assert!(pool.alloc(&mut [0u32; 1]).is_err());
+    }
+
+    /// Freeing a parked block again, or any index in it, is a double free, refused with
+    /// nothing changed; so is parking a block one of whose indices is free.
+    #[test]
+    fn double_frees_around_parked_blocks_are_refused() {
+        let pool = full(2048);
+        free_range(&pool, 513, 512).unwrap();
+        for (first, count) in [(513u32, 512u32), (600, 1), (1, 1024), (1000, 30)] {
+            let e = free_range(&pool, first, count).unwrap_err();
+            assert_eq!(e.kind, FreeErrorKind::NotAllocated, "{first} + {count}");
+            assert!((513..=1024).contains(&e.index) && !e.rest_freed, "{e:?}");
+        }
+        assert_eq!(pool.free(&[700]).unwrap_err().index, 700);
+        assert_eq!(pool.available(), 512);
+        // A free index inside a block: the block is not parked, and the error is the
+        // one a pool without parking reports (the words before it freed).
+        pool.free(&[1500]).unwrap();
+        let mut group = pool.free_group();
+        let e = group.free_ranges([(1025, 512)]).unwrap_err();
+        assert_eq!((e.index, e.rest_freed), (1500, true));
+        assert_eq!(group.end(), 448, "words 16..=22 (indices 1025..=1472) were freed");
+        assert_eq!(parked_blocks(&pool), [1]);
+        pool.check_invariants().unwrap();
+    }
+
+    /// All-or-nothing: an allocation that the words and the parked blocks together
+    /// cannot serve fails with the total, and gives back what it had taken.
+    #[test]
+    fn a_short_mixed_reservation_changes_nothing() {
+        let pool = full(2048);
+        free_range(&pool, 1, 512).unwrap();
+        pool.free(&[1600, 1700]).unwrap();
+        let e = pool.alloc(&mut [0u32; 515]).unwrap_err();
+        assert_eq!((e.requested, e.available), (515, 514));
+        assert_eq!(pool.available(), 514);
+        assert_eq!(pool.parked.load(Ordering::Relaxed), 1);
+        pool.check_invariants().unwrap();
+        let mut got = [0u32; 514];
+        pool.alloc(&mut got).unwrap();
+        assert_eq!(&got[512..], [1600, 1700]);
+    }
+
+    /// A word-level free that raced a block free of the same block and lost (the block
+    /// got parked between its bits and its generation step) takes its bits back and
+    /// reports them, so the index is free once.
+    #[test]
+    fn a_word_free_that_finds_its_block_parked_withdraws() {
+        let pool = full(1024);
+        // Replay the race by hand: the word free sets its bit...
+        let mut acc = Applied::new(None);
+        pool.set_bits(0, 1 << 4, crate::slots::Dup::Strict, &mut acc);
+        // ...a block free that loaded the words before that bit parks the block...
+        pool.blocks[0].fetch_or(PARKED, Ordering::SeqCst);
+        // ...and the word free's generation step sees it.
+        pool.settle(&mut acc);
+        assert_eq!((acc.freed, acc.first_dup), (0, Some(5)));
+        assert_eq!(pool.words[0].load(Ordering::Relaxed), 0);
+    }
+
+    /// `with_parking` is only about placement: the indices handed out, the errors, the
+    /// counts and every membership answer agree with a set model under random frees
+    /// (ranges that cover blocks, scattered indices, double frees) and allocations.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        /// Free the run of handed-out indices from the first at or after `at`, at most
+        /// `len` long, as a range (`free_range`) or through `free_ranges`.
+        FreeRun {
+            at: u32,
+            len: u32,
+            many: bool,
+        },
+        /// Free these indices as a slice (double frees and out-of-range included).
+        FreeSlice(Vec<u32>),
+        /// A range, whatever it covers (mostly a double free), as a range or through
+        /// `free_ranges` (which frees the words before the first bad one).
+        FreeAny(u32, u32, bool),
+    }
+
+    const CAP: u32 = 3 * BLOCK as u32 + 100;
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (1usize..1400).prop_map(Op::Alloc),
+            4 => (1u32..=CAP, 1u32..1400, any::<bool>()).prop_map(|(at, len, many)| Op::FreeRun { at, len, many }),
+            1 => proptest::collection::vec(0u32..=CAP + 2, 1..6).prop_map(Op::FreeSlice),
+            1 => (0u32..=CAP, 1u32..700, any::<bool>()).prop_map(|(a, n, many)| Op::FreeAny(a, n, many)),
+            // A whole block, whatever it holds.
+            1 => (0u32..3, any::<bool>()).prop_map(|(b, many)| Op::FreeAny(b * BLOCK as u32 + 1, BLOCK as u32, many)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn parking_agrees_with_a_set_model(ops in proptest::collection::vec(op(), 1..40)) {
+            let pool = SlotPool::with_parking(CAP);
+            let mut free = vec![true; CAP as usize + 1]; // free[i]: index i is free
+            free[0] = false;
+            for op in ops {
+                match op {
+                    Op::Alloc(n) => {
+                        let have = free.iter().filter(|&&f| f).count();
+                        let mut out = vec![0u32; n];
+                        match pool.alloc(&mut out) {
+                            Ok(()) => {
+                                prop_assert!(n <= have);
+                                for &i in &out {
+                                    prop_assert!(free[i as usize], "index {} handed out while not free", i);
+                                    free[i as usize] = false;
+                                }
+                            }
+                            Err(e) => prop_assert!(n > have && e.available == have, "{e:?}, {have} free"),
+                        }
+                    }
+                    Op::FreeRun { at, len, many } => {
+                        let Some(first) = (at..=CAP).chain(1..at).find(|&i| !free[i as usize]) else { continue };
+                        let count = (first..=CAP).take(len as usize).take_while(|&i| !free[i as usize]).count() as u32;
+                        let mut group = pool.free_group();
+                        if many {
+                            // Two ranges, split somewhere inside.
+                            let cut = count / 3;
+                            group.free_ranges([(first, cut), (first + cut, count - cut)]).unwrap();
+                        } else {
+                            group.free_range(first, count).unwrap();
+                        }
+                        prop_assert_eq!(group.end(), count as usize);
+                        (first..first + count).for_each(|i| free[i as usize] = true);
+                    }
+                    Op::FreeSlice(indices) => {
+                        let mut seen = std::collections::HashSet::new();
+                        let bad = indices.iter().any(|&i| i == 0 || i > CAP || free[i as usize] || !seen.insert(i));
+                        match pool.free(&indices) {
+                            Ok(()) => {
+                                prop_assert!(!bad);
+                                indices.iter().for_each(|&i| free[i as usize] = true);
+                            }
+                            // A repeat inside the batch frees the rest; anything else, nothing.
+                            Err(e) => {
+                                prop_assert!(bad, "{e:?}");
+                                if e.rest_freed {
+                                    indices.iter().for_each(|&i| free[i as usize] = true);
+                                }
+                            }
+                        }
+                    }
+                    Op::FreeAny(first, count, many) => {
+                        let last = first as u64 + count as u64 - 1;
+                        let outside = first == 0 || last > CAP as u64;
+                        let lowest_free = if outside { None } else { (first..=last as u32).find(|&i| free[i as usize]) };
+                        let bad = outside || lowest_free.is_some();
+                        // What is freed: all of a good range; of a bad one, nothing as a
+                        // range, and through `free_ranges` the words before the bad one.
+                        let upto = match lowest_free {
+                            None if !outside => first + count,
+                            Some(i) if many => ((i - 1) / 64 * 64 + 1).max(first),
+                            _ => first,
+                        };
+                        let r = if many {
+                            let mut group = pool.free_group();
+                            let r = group.free_ranges([(first, count)]);
+                            prop_assert_eq!(group.end(), (upto - first) as usize);
+                            r
+                        } else {
+                            free_range(&pool, first, count).map(|_| ())
+                        };
+                        prop_assert_eq!(r.is_err(), bad, "{:?}", r);
+                        (first..upto).for_each(|i| free[i as usize] = true);
+                    }
+                }
+                let have = free.iter().filter(|&&f| f).count();
+                prop_assert_eq!(pool.available(), have);
+                for i in 0..=CAP + 1 {
+                    let want = (1..=CAP).contains(&i) && !free[i as usize];
+                    prop_assert_eq!(pool.is_allocated(i), want, "index {}", i);
+                }
+                pool.check_invariants().map_err(|e| TestCaseError::fail(e.0))?;
+            }
+        }
+    }
+}
