@@ -22,6 +22,8 @@
 //! | `magazine_exchange_racing_alloc`        | a full magazine flushed to the bitmap by a free racing its owner's pop and another thread's flush-on-shortage: one owner per index, count conserved |
 //! | `double_free_of_a_magazine_index`       | a second free of an index sitting in a magazine is refused, racing the pop that hands it out again and a free into the same (shared) magazine |
 //! | `large_claim_swap_racing_free_and_claim` | a claim of 64 that takes a whole word with `swap(0)` while a free and a one-index claim change that word: one owner per index, count conserved |
+//! | `block_free_racing_a_word_free_inside_it` | parked blocks: a block free racing a double free of one index inside it: exactly one of the two frees of that index succeeds, counts exact, all three ways the race can go reached |
+//! | `claims_racing_for_parked_blocks`       | two claims racing for one parked block (one takes it, its remainder goes back to the words) while a free group parks another: one owner per index, counts come back |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
@@ -619,4 +621,95 @@ fn large_claim_placement_racing_small_claim() {
         pool.check_invariants().unwrap();
     });
     seen.expect_seen("large_claim_placement_racing_small_claim", &["small_took_the_lowest", "small_took_another"]);
+}
+
+/// Parked blocks: a free of a whole block (`free_range` of 128 indices under loom, two
+/// words) racing a double free of one index inside it. Exactly one of the two frees of
+/// index 5 succeeds, whichever way the race goes: the word free first (the block free
+/// is refused, or frees the block's other indices and reports 5), or the block parked
+/// first (the word free is refused, or takes its bit back); index 5 ends free once and
+/// the counts are exact.
+#[test]
+fn block_free_racing_a_word_free_inside_it() {
+    let seen = Outcomes::new(&["block_won", "word_first", "word_won_racing"]);
+    let s = seen.clone();
+    loom_common::model("block_free_racing_a_word_free_inside_it", move || {
+        let pool = Arc::new(SlotPool::with_parking(256));
+        let mut all = vec![0u32; 256];
+        pool.alloc(&mut all).unwrap();
+        // Both in threads of their own, so that loom runs either first.
+        let block = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || {
+                let mut group = pool.free_group();
+                let ok = group.free_range(1, 128).is_ok();
+                (ok, group.end())
+            })
+        };
+        let word = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || pool.free(&[5]).is_ok())
+        };
+        let (block_ok, freed) = block.join().unwrap();
+        let word_ok = word.join().unwrap();
+        assert!(block_ok != word_ok, "exactly one of the two frees of index 5 succeeds");
+        match (block_ok, freed) {
+            (true, 128) => s.hit("block_won"),
+            (false, 0) => s.hit("word_first"),
+            (false, 127) => s.hit("word_won_racing"),
+            other => panic!("block free {other:?}"),
+        }
+        assert_eq!(pool.available(), if block_ok { 128 } else { freed + 1 });
+        assert!(!pool.is_allocated(5));
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen("block_free_racing_a_word_free_inside_it", &["block_won", "word_first", "word_won_racing"]);
+}
+
+/// Two claims that each need most of a block race for the one parked block while
+/// the main thread parks the other block through a free group: one owner per index,
+/// a claim fails only when neither block (nor the first claim's remainder) could
+/// serve it, and every count comes back.
+#[test]
+fn claims_racing_for_parked_blocks() {
+    let seen = Outcomes::new(&["both_served", "one_refused"]);
+    let s = seen.clone();
+    loom_common::model("claims_racing_for_parked_blocks", move || {
+        const CAP: u32 = 256;
+        let pool = Arc::new(SlotPool::with_parking(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        pool.free_group().free_range(1, 128).unwrap();
+        owners.claim(&all[128..], 9);
+        let claims: Vec<_> = [1usize, 2]
+            .into_iter()
+            .map(|tag| {
+                let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+                thread::spawn(move || {
+                    let mut got = vec![0u32; 100];
+                    pool.alloc(&mut got).ok()?;
+                    distinct_in_range(&got, CAP);
+                    owners.claim(&got, tag);
+                    owners.check(&got, tag);
+                    Some(got)
+                })
+            })
+            .collect();
+        owners.check(&all[128..], 9);
+        let mut group = pool.free_group();
+        group.free_range(129, 128).unwrap();
+        assert_eq!(group.end(), 128);
+        let got: Vec<_> = claims.into_iter().filter_map(|c| c.join().unwrap()).collect();
+        s.hit(if got.len() == 2 { "both_served" } else { "one_refused" });
+        assert!(!got.is_empty(), "the block parked before the claims serves one of them");
+        assert_eq!(pool.available(), CAP as usize - 100 * got.len());
+        pool.check_invariants().unwrap();
+        for g in &got {
+            pool.free(g).unwrap();
+        }
+        assert_eq!(pool.available(), CAP as usize);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen("claims_racing_for_parked_blocks", &["both_served", "one_refused"]);
 }
