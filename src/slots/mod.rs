@@ -227,6 +227,74 @@
 //! (`lease_floor_2f`, `lease_floor_1f` in `benches/slots.rs`): BENCHMARKS.md,
 //! "Region leases (issue 8, second attempt)".
 //!
+//! # Parked blocks
+//!
+//! A pool built with [`SlotPool::with_parking`] (the token allocator's, at page size
+//! 1) changes ownership of whole aligned *blocks* of `BLOCK` = 512
+//! indices (8 bitmap words, one cache line of them) with one read-modify-write instead
+//! of eight. At page size 1 a request's slots span dozens of blocks, and on the
+//! bundled trace 90% of the words freed and claimed whole lie in blocks freed whole;
+//! the locked instructions on those words were a quarter of the page-size-1 loop
+//! (BENCHMARKS.md, issue 8, eleventh and twelfth rounds).
+//!
+//! * **State.** Per block an `AtomicU64`: a *parked* bit (every index of the block is
+//!   free, and its words are 0: the block's freedom lives in this bit alone) and a
+//!   *generation* in the other 63 bits. A summary bitmap (one bit per block, set when
+//!   it may be parked, a hint like `summary`) guides the search, and `parked` counts
+//!   the parked blocks not yet reserved.
+//! * **Park** (a free of a range that covers a whole block, [`FreeGroup::free_range`]
+//!   or the radix cache's run frees): load the state (Acquire); if not parked, check
+//!   that the 8 words are 0 (every index handed out); then compare-and-swap the state
+//!   from what was loaded to the same with the parked bit (SeqCst). Any failure means
+//!   a double free is involved: the free then handles the block word by word, as a
+//!   pool without parking would, and reports exactly what that reports. The count goes
+//!   to `parked` when the free (or its group) publishes, after the park.
+//! * **Word-level frees** set bits with one RMW per word as before and, when they are
+//!   done with a block, advance its generation with one `fetch_add` (so one more RMW
+//!   per block touched, not per word). If that `fetch_add` finds the block parked, a
+//!   block free of the same indices won: the free takes its bits back out of the
+//!   words (`fetch_and`) and reports them as freed twice. Validation treats an index
+//!   of a parked block as free (a double free, refused with nothing changed).
+//! * **Claims.** A reservation that the words' counters cannot serve (after the
+//!   sweep) takes as many whole blocks off `parked` as the request holds whole, the
+//!   rest from the words' counter, and one block more if that is short; all or
+//!   nothing (a `Reservation`). The claim then unparks its blocks (scan from the block
+//!   hint, guided by the summary; `fetch_and` of the parked bit, Acquire: one winner
+//!   per block), hands out their words whole, frees the last block's remainder into
+//!   its words and publishes it, and takes the rest from the words as before. Blocks
+//!   first: a large claim gets long stretches rather than the scattered free indices
+//!   the words may hold.
+//!
+//! **Why a double free is still caught once.** The race is a block free of block `B`
+//! against a word-level free of an index in `B` (one of them is a double free), and
+//! both go through `B`'s state with read-modify-writes, which the state's modification
+//! order puts one after the other. If the word free's bits were set before the block
+//! free loaded the words, the block free sees them and falls back to words (whose
+//! RMWs report the repeat). Otherwise the word free's generation step comes after the
+//! block free's state load: before its compare-and-swap, which then fails (fall back
+//! to words: the repeat is reported there), or after it, and then the step sees the
+//! parked bit and the word free withdraws. Each index bit is removed by exactly one
+//! `fetch_and`, so exactly one of the two frees reports success for it. Only an
+//! allocation that takes the index between the two frees makes both succeed: the
+//! API-level ABA of the section above, as without parking. This argument uses only the
+//! atomicity of RMWs on one location and Acquire/Release, so loom checks it as
+//! written (`block_free_racing_a_word_free_inside_it` in `tests/loom_slots.rs`
+//! reaches all three orders).
+//!
+//! **Counting and progress.** `available()` adds `parked * BLOCK`. A parked block is
+//! counted in `parked` only after it is parked, and a claim takes the count before it
+//! unparks one, so the invariant of "Why it is correct" holds with the parked blocks
+//! on the left (`check_invariants` checks `ones + BLOCK * parked blocks`). A
+//! remainder that a claim frees back is uncounted until published, like any free, so
+//! no reservation ever waits for it: a stalled claim only keeps its remainder out of
+//! `available`. The block scan wraps around until it wins a block its reservation
+//! counted, as the word scan does.
+//!
+//! **Where it is not used.** Pools with magazines (held bits would need one RMW per
+//! word anyway) and the paged allocator at page sizes above 1: a request rarely covers
+//! a block there (8,192 tokens at page 16), and taking parked blocks first cut its
+//! pages into more runs, which cost the radix cache more than the RMWs saved.
+//!
 //! # Where claims start
 //!
 //! None of this affects correctness, which holds wherever a scan starts.
