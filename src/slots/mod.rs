@@ -229,10 +229,10 @@
 //!
 //! # Parked blocks
 //!
-//! A pool built with [`SlotPool::with_parking`] (the token allocator's, at page size
-//! 1) changes ownership of whole aligned *blocks* of `BLOCK` = 512
-//! indices (8 bitmap words, one cache line of them) with one read-modify-write instead
-//! of eight. At page size 1 a request's slots span dozens of blocks, and on the
+//! A pool built with [`SlotPool::with_parking`] (the paged allocator's at page size
+//! one, which is the token allocator) changes ownership of whole aligned *blocks* of
+//! `BLOCK` = 512 indices (8 bitmap words, one cache line of them) with one
+//! read-modify-write instead of eight. At page size 1 a request's slots span dozens of blocks, and on the
 //! bundled trace 90% of the words freed and claimed whole lie in blocks freed whole;
 //! the locked instructions on those words were a quarter of the page-size-1 loop
 //! (BENCHMARKS.md, issue 8, eleventh and twelfth rounds).
@@ -429,17 +429,9 @@ pub struct SlotPool {
     /// Entries each magazine holds at most: `min(MAGAZINE, capacity)`, 0 without
     /// magazines.
     mag_cap: usize,
-    /// One state per block of [`park::BLOCK`] indices that can be parked (see "Parked
-    /// blocks"): a parked bit and a generation. Empty with magazines.
-    blocks: Box<[AtomicU64]>,
-    /// One bit per block: set when the block may be parked. A hint for the search,
-    /// as `summary` is for the words.
-    park_summary: Box<[AtomicU64]>,
-    /// Parked blocks not yet reserved: the blocks' part of `available`, in blocks.
-    parked: CachePadded<AtomicUsize>,
-    /// Where the search for a parked block starts, a heuristic only: the lowest block
-    /// a free parked since the last claim, or past the last block a claim unparked.
-    block_hint: CachePadded<untracked::AtomicUsize>,
+    /// The parked blocks' state (see "Parked blocks"), boxed: a pool stays small
+    /// enough to build on a loom thread's stack. No blocks unless the pool parks.
+    park: Box<park::Park>,
     capacity: u32,
 }
 
@@ -713,10 +705,7 @@ impl SlotPool {
             held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
             mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
             mag_cap,
-            blocks: (0..nblocks).map(|_| AtomicU64::new(0)).collect(),
-            park_summary: (0..nblocks.div_ceil(BITS)).map(|_| AtomicU64::new(0)).collect(),
-            parked: CachePadded::new(AtomicUsize::new(0)),
-            block_hint: CachePadded::new(untracked::AtomicUsize::new(0)),
+            park: Box::new(park::Park::new(nblocks)),
             capacity,
         };
         pool.fill();
@@ -899,7 +888,7 @@ impl SlotPool {
         // shard, so if the shard loads above saw the count, these see the 0.
         // Parked blocks: a claim takes the count before it unparks a block, and a
         // free parks a block before it publishes it, so a block is never counted twice.
-        let parked = self.parked.load(Ordering::Acquire) * park::BLOCK;
+        let parked = self.park.parked.load(Ordering::Acquire) * park::BLOCK;
         central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>() + parked
     }
 
@@ -1032,7 +1021,7 @@ impl SlotPool {
             }
             // What the central counter held after the sweep: the count the decision was
             // made on (at quiescence, everything).
-            Err(seen) if self.blocks.is_empty() || self.parked.load(Ordering::Relaxed) == 0 => {
+            Err(seen) if self.park.blocks.is_empty() || self.park.parked.load(Ordering::Relaxed) == 0 => {
                 Err(OutOfMemory { requested: n, available: seen, evictable: None, unit })
             }
             // With the parked blocks: the total the decision was made on.

@@ -4,8 +4,9 @@
 //! correct; this file is its code.
 
 use super::{Applied, SlotPool, BITS};
-use crate::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{spin_loop, untracked};
+use crossbeam_utils::CachePadded;
 
 /// Bitmap words per block: one 64-byte cache line of words.
 #[cfg(not(loom))]
@@ -22,6 +23,32 @@ pub(crate) const BLOCK: usize = BLOCK_WORDS * BITS;
 /// into the block advances.
 const PARKED: u64 = 1 << 63;
 const GEN: u64 = 1;
+
+/// The state of a pool's parked blocks.
+pub(super) struct Park {
+    /// One state per block of [`BLOCK`] indices that can be parked: a parked bit and a
+    /// generation. Empty unless the pool parks.
+    pub(super) blocks: Box<[AtomicU64]>,
+    /// One bit per block: set when the block may be parked. A hint for the search, as
+    /// the words' summary is for the words.
+    summary: Box<[AtomicU64]>,
+    /// Parked blocks not yet reserved: the blocks' part of `available`, in blocks.
+    pub(super) parked: CachePadded<AtomicUsize>,
+    /// Where the search for a parked block starts, a heuristic only: the lowest block
+    /// a free parked since the last claim, or past the last block a claim unparked.
+    hint: CachePadded<untracked::AtomicUsize>,
+}
+
+impl Park {
+    pub(super) fn new(nblocks: usize) -> Self {
+        Park {
+            blocks: (0..nblocks).map(|_| AtomicU64::new(0)).collect(),
+            summary: (0..nblocks.div_ceil(BITS)).map(|_| AtomicU64::new(0)).collect(),
+            parked: CachePadded::new(AtomicUsize::new(0)),
+            hint: CachePadded::new(untracked::AtomicUsize::new(0)),
+        }
+    }
+}
 
 /// What one reservation entitles its claim to: `words` indices from the bitmap words,
 /// then `from_blocks` indices from `blocks` parked blocks (the last one's remainder goes
@@ -51,19 +78,19 @@ impl SlotPool {
     #[inline]
     pub(super) fn block_of(&self, w: usize) -> Option<usize> {
         let b = w / BLOCK_WORDS;
-        (b < self.blocks.len()).then_some(b)
+        (b < self.park.blocks.len()).then_some(b)
     }
 
     /// Whether word `w` lies in a parked block (its indices all free). A snapshot.
     #[inline]
     pub(super) fn parked_at(&self, w: usize) -> bool {
-        self.block_of(w).is_some_and(|b| self.blocks[b].load(Ordering::Acquire) & PARKED != 0)
+        self.block_of(w).is_some_and(|b| self.park.blocks[b].load(Ordering::Acquire) & PARKED != 0)
     }
 
     /// Whether any block with a word in `w0..w1` is parked. A snapshot.
     pub(super) fn any_parked(&self, w0: usize, w1: usize) -> bool {
-        let end = (w1.div_ceil(BLOCK_WORDS)).min(self.blocks.len());
-        (w0 / BLOCK_WORDS..end).any(|b| self.blocks[b].load(Ordering::Acquire) & PARKED != 0)
+        let end = (w1.div_ceil(BLOCK_WORDS)).min(self.park.blocks.len());
+        (w0 / BLOCK_WORDS..end).any(|b| self.park.blocks[b].load(Ordering::Acquire) & PARKED != 0)
     }
 
     /// Park block `b`, whose indices the caller frees (every word of it was handed out
@@ -73,7 +100,7 @@ impl SlotPool {
     /// words one by one instead, which reports the double free exactly as without
     /// parking.
     pub(super) fn try_park(&self, b: usize) -> bool {
-        let state = &self.blocks[b];
+        let state = &self.park.blocks[b];
         // Acquire: a word-level free that advanced the generation before this load set
         // its bits before that; the loads below see them.
         let s0 = state.load(Ordering::Acquire);
@@ -92,7 +119,7 @@ impl SlotPool {
             return false;
         }
         // The summary bit, read first (the line stays shared while it is set).
-        let (sw, bit) = (&self.park_summary[b / BITS], 1u64 << (b % BITS));
+        let (sw, bit) = (&self.park.summary[b / BITS], 1u64 << (b % BITS));
         if sw.load(Ordering::SeqCst) & bit == 0 {
             sw.fetch_or(bit, Ordering::Relaxed);
         }
@@ -104,30 +131,30 @@ impl SlotPool {
     /// with the park's compare-and-swap and summary load: of the two, one sees the
     /// other (as for the words' summary, `unmark`).
     fn unmark_parked(&self, b: usize) {
-        let (sw, bit) = (&self.park_summary[b / BITS], 1u64 << (b % BITS));
+        let (sw, bit) = (&self.park.summary[b / BITS], 1u64 << (b % BITS));
         sw.fetch_and(!bit, Ordering::SeqCst);
-        if self.blocks[b].load(Ordering::SeqCst) & PARKED != 0 {
+        if self.park.blocks[b].load(Ordering::SeqCst) & PARKED != 0 {
             sw.fetch_or(bit, Ordering::Relaxed);
         }
     }
 
     /// The first block from `from` on whose summary bit is set, or `blocks.len()`.
     fn next_marked_block(&self, from: usize) -> usize {
-        let nb = self.blocks.len();
+        let nb = self.park.blocks.len();
         if from >= nb {
             return nb;
         }
         let mut k = from / BITS;
-        let mut bits = self.park_summary[k].load(Ordering::Relaxed) & (u64::MAX << (from % BITS));
+        let mut bits = self.park.summary[k].load(Ordering::Relaxed) & (u64::MAX << (from % BITS));
         loop {
             if bits != 0 {
                 return (k * BITS + bits.trailing_zeros() as usize).min(nb);
             }
             k += 1;
-            if k == self.park_summary.len() {
+            if k == self.park.summary.len() {
                 return nb;
             }
-            bits = self.park_summary[k].load(Ordering::Relaxed);
+            bits = self.park.summary[k].load(Ordering::Relaxed);
         }
     }
 
@@ -150,7 +177,7 @@ impl SlotPool {
         }
         // AcqRel: Release orders our bits before the new generation (a block free that
         // sees it sees them); Acquire, the block free's park before our undo.
-        let old = self.blocks[b].fetch_add(GEN, Ordering::AcqRel);
+        let old = self.park.blocks[b].fetch_add(GEN, Ordering::AcqRel);
         if old & PARKED != 0 {
             self.withdraw(b, &set, acc);
         }
@@ -182,8 +209,8 @@ impl SlotPool {
     /// After a free that parked blocks from `min_block` up: lower the block hint.
     #[inline]
     pub(super) fn lower_block_hint(&self, min_block: usize) {
-        if min_block != usize::MAX && min_block < self.block_hint.load(untracked::Ordering::Relaxed) {
-            self.block_hint.store(min_block, untracked::Ordering::Relaxed);
+        if min_block != usize::MAX && min_block < self.park.hint.load(untracked::Ordering::Relaxed) {
+            self.park.hint.store(min_block, untracked::Ordering::Relaxed);
         }
     }
 
@@ -193,7 +220,7 @@ impl SlotPool {
         if blocks > 0 {
             // Release: the parks happened before; a reserver that sees the count
             // (Acquire) finds the blocks parked.
-            self.parked.fetch_add(blocks, Ordering::Release);
+            self.park.parked.fetch_add(blocks, Ordering::Release);
         }
     }
 
@@ -203,12 +230,12 @@ impl SlotPool {
     /// back, and the error carries the total seen. Blocks first: a large claim gets
     /// long stretches instead of the scattered free indices the words may hold.
     pub(super) fn reserve_mixed(&self, n: usize) -> Result<Reservation, usize> {
-        let whole = take_up_to(&self.parked, n / BLOCK);
+        let whole = take_up_to(&self.park.parked, n / BLOCK);
         let rest = n - whole * BLOCK;
         let words = take_up_to(&self.central, rest);
         let short = rest - words;
         let extra = short.div_ceil(BLOCK);
-        match super::take(&self.parked, extra) {
+        match super::take(&self.park.parked, extra) {
             Ok(_) => Ok(Reservation { words, blocks: whole + extra, from_blocks: whole * BLOCK + short }),
             Err(seen) => {
                 self.publish_parked(whole);
@@ -252,8 +279,8 @@ impl SlotPool {
     /// first parked bit we win. A guided pass that comes up short is followed by
     /// passes over every state (the summary is only a hint).
     fn unpark_one(&self) -> usize {
-        let nb = self.blocks.len();
-        let mut b = self.block_hint.load(untracked::Ordering::Relaxed).min(nb - 1);
+        let nb = self.park.blocks.len();
+        let mut b = self.park.hint.load(untracked::Ordering::Relaxed).min(nb - 1);
         let mut scanned = 0;
         let mut guided = true;
         loop {
@@ -263,13 +290,13 @@ impl SlotPool {
                 b = next;
             }
             if b < nb {
-                let state = &self.blocks[b];
+                let state = &self.park.blocks[b];
                 if state.load(Ordering::Relaxed) & PARKED != 0 {
                     // Acquire: pairs with the park's Release (the previous owner's
                     // writes happen-before ours).
                     if state.fetch_and(!PARKED, Ordering::AcqRel) & PARKED != 0 {
                         self.unmark_parked(b);
-                        self.block_hint.store(b + 1, untracked::Ordering::Relaxed);
+                        self.park.hint.store(b + 1, untracked::Ordering::Relaxed);
                         return b;
                     }
                 } else if guided {
@@ -336,7 +363,7 @@ impl SlotPool {
     pub(super) fn parked_census(&self) -> (usize, Option<usize>, usize) {
         let mut parked = 0;
         let mut dirty = None;
-        for (b, s) in self.blocks.iter().enumerate() {
+        for (b, s) in self.park.blocks.iter().enumerate() {
             if s.load(Ordering::Acquire) & PARKED != 0 {
                 parked += 1;
                 let w0 = b * BLOCK_WORDS;
@@ -345,16 +372,16 @@ impl SlotPool {
                 }
             }
         }
-        (parked, dirty, self.parked.load(Ordering::Acquire))
+        (parked, dirty, self.park.parked.load(Ordering::Acquire))
     }
 
     /// Reset every block to "not parked" (the pool is being refilled).
     pub(super) fn reset_blocks(&self) {
-        for s in self.blocks.iter().chain(self.park_summary.iter()) {
+        for s in self.park.blocks.iter().chain(self.park.summary.iter()) {
             s.store(0, Ordering::Relaxed);
         }
-        self.parked.store(0, Ordering::Relaxed);
-        self.block_hint.store(0, untracked::Ordering::Relaxed);
+        self.park.parked.store(0, Ordering::Relaxed);
+        self.park.hint.store(0, untracked::Ordering::Relaxed);
     }
 }
 
@@ -396,7 +423,7 @@ mod tests {
     }
 
     fn parked_blocks(pool: &SlotPool) -> Vec<usize> {
-        (0..pool.blocks.len()).filter(|&b| pool.blocks[b].load(Ordering::Relaxed) & PARKED != 0).collect()
+        (0..pool.park.blocks.len()).filter(|&b| pool.park.blocks[b].load(Ordering::Relaxed) & PARKED != 0).collect()
     }
 
     /// A range covering whole blocks parks them (their words stay 0) and counts them;
@@ -407,7 +434,7 @@ mod tests {
         // 1 block and a bit before it, 2 whole blocks, a bit after.
         assert_eq!(free_range(&pool, 500, 1100).unwrap(), 1100);
         assert_eq!(parked_blocks(&pool), [1, 2]);
-        assert_eq!(pool.parked.load(Ordering::Relaxed), 2);
+        assert_eq!(pool.park.parked.load(Ordering::Relaxed), 2);
         assert_eq!(pool.words[8].load(Ordering::Relaxed), 0, "a parked block's words stay 0");
         assert_eq!(pool.available(), 1100);
         assert!((500..1600).all(|i| !pool.is_allocated(i)));
@@ -483,7 +510,7 @@ mod tests {
         let e = pool.alloc(&mut [0u32; 515]).unwrap_err();
         assert_eq!((e.requested, e.available), (515, 514));
         assert_eq!(pool.available(), 514);
-        assert_eq!(pool.parked.load(Ordering::Relaxed), 1);
+        assert_eq!(pool.park.parked.load(Ordering::Relaxed), 1);
         pool.check_invariants().unwrap();
         let mut got = [0u32; 514];
         pool.alloc(&mut got).unwrap();
@@ -500,7 +527,7 @@ mod tests {
         let mut acc = Applied::new(None);
         pool.set_bits(0, 1 << 4, crate::slots::Dup::Strict, &mut acc);
         // ...a block free that loaded the words before that bit parks the block...
-        pool.blocks[0].fetch_or(PARKED, Ordering::SeqCst);
+        pool.park.blocks[0].fetch_or(PARKED, Ordering::SeqCst);
         // ...and the word free's generation step sees it.
         pool.settle(&mut acc);
         assert_eq!((acc.freed, acc.first_dup), (0, Some(5)));
