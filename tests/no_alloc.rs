@@ -86,9 +86,9 @@ fn slot_pool_magazine_paths() {
     assert_no_alloc("SlotPool::available with magazines", || pool.available());
 }
 
-/// Parked blocks (`SlotPool::with_parking`, the page-1 allocator's pool): parking a
-/// range's whole blocks, the refusals around them, a claim that takes a block, part
-/// of another and words, and one that fails after taking some (and gives it back).
+/// Parked blocks (`SlotPool::with_parking`): parking a range's whole blocks, the
+/// refusals around them, a claim that takes a block, part of another and words, and
+/// one that fails after taking some (and gives it back).
 #[test]
 fn slot_pool_parking_paths() {
     let pool = SlotPool::with_parking(4096);
@@ -110,16 +110,6 @@ fn slot_pool_parking_paths() {
     assert_no_alloc("alloc (error after a mixed reservation)", || pool.alloc(&mut all[..1000])).unwrap_err();
     assert_no_alloc("free of words in a block", || pool.free(&got[..100])).unwrap();
     assert_no_alloc("SlotPool::check_invariants with parked blocks", || pool.check_invariants()).unwrap();
-    // The page-1 allocator's range free (the radix cache's eviction) parks too.
-    let alloc = TokenAllocator::new(4096).unwrap();
-    let mut slots = vec![0u32; 4096];
-    alloc.alloc(&mut slots).unwrap();
-    assert_no_alloc("TokenAllocator free_pages that parks", || {
-        let mut g = alloc.free_group();
-        g.free_pages(1, 2048).unwrap();
-        g.end()
-    });
-    assert_no_alloc("TokenAllocator alloc from parked blocks", || alloc.alloc(&mut slots[..1500])).unwrap();
 }
 
 fn allocator_hot_paths<A: KvAllocator>(alloc: &A) {

@@ -229,13 +229,13 @@
 //!
 //! # Parked blocks
 //!
-//! A pool built with [`SlotPool::with_parking`] (the paged allocator's at page size
-//! one, which is the token allocator) changes ownership of whole aligned *blocks* of
-//! `BLOCK` = 512 indices (8 bitmap words, one cache line of them) with one
-//! read-modify-write instead of eight. At page size 1 a request's slots span dozens of blocks, and on the
-//! bundled trace 90% of the words freed and claimed whole lie in blocks freed whole;
-//! the locked instructions on those words were a quarter of the page-size-1 loop
-//! (BENCHMARKS.md, issue 8, eleventh and twelfth rounds).
+//! A pool built with [`SlotPool::with_parking`] changes ownership of whole aligned
+//! *blocks* of `BLOCK` = 512 indices (8 bitmap words, one cache line of them) with
+//! one read-modify-write instead of eight. It is for pools whose users free and take
+//! long ranges: a token pool (page size 1), where a request's slots span dozens of
+//! blocks; on the bundled trace 90% of the words freed and claimed whole lie in blocks
+//! freed whole, and the locked instructions on those words were a quarter of the
+//! page-size-1 `cache_ops` loop (BENCHMARKS.md, issue 8, eleventh and twelfth rounds).
 //!
 //! * **State.** Per block an `AtomicU64`: a *parked* bit (every index of the block is
 //!   free, and its words are 0: the block's freedom lives in this bit alone) and a
@@ -290,10 +290,19 @@
 //! `available`. The block scan wraps around until it wins a block its reservation
 //! counted, as the word scan does.
 //!
-//! **Where it is not used.** Pools with magazines (held bits would need one RMW per
-//! word anyway) and the paged allocator at page sizes above 1: a request rarely covers
-//! a block there (8,192 tokens at page 16), and taking parked blocks first cut its
-//! pages into more runs, which cost the radix cache more than the RMWs saved.
+//! **Placement.** Before any of that, a reservation in a pool with parked blocks
+//! walks the free words and parked blocks in address order (read-only, guided by both
+//! summaries) and reserves what a lowest-first claim of `n` would take from each, so
+//! that claims stay in long stretches; the blocks-first reservation above is the
+//! fallback when the walk does not get there.
+//!
+//! **Where it is not used (yet).** Pools with magazines (held bits would need one RMW
+//! per word anyway), and kvpool's own allocators. At page size 1 it made the radix
+//! cache's `cache_ops` loop 14-16% faster, but the overlap replay 25-35% slower: there
+//! the allocations came out in a third more stretches than lowest-first gives, and the
+//! radix cache's per-run work grew more than the locked instructions shrank. At page
+//! size 16 a request rarely covers a block (8,192 tokens). BENCHMARKS.md, issue 8,
+//! twelfth round, has the numbers.
 //!
 //! # Where claims start
 //!
@@ -578,6 +587,10 @@ const SPREAD_ROUNDS: u32 = 256;
 /// Bitmap words per 64-byte cache line; home words are aligned to it.
 const WORDS_PER_LINE: usize = 8;
 
+/// Words of parked blocks a claim keeps on the stack to hand out in address order
+/// among its other words (4 KiB; a larger claim hands the rest out first).
+const MERGE: usize = 256;
+
 /// Runs (word, mask) of a free batch kept on the stack between validating and
 /// applying; a batch with more runs rebuilds the rest (1 KiB of stack).
 const RUN_BUF: usize = 64;
@@ -628,10 +641,11 @@ impl SlotPool {
     /// A pool of indices `1..=capacity` without magazines that **parks** whole blocks
     /// (module docs, "Parked blocks"): a free of a range that covers an aligned block
     /// of 512 indices parks it with one read-modify-write instead of eight, and an
-    /// allocation of 512 or more takes parked blocks whole, one read-modify-write
-    /// each, before it takes scattered free indices. For pools whose callers free and
-    /// allocate long ranges (the token allocator at page size 1); otherwise as
-    /// [`without_magazines`](Self::without_magazines).
+    /// allocation takes a parked block whole with one read-modify-write, in
+    /// lowest-first order among the free words where it can. For pools whose callers
+    /// free and allocate long ranges; otherwise as
+    /// [`without_magazines`](Self::without_magazines). Opt-in: see the module docs
+    /// for where it did not pay.
     ///
     /// # Examples
     ///
@@ -645,10 +659,12 @@ impl SlotPool {
     /// assert_eq!(group.end(), 1027);
     /// assert!(!pool.is_allocated(600) && pool.is_allocated(4));
     /// let mut got = vec![0u32; 515];
-    /// pool.alloc(&mut got)?;                 // a parked block, then the word's indices
-    /// assert_eq!(got[0], 513);
-    /// assert_eq!(&got[512..], [5, 6, 7]);
-    /// assert_eq!(pool.available(), 512);
+    /// pool.alloc(&mut got)?;                 // block 513..=1024 whole, 3 of the next;
+    /// assert!(got.iter().copied().eq(513..=1027)); // (a large claim passes over 5..=7)
+    /// assert_eq!(pool.available(), 512);     // the rest of that block is in its words
+    /// let mut few = [0u32; 3];
+    /// pool.alloc(&mut few)?;
+    /// assert_eq!(few, [5, 6, 7]);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn with_parking(capacity: u32) -> Self {
@@ -997,6 +1013,35 @@ impl SlotPool {
     /// still short and blocks are parked, what the counter holds and parked blocks for
     /// the rest ([`reserve_mixed`](Self::reserve_mixed)).
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<Reservation, OutOfMemory> {
+        if self.park.parked.load(Ordering::Relaxed) > 0 {
+            if let Some(r) = self.reserve_planned(n) {
+                return Ok(r);
+            }
+        }
+        match self.take_words(n) {
+            Ok(()) => Ok(Reservation::words(n)),
+            // What the central counter held after the sweep: the count the decision was
+            // made on (at quiescence, everything).
+            Err(seen) if self.park.parked.load(Ordering::Relaxed) == 0 => {
+                Err(OutOfMemory { requested: n, available: seen, evictable: None, unit })
+            }
+            // With the parked blocks: the total the decision was made on.
+            Err(_) => self.reserve_mixed(n).map_err(|seen| OutOfMemory {
+                requested: n,
+                available: seen,
+                evictable: None,
+                unit,
+            }),
+        }
+    }
+
+    /// Take `n` off the words' reservation counter: the calling thread's shard, the
+    /// central counter, or the central counter after a sweep (and, with magazines,
+    /// after flushing them). Fails with what the central counter held after the sweep.
+    pub(crate) fn take_words(&self, n: usize) -> Result<(), usize> {
+        if n == 0 {
+            return Ok(());
+        }
         let shard = self.my_shard();
         let taken = take(&shard.available, n)
             .or_else(|_| take(&self.central, n))
@@ -1014,24 +1059,7 @@ impl SlotPool {
                     Err(seen)
                 }
             });
-        match taken {
-            Ok(lost) => {
-                gauge_contention(shard, lost);
-                Ok(Reservation::words(n))
-            }
-            // What the central counter held after the sweep: the count the decision was
-            // made on (at quiescence, everything).
-            Err(seen) if self.park.blocks.is_empty() || self.park.parked.load(Ordering::Relaxed) == 0 => {
-                Err(OutOfMemory { requested: n, available: seen, evictable: None, unit })
-            }
-            // With the parked blocks: the total the decision was made on.
-            Err(_) => self.reserve_mixed(n).map_err(|seen| OutOfMemory {
-                requested: n,
-                available: seen,
-                evictable: None,
-                unit,
-            }),
-        }
+        taken.map(|lost| gauge_contention(shard, lost))
     }
 
     /// Return every magazine's entries to the bitmap (and their count to the
@@ -1137,10 +1165,33 @@ impl SlotPool {
     /// of word `w`): first the parked blocks' words, then the bits from the words.
     #[inline]
     pub(crate) fn claim_with(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
-        if r.blocks > 0 {
-            self.claim_blocks(r, &mut each);
+        if r.blocks == 0 {
+            return self.claim_words(r.words, each);
         }
-        self.claim_words(r.words, each);
+        // The blocks' words are handed out in address order among the words' claimed
+        // bits (both come ascending, single-threaded), so that a claim of neighbouring
+        // blocks and words stays one stretch: buffered here, up to `MERGE` words.
+        let mut buf = [(0usize, 0u64); MERGE];
+        let mut held = 0;
+        self.claim_blocks(r, |w, bits| {
+            if held < MERGE {
+                buf[held] = (w, bits);
+                held += 1;
+            } else {
+                each(w, bits);
+            }
+        });
+        let mut next = 0;
+        self.claim_words(r.words, |w, bits| {
+            while next < held && buf[next].0 < w {
+                each(buf[next].0, buf[next].1);
+                next += 1;
+            }
+            each(w, bits);
+        });
+        for &(w, bits) in &buf[next..held] {
+            each(w, bits);
+        }
     }
 
     /// The word part of [`claim_with`](Self::claim_with): `n` bits from the words.

@@ -247,6 +247,76 @@ impl SlotPool {
         }
     }
 
+    /// The reservation a lowest-first claim of `n` would make in a pool with parked
+    /// blocks: walk the free words and parked blocks in address order from the lower of
+    /// the hint and the lowest parked block (a read-only pass, 64 words per summary
+    /// load), and reserve what the walk found in each, if the counters hold it. `None`
+    /// (nothing reserved) when the walk finds no parked block, or runs off the end, or
+    /// the counters are short: the caller reserves as without this.
+    ///
+    /// Without it, a claim that the words cannot serve alone would take whole blocks
+    /// and then every scattered free index of the words (the edges of the ranges that
+    /// parked the blocks, all over the pool): on the bundled trace at page size 1 that
+    /// cut the allocations into 4x as many runs.
+    pub(super) fn reserve_planned(&self, n: usize) -> Option<Reservation> {
+        let nw = self.words.len();
+        let nb = self.park.blocks.len();
+        let first_block = self.next_marked_block(0);
+        if first_block >= nb {
+            return None;
+        }
+        // Where the claim's word scan will start: the hint, or this thread's cursor
+        // while it spreads (a snapshot of the claim's own choice); or the lowest
+        // parked block if that is lower.
+        let slot = crate::sync::thread_slot();
+        let shard = &self.shards[slot % super::SHARDS];
+        let start = if shard.spread.load(untracked::Ordering::Relaxed) != 0 {
+            super::shard_cursor(shard, slot, nw)
+        } else {
+            self.hint.load(Ordering::Relaxed)
+        };
+        let mut pos = start.min(first_block * BLOCK_WORDS);
+        let (mut words, mut blocks, mut got) = (0usize, 0usize, 0usize);
+        let mut next_block = first_block;
+        while got < n && pos < nw {
+            // The next candidate: a marked word, or the start of a marked block.
+            if next_block < nb && next_block * BLOCK_WORDS < pos {
+                next_block = self.next_marked_block(pos.div_ceil(BLOCK_WORDS));
+            }
+            let word = self.next_marked(pos);
+            if next_block < nb && next_block * BLOCK_WORDS <= word {
+                let b = next_block;
+                pos = (b + 1) * BLOCK_WORDS;
+                if self.park.blocks[b].load(Ordering::Relaxed) & PARKED != 0 {
+                    blocks += 1;
+                    got += BLOCK;
+                }
+                continue;
+            }
+            if word >= nw {
+                break;
+            }
+            // As the claim's first pass: while it needs a whole word or more, it passes
+            // over sparse words ("Placement").
+            let v = self.words[word].load(Ordering::Relaxed);
+            if !(n - got >= BITS && super::sparse(v)) {
+                let c = (v.count_ones() as usize).min(n - got);
+                words += c;
+                got += c;
+            }
+            pos = word + 1;
+        }
+        if got < n || blocks == 0 {
+            return None;
+        }
+        super::take(&self.park.parked, blocks).ok()?;
+        if self.take_words(words).is_err() {
+            self.publish_parked(blocks);
+            return None;
+        }
+        Some(Reservation { words, blocks, from_blocks: n - words })
+    }
+
     /// Turn reservation `r` into one of `r.len()` indices in the words: its parked
     /// blocks are unparked and freed into their words (one read-modify-write per word,
     /// as before parking), and what they hold beyond `r` is published. For callers
@@ -442,14 +512,13 @@ mod tests {
         assert!(!pool.all_allocated(1, 700) && !pool.all_allocated(600, 10) && pool.all_allocated(1600, 100));
         pool.check_invariants().unwrap();
 
-        // 600 = one block and 88 more. The words hold 76 (500..=512, 1537..=1599), so
-        // the claim takes block 1 (513..=1024) and 12 of block 2, whose other 500 go
-        // back to the words; then the 76 lowest free indices of the words: 500..=512
-        // and the rest of block 2 from 1037 on.
+        // 600, lowest first across words and blocks: 500..=512 from the words, block
+        // 1 whole, 75 of block 2 (whose other 437 go back to its words), in address
+        // order.
         let mut got = vec![0u32; 600];
         pool.alloc(&mut got).unwrap();
-        let want: Vec<u32> = (513..=1036).chain(500..=512).chain(1037..=1099).collect();
-        assert_eq!(got, want);
+        assert!(got.iter().copied().eq(500..1100));
+        assert!((1100..1600).all(|i| !pool.is_allocated(i)));
         assert!(parked_blocks(&pool).is_empty());
         assert_eq!(pool.available(), 500);
         pool.check_invariants().unwrap();
