@@ -441,6 +441,9 @@ pub struct SlotPool {
     /// The parked blocks' state (see "Parked blocks"), boxed: a pool stays small
     /// enough to build on a loom thread's stack. No blocks unless the pool parks.
     park: Box<park::Park>,
+    /// Whether the pool parks blocks (`park` has blocks): read on every free and
+    /// reservation, so kept here rather than behind the box.
+    parks: bool,
     capacity: u32,
 }
 
@@ -722,6 +725,7 @@ impl SlotPool {
             mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
             mag_cap,
             park: Box::new(park::Park::new(nblocks)),
+            parks: nblocks > 0,
             capacity,
         };
         pool.fill();
@@ -1013,7 +1017,7 @@ impl SlotPool {
     /// still short and blocks are parked, what the counter holds and parked blocks for
     /// the rest ([`reserve_mixed`](Self::reserve_mixed)).
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<Reservation, OutOfMemory> {
-        if self.park.parked.load(Ordering::Relaxed) > 0 {
+        if self.parks && self.park.parked.load(Ordering::Relaxed) > 0 {
             if let Some(r) = self.reserve_planned(n) {
                 return Ok(r);
             }
@@ -1022,7 +1026,7 @@ impl SlotPool {
             Ok(()) => Ok(Reservation::words(n)),
             // What the central counter held after the sweep: the count the decision was
             // made on (at quiescence, everything).
-            Err(seen) if self.park.parked.load(Ordering::Relaxed) == 0 => {
+            Err(seen) if !self.parks || self.park.parked.load(Ordering::Relaxed) == 0 => {
                 Err(OutOfMemory { requested: n, available: seen, evictable: None, unit })
             }
             // With the parked blocks: the total the decision was made on.

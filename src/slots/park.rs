@@ -77,6 +77,9 @@ impl SlotPool {
     /// The block word `w` lies in, if blocks of this pool can be parked there.
     #[inline]
     pub(super) fn block_of(&self, w: usize) -> Option<usize> {
+        if !self.parks {
+            return None;
+        }
         let b = w / BLOCK_WORDS;
         (b < self.park.blocks.len()).then_some(b)
     }
@@ -89,6 +92,9 @@ impl SlotPool {
 
     /// Whether any block with a word in `w0..w1` is parked. A snapshot.
     pub(super) fn any_parked(&self, w0: usize, w1: usize) -> bool {
+        if !self.parks {
+            return false;
+        }
         let end = (w1.div_ceil(BLOCK_WORDS)).min(self.park.blocks.len());
         (w0 / BLOCK_WORDS..end).any(|b| self.park.blocks[b].load(Ordering::Acquire) & PARKED != 0)
     }
@@ -167,10 +173,10 @@ impl SlotPool {
     /// `FreeError` documents).
     #[inline]
     pub(super) fn close_block(&self, acc: &mut Applied) {
-        let b = core::mem::replace(&mut acc.blk, usize::MAX);
-        if b == usize::MAX {
+        if acc.blk == usize::MAX {
             return;
         }
+        let b = core::mem::replace(&mut acc.blk, usize::MAX);
         let set = core::mem::take(&mut acc.blk_set);
         if set.iter().all(|&m| m == 0) {
             return;
@@ -275,36 +281,38 @@ impl SlotPool {
         } else {
             self.hint.load(Ordering::Relaxed)
         };
-        let mut pos = start.min(first_block * BLOCK_WORDS);
+        let start = start.min(first_block * BLOCK_WORDS).min(nw);
         let (mut words, mut blocks, mut got) = (0usize, 0usize, 0usize);
-        let mut next_block = first_block;
-        while got < n && pos < nw {
-            // The next candidate: a marked word, or the start of a marked block.
-            if next_block < nb && next_block * BLOCK_WORDS < pos {
-                next_block = self.next_marked_block(pos.div_ceil(BLOCK_WORDS));
-            }
-            let word = self.next_marked(pos);
-            if next_block < nb && next_block * BLOCK_WORDS <= word {
-                let b = next_block;
-                pos = (b + 1) * BLOCK_WORDS;
-                if self.park.blocks[b].load(Ordering::Relaxed) & PARKED != 0 {
-                    blocks += 1;
-                    got += BLOCK;
+        // From `start` to the end, then from the beginning, as the claim's scan wraps.
+        for (lo, hi) in [(start, nw), (0, start)] {
+            let mut pos = lo;
+            let mut next_block = self.next_marked_block(lo.div_ceil(BLOCK_WORDS));
+            while got < n && pos < hi {
+                // The next candidate: a marked word, or the start of a marked block.
+                let word = self.next_marked(pos).min(hi);
+                if next_block < nb && next_block * BLOCK_WORDS <= word && next_block * BLOCK_WORDS < hi {
+                    let b = next_block;
+                    next_block = self.next_marked_block(b + 1);
+                    if self.park.blocks[b].load(Ordering::Relaxed) & PARKED != 0 {
+                        blocks += 1;
+                        got += BLOCK;
+                        pos = (b + 1) * BLOCK_WORDS;
+                    }
+                    continue;
                 }
-                continue;
+                if word >= hi {
+                    break;
+                }
+                // As the claim's first pass: while it needs a whole word or more, it
+                // passes over sparse words ("Placement").
+                let v = self.words[word].load(Ordering::Relaxed);
+                if !(n - got >= BITS && super::sparse(v)) {
+                    let c = (v.count_ones() as usize).min(n - got);
+                    words += c;
+                    got += c;
+                }
+                pos = word + 1;
             }
-            if word >= nw {
-                break;
-            }
-            // As the claim's first pass: while it needs a whole word or more, it passes
-            // over sparse words ("Placement").
-            let v = self.words[word].load(Ordering::Relaxed);
-            if !(n - got >= BITS && super::sparse(v)) {
-                let c = (v.count_ones() as usize).min(n - got);
-                words += c;
-                got += c;
-            }
-            pos = word + 1;
         }
         if got < n || blocks == 0 {
             return None;

@@ -137,7 +137,7 @@ impl SlotPool {
         let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
         let mut w = start / BITS;
         while w * BITS < end {
-            if starts_whole_block(w, start, end) {
+            if self.parks && starts_whole_block(w, start, end) {
                 if let Some(b) = self.block_of(w).filter(|&b| self.try_park(b)) {
                     self.note_parked(b, &mut acc);
                     w += BLOCK_WORDS;
@@ -237,7 +237,7 @@ impl FreeGroup<'_> {
             while w * BITS < end {
                 // A whole block of this range (not sharing a word with the ranges
                 // before it): park it.
-                if word != w && starts_whole_block(w, start, end) {
+                if pool.parks && word != w && starts_whole_block(w, start, end) {
                     if let Some(b) = pool.block_of(w) {
                         if word != usize::MAX && !flush(word, bits, &mut acc, &mut error) {
                             word = usize::MAX;
