@@ -23,7 +23,8 @@
 //! | `double_free_of_a_magazine_index`       | a second free of an index sitting in a magazine is refused, racing the pop that hands it out again and a free into the same (shared) magazine |
 //! | `large_claim_swap_racing_free_and_claim` | a claim of 64 that takes a whole word with `swap(0)` while a free and a one-index claim change that word: one owner per index, count conserved |
 //! | `block_free_racing_a_word_free_inside_it` | parked blocks: a block free racing a double free of one index inside it: exactly one of the two frees of that index succeeds, counts exact, all three ways the race can go reached |
-//! | `claims_racing_for_parked_blocks`       | two claims racing for one parked block (one takes it, its remainder goes back to the words) while a free group parks another: one owner per index, counts come back |
+//! | `claims_racing_for_a_parked_block`      | two claims racing for one parked block (one takes it, its remainder goes back to the words): one owner per index, counts come back |
+//! | `claim_racing_a_group_that_parks`       | a claim that needs more than the words hold racing a free group that parks a block: refused until the group ends, then served lowest first from words and block; counts come back |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
@@ -666,28 +667,26 @@ fn block_free_racing_a_word_free_inside_it() {
     seen.expect_seen("block_free_racing_a_word_free_inside_it", &["block_won", "word_first", "word_won_racing"]);
 }
 
-/// Two claims that each need most of a block race for the one parked block while
-/// the main thread parks the other block through a free group: one owner per index,
-/// a claim fails only when neither block (nor the first claim's remainder) could
-/// serve it, and every count comes back.
+/// Two claims that each need most of a block race for the one parked block: one
+/// takes it (its remainder goes back to the words), the other is refused, or served
+/// by that remainder if it fits; one owner per index, and every count comes back.
 #[test]
-fn claims_racing_for_parked_blocks() {
-    let seen = Outcomes::new(&["both_served", "one_refused"]);
+fn claims_racing_for_a_parked_block() {
+    let seen = Outcomes::new(&["first_served", "second_served"]);
     let s = seen.clone();
-    loom_common::model("claims_racing_for_parked_blocks", move || {
+    loom_common::model("claims_racing_for_a_parked_block", move || {
         const CAP: u32 = 256;
         let pool = Arc::new(SlotPool::with_parking(CAP));
         let owners = Arc::new(Owners::new(CAP));
         let mut all = vec![0u32; CAP as usize];
         pool.alloc(&mut all).unwrap();
         pool.free_group().free_range(1, 128).unwrap();
-        owners.claim(&all[128..], 9);
-        let claims: Vec<_> = [1usize, 2]
+        let claims: Vec<_> = [(1usize, 100usize), (2, 20)]
             .into_iter()
-            .map(|tag| {
+            .map(|(tag, n)| {
                 let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
                 thread::spawn(move || {
-                    let mut got = vec![0u32; 100];
+                    let mut got = vec![0u32; n];
                     pool.alloc(&mut got).ok()?;
                     distinct_in_range(&got, CAP);
                     owners.claim(&got, tag);
@@ -696,20 +695,68 @@ fn claims_racing_for_parked_blocks() {
                 })
             })
             .collect();
+        let got: Vec<_> = claims.into_iter().map(|c| c.join().unwrap()).collect();
+        // Whoever takes the block first splits it; the other is served from the
+        // remainder in the words, or refused while the remainder is in transit.
+        match got.iter().position(|g| g.as_ref().is_some_and(|g| g[0] == 1)) {
+            Some(0) => s.hit("first_served"),
+            Some(_) => s.hit("second_served"),
+            None => panic!("the block serves one of them: {got:?}"),
+        }
+        let taken: usize = got.iter().flatten().map(Vec::len).sum();
+        assert_eq!(pool.available(), 128 - taken);
+        pool.check_invariants().unwrap();
+        for g in got.iter().flatten() {
+            pool.free(g).unwrap();
+        }
+        assert_eq!(pool.available(), 128);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen("claims_racing_for_a_parked_block", &["first_served", "second_served"]);
+}
+
+/// A claim that needs more than the words hold races a free group that parks a
+/// block: it is refused until the group ends (the block is not counted before), then
+/// served lowest first from the words and the block; the counts come back.
+#[test]
+fn claim_racing_a_group_that_parks() {
+    let seen = Outcomes::new(&["before_the_group", "after_the_group"]);
+    let s = seen.clone();
+    loom_common::model("claim_racing_a_group_that_parks", move || {
+        const CAP: u32 = 256;
+        let pool = Arc::new(SlotPool::with_parking(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        pool.free_group().free_range(1, 100).unwrap(); // words only: no whole block
+        owners.claim(&all[128..], 9);
+        let claim = {
+            let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
+            thread::spawn(move || {
+                let mut got = vec![0u32; 120];
+                pool.alloc(&mut got).ok()?;
+                distinct_in_range(&got, CAP);
+                owners.claim(&got, 1);
+                owners.check(&got, 1);
+                Some(got)
+            })
+        };
         owners.check(&all[128..], 9);
         let mut group = pool.free_group();
         group.free_range(129, 128).unwrap();
         assert_eq!(group.end(), 128);
-        let got: Vec<_> = claims.into_iter().filter_map(|c| c.join().unwrap()).collect();
-        s.hit(if got.len() == 2 { "both_served" } else { "one_refused" });
-        assert!(!got.is_empty(), "the block parked before the claims serves one of them");
-        assert_eq!(pool.available(), CAP as usize - 100 * got.len());
+        let got = claim.join().unwrap();
+        s.hit(if got.is_some() { "after_the_group" } else { "before_the_group" });
+        let taken = got.as_ref().map_or(0, Vec::len);
+        assert_eq!(pool.available(), 228 - taken);
         pool.check_invariants().unwrap();
-        for g in &got {
+        if let Some(g) = &got {
+            // Lowest first: the 100 free in the words, then 20 of the block.
+            assert!(g.iter().copied().eq((1..=100).chain(129..=148)), "{g:?}");
             pool.free(g).unwrap();
         }
-        assert_eq!(pool.available(), CAP as usize);
+        assert_eq!(pool.available(), 228);
         pool.check_invariants().unwrap();
     });
-    seen.expect_seen("claims_racing_for_parked_blocks", &["both_served", "one_refused"]);
+    seen.expect_seen("claim_racing_a_group_that_parks", &["before_the_group", "after_the_group"]);
 }
