@@ -245,7 +245,7 @@ impl PagedAllocator {
             // the radix tests (lowest free pages first, but for the slot pool's
             // placement of large claims over scattered free pages). No parked blocks
             // either (`SlotPool::with_parking`): at page size 1 they made `cache_ops`
-            // 14-16% faster but the overlap replay 25-35% slower, their claims cut
+            // 16-19% faster but the overlap replay 25-40% slower, their claims cut
             // into more runs (BENCHMARKS, issue 8, twelfth round).
             pages: SlotPool::without_magazines(num_pages as u32),
             page_size,

@@ -195,9 +195,9 @@ impl SwaAllocator {
         })
     }
 
-    /// Reserve `n` pages in both pools, or in neither. The window's reservation is in
-    /// its words (its parked blocks unparked into them): the window pages are claimed
-    /// in several calls.
+    /// Reserve `n` pages in both pools, or in neither. The window pool does not park
+    /// blocks, so its reservation is all in its words, and the window pages are
+    /// claimed in parts of it (`claim_both`, `map_window`).
     fn reserve_both(&self, n: usize) -> Result<Reservation, AllocError> {
         if n == 0 {
             return Ok(Reservation::words(0));
@@ -205,9 +205,7 @@ impl SwaAllocator {
         let full = self.full.pages.reserve(n, Unit::Pages).map_err(|e| self.full.oom(e))?;
         match self.window.pages.pages.reserve(n, Unit::Pages) {
             Ok(window) => {
-                // Claimed in parts (`claim_both`, `map_window`), each a words-only
-                // part of this one.
-                let _all_in_words = self.window.pages.pages.spread_into_words(window);
+                debug_assert_eq!(window, Reservation::words(n), "the window pool parks no blocks");
                 Ok(full)
             }
             Err(e) => {

@@ -298,7 +298,7 @@
 //!
 //! **Where it is not used (yet).** Pools with magazines (held bits would need one RMW
 //! per word anyway), and kvpool's own allocators. At page size 1 it made the radix
-//! cache's `cache_ops` loop 14-16% faster, but the overlap replay 25-35% slower: there
+//! cache's `cache_ops` loop 16-19% faster, but the overlap replay 25-40% slower: there
 //! the allocations came out in a third more stretches than lowest-first gives, and the
 //! radix cache's per-run work grew more than the locked instructions shrank. At page
 //! size 16 a request rarely covers a block (8,192 tokens). BENCHMARKS.md, issue 8,
@@ -1013,9 +1013,10 @@ impl SlotPool {
     ///
     /// From the calling thread's shard if it holds `n` (the common case: what this
     /// thread freed, on a cache line no other thread writes), else from the central
-    /// counter, else after sweeping every shard into the central counter; if that is
-    /// still short and blocks are parked, what the counter holds and parked blocks for
-    /// the rest ([`reserve_mixed`](Self::reserve_mixed)).
+    /// counter, else after sweeping every shard into the central counter. With parked
+    /// blocks, first what a lowest-first claim would take from the words and the blocks
+    /// ([`reserve_planned`](Self::reserve_planned)), and when the words are short,
+    /// parked blocks for the rest ([`reserve_mixed`](Self::reserve_mixed)).
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<Reservation, OutOfMemory> {
         if self.parks && self.park.parked.load(Ordering::Relaxed) > 0 {
             if let Some(r) = self.reserve_planned(n) {
@@ -1921,6 +1922,11 @@ impl Applied {
             parked: 0,
             min_block: usize::MAX,
         }
+    }
+
+    /// Whether this free has freed anything so far (bits or parked blocks).
+    fn freed_any(&self) -> bool {
+        self.freed > 0 || self.parked > 0
     }
 }
 

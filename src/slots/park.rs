@@ -255,10 +255,11 @@ impl SlotPool {
 
     /// The reservation a lowest-first claim of `n` would make in a pool with parked
     /// blocks: walk the free words and parked blocks in address order from the lower of
-    /// the hint and the lowest parked block (a read-only pass, 64 words per summary
-    /// load), and reserve what the walk found in each, if the counters hold it. `None`
-    /// (nothing reserved) when the walk finds no parked block, or runs off the end, or
-    /// the counters are short: the caller reserves as without this.
+    /// the claim's start and the lowest parked block, wrapping around (a read-only
+    /// pass, 64 words per summary load), and reserve what the walk found in each, if
+    /// the counters hold it. `None` (nothing reserved) when the walk finds no parked
+    /// block or too few free indices, or the counters are short: the caller reserves
+    /// as without this.
     ///
     /// Without it, a claim that the words cannot serve alone would take whole blocks
     /// and then every scattered free index of the words (the edges of the ranges that
@@ -323,27 +324,6 @@ impl SlotPool {
             return None;
         }
         Some(Reservation { words, blocks, from_blocks: n - words })
-    }
-
-    /// Turn reservation `r` into one of `r.len()` indices in the words: its parked
-    /// blocks are unparked and freed into their words (one read-modify-write per word,
-    /// as before parking), and what they hold beyond `r` is published. For callers
-    /// that claim a reservation in several parts ([`Reservation::words`] of each).
-    pub(crate) fn spread_into_words(&self, r: Reservation) -> Reservation {
-        if r.blocks == 0 {
-            return r;
-        }
-        let mut acc = Applied::new(None);
-        for _ in 0..r.blocks {
-            let w0 = self.unpark_one() * BLOCK_WORDS;
-            for w in w0..w0 + BLOCK_WORDS {
-                self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
-            }
-        }
-        self.settle(&mut acc);
-        // `acc.freed` is `BLOCK * r.blocks` unless a misuse raced (see `close_block`).
-        self.publish(acc.freed.saturating_sub(r.from_blocks));
-        Reservation::words(r.len())
     }
 
     /// Give back a reservation that will not be claimed.
@@ -428,10 +408,9 @@ impl SlotPool {
                 self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
             }
             self.settle(&mut acc);
-            // These indices were ours (unparked, never handed out): a racing free
-            // cannot have made any of them a double free, except a misuse that parks
-            // this block again, which `close_block` resolves against the misuse.
-            debug_assert!(acc.first_dup.is_none() || cfg!(loom));
+            // These indices were ours (unparked, never handed out); only a misuse that
+            // parks this block again can take some back (`close_block`), and then
+            // `freed` counts what stayed in the words.
             self.publish(acc.freed);
         }
     }

@@ -45,21 +45,11 @@ fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
     bit_words(first as usize - 1, count as usize)
 }
 
-/// The bits of word `w` inside bits `start..end` (a range that meets the word).
+/// Whether word `w` starts a block whose words all lie inside indices
+/// `first..first + count`.
 #[inline]
-fn word_mask(w: usize, start: usize, end: usize) -> u64 {
-    let lo = start.max(w * BITS) - w * BITS;
-    let hi = end.min(w * BITS + BITS) - w * BITS;
-    if hi - lo == BITS {
-        u64::MAX
-    } else {
-        ((1u64 << (hi - lo)) - 1) << lo
-    }
-}
-
-/// Whether word `w` starts a block whose words all lie inside bits `start..end`.
-#[inline]
-fn starts_whole_block(w: usize, start: usize, end: usize) -> bool {
+fn starts_whole_block(w: usize, first: u32, count: u32) -> bool {
+    let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
     w % BLOCK_WORDS == 0 && w * BITS >= start && (w + BLOCK_WORDS) * BITS <= end
 }
 
@@ -134,18 +124,16 @@ impl SlotPool {
             }
         }
         let mut acc = Applied::new(None);
-        let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
-        let mut w = start / BITS;
-        while w * BITS < end {
-            if self.parks && starts_whole_block(w, start, end) {
+        let mut words = words_of(first, count);
+        while let Some((w, mask)) = words.next() {
+            if self.parks && starts_whole_block(w, first, count) {
                 if let Some(b) = self.block_of(w).filter(|&b| self.try_park(b)) {
                     self.note_parked(b, &mut acc);
-                    w += BLOCK_WORDS;
+                    words.nth(BLOCK_WORDS - 2); // the block's other words
                     continue;
                 }
             }
-            self.set_bits(w, word_mask(w, start, end), Dup::Strict, &mut acc);
-            w += 1;
+            self.set_bits(w, mask, Dup::Strict, &mut acc);
         }
         self.settle(&mut acc);
         *parked += acc.parked;
@@ -208,7 +196,7 @@ impl FreeGroup<'_> {
             let set = pool.not_held(w, m);
             if set != 0 {
                 let index = (w * BITS + set.trailing_zeros() as usize + 1) as u32;
-                let rest_freed = acc.freed > 0 || acc.parked > 0;
+                let rest_freed = acc.freed_any();
                 *error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed });
                 return false;
             }
@@ -228,16 +216,15 @@ impl FreeGroup<'_> {
                     flush(word, bits, &mut acc, &mut error);
                     word = usize::MAX;
                 }
-                let rest_freed = acc.freed > 0 || acc.parked > 0;
+                let rest_freed = acc.freed_any();
                 error = error.or(Some(FreeError { index, kind, rest_freed }));
                 break;
             }
-            let (start, end) = (first as usize - 1, first as usize - 1 + count as usize);
-            let mut w = start / BITS;
-            while w * BITS < end {
+            let mut words = words_of(first, count);
+            while let Some((w, m)) = words.next() {
                 // A whole block of this range (not sharing a word with the ranges
                 // before it): park it.
-                if pool.parks && word != w && starts_whole_block(w, start, end) {
+                if pool.parks && word != w && starts_whole_block(w, first, count) {
                     if let Some(b) = pool.block_of(w) {
                         if word != usize::MAX && !flush(word, bits, &mut acc, &mut error) {
                             word = usize::MAX;
@@ -246,17 +233,15 @@ impl FreeGroup<'_> {
                         word = usize::MAX;
                         if pool.try_park(b) {
                             pool.note_parked(b, &mut acc);
-                            w += BLOCK_WORDS;
+                            words.nth(BLOCK_WORDS - 2); // the block's other words
                             continue;
                         }
                     }
                 }
-                let (cur, m) = (w, word_mask(w, start, end));
-                w += 1;
-                if cur == word {
+                if w == word {
                     if bits & m != 0 {
-                        let index = (cur * BITS + (bits & m).trailing_zeros() as usize + 1) as u32;
-                        let rest_freed = acc.freed > 0 || acc.parked > 0;
+                        let index = (w * BITS + (bits & m).trailing_zeros() as usize + 1) as u32;
+                        let rest_freed = acc.freed_any();
                         error = Some(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed });
                         word = usize::MAX;
                         break 'ranges;
@@ -268,7 +253,7 @@ impl FreeGroup<'_> {
                     word = usize::MAX;
                     break 'ranges;
                 }
-                (word, bits) = (cur, m);
+                (word, bits) = (w, m);
             }
         }
         if word != usize::MAX {
