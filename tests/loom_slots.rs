@@ -24,6 +24,7 @@
 //! | `large_claim_swap_racing_free_and_claim` | a claim of 64 that takes a whole word with `swap(0)` while a free and a one-index claim change that word: one owner per index, count conserved |
 //! | `block_free_racing_a_word_free_inside_it` | parked blocks: a block free racing a double free of one index inside it: exactly one of the two frees of that index succeeds, counts exact, all three ways the race can go reached |
 //! | `claims_racing_for_a_parked_block`      | two claims racing for one parked block (one takes it, its remainder goes back to the words): one owner per index, counts come back |
+//! | `a_claim_trading_for_a_block_racing_one_that_reserved_it` | a claim reserved on the words meets a parked block below them and trades for it, racing a claim that reserved the block's count: one owner per index, at most one refused, counts come back |
 //! | `claim_racing_a_group_that_parks`       | a claim that needs more than the words hold racing a free group that parks a block: refused until the group ends, then served lowest first from words and block; counts come back |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
@@ -667,6 +668,36 @@ fn block_free_racing_a_word_free_inside_it() {
     seen.expect_seen("block_free_racing_a_word_free_inside_it", &["block_won", "word_first", "word_won_racing"]);
 }
 
+/// A parking pool of `cap` indices, all handed out (`all`), and its owner table.
+fn parking_pool_all_taken(cap: u32) -> (Arc<SlotPool>, Arc<Owners>, Vec<u32>) {
+    let pool = Arc::new(SlotPool::with_parking(cap));
+    let mut all = vec![0u32; cap as usize];
+    pool.alloc(&mut all).unwrap();
+    (pool, Arc::new(Owners::new(cap)), all)
+}
+
+/// Claims of `sizes` indices (tagged 1, 2, ... in the owner table), each on its own
+/// thread, all at once: what each got, `None` if refused.
+fn racing_claims(pool: &Arc<SlotPool>, owners: &Arc<Owners>, sizes: &[usize]) -> Vec<Option<Vec<u32>>> {
+    let cap = pool.capacity();
+    let claims: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let (pool, owners) = (Arc::clone(pool), Arc::clone(owners));
+            thread::spawn(move || {
+                let mut got = vec![0u32; n];
+                pool.alloc(&mut got).ok()?;
+                distinct_in_range(&got, cap);
+                owners.claim(&got, k + 1);
+                owners.check(&got, k + 1);
+                Some(got)
+            })
+        })
+        .collect();
+    claims.into_iter().map(|c| c.join().unwrap()).collect()
+}
+
 /// Two claims that each need most of a block race for the one parked block: one
 /// takes it (its remainder goes back to the words), the other is refused, or served
 /// by that remainder if it fits; one owner per index, and every count comes back.
@@ -676,26 +707,9 @@ fn claims_racing_for_a_parked_block() {
     let s = seen.clone();
     loom_common::model("claims_racing_for_a_parked_block", move || {
         const CAP: u32 = 256;
-        let pool = Arc::new(SlotPool::with_parking(CAP));
-        let owners = Arc::new(Owners::new(CAP));
-        let mut all = vec![0u32; CAP as usize];
-        pool.alloc(&mut all).unwrap();
+        let (pool, owners, _) = parking_pool_all_taken(CAP);
         pool.free_group().free_range(1, 128).unwrap();
-        let claims: Vec<_> = [(1usize, 100usize), (2, 20)]
-            .into_iter()
-            .map(|(tag, n)| {
-                let (pool, owners) = (Arc::clone(&pool), Arc::clone(&owners));
-                thread::spawn(move || {
-                    let mut got = vec![0u32; n];
-                    pool.alloc(&mut got).ok()?;
-                    distinct_in_range(&got, CAP);
-                    owners.claim(&got, tag);
-                    owners.check(&got, tag);
-                    Some(got)
-                })
-            })
-            .collect();
-        let got: Vec<_> = claims.into_iter().map(|c| c.join().unwrap()).collect();
+        let got = racing_claims(&pool, &owners, &[100, 20]);
         // Whoever takes the block first splits it; the other is served from the
         // remainder in the words, or refused while the remainder is in transit.
         match got.iter().position(|g| g.as_ref().is_some_and(|g| g[0] == 1)) {
@@ -724,10 +738,7 @@ fn claim_racing_a_group_that_parks() {
     let s = seen.clone();
     loom_common::model("claim_racing_a_group_that_parks", move || {
         const CAP: u32 = 256;
-        let pool = Arc::new(SlotPool::with_parking(CAP));
-        let owners = Arc::new(Owners::new(CAP));
-        let mut all = vec![0u32; CAP as usize];
-        pool.alloc(&mut all).unwrap();
+        let (pool, owners, all) = parking_pool_all_taken(CAP);
         pool.free_group().free_range(1, 100).unwrap(); // words only: no whole block
         owners.claim(&all[128..], 9);
         let claim = {
@@ -759,4 +770,44 @@ fn claim_racing_a_group_that_parks() {
         pool.check_invariants().unwrap();
     });
     seen.expect_seen("claim_racing_a_group_that_parks", &["before_the_group", "after_the_group"]);
+}
+
+/// A claim reserved on the words meets a parked block below them and trades its
+/// reservation for the block, racing a claim that needs the block's count (the words
+/// are short): one owner per index; whichever reserves second may be refused while
+/// the other holds the counts, never both; every count comes back.
+#[test]
+fn a_claim_trading_for_a_block_racing_one_that_reserved_it() {
+    let seen = Outcomes::new(&["both_served", "trader_refused", "block_claim_refused"]);
+    let s = seen.clone();
+    loom_common::model("a_claim_trading_for_a_block_racing_one_that_reserved_it", move || {
+        const CAP: u32 = 256;
+        let (pool, owners, _) = parking_pool_all_taken(CAP);
+        // Block 0 (1..=128) parked, four free indices in block 1's words.
+        pool.free_group().free_range(1, 128).unwrap();
+        pool.free(&[129, 130, 131, 132]).unwrap();
+        let got = racing_claims(&pool, &owners, &[4, 128]);
+        match (&got[0], &got[1]) {
+            (Some(_), Some(_)) => s.hit("both_served"),
+            (None, Some(_)) => s.hit("trader_refused"),
+            (Some(a), None) => {
+                // The trader took the block's count first: lowest first, from the block.
+                assert_eq!(a, &[1, 2, 3, 4]);
+                s.hit("block_claim_refused");
+            }
+            (None, None) => panic!("132 free indices refused both claims of 4 and 128"),
+        }
+        let taken: usize = got.iter().flatten().map(Vec::len).sum();
+        assert_eq!(pool.available(), 132 - taken);
+        pool.check_invariants().unwrap();
+        for g in got.iter().flatten() {
+            pool.free(g).unwrap();
+        }
+        assert_eq!(pool.available(), 132);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen(
+        "a_claim_trading_for_a_block_racing_one_that_reserved_it",
+        &["both_served", "trader_refused", "block_claim_refused"],
+    );
 }

@@ -243,11 +243,16 @@ impl PagedAllocator {
             // No magazines (yet): the allocator frees through free groups, which bypass
             // magazines, and its page order is part of DESIGN.md's test vectors and
             // the radix tests (lowest free pages first, but for the slot pool's
-            // placement of large claims over scattered free pages). No parked blocks
-            // either (`SlotPool::with_parking`): at page size 1 they made `cache_ops`
-            // 16-19% faster but the overlap replay 25-40% slower, their claims cut
-            // into more runs (BENCHMARKS, issue 8, twelfth round).
-            pages: SlotPool::without_magazines(num_pages as u32),
+            // placement of large claims over scattered free pages). At page size 1,
+            // parked blocks (`SlotPool::with_parking`): a request's slots span dozens
+            // of 512-slot blocks, freed and taken with one read-modify-write each
+            // instead of eight, in the same order (BENCHMARKS, issue 8, thirteenth
+            // round). Larger pages gain nothing measurable from them.
+            pages: if page_size == 1 {
+                SlotPool::with_parking(num_pages as u32)
+            } else {
+                SlotPool::without_magazines(num_pages as u32)
+            },
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
         })

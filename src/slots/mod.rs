@@ -255,15 +255,22 @@
 //!   block free of the same indices won: the free takes its bits back out of the
 //!   words (`fetch_and`) and reports them as freed twice. Validation treats an index
 //!   of a parked block as free (a double free, refused with nothing changed).
-//! * **Claims.** A reservation that the words' counters cannot serve (after the
-//!   sweep) takes as many whole blocks off `parked` as the request holds whole, the
-//!   rest from the words' counter, and one block more if that is short; all or
-//!   nothing (a `Reservation`). The claim then unparks its blocks (scan from the block
-//!   hint, guided by the summary; `fetch_and` of the parked bit, Acquire: one winner
-//!   per block), hands out their words whole, frees the last block's remainder into
-//!   its words and publishes it, and takes the rest from the words as before. Blocks
-//!   first: a large claim gets long stretches rather than the scattered free indices
-//!   the words may hold.
+//! * **Claims.** A reservation takes its count off the words' counters as in any
+//!   pool; when they are short (after the sweep), what they hold and enough parked
+//!   blocks for the rest, all or nothing (a `Reservation`). The claim then walks the
+//!   pool once, in address order from the hint as in any pool, and takes the free
+//!   indices it meets at either level: bits from the words, up to the words it
+//!   reserved, and parked blocks (`fetch_and` of the parked bit, Acquire: one winner
+//!   per block), handed out by whole words. A block it meets when its reservation
+//!   holds no block is *traded for*: the claim takes one block off `parked` (or as
+//!   many as it still needs) and gives back, at its end, the word count it did not
+//!   use; a block whose count other claims hold is passed over. The last block's
+//!   remainder is freed back into its words and published. What the walk owes when
+//!   its word part is spent comes from the blocks it holds (scan from the block
+//!   hint, guided by the summary). So a claim takes the same indices, in the same
+//!   order, as in a pool that does not park (on the bundled trace at page size 1 the
+//!   same stretches exactly, sequential replay), with one RMW per block instead of
+//!   eight.
 //!
 //! **Why a double free is still caught once.** The race is a block free of block `B`
 //! against a word-level free of an index in `B` (one of them is a double free), and
@@ -287,22 +294,26 @@
 //! on the left (`check_invariants` checks `ones + BLOCK * parked blocks`). A
 //! remainder that a claim frees back is uncounted until published, like any free, so
 //! no reservation ever waits for it: a stalled claim only keeps its remainder out of
-//! `available`. The block scan wraps around until it wins a block its reservation
-//! counted, as the word scan does.
+//! `available`. A claim that trades gives its unused word count back only at its
+//! end, so meanwhile `available` reads up to its size lower (a reservation that fails
+//! then fails on the count it saw, as any does while another claim is in flight).
+//! The block scan wraps around until it wins a block its reservation counted, as
+//! the word scan does; `a_claim_trading_for_a_block_racing_one_that_reserved_it` in
+//! `tests/loom_slots.rs` checks the trade against a claim that holds the block's
+//! count.
 //!
-//! **Placement.** Before any of that, a reservation in a pool with parked blocks
-//! walks the free words and parked blocks in address order (read-only, guided by both
-//! summaries) and reserves what a lowest-first claim of `n` would take from each, so
-//! that claims stay in long stretches; the blocks-first reservation above is the
-//! fallback when the walk does not get there.
+//! A free that parks a block lowers the hint to the block, as a free of its words
+//! would; frees lower a separate block hint for the blocks a claim owes at its end.
 //!
-//! **Where it is not used (yet).** Pools with magazines (held bits would need one RMW
-//! per word anyway), and kvpool's own allocators. At page size 1 it made the radix
-//! cache's `cache_ops` loop 16-19% faster, but the overlap replay 25-40% slower: there
-//! the allocations came out in a third more stretches than lowest-first gives, and the
-//! radix cache's per-run work grew more than the locked instructions shrank. At page
-//! size 16 a request rarely covers a block (8,192 tokens). BENCHMARKS.md, issue 8,
-//! twelfth round, has the numbers.
+//! **Where it is used.** `PagedAllocator` (so `TokenAllocator`) at page size 1, where
+//! a request's slots span dozens of blocks: the radix cache's `cache_ops` loop on the
+//! bundled trace ran a third faster, the replays no slower. Not in pools with
+//! magazines (held bits would need one RMW per word anyway), nor at larger page
+//! sizes, where a request rarely covers a block (8,192 tokens at page size 16) and
+//! nothing measurable changed. BENCHMARKS.md, issue 8, twelfth and thirteenth rounds.
+//! (The twelfth round's version reserved by a read-only walk ahead of the claim and
+//! claimed blocks and words from separate starts: its claims came out in a third
+//! more stretches in overlap mode, and it stayed opt-in.)
 //!
 //! # Where claims start
 //!
@@ -590,10 +601,6 @@ const SPREAD_ROUNDS: u32 = 256;
 /// Bitmap words per 64-byte cache line; home words are aligned to it.
 const WORDS_PER_LINE: usize = 8;
 
-/// Words of parked blocks a claim keeps on the stack to hand out in address order
-/// among its other words (4 KiB; a larger claim hands the rest out first).
-const MERGE: usize = 256;
-
 /// Runs (word, mask) of a free batch kept on the stack between validating and
 /// applying; a batch with more runs rebuilds the rest (1 KiB of stack).
 const RUN_BUF: usize = 64;
@@ -644,11 +651,10 @@ impl SlotPool {
     /// A pool of indices `1..=capacity` without magazines that **parks** whole blocks
     /// (module docs, "Parked blocks"): a free of a range that covers an aligned block
     /// of 512 indices parks it with one read-modify-write instead of eight, and an
-    /// allocation takes a parked block whole with one read-modify-write, in
-    /// lowest-first order among the free words where it can. For pools whose callers
-    /// free and allocate long ranges; otherwise as
-    /// [`without_magazines`](Self::without_magazines). Opt-in: see the module docs
-    /// for where it did not pay.
+    /// allocation takes a parked block whole with one read-modify-write, in the same
+    /// lowest-first order as [`without_magazines`](Self::without_magazines). For pools
+    /// whose callers free and allocate long ranges (kvpool's token allocators use it);
+    /// otherwise as [`without_magazines`](Self::without_magazines).
     ///
     /// # Examples
     ///
@@ -1013,16 +1019,11 @@ impl SlotPool {
     ///
     /// From the calling thread's shard if it holds `n` (the common case: what this
     /// thread freed, on a cache line no other thread writes), else from the central
-    /// counter, else after sweeping every shard into the central counter. With parked
-    /// blocks, first what a lowest-first claim would take from the words and the blocks
-    /// ([`reserve_planned`](Self::reserve_planned)), and when the words are short,
-    /// parked blocks for the rest ([`reserve_mixed`](Self::reserve_mixed)).
+    /// counter, else after sweeping every shard into the central counter. In a pool
+    /// that parks, parked blocks for the rest when the words are short
+    /// ([`reserve_mixed`](Self::reserve_mixed)); the claim also trades what it
+    /// reserved for the parked blocks it meets ("Parked blocks").
     pub(crate) fn reserve(&self, n: usize, unit: Unit) -> Result<Reservation, OutOfMemory> {
-        if self.parks && self.park.parked.load(Ordering::Relaxed) > 0 {
-            if let Some(r) = self.reserve_planned(n) {
-                return Ok(r);
-            }
-        }
         match self.take_words(n) {
             Ok(()) => Ok(Reservation::words(n)),
             // What the central counter held after the sweep: the count the decision was
@@ -1167,41 +1168,11 @@ impl SlotPool {
 
     /// [`claim`](Self::claim) what `r` reserved, handing each word's claimed bits to
     /// `each` (word, bits) instead of writing indices (index `w * 64 + b + 1` is bit `b`
-    /// of word `w`): first the parked blocks' words, then the bits from the words.
-    #[inline]
+    /// of word `w`). One walk in address order from the hint (or this thread's
+    /// cursor): free bits from the words and, in a pool that parks, parked blocks as
+    /// it meets them ("Parked blocks").
     pub(crate) fn claim_with(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
-        if r.blocks == 0 {
-            return self.claim_words(r.words, each);
-        }
-        // The blocks' words are handed out in address order among the words' claimed
-        // bits (both come ascending, single-threaded), so that a claim of neighbouring
-        // blocks and words stays one stretch: buffered here, up to `MERGE` words.
-        let mut buf = [(0usize, 0u64); MERGE];
-        let mut held = 0;
-        self.claim_blocks(r, |w, bits| {
-            if held < MERGE {
-                buf[held] = (w, bits);
-                held += 1;
-            } else {
-                each(w, bits);
-            }
-        });
-        let mut next = 0;
-        self.claim_words(r.words, |w, bits| {
-            while next < held && buf[next].0 < w {
-                each(buf[next].0, buf[next].1);
-                next += 1;
-            }
-            each(w, bits);
-        });
-        for &(w, bits) in &buf[next..held] {
-            each(w, bits);
-        }
-    }
-
-    /// The word part of [`claim_with`](Self::claim_with): `n` bits from the words.
-    #[inline]
-    fn claim_words(&self, n: usize, mut each: impl FnMut(usize, u64)) {
+        let n = r.len();
         let nwords = self.words.len();
         if n == 0 || nwords == 0 {
             return;
@@ -1224,7 +1195,27 @@ impl SlotPool {
         // its first pass skips sparse words, and the lowest word it skipped.
         let mut picky = n >= BITS;
         let mut skipped = usize::MAX;
+        // In a pool that parks: the parked blocks met on the way, and what is left of
+        // the reservation's word part (word bits beyond it belong to other claims).
+        let mut blocks = self.parks.then(|| self.block_walk(r, start));
+        let mut words_left = r.words;
         loop {
+            if let Some(bw) = blocks.as_mut() {
+                // Parked blocks below `w` come first.
+                let got = self.claim_blocks_below(bw, w / park::BLOCK_WORDS, guided, n - filled, &mut each);
+                if got > 0 {
+                    filled += got;
+                    last_word = last_word.max(bw.last_word);
+                    if filled == n {
+                        break;
+                    }
+                }
+                if words_left == 0 {
+                    // The rest comes from the blocks this claim holds.
+                    break;
+                }
+            }
+            let want = (n - filled).min(words_left);
             let word = &self.words[w];
             let mut cur = word.load(Ordering::Relaxed);
             if cur == 0 && guided {
@@ -1237,7 +1228,7 @@ impl SlotPool {
                 cur = 0;
             }
             let mut lost = false;
-            if cur != 0 && n - filled >= BITS {
+            if cur != 0 && want >= BITS {
                 // We need the whole word, whatever it holds: take every free bit with
                 // one `swap(0)`, which cannot fail (a large claim, e.g. hundreds of
                 // thousands of pages at page size 1, pays no compare-and-swap retry and
@@ -1253,14 +1244,16 @@ impl SlotPool {
                 if take != 0 {
                     self.set_held(w, take);
                     each(w, take);
-                    filled += ones(take);
+                    let got = ones(take);
+                    filled += got;
+                    words_left -= got;
                     last_word = w;
                 }
                 lost = take != cur;
                 cur = 0;
             }
             while cur != 0 {
-                let (take, got) = lowest_bits_counted(cur, n - filled);
+                let (take, got) = lowest_bits_counted(cur, want);
                 // AcqRel: Acquire pairs with the Release of the free that set these
                 // bits (the previous owner's writes happen-before ours); Release keeps
                 // our earlier claims ordered before anything that observes this word.
@@ -1275,6 +1268,7 @@ impl SlotPool {
                         self.set_held(w, take);
                         each(w, take);
                         filled += got;
+                        words_left -= got;
                         last_word = w;
                         break;
                     }
@@ -1296,12 +1290,27 @@ impl SlotPool {
                 gauge.store(SPREAD_ROUNDS, untracked::Ordering::Relaxed);
                 w = shard_cursor(shard, slot, nwords);
                 scanned += 1;
+                if let Some(bw) = blocks.as_mut() {
+                    self.restart_block_walk(bw, w, guided);
+                }
             } else {
                 // The next candidate word: past unmarked (allocated) words at 64 per
                 // summary load, counting them as scanned.
                 let next = if guided { self.next_marked(w + 1) } else { w + 1 };
                 scanned += next - w;
-                w = if next >= nwords { 0 } else { next };
+                if next >= nwords {
+                    w = 0;
+                    // The blocks above the last word, then from the beginning.
+                    if let Some(bw) = blocks.as_mut() {
+                        filled += self.claim_blocks_below(bw, usize::MAX, guided, n - filled, &mut each);
+                        if filled == n {
+                            break;
+                        }
+                        self.restart_block_walk(bw, 0, guided);
+                    }
+                } else {
+                    w = next;
+                }
             }
             // A countdown, not `scanned % nwords`: a division per scanned word was a
             // fifth of a page-size-1 replay's time.
@@ -1319,6 +1328,10 @@ impl SlotPool {
             }
         }
         self.unmark_emptied(emptied);
+        if let Some(mut bw) = blocks {
+            // What the blocks' part still owes, and what this claim holds and did not use.
+            self.finish_block_walk(&mut bw, n - filled, words_left, &mut each);
+        }
         // Single-threaded, words start..last_word were emptied: move the hint there,
         // unless a free lowered it meanwhile. A spread claim scanned elsewhere and says
         // nothing about the words above the hint; it moves its shard's cursor instead.
@@ -1707,7 +1720,8 @@ impl SlotPool {
     fn settle(&self, acc: &mut Applied) {
         self.close_block(acc);
         self.mark(acc.marks);
-        self.lower_hint(acc.min_word);
+        // A parked block is free indices like any other for the claims' walk.
+        self.lower_hint(acc.min_word.min(acc.min_block.saturating_mul(park::BLOCK_WORDS)));
         self.lower_block_hint(acc.min_block);
     }
 

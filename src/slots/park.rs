@@ -61,6 +61,16 @@ pub(crate) struct Reservation {
     pub(super) from_blocks: usize,
 }
 
+/// The block part of one claim's walk ([`SlotPool::claim_with`]).
+pub(super) struct BlockWalk {
+    /// The next block to look at (with the summary: the next one marked).
+    next: usize,
+    /// Parked blocks counted for this claim and not yet unparked.
+    held: usize,
+    /// The last word handed out from a block.
+    pub(super) last_word: usize,
+}
+
 impl Reservation {
     /// `n` indices, all from the words.
     pub(crate) fn words(n: usize) -> Self {
@@ -230,100 +240,22 @@ impl SlotPool {
         }
     }
 
-    /// The reservation of last resort, after the sweep: whole parked blocks for as many
-    /// whole blocks as `n` holds, the rest from what the words' counter holds, and one
-    /// more block if that is short. All or nothing: on failure what was taken goes
-    /// back, and the error carries the total seen. Blocks first: a large claim gets
-    /// long stretches instead of the scattered free indices the words may hold.
+    /// The reservation of last resort, after the sweep: what the words' counter holds,
+    /// up to `n`, and enough parked blocks for the rest. All or nothing: on failure
+    /// what was taken goes back, and the error carries the total seen. The claim takes
+    /// both in address order, trading one for the other as it meets them.
     pub(super) fn reserve_mixed(&self, n: usize) -> Result<Reservation, usize> {
-        let whole = take_up_to(&self.park.parked, n / BLOCK);
-        let rest = n - whole * BLOCK;
-        let words = take_up_to(&self.central, rest);
-        let short = rest - words;
-        let extra = short.div_ceil(BLOCK);
-        match super::take(&self.park.parked, extra) {
-            Ok(_) => Ok(Reservation { words, blocks: whole + extra, from_blocks: whole * BLOCK + short }),
+        let words = take_up_to(&self.central, n);
+        let short = n - words;
+        match super::take(&self.park.parked, short.div_ceil(BLOCK)) {
+            Ok(_) => Ok(Reservation { words, blocks: short.div_ceil(BLOCK), from_blocks: short }),
             Err(seen) => {
-                self.publish_parked(whole);
                 if words > 0 {
                     self.central.fetch_add(words, Ordering::Release);
                 }
-                Err(words + (whole + seen) * BLOCK)
+                Err(words + seen * BLOCK)
             }
         }
-    }
-
-    /// The reservation a lowest-first claim of `n` would make in a pool with parked
-    /// blocks: walk the free words and parked blocks in address order from the lower of
-    /// the claim's start and the lowest parked block, wrapping around (a read-only
-    /// pass, 64 words per summary load), and reserve what the walk found in each, if
-    /// the counters hold it. `None` (nothing reserved) when the walk finds no parked
-    /// block or too few free indices, or the counters are short: the caller reserves
-    /// as without this.
-    ///
-    /// Without it, a claim that the words cannot serve alone would take whole blocks
-    /// and then every scattered free index of the words (the edges of the ranges that
-    /// parked the blocks, all over the pool): on the bundled trace at page size 1 that
-    /// cut the allocations into 4x as many runs.
-    pub(super) fn reserve_planned(&self, n: usize) -> Option<Reservation> {
-        let nw = self.words.len();
-        let nb = self.park.blocks.len();
-        let first_block = self.next_marked_block(0);
-        if first_block >= nb {
-            return None;
-        }
-        // Where the claim's word scan will start: the hint, or this thread's cursor
-        // while it spreads (a snapshot of the claim's own choice); or the lowest
-        // parked block if that is lower.
-        let slot = crate::sync::thread_slot();
-        let shard = &self.shards[slot % super::SHARDS];
-        let start = if shard.spread.load(untracked::Ordering::Relaxed) != 0 {
-            super::shard_cursor(shard, slot, nw)
-        } else {
-            self.hint.load(Ordering::Relaxed)
-        };
-        let start = start.min(first_block * BLOCK_WORDS).min(nw);
-        let (mut words, mut blocks, mut got) = (0usize, 0usize, 0usize);
-        // From `start` to the end, then from the beginning, as the claim's scan wraps.
-        for (lo, hi) in [(start, nw), (0, start)] {
-            let mut pos = lo;
-            let mut next_block = self.next_marked_block(lo.div_ceil(BLOCK_WORDS));
-            while got < n && pos < hi {
-                // The next candidate: a marked word, or the start of a marked block.
-                let word = self.next_marked(pos).min(hi);
-                if next_block < nb && next_block * BLOCK_WORDS <= word && next_block * BLOCK_WORDS < hi {
-                    let b = next_block;
-                    next_block = self.next_marked_block(b + 1);
-                    if self.park.blocks[b].load(Ordering::Relaxed) & PARKED != 0 {
-                        blocks += 1;
-                        got += BLOCK;
-                        pos = (b + 1) * BLOCK_WORDS;
-                    }
-                    continue;
-                }
-                if word >= hi {
-                    break;
-                }
-                // As the claim's first pass: while it needs a whole word or more, it
-                // passes over sparse words ("Placement").
-                let v = self.words[word].load(Ordering::Relaxed);
-                if !(n - got >= BITS && super::sparse(v)) {
-                    let c = (v.count_ones() as usize).min(n - got);
-                    words += c;
-                    got += c;
-                }
-                pos = word + 1;
-            }
-        }
-        if got < n || blocks == 0 {
-            return None;
-        }
-        super::take(&self.park.parked, blocks).ok()?;
-        if self.take_words(words).is_err() {
-            self.publish_parked(blocks);
-            return None;
-        }
-        Some(Reservation { words, blocks, from_blocks: n - words })
     }
 
     /// Give back a reservation that will not be claimed.
@@ -348,17 +280,8 @@ impl SlotPool {
                 b = next;
             }
             if b < nb {
-                let state = &self.park.blocks[b];
-                if state.load(Ordering::Relaxed) & PARKED != 0 {
-                    // Acquire: pairs with the park's Release (the previous owner's
-                    // writes happen-before ours).
-                    if state.fetch_and(!PARKED, Ordering::AcqRel) & PARKED != 0 {
-                        self.unmark_parked(b);
-                        self.park.hint.store(b + 1, untracked::Ordering::Relaxed);
-                        return b;
-                    }
-                } else if guided {
-                    self.unmark_parked(b);
+                if self.try_unpark(b, guided) {
+                    return b;
                 }
                 b += 1;
                 scanned += 1;
@@ -377,42 +300,138 @@ impl SlotPool {
         }
     }
 
-    /// The block part of a claim: unpark `r.blocks` blocks and hand their words to
-    /// `each(word, bits)` (all 64 bits of a word), `r.from_blocks` indices in all; the
-    /// last block's remainder is freed back to the words and published.
-    #[inline(never)]
-    pub(super) fn claim_blocks(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
-        let mut left = r.from_blocks;
-        for _ in 0..r.blocks {
-            let b = self.unpark_one();
-            let w0 = b * BLOCK_WORDS;
-            let take = left.min(BLOCK);
-            left -= take;
-            let (full, part) = (take / BITS, take % BITS);
-            for w in w0..w0 + full {
-                each(w, u64::MAX);
+    /// Clear block `b`'s parked bit if it is set: whether we did. A block found not
+    /// parked loses its summary bit if `guided` (the summary led us to it).
+    #[inline]
+    fn try_unpark(&self, b: usize, guided: bool) -> bool {
+        let state = &self.park.blocks[b];
+        if state.load(Ordering::Relaxed) & PARKED != 0 {
+            // Acquire: pairs with the park's Release (the previous owner's writes
+            // happen-before ours).
+            if state.fetch_and(!PARKED, Ordering::AcqRel) & PARKED != 0 {
+                self.unmark_parked(b);
+                self.park.hint.store(b + 1, untracked::Ordering::Relaxed);
+                return true;
             }
-            if take == BLOCK {
+        } else if guided {
+            self.unmark_parked(b);
+        }
+        false
+    }
+
+    /// The block part of a claim of `r` whose walk starts at word `start`.
+    pub(super) fn block_walk(&self, r: Reservation, start: usize) -> BlockWalk {
+        let mut bw = BlockWalk { next: 0, held: r.blocks, last_word: 0 };
+        self.restart_block_walk(&mut bw, start, true);
+        bw
+    }
+
+    /// Go on with the blocks from the one word `w` lies in.
+    #[inline]
+    pub(super) fn restart_block_walk(&self, bw: &mut BlockWalk, w: usize, guided: bool) {
+        let b = w / BLOCK_WORDS;
+        bw.next = if guided { self.next_marked_block(b) } else { b };
+    }
+
+    /// Hand out parked blocks below block `limit`, in address order, from where the walk
+    /// is, until `need` indices are handed out: `each(word, bits)`, whole words but for
+    /// the last block's, whose remainder goes back to the words. Returns how many were
+    /// handed out. A block is taken on what the claim's reservation holds of the
+    /// parked blocks, or, when that is spent, by taking one off the parked count in
+    /// exchange for indices of the words' part (given back by `finish_block_walk`):
+    /// so a claim takes the free indices in address order, whichever level holds them.
+    /// A block that the count does not cover (other claims reserved it) is passed over.
+    #[inline]
+    pub(super) fn claim_blocks_below(
+        &self,
+        bw: &mut BlockWalk,
+        limit: usize,
+        guided: bool,
+        need: usize,
+        mut each: impl FnMut(usize, u64),
+    ) -> usize {
+        let nb = self.park.blocks.len();
+        let mut got = 0;
+        while bw.next < limit.min(nb) && got < need {
+            let b = bw.next;
+            bw.next = if guided { self.next_marked_block(b + 1) } else { b + 1 };
+            if self.park.blocks[b].load(Ordering::Relaxed) & PARKED == 0 {
+                if guided {
+                    self.unmark_parked(b);
+                }
                 continue;
             }
-            // The remainder: the rest of a partly taken word, then whole words.
-            let mut acc = Applied::new(None);
-            let mut w = w0 + full;
-            if part > 0 {
-                let low = (1u64 << part) - 1;
-                each(w, low);
-                self.set_bits(w, !low, super::Dup::Strict, &mut acc);
-                w += 1;
+            if bw.held == 0 {
+                bw.held = take_up_to(&self.park.parked, (need - got).div_ceil(BLOCK));
+                if bw.held == 0 {
+                    continue;
+                }
             }
-            for w in w..w0 + BLOCK_WORDS {
-                self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
+            if self.try_unpark(b, guided) {
+                bw.held -= 1;
+                let took = self.hand_out_block(b, need - got, &mut each);
+                got += took;
+                bw.last_word = b * BLOCK_WORDS + (took - 1) / BITS;
             }
-            self.settle(&mut acc);
-            // These indices were ours (unparked, never handed out); only a misuse that
-            // parks this block again can take some back (`close_block`), and then
-            // `freed` counts what stayed in the words.
-            self.publish(acc.freed);
         }
+        got
+    }
+
+    /// The end of a claim's walk: `need` indices still owed, all from blocks this claim
+    /// holds (its word part is spent); then give back what the claim holds and did
+    /// not use: `words` of its word part (traded for blocks) and block counts.
+    pub(super) fn finish_block_walk(
+        &self,
+        bw: &mut BlockWalk,
+        mut need: usize,
+        words: usize,
+        mut each: impl FnMut(usize, u64),
+    ) {
+        if need > 0 {
+            need -= self.claim_blocks_below(bw, usize::MAX, true, need, &mut each);
+        }
+        while need > 0 {
+            debug_assert!(bw.held > 0, "a claim owed {need} indices with no block to take them from");
+            let b = self.unpark_one();
+            bw.held -= 1;
+            need -= self.hand_out_block(b, need, &mut each);
+        }
+        self.publish(words);
+        self.publish_parked(bw.held);
+        bw.held = 0;
+    }
+
+    /// Block `b`, just unparked: hand out up to `need` of its indices (its words whole,
+    /// but the last one's); the remainder is freed back to the words and published.
+    /// Returns how many were handed out.
+    fn hand_out_block(&self, b: usize, need: usize, mut each: impl FnMut(usize, u64)) -> usize {
+        let w0 = b * BLOCK_WORDS;
+        let take = need.min(BLOCK);
+        let (full, part) = (take / BITS, take % BITS);
+        for w in w0..w0 + full {
+            each(w, u64::MAX);
+        }
+        if take == BLOCK {
+            return take;
+        }
+        // The remainder: the rest of a partly taken word, then whole words.
+        let mut acc = Applied::new(None);
+        let mut w = w0 + full;
+        if part > 0 {
+            let low = (1u64 << part) - 1;
+            each(w, low);
+            self.set_bits(w, !low, super::Dup::Strict, &mut acc);
+            w += 1;
+        }
+        for w in w..w0 + BLOCK_WORDS {
+            self.set_bits(w, u64::MAX, super::Dup::Strict, &mut acc);
+        }
+        self.settle(&mut acc);
+        // These indices were ours (unparked, never handed out); only a misuse that
+        // parks this block again can take some back (`close_block`), and then
+        // `freed` counts what stayed in the words.
+        self.publish(acc.freed);
+        take
     }
 
     /// Parked blocks and their count, for `check_invariants`: `(parked states, words
