@@ -227,6 +227,17 @@ impl PagedAllocator {
     /// [`ConfigError`] if `page_size` is 0 or the slot numbers would overflow `u32`;
     /// [`ConfigError::TooLargeForMemory`] if the page bitmap cannot be allocated.
     pub fn new(size: usize, page_size: u32) -> Result<Self, ConfigError> {
+        Self::build(size, page_size, page_size == 1)
+    }
+
+    /// [`new`](Self::new) with a pool that never parks blocks, for callers that claim
+    /// one reservation in several parts (each part as a reservation of its own, which
+    /// a reservation with parked blocks in it cannot be cut into).
+    pub(crate) fn without_parking(size: usize, page_size: u32) -> Result<Self, ConfigError> {
+        Self::build(size, page_size, false)
+    }
+
+    fn build(size: usize, page_size: u32, parking: bool) -> Result<Self, ConfigError> {
         if page_size == 0 {
             return Err(ConfigError::ZeroPageSize);
         }
@@ -248,7 +259,7 @@ impl PagedAllocator {
             // of 512-slot blocks, freed and taken with one read-modify-write each
             // instead of eight, in the same order (BENCHMARKS, issue 8, thirteenth
             // round). Larger pages gain nothing measurable from them.
-            pages: if page_size == 1 {
+            pages: if parking {
                 SlotPool::with_parking(num_pages as u32)
             } else {
                 SlotPool::without_magazines(num_pages as u32)

@@ -91,7 +91,8 @@ impl SwaAllocator {
     /// has no whole page; [`ConfigError::TooLargeForMemory`] for the mapping.
     pub fn new(full_size: usize, window_size: usize, page_size: u32) -> Result<Self, ConfigError> {
         let full = PagedAllocator::new(full_size, page_size)?;
-        let pages = PagedAllocator::new(window_size, page_size)?;
+        // Claimed in parts of one reservation: a pool that never parks blocks.
+        let pages = PagedAllocator::without_parking(window_size, page_size)?;
         if full.num_pages() == 0 {
             return Err(ConfigError::Zero("the full pool's pages"));
         }
@@ -733,6 +734,26 @@ mod tests {
 
     fn check(a: &SwaAllocator) {
         KvAllocator::check_invariants(a).unwrap();
+    }
+
+    #[test]
+    fn window_pages_freed_in_whole_blocks_come_back_at_page_size_1() {
+        // The window pool is claimed in parts of one reservation: whole blocks freed
+        // into it must not be parked (a reservation with blocks in it cannot be cut
+        // into parts; in a release build the parts' claims looped forever).
+        let a = SwaAllocator::new(4096, 2048, 1).unwrap();
+        let mut all = vec![0u32; 2048];
+        a.alloc(&mut all).unwrap();
+        a.free(&all).unwrap();
+        let (mut x, mut y) = (vec![0u32; 1500], vec![0u32; 548]);
+        a.alloc(&mut x).unwrap();
+        a.alloc(&mut y).unwrap();
+        assert_eq!((a.full_available_size(), a.window_available_size()), (2048, 0));
+        check(&a);
+        a.free(&x).unwrap();
+        a.free(&y).unwrap();
+        assert_eq!((a.full_available_size(), a.window_available_size()), (4096, 2048));
+        check(&a);
     }
 
     #[test]

@@ -647,6 +647,9 @@ mod tests {
         #[test]
         fn parking_agrees_with_a_set_model(ops in proptest::collection::vec(op(), 1..40)) {
             let pool = SlotPool::with_parking(CAP);
+            // The same steps on a pool that does not park: the same indices come out,
+            // in the same order ("Claims" in the module docs).
+            let twin = SlotPool::without_magazines(CAP);
             let mut free = vec![true; CAP as usize + 1]; // free[i]: index i is free
             free[0] = false;
             for op in ops {
@@ -654,7 +657,14 @@ mod tests {
                     Op::Alloc(n) => {
                         let have = free.iter().filter(|&&f| f).count();
                         let mut out = vec![0u32; n];
-                        match pool.alloc(&mut out) {
+                        let mut twin_out = vec![0u32; n];
+                        let twin_ok = twin.alloc(&mut twin_out).is_ok();
+                        let r = pool.alloc(&mut out);
+                        prop_assert_eq!(r.is_ok(), twin_ok);
+                        if twin_ok {
+                            prop_assert_eq!(&out, &twin_out, "placement differs from a pool that does not park");
+                        }
+                        match r {
                             Ok(()) => {
                                 prop_assert!(n <= have);
                                 for &i in &out {
@@ -668,20 +678,23 @@ mod tests {
                     Op::FreeRun { at, len, many } => {
                         let Some(first) = (at..=CAP).chain(1..at).find(|&i| !free[i as usize]) else { continue };
                         let count = (first..=CAP).take(len as usize).take_while(|&i| !free[i as usize]).count() as u32;
-                        let mut group = pool.free_group();
-                        if many {
-                            // Two ranges, split somewhere inside.
-                            let cut = count / 3;
-                            group.free_ranges([(first, cut), (first + cut, count - cut)]).unwrap();
-                        } else {
-                            group.free_range(first, count).unwrap();
+                        for p in [&pool, &twin] {
+                            let mut group = p.free_group();
+                            if many {
+                                // Two ranges, split somewhere inside.
+                                let cut = count / 3;
+                                group.free_ranges([(first, cut), (first + cut, count - cut)]).unwrap();
+                            } else {
+                                group.free_range(first, count).unwrap();
+                            }
+                            prop_assert_eq!(group.end(), count as usize);
                         }
-                        prop_assert_eq!(group.end(), count as usize);
                         (first..first + count).for_each(|i| free[i as usize] = true);
                     }
                     Op::FreeSlice(indices) => {
                         let mut seen = std::collections::HashSet::new();
                         let bad = indices.iter().any(|&i| i == 0 || i > CAP || free[i as usize] || !seen.insert(i));
+                        let _ = twin.free(&indices);
                         match pool.free(&indices) {
                             Ok(()) => {
                                 prop_assert!(!bad);
@@ -708,20 +721,24 @@ mod tests {
                             Some(i) if many => ((i - 1) / 64 * 64 + 1).max(first),
                             _ => first,
                         };
-                        let r = if many {
-                            let mut group = pool.free_group();
-                            let r = group.free_ranges([(first, count)]);
-                            prop_assert_eq!(group.end(), (upto - first) as usize);
-                            r
-                        } else {
-                            free_range(&pool, first, count).map(|_| ())
-                        };
+                        let mut r = Ok(());
+                        for p in [&pool, &twin] {
+                            r = if many {
+                                let mut group = p.free_group();
+                                let r = group.free_ranges([(first, count)]);
+                                prop_assert_eq!(group.end(), (upto - first) as usize);
+                                r
+                            } else {
+                                free_range(p, first, count).map(|_| ())
+                            };
+                        }
                         prop_assert_eq!(r.is_err(), bad, "{:?}", r);
                         (first..upto).for_each(|i| free[i as usize] = true);
                     }
                 }
                 let have = free.iter().filter(|&&f| f).count();
                 prop_assert_eq!(pool.available(), have);
+                prop_assert_eq!(twin.available(), have);
                 for i in 0..=CAP + 1 {
                     let want = (1..=CAP).contains(&i) && !free[i as usize];
                     prop_assert_eq!(pool.is_allocated(i), want, "index {}", i);
