@@ -65,6 +65,7 @@
 
 pub mod hi;
 pub mod mamba;
+pub mod parking;
 pub mod radix;
 pub mod swa;
 pub mod swa_alloc;
