@@ -698,6 +698,19 @@ fn racing_claims(pool: &Arc<SlotPool>, owners: &Arc<Owners>, sizes: &[usize]) ->
     claims.into_iter().map(|c| c.join().unwrap()).collect()
 }
 
+/// After [`racing_claims`] on a pool with `free` indices free before them: the counts
+/// are exact with the claims' indices out, and come back whole when they are freed.
+fn counts_come_back(pool: &SlotPool, got: &[Option<Vec<u32>>], free: usize) {
+    let taken: usize = got.iter().flatten().map(Vec::len).sum();
+    assert_eq!(pool.available(), free - taken);
+    pool.check_invariants().unwrap();
+    for g in got.iter().flatten() {
+        pool.free(g).unwrap();
+    }
+    assert_eq!(pool.available(), free);
+    pool.check_invariants().unwrap();
+}
+
 /// Two claims that each need most of a block race for the one parked block: one
 /// takes it (its remainder goes back to the words), the other is refused, or served
 /// by that remainder if it fits; one owner per index, and every count comes back.
@@ -717,14 +730,7 @@ fn claims_racing_for_a_parked_block() {
             Some(_) => s.hit("second_served"),
             None => panic!("the block serves one of them: {got:?}"),
         }
-        let taken: usize = got.iter().flatten().map(Vec::len).sum();
-        assert_eq!(pool.available(), 128 - taken);
-        pool.check_invariants().unwrap();
-        for g in got.iter().flatten() {
-            pool.free(g).unwrap();
-        }
-        assert_eq!(pool.available(), 128);
-        pool.check_invariants().unwrap();
+        counts_come_back(&pool, &got, 128);
     });
     seen.expect_seen("claims_racing_for_a_parked_block", &["first_served", "second_served"]);
 }
@@ -797,14 +803,7 @@ fn a_claim_trading_for_a_block_racing_one_that_reserved_it() {
             }
             (None, None) => panic!("132 free indices refused both claims of 4 and 128"),
         }
-        let taken: usize = got.iter().flatten().map(Vec::len).sum();
-        assert_eq!(pool.available(), 132 - taken);
-        pool.check_invariants().unwrap();
-        for g in got.iter().flatten() {
-            pool.free(g).unwrap();
-        }
-        assert_eq!(pool.available(), 132);
-        pool.check_invariants().unwrap();
+        counts_come_back(&pool, &got, 132);
     });
     seen.expect_seen(
         "a_claim_trading_for_a_block_racing_one_that_reserved_it",

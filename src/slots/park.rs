@@ -51,13 +51,13 @@ impl Park {
 }
 
 /// What one reservation entitles its claim to: `words` indices from the bitmap words,
-/// then `from_blocks` indices from `blocks` parked blocks (the last one's remainder goes
-/// back to the words). Made by [`SlotPool::reserve`], spent by one claim.
+/// and `from_blocks` indices from parked blocks, as many blocks as that covers (the
+/// last one's remainder goes back to the words). Made by [`SlotPool::reserve`], spent
+/// by one claim.
 #[must_use = "a reservation holds indices out of `available` until it is claimed or given back"]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Reservation {
     pub(super) words: usize,
-    pub(super) blocks: usize,
     pub(super) from_blocks: usize,
 }
 
@@ -74,12 +74,17 @@ pub(super) struct BlockWalk {
 impl Reservation {
     /// `n` indices, all from the words.
     pub(crate) fn words(n: usize) -> Self {
-        Reservation { words: n, blocks: 0, from_blocks: 0 }
+        Reservation { words: n, from_blocks: 0 }
     }
 
     /// How many indices the claim hands out.
     pub(crate) fn len(&self) -> usize {
         self.words + self.from_blocks
+    }
+
+    /// Parked blocks the reservation holds.
+    fn blocks(&self) -> usize {
+        self.from_blocks.div_ceil(BLOCK)
     }
 }
 
@@ -246,9 +251,9 @@ impl SlotPool {
     /// both in address order, trading one for the other as it meets them.
     pub(super) fn reserve_mixed(&self, n: usize) -> Result<Reservation, usize> {
         let words = take_up_to(&self.central, n);
-        let short = n - words;
-        match super::take(&self.park.parked, short.div_ceil(BLOCK)) {
-            Ok(_) => Ok(Reservation { words, blocks: short.div_ceil(BLOCK), from_blocks: short }),
+        let r = Reservation { words, from_blocks: n - words };
+        match super::take(&self.park.parked, r.blocks()) {
+            Ok(_) => Ok(r),
             Err(seen) => {
                 if words > 0 {
                     self.central.fetch_add(words, Ordering::Release);
@@ -261,7 +266,7 @@ impl SlotPool {
     /// Give back a reservation that will not be claimed.
     pub(crate) fn unreserve(&self, r: Reservation) {
         self.publish(r.words);
-        self.publish_parked(r.blocks);
+        self.publish_parked(r.blocks());
     }
 
     /// Take one parked block that a reservation entitles us to: scan from the block
@@ -321,7 +326,7 @@ impl SlotPool {
 
     /// The block part of a claim of `r` whose walk starts at word `start`.
     pub(super) fn block_walk(&self, r: Reservation, start: usize) -> BlockWalk {
-        let mut bw = BlockWalk { next: 0, held: r.blocks, last_word: 0 };
+        let mut bw = BlockWalk { next: 0, held: r.blocks(), last_word: 0 };
         self.restart_block_walk(&mut bw, start, true);
         bw
     }
