@@ -2,6 +2,10 @@
 //!
 //! * `slotpool` — kvpool's lock-free bitmap arena with per-thread magazines (validates
 //!   every free: range and double-free checks, all-or-nothing).
+//! * `slotpool_owned` — the same pool's owned batches (`SlotPool::alloc_slots` into a
+//!   `Slots`, `SlotPool::free_slots`): misuse ruled out by the type instead of checked
+//!   per word, runs magazines (the default `SlotPool::new` pool: its runs magazines
+//!   take batches of up to 65,536 indices).
 //! * `slotpool_bitmap` — the same without magazines (`SlotPool::without_magazines`):
 //!   every batch claims from and frees to the bitmap, lowest-first.
 //! * `mutex_vec` — a `Mutex<Vec<u32>>` free list, the way TGI and mistral.rs keep
@@ -29,7 +33,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
-use kvpool::SlotPool;
+use kvpool::{SlotPool, Slots};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -317,6 +321,60 @@ impl FreeList for Queue {
     }
 }
 
+/// Owned batches: a round is `alloc_slots` of the batch into a `Slots` and
+/// `free_slots` of it (the `FreeList` interface copies nothing out: the indices stay in
+/// the `Slots`, where the caller reads them).
+struct Owned(SlotPool);
+
+impl Owned {
+    const NAME: &'static str = "slotpool_owned";
+    fn new(capacity: u32) -> Self {
+        Owned(SlotPool::new(capacity))
+    }
+    #[inline]
+    fn round(&self, batch: usize, slots: &mut Slots) {
+        self.0.alloc_slots(batch, slots).expect("the pool is sized for the batch");
+        black_box(slots.as_slice());
+        self.0.free_slots(slots).expect("a batch of this pool");
+    }
+}
+
+fn single_owned(c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, batch: usize) {
+    let pool = Owned::new(CAPACITY);
+    let mut slots = Slots::with_capacity(batch);
+    c.bench_function(BenchmarkId::from_parameter(Owned::NAME), |b| b.iter(|| pool.round(black_box(batch), &mut slots)));
+}
+
+fn contended_owned(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    threads: usize,
+    batch: usize,
+) {
+    let pool = Owned::new(CAPACITY);
+    c.bench_function(BenchmarkId::from_parameter(Owned::NAME), |b| {
+        b.iter_custom(|iters| {
+            let start = Barrier::new(threads + 1);
+            let done = Barrier::new(threads + 1);
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| {
+                        let mut slots = Slots::with_capacity(batch);
+                        start.wait();
+                        for _ in 0..iters {
+                            pool.round(black_box(batch), &mut slots);
+                        }
+                        done.wait();
+                    });
+                }
+                start.wait();
+                let t0 = Instant::now();
+                done.wait();
+                t0.elapsed()
+            })
+        })
+    });
+}
+
 fn single_one<P: FreeList>(c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, batch: usize) {
     let pool = P::new(CAPACITY);
     let mut buf = vec![0u32; batch];
@@ -333,6 +391,7 @@ fn single(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("single/{batch}"));
         g.throughput(Throughput::Elements(batch as u64));
         single_one::<SlotPool>(&mut g, batch);
+        single_owned(&mut g, batch);
         single_one::<Bitmap>(&mut g, batch);
         single_one::<MutexVec>(&mut g, batch);
         single_one::<Queue>(&mut g, batch);
@@ -383,6 +442,7 @@ fn contended(c: &mut Criterion) {
             let mut g = c.benchmark_group(format!("contended/{threads}t_b{batch}"));
             g.throughput(Throughput::Elements((threads * batch) as u64));
             contended_one::<SlotPool>(&mut g, threads, batch);
+            contended_owned(&mut g, threads, batch);
             contended_one::<Bitmap>(&mut g, threads, batch);
             contended_one::<MutexVec>(&mut g, threads, batch);
             contended_one::<Queue>(&mut g, threads, batch);

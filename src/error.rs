@@ -9,6 +9,8 @@
 //!   first and the last.
 //! * [`ConfigError`] — a constructor's parameters are unusable.
 //! * [`RowError`] — a request-row operation was out of bounds.
+//! * [`SlotsError`] — an owned batch ([`Slots`](crate::slots::Slots)) could not be
+//!   filled or returned. Nothing changed.
 
 use core::fmt;
 
@@ -464,3 +466,62 @@ impl fmt::Display for InvariantViolation {
 }
 
 impl std::error::Error for InvariantViolation {}
+
+/// Why [`SlotPool::alloc_slots`](crate::SlotPool::alloc_slots) or
+/// [`SlotPool::free_slots`](crate::SlotPool::free_slots) refused. Nothing was changed:
+/// the pool and the [`Slots`](crate::slots::Slots) are as before the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SlotsError {
+    /// Fewer than the requested indices are available.
+    OutOfMemory(OutOfMemory),
+    /// The `Slots` has no room for the batch: it holds `len` of `capacity` indices.
+    Full {
+        /// Indices asked for.
+        requested: usize,
+        /// Indices the `Slots` holds already.
+        len: usize,
+        /// Indices it can hold.
+        capacity: usize,
+    },
+    /// The `Slots` holds indices of another pool (or of this pool before
+    /// [`clear`](crate::SlotPool::clear)).
+    OtherPool,
+    /// The pool has no magazines ([`SlotPool::without_magazines`](crate::SlotPool::without_magazines),
+    /// [`SlotPool::with_parking`](crate::SlotPool::with_parking)): without its
+    /// per-index `held` bits it could not refuse a bare [`free`](crate::SlotPool::free)
+    /// of an index that a `Slots` owns.
+    Unsupported,
+}
+
+impl fmt::Display for SlotsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SlotsError::OutOfMemory(e) => e.fmt(f),
+            SlotsError::Full { requested, len, capacity } => write!(
+                f,
+                "cannot add {requested} indices to a Slots that holds {len} of {capacity}; nothing was changed"
+            ),
+            SlotsError::OtherPool => {
+                f.write_str("the Slots holds indices of another pool (or of this one before it was cleared); nothing was changed")
+            }
+            SlotsError::Unsupported => f.write_str(
+                "this pool has no magazines (built without_magazines or with_parking): owned batches need the held bits of a pool built with new or with_magazines",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SlotsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SlotsError::OutOfMemory(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<OutOfMemory> for SlotsError {
+    fn from(e: OutOfMemory) -> Self {
+        SlotsError::OutOfMemory(e)
+    }
+}

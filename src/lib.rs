@@ -88,11 +88,12 @@ pub mod cuda;
 
 pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
 pub use error::{
-    AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, RowError, Unit,
+    AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, RowError,
+    SlotsError, Unit,
 };
 pub use mamba::{HybridLayerMap, HybridReqToTokenPool, HybridRow, MambaConfig, MambaPool, MambaSlot};
 pub use req_to_token::{ReqRow, ReqToTokenPool};
-pub use slots::{FreeGroup, SlotPool};
+pub use slots::{FreeGroup, SlotPool, Slots};
 
 /// Structures that can check their own consistency.
 pub(crate) trait CheckInvariants {

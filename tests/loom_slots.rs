@@ -26,6 +26,7 @@
 //! | `claims_racing_for_a_parked_block`      | two claims racing for one parked block (one takes it, its remainder goes back to the words): one owner per index, counts come back |
 //! | `a_claim_trading_for_a_block_racing_one_that_reserved_it` | a claim reserved on the words meets a parked block below them and trades for it, racing a claim that reserved the block's count: one owner per index, at most one refused, counts come back |
 //! | `claim_racing_a_group_that_parks`       | a claim that needs more than the words hold racing a free group that parks a block: refused until the group ends, then served lowest first from words and block; counts come back |
+//! | `owned_batches_racing_a_flush_and_a_bare_free` | owned batches (`Slots`): the main thread's runs magazine holds [1, 2]; a thread sharing it fills a batch from it (or the bitmap) and tries a bare free of what it owns (always refused), while a thread that needs 3 flushes that magazine or is refused; all three outcomes reached, one owner per index, counts come back |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
@@ -39,7 +40,7 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::{FreeErrorKind, SlotPool};
+use kvpool::{FreeErrorKind, SlotPool, Slots};
 use loom_common::Outcomes;
 
 /// One loom-tracked cell per index (`0..=capacity`): the current owner's tag.
@@ -808,5 +809,75 @@ fn a_claim_trading_for_a_block_racing_one_that_reserved_it() {
     seen.expect_seen(
         "a_claim_trading_for_a_block_racing_one_that_reserved_it",
         &["both_served", "trader_refused", "block_claim_refused"],
+    );
+}
+
+/// Owned batches (`Slots`). The main thread's runs magazine (shard 0) holds the run
+/// [1, 2]; 3 and 4 are free in the bitmap. Thread 2 shares that magazine: it fills a
+/// batch of 1 (from the runs, or from the bitmap when the magazine is busy), tries a
+/// bare free of the index it owns (refused: the batch owns it) and empties the batch.
+/// Thread 1 (shard 1) fills a batch of 3: the counters hold 2, so it flushes shard 0's
+/// runs to the bitmap, or is refused while thread 2 holds them. One owner per index;
+/// every index is free again at the end.
+#[test]
+fn owned_batches_racing_a_flush_and_a_bare_free() {
+    let seen = Outcomes::new(&["three_served", "three_refused", "one_from_the_bitmap"]);
+    let outcomes = seen.clone();
+    loom_common::model("owned_batches_racing_a_flush_and_a_bare_free", move || {
+        const CAP: u32 = 4;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let mut first = Slots::with_capacity(2);
+        pool.alloc_slots(2, &mut first).unwrap();
+        assert_eq!(first.as_slice(), &[1, 2]);
+        assert_eq!(pool.free_slots(&mut first), Ok(2));
+
+        let big = {
+            let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
+            thread::spawn(move || {
+                let mut s = Slots::with_capacity(3);
+                match pool.alloc_slots(3, &mut s) {
+                    Ok(()) => {
+                        distinct_in_range(&s, CAP);
+                        owners.claim(&s, 1);
+                        owners.check(&s, 1);
+                        outcomes.hit("three_served");
+                        assert_eq!(pool.free_slots(&mut s), Ok(3));
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, kvpool::SlotsError::OutOfMemory(o) if o.requested == 3), "{e:?}");
+                        assert!(s.is_empty());
+                        outcomes.hit("three_refused");
+                    }
+                }
+            })
+        };
+        let sharer = {
+            let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
+            thread::spawn(move || {
+                let mut s = Slots::with_capacity(1);
+                if pool.alloc_slots(1, &mut s).is_ok() {
+                    let i = s[0];
+                    distinct_in_range(&s, CAP);
+                    owners.claim(&s, 2);
+                    if i > 2 {
+                        outcomes.hit("one_from_the_bitmap");
+                    }
+                    let e = pool.free(&[i]).unwrap_err();
+                    assert_eq!((e.index, e.kind, e.rest_freed), (i, FreeErrorKind::NotAllocated, false));
+                    owners.check(&s, 2);
+                    assert_eq!(pool.free_slots(&mut s), Ok(1));
+                }
+            })
+        };
+        // Thread slots follow loom's thread numbers: `sharer` is thread 2, shard 0.
+        big.join().unwrap();
+        sharer.join().unwrap();
+        assert_eq!(pool.available(), CAP as usize);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen(
+        "owned_batches_racing_a_flush_and_a_bare_free",
+        &["three_served", "three_refused", "one_from_the_bitmap"],
     );
 }

@@ -10,7 +10,7 @@ use std::hint::black_box;
 mod alloc_common;
 
 use alloc_common::{allocations, assert_no_alloc};
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, Slots, TokenAllocator};
 
 /// The counter works: if it did not, every other test here would pass vacuously.
 #[test]
@@ -51,6 +51,35 @@ fn slot_pool_hot_paths() {
     assert_no_alloc("SlotPool::alloc after frees", || pool.alloc(&mut b)).unwrap();
     assert_no_alloc("SlotPool::check_invariants", || pool.check_invariants()).unwrap();
     assert_no_alloc("SlotPool::available", || pool.available());
+}
+
+/// Owned batches (`Slots`): fills from the bitmap and from the runs magazine, empties
+/// onto it, one that flushes it, one too large for it, the error paths, and a bare
+/// allocation that flushes another thread's runs magazine.
+#[test]
+fn slot_pool_owned_batch_paths() {
+    let pool = SlotPool::with_magazines(5000, 16);
+    let (mut a, mut b, mut big) = (Slots::with_capacity(600), Slots::with_capacity(600), Slots::with_capacity(5000));
+    assert_no_alloc("SlotPool::alloc_slots from the bitmap", || pool.alloc_slots(500, &mut a)).unwrap();
+    assert_no_alloc("SlotPool::alloc_slots appending", || pool.alloc_slots(100, &mut a)).unwrap();
+    assert_no_alloc("SlotPool::free_slots onto the runs magazine", || pool.free_slots(&mut a)).unwrap();
+    assert_no_alloc("SlotPool::alloc_slots from the runs magazine", || pool.alloc_slots(250, &mut b)).unwrap();
+    assert_no_alloc("SlotPool::alloc_slots (full)", || pool.alloc_slots(400, &mut b)).unwrap_err();
+    assert_no_alloc("SlotPool::free (an owned index)", || pool.free(&b[..1])).unwrap_err();
+    assert_no_alloc("SlotPool::alloc_slots past the runs magazine", || pool.alloc_slots(1100, &mut big)).unwrap();
+    assert_no_alloc("SlotPool::free_slots past the runs magazine", || pool.free_slots(&mut big)).unwrap();
+    assert_no_alloc("SlotPool::alloc_slots (out of memory)", || pool.alloc_slots(5000, &mut big)).unwrap_err();
+    pool.alloc_slots(400, &mut a).unwrap();
+    assert_no_alloc("SlotPool::free_slots that flushes the runs magazine", || pool.free_slots(&mut a)).unwrap();
+    let other = SlotPool::new(8);
+    assert_no_alloc("SlotPool::free_slots of another pool's batch", || other.free_slots(&mut b)).unwrap_err();
+    std::thread::scope(|s| {
+        s.spawn(|| pool.free_slots(&mut b).unwrap());
+    });
+    let all = pool.available();
+    assert_no_alloc("SlotPool::alloc_slots that flushes another thread's runs", || pool.alloc_slots(all, &mut big))
+        .unwrap();
+    assert_no_alloc("SlotPool::check_invariants with owned batches", || pool.check_invariants()).unwrap();
 }
 
 /// The magazine paths: a free onto the magazine, a pop, a double free of an index

@@ -26,6 +26,8 @@
 //!   pending count, and `check_invariants()`;
 //! * [`Scenario`] — a whole fuzz input: page size, pool size and an op sequence;
 //! * [`radix`] — the same for the radix cache against [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache).
+//! * [`owned`] — a `SlotPool`'s owned batches ([`Slots`](crate::Slots)) beside its
+//!   bare API, against a model of who owns each index.
 //!
 //! The model never calls kvpool's planning or expansion code: it recounts pages with
 //! its own arithmetic and expands them with a forward transcription of DESIGN.md's
@@ -65,6 +67,7 @@
 
 pub mod hi;
 pub mod mamba;
+pub mod owned;
 pub mod parking;
 pub mod radix;
 pub mod swa;

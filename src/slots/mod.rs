@@ -49,6 +49,12 @@
 //! double-free detection exact for the indices sitting in a magazine.
 //! [`SlotPool::without_magazines`] builds a pool without them (the allocators use it).
 //!
+//! **Owned batches** ([`Slots`], [`SlotPool::alloc_slots`], [`SlotPool::free_slots`],
+//! module [`owned`]) skip the held bits: a `Slots` can only be filled and emptied by
+//! its pool, so the type rules out the double free the bare API must detect, and a
+//! per-thread stack of *runs* beside each magazine makes a round of alloc and free one
+//! compare-and-swap each way plus writing the indices once.
+//!
 //! # Why it is correct
 //!
 //! The invariant that carries everything:
@@ -455,6 +461,16 @@ pub struct SlotPool {
     /// Whether the pool parks blocks (`park` has blocks): read on every free and
     /// reservation, so kept here rather than behind the box.
     parks: bool,
+    /// Indices an owned batch's runs magazine holds at most (module docs, "Owned
+    /// batches"); 0 without magazines.
+    run_cap: usize,
+    /// Indices handed to a [`Slots`] by the bitmap minus those returned to it
+    /// (wrapping; the magazines count theirs). For `check_invariants` only.
+    owned_bitmap: AtomicUsize,
+    /// This pool's identity for [`Slots`], new at construction and at every
+    /// [`clear`](Self::clear), so that a batch is only ever returned to the pool (and
+    /// the epoch) that filled it.
+    id: u64,
     capacity: u32,
 }
 
@@ -474,6 +490,19 @@ struct Magazine {
     len: AtomicUsize,
     /// The stack, bottom first; `mag_cap` entries allocated at construction.
     slots: UnsafeCell<Box<[u32]>>,
+    /// The runs magazine of owned batches ([`Slots`], module docs "Owned batches"):
+    /// runs `(first, count)` of indices, bottom first; `run_entries(mag_cap)` allocated
+    /// at construction. Same `busy` flag.
+    runs: UnsafeCell<Box<[(u32, u32)]>>,
+    /// Entries in `runs[..nruns]`. Written and read only by the holder of `busy`.
+    nruns: AtomicUsize,
+    /// Indices in those runs. Written only by the holder; read without it by
+    /// `available()` (a snapshot, like `len`).
+    run_total: AtomicUsize,
+    /// Indices handed to a [`Slots`] through this magazine minus those taken back
+    /// through it (wrapping: a batch may come back through another magazine). Written
+    /// only by the holder; summed by `check_invariants`.
+    owned: AtomicUsize,
 }
 
 // SAFETY: every field but the magazines' `slots` cells is an atomic or plain data.
@@ -504,6 +533,10 @@ impl Magazine {
             busy: AtomicBool::new(false),
             len: AtomicUsize::new(0),
             slots: UnsafeCell::new(vec![0u32; cap].into_boxed_slice()),
+            runs: UnsafeCell::new(vec![(0u32, 0u32); owned::run_entries(cap)].into_boxed_slice()),
+            nruns: AtomicUsize::new(0),
+            run_total: AtomicUsize::new(0),
+            owned: AtomicUsize::new(0),
         }
     }
 
@@ -545,6 +578,17 @@ impl MagazineGuard<'_> {
             // writes it now. `p` points at the cell's live, initialised box.
             let slots = unsafe { &mut *p };
             f(slots)
+        })
+    }
+
+    /// Run `f` on the whole runs stack (owned batches).
+    #[inline]
+    fn with_runs<R>(&self, f: impl FnOnce(&mut [(u32, u32)]) -> R) -> R {
+        self.mag.runs.with_mut(|p| {
+            // SAFETY: as in `with_slots`: only the holder of `busy` touches the cell,
+            // and this guard exists only while our thread holds it.
+            let runs = unsafe { &mut *p };
+            f(runs)
         })
     }
 }
@@ -732,6 +776,9 @@ impl SlotPool {
             mag_cap,
             park: Box::new(park::Park::new(nblocks)),
             parks: nblocks > 0,
+            run_cap: (mag_cap * owned::RUN_SCALE).min(capacity as usize),
+            owned_bitmap: AtomicUsize::new(0),
+            id: owned::next_pool_id(),
             capacity,
         };
         pool.fill();
@@ -766,8 +813,12 @@ impl SlotPool {
         }
         for mag in self.mags.iter() {
             mag.len.store(0, Ordering::Relaxed);
+            mag.nruns.store(0, Ordering::Relaxed);
+            mag.run_total.store(0, Ordering::Relaxed);
+            mag.owned.store(0, Ordering::Relaxed);
             mag.busy.store(false, Ordering::Release);
         }
+        self.owned_bitmap.store(0, Ordering::Relaxed);
         self.reset_blocks();
     }
 
@@ -915,12 +966,18 @@ impl SlotPool {
         // Parked blocks: a claim takes the count before it unparks a block, and a
         // free parks a block before it publishes it, so a block is never counted twice.
         let parked = self.park.parked.load(Ordering::Acquire) * park::BLOCK;
-        central + shards + self.mags.iter().map(|m| m.len.load(Ordering::Acquire)).sum::<usize>() + parked
+        let mags = self
+            .mags
+            .iter()
+            .map(|m| m.len.load(Ordering::Acquire) + m.run_total.load(Ordering::Acquire))
+            .sum::<usize>();
+        central + shards + mags + parked
     }
 
-    /// Whether `index` is currently handed out (`false` for out-of-range indices, for
-    /// indices sitting in a magazine and for indices freed inside a still-open free
-    /// group). A snapshot under concurrency.
+    /// Whether `index` is currently handed out by [`alloc`](Self::alloc) (`false` for
+    /// out-of-range indices, for indices sitting in a magazine, for indices freed inside
+    /// a still-open free group, and for indices owned by a [`Slots`], whose ownership
+    /// the `Slots` itself carries). A snapshot under concurrency.
     #[inline]
     pub fn is_allocated(&self, index: u32) -> bool {
         if index == 0 || index > self.capacity {
@@ -1077,11 +1134,11 @@ impl SlotPool {
         let mut moved = false;
         for mag in self.mags.iter() {
             // Read first: an empty magazine's line stays shared.
-            if mag.len.load(Ordering::Acquire) == 0 {
+            if mag.len.load(Ordering::Acquire) == 0 && mag.run_total.load(Ordering::Acquire) == 0 {
                 continue;
             }
             if let Some(guard) = mag.try_take() {
-                moved |= self.flush(&guard) > 0;
+                moved |= self.flush(&guard) + self.flush_runs(&guard) > 0;
             }
         }
         moved
@@ -1171,7 +1228,14 @@ impl SlotPool {
     /// of word `w`). One walk in address order from the hint (or this thread's
     /// cursor): free bits from the words and, in a pool that parks, parked blocks as
     /// it meets them ("Parked blocks").
-    pub(crate) fn claim_with(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
+    pub(crate) fn claim_with(&self, r: Reservation, each: impl FnMut(usize, u64)) {
+        self.claim_marked::<true>(r, each)
+    }
+
+    /// [`claim_with`](Self::claim_with); `HELD`: mark the claimed indices held (a
+    /// bare allocation), or leave them unheld (an owned batch, "Owned batches").
+    #[inline]
+    pub(super) fn claim_marked<const HELD: bool>(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
         let n = r.len();
         let nwords = self.words.len();
         if n == 0 || nwords == 0 {
@@ -1242,7 +1306,9 @@ impl SlotPool {
                     self.unmark_emptied(done);
                 }
                 if take != 0 {
-                    self.set_held(w, take);
+                    if HELD {
+                        self.set_held(w, take);
+                    }
                     each(w, take);
                     let got = ones(take);
                     filled += got;
@@ -1265,7 +1331,9 @@ impl SlotPool {
                                 self.unmark_emptied(done);
                             }
                         }
-                        self.set_held(w, take);
+                        if HELD {
+                            self.set_held(w, take);
+                        }
                         each(w, take);
                         filled += got;
                         words_left -= got;
@@ -1799,6 +1867,8 @@ impl SlotPool {
     /// operation can be in flight (SGLang calls this when the cache is flushed).
     pub fn clear(&mut self) {
         self.fill();
+        // Batches filled before are not ours any more.
+        self.id = owned::next_pool_id();
     }
 
     /// Check the pool's invariants in O(capacity). Exact only at quiescence.
@@ -1826,7 +1896,9 @@ impl SlotPool {
                 return Err(InvariantViolation(format!("word {w} has free bits {v:#x} but no summary bit")));
             }
         }
+        // In the magazines' stacks and runs, and owned by `Slots` values.
         let mut in_mags = 0usize;
+        let mut owned = self.owned_bitmap.load(Ordering::Relaxed);
         for (m, mag) in self.mags.iter().enumerate() {
             let Some(guard) = mag.try_take() else {
                 return Err(InvariantViolation(format!("magazine {m} is in use: not quiescent")));
@@ -1850,6 +1922,8 @@ impl SlotPool {
                 )));
             }
             in_mags += len;
+            in_mags += self.check_runs_magazine(m, &guard)?;
+            owned = owned.wrapping_add(mag.owned.load(Ordering::Relaxed));
         }
         if !self.held.is_empty() {
             let mut held = 0usize;
@@ -1863,9 +1937,9 @@ impl SlotPool {
                 }
                 held += h.count_ones() as usize;
             }
-            if held + ones + in_mags != cap {
+            if held + ones + in_mags + owned != cap {
                 return Err(InvariantViolation(format!(
-                    "{held} held + {ones} free in the bitmap + {in_mags} in magazines != capacity {cap}"
+                    "{held} held + {ones} free in the bitmap + {in_mags} in magazines + {owned} in Slots != capacity {cap}"
                 )));
             }
         }
@@ -2312,8 +2386,10 @@ impl core::fmt::Debug for FreeGroup<'_> {
     }
 }
 
+pub mod owned;
 mod park;
 mod range;
+pub use owned::Slots;
 pub(crate) use range::{bit_ends, bit_words};
 
 #[cfg(all(test, not(loom)))]

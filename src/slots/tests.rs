@@ -530,3 +530,47 @@ fn sparse_words_are_those_of_short_inner_stretches() {
     assert!(sparse(0x0101_0101_0101_0100), "isolated bits");
     assert!(sparse(0x7 | 0x1 << 30 | 0xF << 60), "edges are not judged, the inner bit is");
 }
+
+#[test]
+fn owned_batches_need_magazines_and_their_own_pool() {
+    let mut s = Slots::with_capacity(4);
+    for pool in [SlotPool::without_magazines(10), SlotPool::with_parking(1024)] {
+        assert_eq!(pool.alloc_slots(1, &mut s), Err(crate::SlotsError::Unsupported));
+        assert!(s.is_empty() && pool.available() == pool.capacity() as usize);
+    }
+    let (a, b) = (SlotPool::new(10), SlotPool::new(10));
+    a.alloc_slots(2, &mut s).unwrap();
+    assert_eq!(b.alloc_slots(1, &mut s), Err(crate::SlotsError::OtherPool));
+    assert_eq!(b.free_slots(&mut s), Err(crate::SlotsError::OtherPool));
+    assert_eq!((s.as_slice(), a.available(), b.available()), (&[1, 2][..], 8, 10));
+    // A batch bigger than the runs magazine takes: from the bitmap and back to it.
+    let big = SlotPool::with_magazines(300, 1);
+    let mut t = Slots::with_capacity(300);
+    big.alloc_slots(100, &mut t).unwrap();
+    assert_eq!(t.runs().collect::<Vec<_>>(), vec![1..101]);
+    assert_eq!(big.free_slots(&mut t), Ok(100));
+    big.check_invariants().unwrap();
+    big.alloc_slots(300, &mut t).unwrap();
+    assert!(t.iter().copied().eq(1..=300));
+    assert!(
+        matches!(big.alloc_slots(1, &mut Slots::with_capacity(1)), Err(crate::SlotsError::OutOfMemory(e)) if e.available == 0)
+    );
+    assert_eq!(big.free_slots(&mut t), Ok(300));
+    assert_eq!(big.available(), 300);
+    big.check_invariants().unwrap();
+}
+
+#[test]
+fn an_allocation_short_of_indices_takes_them_from_the_runs_magazines() {
+    let pool = SlotPool::new(100);
+    let mut s = Slots::with_capacity(100);
+    pool.alloc_slots(60, &mut s).unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| pool.free_slots(&mut s).unwrap());
+    });
+    // The 60 sit in the other thread's runs magazine; this thread needs 100.
+    let mut all = [0u32; 100];
+    pool.alloc(&mut all).unwrap();
+    assert_eq!(pool.available(), 0);
+    pool.check_invariants().unwrap();
+}

@@ -1,0 +1,458 @@
+//! Owned batches: [`Slots`], [`SlotPool::alloc_slots`] and [`SlotPool::free_slots`].
+//!
+//! # Why a second API
+//!
+//! [`SlotPool::free`] takes bare `u32`s, so it must be ready for any of them to be
+//! freed twice, by two threads at once: exactly one of the two may succeed. That is
+//! consensus, which costs a read-modify-write per bitmap word on every free
+//! (the `held` bits of the magazines, the words themselves without them), and the
+//! matching one on every allocation (module docs of `slots`, "Magazines" and "Why not
+//! region leases").
+//!
+//! A [`Slots`] is a batch of indices that only the pool can fill and only the pool can
+//! empty: its fields are private, it is not `Clone`, and it gives its indices out
+//! read-only. Safe code can therefore not return an index twice through it, and the
+//! type system settles the race that the bare API pays for at run time: whoever holds
+//! the `Slots` (by `&mut`) is its one owner. So an owned batch skips the held bits.
+//!
+//! # Keeping the bare API exact beside it
+//!
+//! An index in a `Slots` is neither held nor free in the bitmap: to the bare API it
+//! looks exactly like an index sitting in a magazine (held bit 0, bitmap bit 0). A
+//! bare [`free`](SlotPool::free) of an index copied out of a `Slots` is therefore
+//! refused as a double free, nothing changed, as for any index that is not handed
+//! out. (Pools without magazines have no held bits, so they cannot tell; they refuse
+//! owned batches with [`SlotsError::Unsupported`].) A `Slots` remembers the pool,
+//! and the pool's epoch (new at every [`clear`](SlotPool::clear)), that filled it,
+//! and another pool refuses it ([`SlotsError::OtherPool`]).
+//!
+//! # The runs magazine
+//!
+//! A `Slots` keeps its indices as runs of consecutive indices besides the indices
+//! themselves, and each per-thread magazine has a second stack of runs `(first,
+//! count)` next to its stack of indices, under the same `busy` flag:
+//!
+//! * **Free** of a batch of at most `RUN_ENTRIES` (64) runs and `run_cap` indices (64
+//!   times a magazine's, 65,536 by default; smaller magazines have fewer): take the
+//!   magazine, flush its runs to the bitmap first if the batch does not fit, push the
+//!   batch's runs (a run that continues the top one extends it). No index is read or
+//!   written: the cost is one compare-and-swap on `busy` and a few stores.
+//! * **Alloc** of `n <= run_cap` when the runs hold `n`: pop runs from the top (the
+//!   last one reached gives its upper part, the rest stays), in push order, and fill
+//!   the `Slots` with them (a vectorised ascending fill per run). One compare-and-swap.
+//! * Otherwise the bitmap: a reservation and a claim that leaves the held bits alone;
+//!   a free sets the runs' bits word by word and publishes the count, as a flush does.
+//!
+//! A round of alloc and free of a batch through the magazine thus costs two
+//! compare-and-swaps, a few stores and writing the batch's indices once, where a
+//! `Mutex<Vec<u32>>` free list pays two lock/unlock pairs and copies the indices in and
+//! out (BENCHMARKS.md, "Owned batches").
+//!
+//! **Counting.** Runs in a magazine are free: `available()` adds each magazine's
+//! `run_total`, stored 0 by a flush before it publishes (as `len`). Indices in a
+//! `Slots` are handed out; `check_invariants` accounts for them through per-magazine
+//! counts kept by the holders and one counter for the bitmap path: held + free in the
+//! bitmap + in magazines + in `Slots` = capacity.
+//!
+//! **No index handed out twice.** Runs enter a magazine only from a `Slots` (the
+//! holder's `&mut`) and leave it only by a pop into a `Slots` or a flush into the
+//! bitmap, both under `busy`; a `Slots` is filled only from a magazine's runs or by a
+//! claim's compare-and-swap or swap on the words. So each index is in one place at a
+//! time. Ordering: the previous owner's writes reach the next through `busy`
+//! (Release store, Acquire compare-and-swap) or through the words, as for the bare
+//! API.
+
+use super::{Magazine, MagazineGuard, SlotPool, SummaryBits, BITS};
+use crate::error::{SlotsError, Unit};
+use crate::sync::atomic::Ordering;
+
+/// Runs a magazine's runs stack holds at most (two per entry of its index stack, for
+/// small magazines).
+#[cfg(not(loom))]
+pub(super) const RUN_ENTRIES: usize = 64;
+/// Two runs let loom see the runs stack fill up and be flushed.
+#[cfg(loom)]
+pub(super) const RUN_ENTRIES: usize = 2;
+
+/// Runs a runs stack holds in a pool whose magazines hold `mag_cap` indices.
+pub(super) fn run_entries(mag_cap: usize) -> usize {
+    (2 * mag_cap).min(RUN_ENTRIES)
+}
+
+/// A runs magazine holds at most this many times a magazine's indices (capped by the
+/// capacity): 65,536 indices with the default magazines. Runs cost no memory per index,
+/// so the bound only limits how much a thread keeps out of the bitmap between flushes.
+pub(super) const RUN_SCALE: usize = 64;
+
+/// A fresh pool identity (see `SlotPool::id`). Process-wide, never reused.
+pub(super) fn next_pool_id() -> u64 {
+    // Not a loom atomic: an identity counter, not part of any protocol loom checks.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A batch of indices owned by the caller, filled by [`SlotPool::alloc_slots`] and
+/// returned by [`SlotPool::free_slots`].
+///
+/// Only the pool writes a `Slots`; the caller reads its indices ([`as_slice`](Self::as_slice),
+/// or through `Deref<Target = [u32]>`) and its runs of consecutive indices
+/// ([`runs`](Self::runs)). It is not `Clone`, so an index cannot be returned twice
+/// through it, and a bare [`SlotPool::free`] of an index copied out of it is refused
+/// as a double free: misuse is ruled out by construction where the bare API detects it
+/// at run time, which lets a round of alloc and free skip the per-word read-modify-writes
+/// (module docs of [`slots::owned`](crate::slots::owned)).
+///
+/// The storage (`capacity` indices and as many run entries) is allocated once, by
+/// [`with_capacity`](Self::with_capacity); filling and emptying never allocate.
+/// Dropping a `Slots` that still holds indices leaks them (they stay handed out, as
+/// `mem::forget` of any owner would); return them with [`SlotPool::free_slots`] first.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::{SlotPool, Slots, SlotsError};
+///
+/// let pool = SlotPool::new(64);
+/// let mut batch = Slots::with_capacity(16);
+/// pool.alloc_slots(3, &mut batch)?;
+/// assert_eq!(batch.as_slice(), &[1, 2, 3]);
+/// pool.alloc_slots(2, &mut batch)?;                        // appends
+/// assert_eq!(batch.runs().collect::<Vec<_>>(), vec![1..6]);
+/// assert!(pool.free(&[2]).is_err());                       // the batch owns 2
+/// assert!(matches!(pool.alloc_slots(12, &mut batch), Err(SlotsError::Full { .. })));
+/// assert_eq!(pool.free_slots(&mut batch)?, 5);
+/// assert!(batch.is_empty() && pool.available() == 64);
+/// # Ok::<(), SlotsError>(())
+/// ```
+pub struct Slots {
+    /// The indices, `idx[..len]`.
+    idx: Box<[u32]>,
+    len: usize,
+    /// The same indices as runs `(first, count)`, `runs[..nruns]`, in order.
+    runs: Box<[(u32, u32)]>,
+    nruns: usize,
+    /// The identity of the pool (and epoch) that filled it; 0 while empty.
+    pool: u64,
+}
+
+impl Slots {
+    /// An empty batch that can hold up to `capacity` indices. Allocates its storage
+    /// (12 bytes per index) here, once.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Slots {
+            idx: vec![0; capacity].into_boxed_slice(),
+            len: 0,
+            runs: vec![(0, 0); capacity].into_boxed_slice(),
+            nruns: 0,
+            pool: 0,
+        }
+    }
+
+    /// How many indices it can hold.
+    pub fn capacity(&self) -> usize {
+        self.idx.len()
+    }
+
+    /// How many indices it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no index.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The indices, in the order they were handed out.
+    pub fn as_slice(&self) -> &[u32] {
+        &self.idx[..self.len]
+    }
+
+    /// The indices as ranges of consecutive indices, in order (a range that continues
+    /// the one before it is merged into it).
+    pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::Range<u32>> + '_ {
+        self.runs[..self.nruns].iter().map(|&(first, count)| first..first + count)
+    }
+
+    /// Append `first..first + count` (the caller checked the room).
+    #[inline]
+    fn push_run(&mut self, first: u32, count: u32) {
+        let at = self.len;
+        crate::iota::fill_ascending(&mut self.idx[at..at + count as usize], first);
+        self.len += count as usize;
+        match self.nruns.checked_sub(1).map(|k| &mut self.runs[k]) {
+            Some(last) if last.0 + last.1 == first => last.1 += count,
+            _ => {
+                self.runs[self.nruns] = (first, count);
+                self.nruns += 1;
+            }
+        }
+    }
+
+    /// Forget the contents (they went back to the pool).
+    fn reset(&mut self) {
+        self.len = 0;
+        self.nruns = 0;
+        self.pool = 0;
+    }
+}
+
+impl core::ops::Deref for Slots {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        self.as_slice()
+    }
+}
+
+impl AsRef<[u32]> for Slots {
+    fn as_ref(&self) -> &[u32] {
+        self.as_slice()
+    }
+}
+
+impl core::fmt::Debug for Slots {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Slots")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .field("runs", &self.runs().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl SlotPool {
+    /// Allocate `n` indices into `into`, after what it holds, all or nothing: an owned
+    /// batch (module docs of [`slots::owned`](crate::slots::owned)). From the calling thread's runs magazine
+    /// when it holds `n` (the most recently returned runs, in the order they were
+    /// returned), else from the bitmap as [`alloc`](Self::alloc) would (lowest-first).
+    ///
+    /// # Errors
+    ///
+    /// Nothing changed on any error.
+    /// * [`SlotsError::OutOfMemory`] when fewer than `n` are available;
+    /// * [`SlotsError::Full`] when `into` has no room for `n` more;
+    /// * [`SlotsError::OtherPool`] when `into` holds indices of another pool (or of
+    ///   this one before [`clear`](Self::clear));
+    /// * [`SlotsError::Unsupported`] for a pool without magazines.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::{SlotPool, Slots};
+    ///
+    /// let pool = SlotPool::new(1024);
+    /// let mut a = Slots::with_capacity(256);
+    /// pool.alloc_slots(256, &mut a)?;
+    /// pool.free_slots(&mut a)?;                 // onto this thread's runs magazine
+    /// pool.alloc_slots(100, &mut a)?;           // the upper part of that run
+    /// assert_eq!(a.runs().collect::<Vec<_>>(), vec![157..257]);
+    /// # Ok::<(), kvpool::SlotsError>(())
+    /// ```
+    pub fn alloc_slots(&self, n: usize, into: &mut Slots) -> Result<(), SlotsError> {
+        if self.mags.is_empty() {
+            return Err(SlotsError::Unsupported);
+        }
+        if !into.is_empty() && into.pool != self.id {
+            return Err(SlotsError::OtherPool);
+        }
+        if into.capacity() - into.len < n {
+            return Err(SlotsError::Full { requested: n, len: into.len, capacity: into.capacity() });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if n > self.run_cap || !self.alloc_slots_from_magazine(n, into) {
+            let r = self.reserve(n, Unit::Indices)?;
+            self.claim_marked::<false>(r, |w, take| {
+                let base = (w * BITS + 1) as u32;
+                let mut t = take;
+                while t != 0 {
+                    let b = t.trailing_zeros();
+                    let count = (!(t >> b)).trailing_zeros();
+                    into.push_run(base + b, count);
+                    let end = b + count;
+                    t = if end >= BITS as u32 { 0 } else { t & (!0u64 << end) };
+                }
+            });
+            // Relaxed: a count for `check_invariants` at quiescence only.
+            self.owned_bitmap.fetch_add(n, Ordering::Relaxed);
+        }
+        into.pool = self.id;
+        crate::debug_check(self);
+        Ok(())
+    }
+
+    /// Pop `n` indices' worth of runs off the calling thread's runs magazine into
+    /// `into`, if it holds that many and no other thread is using it; `false` (nothing
+    /// changed) otherwise.
+    #[inline]
+    fn alloc_slots_from_magazine(&self, n: usize, into: &mut Slots) -> bool {
+        let Some(mag) = self.my_magazine() else { return false };
+        let Some(guard) = mag.try_take() else { return false };
+        // Relaxed: only holders write these, and we hold the magazine.
+        let total = mag.run_total.load(Ordering::Relaxed);
+        if total < n {
+            return false;
+        }
+        let top = mag.nruns.load(Ordering::Relaxed);
+        let left = guard.with_runs(|runs| {
+            // The lowest entry the batch reaches; it gives its upper part.
+            let (mut p, mut sum) = (top, 0usize);
+            while sum < n {
+                p -= 1;
+                sum += runs[p].1 as usize;
+            }
+            let (first, count) = runs[p];
+            let keep = (sum - n) as u32;
+            into.push_run(first + keep, count - keep);
+            for &(f, c) in &runs[p + 1..top] {
+                into.push_run(f, c);
+            }
+            if keep > 0 {
+                runs[p].1 = keep;
+                p + 1
+            } else {
+                p
+            }
+        });
+        mag.nruns.store(left, Ordering::Relaxed);
+        // Release for `available()`, as `len`.
+        mag.run_total.store(total - n, Ordering::Release);
+        mag.owned.store(mag.owned.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        true
+    }
+
+    /// Return every index of `from` to the pool and empty it; returns how many. Onto
+    /// the calling thread's runs magazine when the batch fits (flushing the magazine's
+    /// runs to the bitmap first if need be), else to the bitmap. Never fails for a
+    /// batch this pool filled: ownership was proved by `&mut Slots`, so no index is
+    /// checked.
+    ///
+    /// # Errors
+    ///
+    /// [`SlotsError::OtherPool`] when `from` holds indices of another pool (or of this
+    /// one before [`clear`](Self::clear)); nothing changed.
+    pub fn free_slots(&self, from: &mut Slots) -> Result<usize, SlotsError> {
+        let n = from.len;
+        if n == 0 {
+            return Ok(0);
+        }
+        if from.pool != self.id {
+            return Err(SlotsError::OtherPool);
+        }
+        let runs = &from.runs[..from.nruns];
+        if n > self.run_cap || runs.len() > run_entries(self.mag_cap) || !self.free_slots_to_magazine(runs, n) {
+            self.release_runs(runs);
+            // Relaxed: see `alloc_slots`. Wrapping: the batch may have come from a magazine.
+            self.owned_bitmap.fetch_sub(n, Ordering::Relaxed);
+        }
+        from.reset();
+        crate::debug_check(self);
+        Ok(n)
+    }
+
+    /// Push `runs` (`n` indices) onto the calling thread's runs magazine; `false`
+    /// (nothing changed) if another thread is using it.
+    #[inline]
+    fn free_slots_to_magazine(&self, runs: &[(u32, u32)], n: usize) -> bool {
+        let Some(mag) = self.my_magazine() else { return false };
+        let Some(guard) = mag.try_take() else { return false };
+        let (mut top, mut total) = (mag.nruns.load(Ordering::Relaxed), mag.run_total.load(Ordering::Relaxed));
+        if top + runs.len() > run_entries(self.mag_cap) || total + n > self.run_cap {
+            self.flush_runs(&guard);
+            (top, total) = (0, 0);
+        }
+        guard.with_runs(|stack| {
+            for &(first, count) in runs {
+                match top.checked_sub(1).map(|k| &mut stack[k]) {
+                    Some(last) if last.0 + last.1 == first => last.1 += count,
+                    _ => {
+                        stack[top] = (first, count);
+                        top += 1;
+                    }
+                }
+            }
+        });
+        mag.nruns.store(top, Ordering::Relaxed);
+        mag.run_total.store(total + n, Ordering::Release);
+        mag.owned.store(mag.owned.load(Ordering::Relaxed).wrapping_sub(n), Ordering::Relaxed);
+        true
+    }
+
+    /// Return a magazine's runs to the bitmap (as `flush` does its stack). Returns how
+    /// many indices.
+    pub(super) fn flush_runs(&self, guard: &MagazineGuard<'_>) -> usize {
+        let mag: &Magazine = guard.mag;
+        let total = mag.run_total.load(Ordering::Relaxed);
+        if total == 0 {
+            return 0;
+        }
+        let top = mag.nruns.load(Ordering::Relaxed);
+        // 0 first: `available()` may count the runs late, never twice.
+        mag.run_total.store(0, Ordering::Release);
+        mag.nruns.store(0, Ordering::Relaxed);
+        guard.with_runs(|runs| self.release_runs(&runs[..top]));
+        total
+    }
+
+    /// Set the bits of `runs` in the bitmap and publish their count (the order a free
+    /// uses). The indices are neither held nor free: a magazine's or a `Slots`'s.
+    fn release_runs(&self, runs: &[(u32, u32)]) {
+        let mut min_word = usize::MAX;
+        let mut total = 0usize;
+        for &(first, count) in runs {
+            total += count as usize;
+            for (w, mask) in super::bit_words(first as usize - 1, count as usize) {
+                // SeqCst: Release (the indices' previous owners' writes happen-before
+                // the next claim of them) and the summary's ordering, as in `flush`.
+                let old = self.words[w].fetch_or(mask, Ordering::SeqCst);
+                debug_assert_eq!(old & mask, 0, "an owned index was free in the bitmap");
+                self.mark(SummaryBits::of(w));
+                min_word = min_word.min(w);
+            }
+        }
+        self.lower_hint(min_word);
+        self.publish(total);
+    }
+
+    /// `check_invariants` for magazine `m`'s runs (held by `guard`): every run in range
+    /// and neither held nor free in the bitmap, the counts consistent. Returns the
+    /// indices in the runs.
+    pub(super) fn check_runs_magazine(
+        &self,
+        m: usize,
+        guard: &MagazineGuard<'_>,
+    ) -> Result<usize, crate::error::InvariantViolation> {
+        use crate::error::InvariantViolation;
+        let mag: &Magazine = guard.mag;
+        let (top, total) = (mag.nruns.load(Ordering::Relaxed), mag.run_total.load(Ordering::Relaxed));
+        let entries = run_entries(self.mag_cap);
+        if top > entries || total > self.run_cap {
+            return Err(InvariantViolation(format!(
+                "magazine {m} holds {top} runs of {total} indices (at most {entries} runs, {})",
+                self.run_cap
+            )));
+        }
+        let mut sum = 0usize;
+        let bad = guard.with_runs(|runs| {
+            runs[..top].iter().copied().find(|&(first, count)| {
+                sum += count as usize;
+                count == 0
+                    || first == 0
+                    || first as u64 + count as u64 - 1 > self.capacity as u64
+                    || super::bit_words(first as usize - 1, count as usize).any(|(w, mask)| {
+                        (self.words[w].load(Ordering::Acquire) | self.held[w].load(Ordering::Acquire)) & mask != 0
+                    })
+            })
+        });
+        if let Some((first, count)) = bad {
+            return Err(InvariantViolation(format!(
+                "magazine {m} holds the run {first}+{count}: empty, out of range, held or free in the bitmap"
+            )));
+        }
+        if sum != total {
+            return Err(InvariantViolation(format!("magazine {m}'s runs hold {sum} indices, counted {total}")));
+        }
+        Ok(total)
+    }
+}
