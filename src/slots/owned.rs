@@ -107,6 +107,17 @@ pub(super) fn next_pool_id() -> u64 {
 /// Dropping a `Slots` that still holds indices leaks them (they stay handed out, as
 /// `mem::forget` of any owner would); return them with [`SlotPool::free_slots`] first.
 ///
+/// A `Slots` cannot be copied, so its indices cannot be returned twice:
+///
+/// ```compile_fail
+/// let pool = kvpool::SlotPool::new(8);
+/// let mut batch = kvpool::Slots::with_capacity(2);
+/// pool.alloc_slots(2, &mut batch).unwrap();
+/// let mut twin = batch.clone(); // no `Clone`
+/// pool.free_slots(&mut batch).unwrap();
+/// pool.free_slots(&mut twin).unwrap();
+/// ```
+///
 /// # Examples
 ///
 /// ```
@@ -178,7 +189,7 @@ impl Slots {
     #[inline]
     fn push_run(&mut self, first: u32, count: u32) {
         let at = self.len;
-        crate::iota::fill_ascending(&mut self.idx[at..at + count as usize], first);
+        crate::iota::fill_ascending_hot(&mut self.idx[at..at + count as usize], first);
         self.len += count as usize;
         match self.nruns.checked_sub(1).map(|k| &mut self.runs[k]) {
             Some(last) if last.0 + last.1 == first => last.1 += count,
@@ -288,6 +299,11 @@ impl SlotPool {
     #[inline]
     fn alloc_slots_from_magazine(&self, n: usize, into: &mut Slots) -> bool {
         let Some(mag) = self.my_magazine() else { return false };
+        // A look before the compare-and-swap: a magazine short of `n` is not worth taking
+        // (a stale value only sends this allocation to the bitmap, or costs the swap).
+        if mag.run_total.load(Ordering::Relaxed) < n {
+            return false;
+        }
         let Some(guard) = mag.try_take() else { return false };
         // Relaxed: only holders write these, and we hold the magazine.
         let total = mag.run_total.load(Ordering::Relaxed);
