@@ -28,12 +28,10 @@ const WIDE_MIN: usize = 64;
 #[inline]
 pub(crate) fn fill_ascending(out: &mut [u32], base: u32) {
     #[cfg(all(target_arch = "x86_64", not(miri), not(loom)))]
-    if out.len() >= WIDE_MIN && x86::wide() {
-        // SAFETY: `wide` holds only where the CPU supports AVX2.
-        unsafe { x86::fill_avx2(out, base) };
-        return;
-    }
-    fill_portable(out, base);
+    let wide = x86::wide;
+    #[cfg(not(all(target_arch = "x86_64", not(miri), not(loom))))]
+    let wide = || false;
+    fill_with(out, base, wide);
 }
 
 /// [`fill_ascending`] for a buffer that is likely in L1 or L2 (an owned batch of a
@@ -44,11 +42,24 @@ pub(crate) fn fill_ascending(out: &mut [u32], base: u32) {
 #[inline]
 pub(crate) fn fill_ascending_hot(out: &mut [u32], base: u32) {
     #[cfg(all(target_arch = "x86_64", not(miri), not(loom)))]
-    if out.len() >= WIDE_MIN && x86::avx2() {
-        // SAFETY: `avx2` holds only where the CPU supports AVX2.
+    let wide = x86::avx2;
+    #[cfg(not(all(target_arch = "x86_64", not(miri), not(loom))))]
+    let wide = || false;
+    fill_with(out, base, wide);
+}
+
+/// The AVX2 fill when the slice is long enough and `wide()` says so (`wide` must only
+/// say so where the CPU supports AVX2), the portable one otherwise.
+#[inline(always)]
+fn fill_with(out: &mut [u32], base: u32, wide: impl FnOnce() -> bool) {
+    #[cfg(all(target_arch = "x86_64", not(miri), not(loom)))]
+    if out.len() >= WIDE_MIN && wide() {
+        // SAFETY: `wide` holds only where the CPU supports AVX2 (the caller's promise).
         unsafe { x86::fill_avx2(out, base) };
         return;
     }
+    #[cfg(not(all(target_arch = "x86_64", not(miri), not(loom))))]
+    let _ = wide;
     fill_portable(out, base);
 }
 

@@ -1154,21 +1154,24 @@ impl SlotPool {
         // 0 first: `available()` may count the entries late, never twice.
         guard.set_len(0);
         let mut min_word = usize::MAX;
-        guard.with_slots(|slots| {
-            for_each_run(&slots[..len], |w, mask| {
-                // Release: whatever the indices' previous owners wrote (ordered before
-                // our holding the magazine) happens-before the next claim of them.
-                // SeqCst: Release for the reason above, and the first half of the
-                // summary's ordering (see `unmark`).
-                let old = self.words[w].fetch_or(mask, Ordering::SeqCst);
-                debug_assert_eq!(old & mask, 0, "a magazine entry was free in the bitmap");
-                self.mark(SummaryBits::of(w));
-                min_word = min_word.min(w);
-            })
-        });
+        guard.with_slots(|slots| for_each_run(&slots[..len], |w, mask| self.return_bits(w, mask, &mut min_word)));
         self.lower_hint(min_word);
         self.publish(len);
         len
+    }
+
+    /// Set bits `mask` of word `w`, indices that are neither held nor free (a
+    /// magazine's or an owned batch's), and mark the word; `min_word` tracks the lowest
+    /// word for the hint. The caller publishes the count afterwards.
+    #[inline]
+    fn return_bits(&self, w: usize, mask: u64, min_word: &mut usize) {
+        // Release: whatever the indices' previous owners wrote (ordered before our
+        // holding them) happens-before the next claim of them. SeqCst: Release for the
+        // reason above, and the first half of the summary's ordering (see `unmark`).
+        let old = self.words[w].fetch_or(mask, Ordering::SeqCst);
+        debug_assert_eq!(old & mask, 0, "an index returned to the bitmap was free in it");
+        self.mark(SummaryBits::of(w));
+        *min_word = (*min_word).min(w);
     }
 
     /// Move every shard's count into the central counter. A count is in transit between

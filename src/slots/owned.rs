@@ -62,7 +62,7 @@
 //! (Release store, Acquire compare-and-swap) or through the words, as for the bare
 //! API.
 
-use super::{Magazine, MagazineGuard, SlotPool, SummaryBits, BITS};
+use super::{Magazine, MagazineGuard, SlotPool, BITS};
 use crate::error::{SlotsError, Unit};
 use crate::sync::atomic::Ordering;
 
@@ -419,12 +419,7 @@ impl SlotPool {
         for &(first, count) in runs {
             total += count as usize;
             for (w, mask) in super::bit_words(first as usize - 1, count as usize) {
-                // SeqCst: Release (the indices' previous owners' writes happen-before
-                // the next claim of them) and the summary's ordering, as in `flush`.
-                let old = self.words[w].fetch_or(mask, Ordering::SeqCst);
-                debug_assert_eq!(old & mask, 0, "an owned index was free in the bitmap");
-                self.mark(SummaryBits::of(w));
-                min_word = min_word.min(w);
+                self.return_bits(w, mask, &mut min_word);
             }
         }
         self.lower_hint(min_word);
