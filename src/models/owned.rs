@@ -148,7 +148,9 @@ pub fn run_owned(ops: &[OwnedOp]) -> Result<(), String> {
                     owner[i as usize] = Owner::Batch(k);
                 }
                 let from_runs: Vec<u32> = slots[k].runs().flatten().collect();
-                if from_runs != now || slots[k].runs().zip(slots[k].runs().skip(1)).any(|(a, b)| a.end == b.start) {
+                if from_runs != now
+                    || slots[k].runs().zip(slots[k].runs().skip(1)).any(|(a, b)| *a.end() + 1 == *b.start())
+                {
                     return Err(fail(format!("runs {:?} do not match the indices {now:?}", slots[k])));
                 }
             }

@@ -1212,8 +1212,15 @@ impl SlotPool {
     /// `claim` would write, in order). Two calls in a row may continue each other
     /// (across a word boundary).
     #[inline]
-    pub(crate) fn claim_stretches(&self, r: Reservation, mut each: impl FnMut(u32, usize)) {
-        self.claim_with(r, |w, take| {
+    pub(crate) fn claim_stretches(&self, r: Reservation, each: impl FnMut(u32, usize)) {
+        self.claim_stretches_marked::<true>(r, each)
+    }
+
+    /// [`claim_stretches`](Self::claim_stretches); `HELD` as in
+    /// [`claim_marked`](Self::claim_marked).
+    #[inline]
+    pub(super) fn claim_stretches_marked<const HELD: bool>(&self, r: Reservation, mut each: impl FnMut(u32, usize)) {
+        self.claim_marked::<HELD>(r, |w, take| {
             let base = (w * BITS + 1) as u32;
             let mut t = take;
             while t != 0 {

@@ -62,7 +62,7 @@
 //! (Release store, Acquire compare-and-swap) or through the words, as for the bare
 //! API.
 
-use super::{Magazine, MagazineGuard, SlotPool, BITS};
+use super::{Magazine, MagazineGuard, SlotPool};
 use crate::error::{SlotsError, Unit};
 use crate::sync::atomic::Ordering;
 
@@ -83,6 +83,13 @@ pub(super) fn run_entries(mag_cap: usize) -> usize {
 /// capacity): 65,536 indices with the default magazines. Runs cost no memory per index,
 /// so the bound only limits how much a thread keeps out of the bitmap between flushes.
 pub(super) const RUN_SCALE: usize = 64;
+
+/// Whether a run starting at `first` continues `run` (in 64 bits: a run may end at
+/// `u32::MAX`).
+#[inline]
+fn continues(run: (u32, u32), first: u32) -> bool {
+    u64::from(run.0) + u64::from(run.1) == u64::from(first)
+}
 
 /// A fresh pool identity (see `SlotPool::id`). Process-wide, never reused.
 pub(super) fn next_pool_id() -> u64 {
@@ -128,7 +135,7 @@ pub(super) fn next_pool_id() -> u64 {
 /// pool.alloc_slots(3, &mut batch)?;
 /// assert_eq!(batch.as_slice(), &[1, 2, 3]);
 /// pool.alloc_slots(2, &mut batch)?;                        // appends
-/// assert_eq!(batch.runs().collect::<Vec<_>>(), vec![1..6]);
+/// assert_eq!(batch.runs().collect::<Vec<_>>(), vec![1..=5]);
 /// assert!(pool.free(&[2]).is_err());                       // the batch owns 2
 /// assert!(matches!(pool.alloc_slots(12, &mut batch), Err(SlotsError::Full { .. })));
 /// assert_eq!(pool.free_slots(&mut batch)?, 5);
@@ -180,9 +187,10 @@ impl Slots {
     }
 
     /// The indices as ranges of consecutive indices, in order (a range that continues
-    /// the one before it is merged into it).
-    pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::Range<u32>> + '_ {
-        self.runs[..self.nruns].iter().map(|&(first, count)| first..first + count)
+    /// the one before it is merged into it). Inclusive, so that a range may end at
+    /// `u32::MAX`.
+    pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
+        self.runs[..self.nruns].iter().map(|&(first, count)| first..=first + (count - 1))
     }
 
     /// Append `first..first + count` (the caller checked the room).
@@ -192,7 +200,7 @@ impl Slots {
         crate::iota::fill_ascending_hot(&mut self.idx[at..at + count as usize], first);
         self.len += count as usize;
         match self.nruns.checked_sub(1).map(|k| &mut self.runs[k]) {
-            Some(last) if last.0 + last.1 == first => last.1 += count,
+            Some(last) if continues(*last, first) => last.1 += count,
             _ => {
                 self.runs[self.nruns] = (first, count);
                 self.nruns += 1;
@@ -256,7 +264,7 @@ impl SlotPool {
     /// pool.alloc_slots(256, &mut a)?;
     /// pool.free_slots(&mut a)?;                 // onto this thread's runs magazine
     /// pool.alloc_slots(100, &mut a)?;           // the upper part of that run
-    /// assert_eq!(a.runs().collect::<Vec<_>>(), vec![157..257]);
+    /// assert_eq!(a.runs().collect::<Vec<_>>(), vec![157..=256]);
     /// # Ok::<(), kvpool::SlotsError>(())
     /// ```
     pub fn alloc_slots(&self, n: usize, into: &mut Slots) -> Result<(), SlotsError> {
@@ -274,17 +282,7 @@ impl SlotPool {
         }
         if n > self.run_cap || !self.alloc_slots_from_magazine(n, into) {
             let r = self.reserve(n, Unit::Indices)?;
-            self.claim_marked::<false>(r, |w, take| {
-                let base = (w * BITS + 1) as u32;
-                let mut t = take;
-                while t != 0 {
-                    let b = t.trailing_zeros();
-                    let count = (!(t >> b)).trailing_zeros();
-                    into.push_run(base + b, count);
-                    let end = b + count;
-                    t = if end >= BITS as u32 { 0 } else { t & (!0u64 << end) };
-                }
-            });
+            self.claim_stretches_marked::<false>(r, |first, count| into.push_run(first, count as u32));
             // Relaxed: a count for `check_invariants` at quiescence only.
             self.owned_bitmap.fetch_add(n, Ordering::Relaxed);
         }
@@ -381,7 +379,7 @@ impl SlotPool {
         guard.with_runs(|stack| {
             for &(first, count) in runs {
                 match top.checked_sub(1).map(|k| &mut stack[k]) {
-                    Some(last) if last.0 + last.1 == first => last.1 += count,
+                    Some(last) if continues(*last, first) => last.1 += count,
                     _ => {
                         stack[top] = (first, count);
                         top += 1;

@@ -547,7 +547,7 @@ fn owned_batches_need_magazines_and_their_own_pool() {
     let big = SlotPool::with_magazines(300, 1);
     let mut t = Slots::with_capacity(300);
     big.alloc_slots(100, &mut t).unwrap();
-    assert_eq!(t.runs().collect::<Vec<_>>(), vec![1..101]);
+    assert_eq!(t.runs().collect::<Vec<_>>(), vec![1..=100]);
     assert_eq!(big.free_slots(&mut t), Ok(100));
     big.check_invariants().unwrap();
     big.alloc_slots(300, &mut t).unwrap();
