@@ -467,8 +467,9 @@ impl fmt::Display for InvariantViolation {
 
 impl std::error::Error for InvariantViolation {}
 
-/// Why [`SlotPool::alloc_slots`](crate::SlotPool::alloc_slots) or
-/// [`SlotPool::free_slots`](crate::SlotPool::free_slots) refused. Nothing was changed:
+/// Why [`SlotPool::alloc_slots`](crate::SlotPool::alloc_slots),
+/// [`SlotPool::free_slots`](crate::SlotPool::free_slots) or
+/// [`SlotPool::free_slots_tail`](crate::SlotPool::free_slots_tail) refused. Nothing was changed:
 /// the pool and the [`Slots`](crate::slots::Slots) are as before the call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SlotsError {
@@ -482,6 +483,13 @@ pub enum SlotsError {
         len: usize,
         /// Indices it can hold.
         capacity: usize,
+    },
+    /// A partial free asked for more indices than the `Slots` holds.
+    TooMany {
+        /// Indices asked for.
+        requested: usize,
+        /// Indices the `Slots` holds.
+        len: usize,
     },
     /// The `Slots` holds indices of another pool (or of this pool before
     /// [`clear`](crate::SlotPool::clear)).
@@ -500,6 +508,10 @@ impl fmt::Display for SlotsError {
             SlotsError::Full { requested, len, capacity } => write!(
                 f,
                 "cannot add {requested} indices to a Slots that holds {len} of {capacity}; nothing was changed"
+            ),
+            SlotsError::TooMany { requested, len } => write!(
+                f,
+                "cannot free the last {requested} indices of a Slots that holds {len}; nothing was changed"
             ),
             SlotsError::OtherPool => {
                 f.write_str("the Slots holds indices of another pool (or of this one before it was cleared); nothing was changed")

@@ -62,6 +62,8 @@ fn slot_pool_owned_batch_paths() {
     let (mut a, mut b, mut big) = (Slots::with_capacity(600), Slots::with_capacity(600), Slots::with_capacity(5000));
     assert_no_alloc("SlotPool::alloc_slots from the bitmap", || pool.alloc_slots(500, &mut a)).unwrap();
     assert_no_alloc("SlotPool::alloc_slots appending", || pool.alloc_slots(100, &mut a)).unwrap();
+    assert_no_alloc("SlotPool::free_slots_tail", || pool.free_slots_tail(&mut a, 150)).unwrap();
+    assert_no_alloc("SlotPool::free_slots_tail (too many)", || pool.free_slots_tail(&mut a, 451)).unwrap_err();
     assert_no_alloc("SlotPool::free_slots onto the runs magazine", || pool.free_slots(&mut a)).unwrap();
     assert_no_alloc("SlotPool::alloc_slots from the runs magazine", || pool.alloc_slots(250, &mut b)).unwrap();
     assert_no_alloc("SlotPool::alloc_slots (full)", || pool.alloc_slots(400, &mut b)).unwrap_err();
@@ -69,8 +71,12 @@ fn slot_pool_owned_batch_paths() {
     assert_no_alloc("SlotPool::alloc_slots past the runs magazine", || pool.alloc_slots(1100, &mut big)).unwrap();
     assert_no_alloc("SlotPool::free_slots past the runs magazine", || pool.free_slots(&mut big)).unwrap();
     assert_no_alloc("SlotPool::alloc_slots (out of memory)", || pool.alloc_slots(5000, &mut big)).unwrap_err();
+    // 400 onto the (flushed) runs magazine, then 700 more: over its 1,024, so it is
+    // flushed first.
     pool.alloc_slots(400, &mut a).unwrap();
-    assert_no_alloc("SlotPool::free_slots that flushes the runs magazine", || pool.free_slots(&mut a)).unwrap();
+    pool.free_slots(&mut a).unwrap();
+    pool.alloc_slots(700, &mut big).unwrap();
+    assert_no_alloc("SlotPool::free_slots that flushes the runs magazine", || pool.free_slots(&mut big)).unwrap();
     let other = SlotPool::new(8);
     assert_no_alloc("SlotPool::free_slots of another pool's batch", || other.free_slots(&mut b)).unwrap_err();
     std::thread::scope(|s| {

@@ -14,8 +14,9 @@
 //! * a fill succeeds exactly when the batch has room and the model holds enough free
 //!   indices, hands out only free ones (appended, the batch's runs equal to its
 //!   indices), and otherwise fails with the exact error and changes nothing;
-//! * emptying a batch frees exactly its indices; another pool refuses it, as this pool
-//!   does after `clear`, changing nothing;
+//! * emptying a batch frees exactly its indices, and emptying its tail exactly the
+//!   last ones (the rest stay, in order); another pool refuses it, as this pool does
+//!   after `clear`, changing nothing;
 //! * a bare free of an index a batch owns is refused as not allocated, changing nothing;
 //! * after every step: `available()` equals the model's free count, `is_allocated`
 //!   holds exactly for bare-allocated indices, and `check_invariants()` passes
@@ -53,6 +54,14 @@ pub enum OwnedOp {
         k: u8,
         /// On another thread.
         elsewhere: bool,
+    },
+    /// Return the last `n % (len + 2)` indices of batch `k` (one more than it holds
+    /// included: refused).
+    EmptyTail {
+        /// Raw batch.
+        k: u8,
+        /// Raw count.
+        n: u16,
     },
     /// Bare-allocate `1 + n % 70` indices.
     Alloc {
@@ -169,6 +178,31 @@ pub fn run_owned(ops: &[OwnedOp]) -> Result<(), String> {
                 }
                 for i in had {
                     owner[i as usize] = Owner::Free;
+                }
+            }
+            OwnedOp::EmptyTail { k, n } => {
+                let k = k as usize % SLOTS;
+                let had = slots[k].as_slice().to_vec();
+                let n = n as usize % (had.len() + 2);
+                let got = pool.free_slots_tail(&mut slots[k], n);
+                let keep = had.len().saturating_sub(n);
+                let expected =
+                    if n > had.len() { Err(SlotsError::TooMany { requested: n, len: had.len() }) } else { Ok(n) };
+                let now = slots[k].as_slice();
+                let kept = if got.is_ok() { &had[..keep] } else { &had[..] };
+                if got != expected || now != kept {
+                    return Err(fail(format!(
+                        "got {got:?} (expected {expected:?}), the batch went from {had:?} to {now:?}"
+                    )));
+                }
+                let from_runs: Vec<u32> = slots[k].runs().flatten().collect();
+                if from_runs != now {
+                    return Err(fail(format!("runs {:?} do not match the indices {now:?}", slots[k])));
+                }
+                if got.is_ok() {
+                    for &i in &had[keep..] {
+                        owner[i as usize] = Owner::Free;
+                    }
                 }
             }
             OwnedOp::Alloc { n } => {

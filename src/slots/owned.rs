@@ -99,7 +99,8 @@ pub(super) fn next_pool_id() -> u64 {
 }
 
 /// A batch of indices owned by the caller, filled by [`SlotPool::alloc_slots`] and
-/// returned by [`SlotPool::free_slots`].
+/// returned by [`SlotPool::free_slots`] (or its last indices by
+/// [`SlotPool::free_slots_tail`]).
 ///
 /// Only the pool writes a `Slots`; the caller reads its indices ([`as_slice`](Self::as_slice),
 /// or through `Deref<Target = [u32]>`) and its runs of consecutive indices
@@ -354,15 +355,78 @@ impl SlotPool {
         if from.pool != self.id {
             return Err(SlotsError::OtherPool);
         }
-        let runs = &from.runs[..from.nruns];
+        self.return_runs(&from.runs[..from.nruns], n);
+        from.reset();
+        crate::debug_check(self);
+        Ok(n)
+    }
+
+    /// Return the last `n` indices of `from` to the pool (the ones handed out last), as
+    /// [`free_slots`](Self::free_slots) returns them all; the rest stay in `from`, in
+    /// order. Returns `n`.
+    ///
+    /// # Errors
+    ///
+    /// Nothing changed on any error.
+    /// * [`SlotsError::TooMany`] when `from` holds fewer than `n`;
+    /// * [`SlotsError::OtherPool`] as for [`free_slots`](Self::free_slots).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::{SlotPool, Slots};
+    ///
+    /// let pool = SlotPool::new(64);
+    /// let mut batch = Slots::with_capacity(8);
+    /// pool.alloc_slots(6, &mut batch)?;
+    /// assert_eq!(pool.free_slots_tail(&mut batch, 4)?, 4);  // e.g. rejected draft tokens
+    /// assert_eq!((batch.as_slice(), pool.available()), (&[1, 2][..], 62));
+    /// assert!(pool.free_slots_tail(&mut batch, 3).is_err());
+    /// # Ok::<(), kvpool::SlotsError>(())
+    /// ```
+    pub fn free_slots_tail(&self, from: &mut Slots, n: usize) -> Result<usize, SlotsError> {
+        if n > from.len {
+            return Err(SlotsError::TooMany { requested: n, len: from.len });
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        if from.pool != self.id {
+            return Err(SlotsError::OtherPool);
+        }
+        if n == from.len {
+            return self.free_slots(from);
+        }
+        // The lowest run the tail reaches, `p`; it keeps its first `keep` indices.
+        let (mut p, mut sum) = (from.nruns, 0usize);
+        while sum < n {
+            p -= 1;
+            sum += from.runs[p].1 as usize;
+        }
+        let keep = (sum - n) as u32;
+        let (first, count) = from.runs[p];
+        // The tail as runs, in place: the lowest one cut to its part in the tail.
+        from.runs[p] = (first + keep, count - keep);
+        self.return_runs(&from.runs[p..from.nruns], n);
+        if keep > 0 {
+            from.runs[p] = (first, keep);
+            from.nruns = p + 1;
+        } else {
+            from.nruns = p;
+        }
+        from.len -= n;
+        crate::debug_check(self);
+        Ok(n)
+    }
+
+    /// Return `runs` (`n` indices, out of a `Slots`): onto the calling thread's runs
+    /// magazine if they fit, else to the bitmap.
+    fn return_runs(&self, runs: &[(u32, u32)], n: usize) {
         if n > self.run_cap || runs.len() > run_entries(self.mag_cap) || !self.free_slots_to_magazine(runs, n) {
             self.release_runs(runs);
             // Relaxed: see `alloc_slots`. Wrapping: the batch may have come from a magazine.
             self.owned_bitmap.fetch_sub(n, Ordering::Relaxed);
         }
-        from.reset();
-        crate::debug_check(self);
-        Ok(n)
     }
 
     /// Push `runs` (`n` indices) onto the calling thread's runs magazine; `false`
