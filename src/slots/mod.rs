@@ -1874,7 +1874,10 @@ impl SlotPool {
     }
 
     /// Free every index at once: the pool is as new. Takes `&mut self`, so no other
-    /// operation can be in flight (SGLang calls this when the cache is flushed).
+    /// operation can be in flight (SGLang calls this when the cache is flushed). Owned
+    /// batches ([`Slots`]) filled before are refused from then on
+    /// ([`SlotsError::OtherPool`](crate::SlotsError::OtherPool)): their indices are
+    /// free again, and the pool does not take them back twice.
     pub fn clear(&mut self) {
         self.fill();
         // Batches filled before are not ours any more.
