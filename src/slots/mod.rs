@@ -666,7 +666,8 @@ impl SlotPool {
     /// freed first).
     ///
     /// Allocates the bitmaps (`capacity / 64` words each) and the magazines
-    /// (`16 * min(1024, capacity)` indices) once; nothing after this allocates.
+    /// (`16 * min(1024, capacity)` indices, and 16 runs stacks of 64 runs for owned
+    /// batches, [`Slots`]) once; nothing after this allocates.
     pub fn new(capacity: u32) -> Self {
         Self::build(capacity, MAGAZINE.min(capacity as usize), false)
     }
