@@ -353,24 +353,7 @@ fn contended_owned(
     let pool = Owned::new(CAPACITY);
     c.bench_function(BenchmarkId::from_parameter(Owned::NAME), |b| {
         b.iter_custom(|iters| {
-            let start = Barrier::new(threads + 1);
-            let done = Barrier::new(threads + 1);
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(|| {
-                        let mut slots = Slots::with_capacity(batch);
-                        start.wait();
-                        for _ in 0..iters {
-                            pool.round(black_box(batch), &mut slots);
-                        }
-                        done.wait();
-                    });
-                }
-                start.wait();
-                let t0 = Instant::now();
-                done.wait();
-                t0.elapsed()
-            })
+            run_threads(threads, iters, || Slots::with_capacity(batch), |slots| pool.round(black_box(batch), slots))
         })
     });
 }
@@ -404,16 +387,30 @@ fn single(c: &mut Criterion) {
 /// `threads` threads each run `iters` alloc+free rounds of `batch`; the time from the
 /// barrier that releases them to the barrier they all reach when done.
 fn run_contended<P: FreeList>(pool: &P, threads: usize, batch: usize, iters: u64) -> Duration {
+    run_threads(
+        threads,
+        iters,
+        || vec![0u32; batch],
+        |buf| {
+            assert!(pool.alloc(black_box(buf)));
+            pool.free(black_box(buf));
+        },
+    )
+}
+
+/// `threads` threads, each with its own `state()` made before the start, run `round`
+/// `iters` times; the time from the barrier that releases them to the barrier they
+/// all reach when done.
+fn run_threads<S>(threads: usize, iters: u64, state: impl Fn() -> S + Sync, round: impl Fn(&mut S) + Sync) -> Duration {
     let start = Barrier::new(threads + 1);
     let done = Barrier::new(threads + 1);
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
-                let mut buf = vec![0u32; batch];
+                let mut st = state();
                 start.wait();
                 for _ in 0..iters {
-                    assert!(pool.alloc(black_box(&mut buf)));
-                    pool.free(black_box(&buf));
+                    round(&mut st);
                 }
                 done.wait();
             });
