@@ -91,6 +91,19 @@ fn continues(run: (u32, u32), first: u32) -> bool {
     u64::from(run.0) + u64::from(run.1) == u64::from(first)
 }
 
+/// Where the last `n` indices of `runs` (which hold at least `n`) begin: the lowest
+/// run they reach, `p`, and how many of its first indices are not among them (`keep`,
+/// less than its count).
+#[inline]
+fn tail_start(runs: &[(u32, u32)], n: usize) -> (usize, u32) {
+    let (mut p, mut sum) = (runs.len(), 0usize);
+    while sum < n {
+        p -= 1;
+        sum += runs[p].1 as usize;
+    }
+    (p, (sum - n) as u32)
+}
+
 /// A fresh pool identity (see `SlotPool::id`). Process-wide, never reused.
 pub(super) fn next_pool_id() -> u64 {
     // Not a loom atomic: an identity counter, not part of any protocol loom checks.
@@ -311,14 +324,8 @@ impl SlotPool {
         }
         let top = mag.nruns.load(Ordering::Relaxed);
         let left = guard.with_runs(|runs| {
-            // The lowest entry the batch reaches; it gives its upper part.
-            let (mut p, mut sum) = (top, 0usize);
-            while sum < n {
-                p -= 1;
-                sum += runs[p].1 as usize;
-            }
+            let (p, keep) = tail_start(&runs[..top], n);
             let (first, count) = runs[p];
-            let keep = (sum - n) as u32;
             into.push_run(first + keep, count - keep);
             for &(f, c) in &runs[p + 1..top] {
                 into.push_run(f, c);
@@ -397,13 +404,7 @@ impl SlotPool {
         if n == from.len {
             return self.free_slots(from);
         }
-        // The lowest run the tail reaches, `p`; it keeps its first `keep` indices.
-        let (mut p, mut sum) = (from.nruns, 0usize);
-        while sum < n {
-            p -= 1;
-            sum += from.runs[p].1 as usize;
-        }
-        let keep = (sum - n) as u32;
+        let (p, keep) = tail_start(&from.runs[..from.nruns], n);
         let (first, count) = from.runs[p];
         // The tail as runs, in place: the lowest one cut to its part in the tail.
         from.runs[p] = (first + keep, count - keep);
