@@ -93,7 +93,7 @@ pub use error::{
 };
 pub use mamba::{HybridLayerMap, HybridReqToTokenPool, HybridRow, MambaConfig, MambaPool, MambaSlot};
 pub use req_to_token::{ReqRow, ReqToTokenPool};
-pub use slots::{FreeGroup, SlotPool, Slots};
+pub use slots::{FreeGroup, SlotCache, SlotPool, Slots};
 
 /// Structures that can check their own consistency.
 pub(crate) trait CheckInvariants {

@@ -28,6 +28,8 @@
 //! * [`radix`] — the same for the radix cache against [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache).
 //! * [`owned`] — a `SlotPool`'s owned batches ([`Slots`](crate::Slots)) beside its
 //!   bare API, against a model of who owns each index.
+//! * [`cache`] — private magazines ([`SlotCache`](crate::SlotCache)) in front of a
+//!   `SlotPool`, beside its owned batches and bare API, against the same kind of model.
 //!
 //! The model never calls kvpool's planning or expansion code: it recounts pages with
 //! its own arithmetic and expands them with a forward transcription of DESIGN.md's
@@ -65,6 +67,7 @@
 //! # Ok::<(), String>(())
 //! ```
 
+pub mod cache;
 pub mod hi;
 pub mod mamba;
 pub mod owned;

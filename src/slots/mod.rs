@@ -2400,9 +2400,11 @@ impl core::fmt::Debug for FreeGroup<'_> {
     }
 }
 
+pub mod cache;
 pub mod owned;
 mod park;
 mod range;
+pub use cache::SlotCache;
 pub use owned::Slots;
 pub(crate) use range::{bit_ends, bit_words};
 

@@ -104,6 +104,73 @@ fn tail_start(runs: &[(u32, u32)], n: usize) -> (usize, u32) {
     (p, (sum - n) as u32)
 }
 
+/// Where runs handed out go: a [`Slots`] (which writes the indices as well) or a
+/// [`SlotCache`](super::cache::SlotCache)'s stock (runs only).
+pub(super) trait RunSink {
+    /// Append `first..first + count` (the caller checked the room).
+    fn push_run(&mut self, first: u32, count: u32);
+}
+
+/// Push `runs` onto the stack `stack[..top]`, a run that continues the top one
+/// extending it; returns the new top. The caller checked the room (`top + runs.len()`
+/// entries at most).
+#[inline]
+pub(super) fn push_runs(stack: &mut [(u32, u32)], mut top: usize, runs: &[(u32, u32)]) -> usize {
+    for &(first, count) in runs {
+        match top.checked_sub(1).map(|k| &mut stack[k]) {
+            Some(last) if continues(*last, first) => last.1 += count,
+            _ => {
+                stack[top] = (first, count);
+                top += 1;
+            }
+        }
+    }
+    top
+}
+
+/// Pop the last `n` indices of the stack `stack[..top]` (which holds at least `n`)
+/// into `sink`, in push order: the lowest run reached gives its upper part and keeps
+/// the rest. Returns the new top.
+#[inline]
+pub(super) fn pop_runs(stack: &mut [(u32, u32)], top: usize, n: usize, sink: &mut impl RunSink) -> usize {
+    let (p, keep) = tail_start(&stack[..top], n);
+    let (first, count) = stack[p];
+    sink.push_run(first + keep, count - keep);
+    for &(f, c) in &stack[p + 1..top] {
+        sink.push_run(f, c);
+    }
+    if keep > 0 {
+        stack[p].1 = keep;
+        p + 1
+    } else {
+        p
+    }
+}
+
+/// Run `f` on the last `n` indices of `runs[..*nruns]` (which holds at least `n`) as
+/// runs, then drop them from the list (`*nruns` lowered, the lowest run reached cut to
+/// the part that stays).
+#[inline]
+pub(super) fn take_tail<R>(
+    runs: &mut [(u32, u32)],
+    nruns: &mut usize,
+    n: usize,
+    f: impl FnOnce(&[(u32, u32)]) -> R,
+) -> R {
+    let (p, keep) = tail_start(&runs[..*nruns], n);
+    let (first, count) = runs[p];
+    // The tail as runs, in place: the lowest one cut to its part in the tail.
+    runs[p] = (first + keep, count - keep);
+    let r = f(&runs[p..*nruns]);
+    if keep > 0 {
+        runs[p] = (first, keep);
+        *nruns = p + 1;
+    } else {
+        *nruns = p;
+    }
+    r
+}
+
 /// A fresh pool identity (see `SlotPool::id`). Process-wide, never reused.
 pub(super) fn next_pool_id() -> u64 {
     // Not a loom atomic: an identity counter, not part of any protocol loom checks.
@@ -207,26 +274,46 @@ impl Slots {
         self.runs[..self.nruns].iter().map(|&(first, count)| first..=first + (count - 1))
     }
 
-    /// Append `first..first + count` (the caller checked the room).
+    /// Forget the contents (they went back to the pool).
+    pub(super) fn reset(&mut self) {
+        self.len = 0;
+        self.nruns = 0;
+        self.pool = 0;
+    }
+
+    /// The runs, as stored.
+    pub(super) fn raw_runs(&self) -> &[(u32, u32)] {
+        &self.runs[..self.nruns]
+    }
+
+    /// Run `f` on the last `n` indices (at most `len`) as runs, then drop them.
+    pub(super) fn take_tail<R>(&mut self, n: usize, f: impl FnOnce(&[(u32, u32)]) -> R) -> R {
+        let r = take_tail(&mut self.runs, &mut self.nruns, n, f);
+        self.len -= n;
+        if self.len == 0 {
+            self.pool = 0;
+        }
+        r
+    }
+
+    /// The identity of the pool that filled it (0 while empty).
+    pub(super) fn pool_id(&self) -> u64 {
+        self.pool
+    }
+
+    /// Mark it filled by the pool `id`.
+    pub(super) fn set_pool_id(&mut self, id: u64) {
+        self.pool = id;
+    }
+}
+
+impl RunSink for Slots {
     #[inline]
     fn push_run(&mut self, first: u32, count: u32) {
         let at = self.len;
         crate::iota::fill_ascending_hot(&mut self.idx[at..at + count as usize], first);
         self.len += count as usize;
-        match self.nruns.checked_sub(1).map(|k| &mut self.runs[k]) {
-            Some(last) if continues(*last, first) => last.1 += count,
-            _ => {
-                self.runs[self.nruns] = (first, count);
-                self.nruns += 1;
-            }
-        }
-    }
-
-    /// Forget the contents (they went back to the pool).
-    fn reset(&mut self) {
-        self.len = 0;
-        self.nruns = 0;
-        self.pool = 0;
+        self.nruns = push_runs(&mut self.runs, self.nruns, &[(first, count)]);
     }
 }
 
@@ -294,22 +381,30 @@ impl SlotPool {
         if n == 0 {
             return Ok(());
         }
-        if n > self.run_cap || !self.alloc_slots_from_magazine(n, into) {
-            let r = self.reserve(n, Unit::Indices)?;
-            self.claim_stretches_marked::<false>(r, |first, count| into.push_run(first, count as u32));
-            // Relaxed: a count for `check_invariants` at quiescence only.
-            self.owned_bitmap.fetch_add(n, Ordering::Relaxed);
-        }
+        self.alloc_owned(n, into)?;
         into.pool = self.id;
         crate::debug_check(self);
         Ok(())
     }
 
+    /// Hand out `n > 0` indices as owned runs into `sink`, all or nothing: from the
+    /// calling thread's runs magazine if it holds `n`, else from the bitmap.
+    #[inline]
+    pub(super) fn alloc_owned(&self, n: usize, sink: &mut impl RunSink) -> Result<(), crate::OutOfMemory> {
+        if n > self.run_cap || !self.alloc_slots_from_magazine(n, sink) {
+            let r = self.reserve(n, Unit::Indices)?;
+            self.claim_stretches_marked::<false>(r, |first, count| sink.push_run(first, count as u32));
+            // Relaxed: a count for `check_invariants` at quiescence only.
+            self.owned_bitmap.fetch_add(n, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Pop `n` indices' worth of runs off the calling thread's runs magazine into
-    /// `into`, if it holds that many and no other thread is using it; `false` (nothing
+    /// `sink`, if it holds that many and no other thread is using it; `false` (nothing
     /// changed) otherwise.
     #[inline]
-    fn alloc_slots_from_magazine(&self, n: usize, into: &mut Slots) -> bool {
+    fn alloc_slots_from_magazine(&self, n: usize, sink: &mut impl RunSink) -> bool {
         let Some(mag) = self.my_magazine() else { return false };
         // A look before the compare-and-swap: a magazine short of `n` is not worth taking
         // (a stale value only sends this allocation to the bitmap, or costs the swap).
@@ -323,20 +418,7 @@ impl SlotPool {
             return false;
         }
         let top = mag.nruns.load(Ordering::Relaxed);
-        let left = guard.with_runs(|runs| {
-            let (p, keep) = tail_start(&runs[..top], n);
-            let (first, count) = runs[p];
-            into.push_run(first + keep, count - keep);
-            for &(f, c) in &runs[p + 1..top] {
-                into.push_run(f, c);
-            }
-            if keep > 0 {
-                runs[p].1 = keep;
-                p + 1
-            } else {
-                p
-            }
-        });
+        let left = guard.with_runs(|runs| pop_runs(runs, top, n, sink));
         mag.nruns.store(left, Ordering::Relaxed);
         // Release for `available()`, as `len`.
         mag.run_total.store(total - n, Ordering::Release);
@@ -404,25 +486,14 @@ impl SlotPool {
         if n == from.len {
             return self.free_slots(from);
         }
-        let (p, keep) = tail_start(&from.runs[..from.nruns], n);
-        let (first, count) = from.runs[p];
-        // The tail as runs, in place: the lowest one cut to its part in the tail.
-        from.runs[p] = (first + keep, count - keep);
-        self.return_runs(&from.runs[p..from.nruns], n);
-        if keep > 0 {
-            from.runs[p] = (first, keep);
-            from.nruns = p + 1;
-        } else {
-            from.nruns = p;
-        }
-        from.len -= n;
+        from.take_tail(n, |runs| self.return_runs(runs, n));
         crate::debug_check(self);
         Ok(n)
     }
 
     /// Return `runs` (`n` indices, out of a `Slots`): onto the calling thread's runs
     /// magazine if they fit, else to the bitmap.
-    fn return_runs(&self, runs: &[(u32, u32)], n: usize) {
+    pub(super) fn return_runs(&self, runs: &[(u32, u32)], n: usize) {
         if n > self.run_cap || runs.len() > run_entries(self.mag_cap) || !self.free_slots_to_magazine(runs, n) {
             self.release_runs(runs);
             // Relaxed: see `alloc_slots`. Wrapping: the batch may have come from a magazine.
@@ -441,17 +512,7 @@ impl SlotPool {
             self.flush_runs(&guard);
             (top, total) = (0, 0);
         }
-        guard.with_runs(|stack| {
-            for &(first, count) in runs {
-                match top.checked_sub(1).map(|k| &mut stack[k]) {
-                    Some(last) if continues(*last, first) => last.1 += count,
-                    _ => {
-                        stack[top] = (first, count);
-                        top += 1;
-                    }
-                }
-            }
-        });
+        let top = guard.with_runs(|stack| push_runs(stack, top, runs));
         mag.nruns.store(top, Ordering::Relaxed);
         mag.run_total.store(total + n, Ordering::Release);
         mag.owned.store(mag.owned.load(Ordering::Relaxed).wrapping_sub(n), Ordering::Relaxed);
