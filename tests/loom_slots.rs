@@ -27,6 +27,7 @@
 //! | `a_claim_trading_for_a_block_racing_one_that_reserved_it` | a claim reserved on the words meets a parked block below them and trades for it, racing a claim that reserved the block's count: one owner per index, at most one refused, counts come back |
 //! | `claim_racing_a_group_that_parks`       | a claim that needs more than the words hold racing a free group that parks a block: refused until the group ends, then served lowest first from words and block; counts come back |
 //! | `owned_batches_racing_a_flush_and_a_bare_free` | owned batches (`Slots`): the main thread's runs magazine holds [1, 2]; a thread sharing it fills a batch from it (or the bitmap) and tries a bare free of what it owns (always refused), while a thread that needs 3 flushes that magazine or is refused; all three outcomes reached, one owner per index, counts come back |
+//! | `a_private_magazine_racing_a_claim_for_what_it_holds` | `SlotCache`: a cache of 2 draws its stock (2, or 1 when the pool is short) and hands a batch out of it and back while another thread claims 3 of the 4: the claim is served or refused by what the stock holds, never both handed the same index; the cache's drop returns the stock; all three outcomes reached, counts come back |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
@@ -40,7 +41,7 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::{FreeErrorKind, SlotPool, Slots};
+use kvpool::{FreeErrorKind, SlotCache, SlotPool, Slots};
 use loom_common::Outcomes;
 
 /// One loom-tracked cell per index (`0..=capacity`): the current owner's tag.
@@ -879,5 +880,73 @@ fn owned_batches_racing_a_flush_and_a_bare_free() {
     seen.expect_seen(
         "owned_batches_racing_a_flush_and_a_bare_free",
         &["three_served", "three_refused", "one_from_the_bitmap"],
+    );
+}
+
+/// Private magazines (`SlotCache`). Thread 1's cache (capacity 2) fills a batch of 1:
+/// it draws 1 + 1 from the pool into its stock (just 1 when the pool is short), pops
+/// one into the batch, frees the batch back onto the stock, fills again (off the
+/// stock, no atomic) and drops the cache, which returns the stock. Thread 2 claims 3
+/// of the 4 from the pool: served when the stock is not out, refused (nothing changed)
+/// while the stock holds 2. One owner per index; every index is free again at the end.
+#[test]
+fn a_private_magazine_racing_a_claim_for_what_it_holds() {
+    let seen = Outcomes::new(&["claim_served", "claim_refused", "draw_cut_short"]);
+    let outcomes = seen.clone();
+    loom_common::model("a_private_magazine_racing_a_claim_for_what_it_holds", move || {
+        const CAP: u32 = 4;
+        let pool = Arc::new(SlotPool::new(CAP));
+        let owners = Arc::new(Owners::new(CAP));
+        let cached = {
+            let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
+            thread::spawn(move || {
+                let mut cache = SlotCache::new(Arc::clone(&pool), 2).unwrap();
+                let mut s = Slots::with_capacity(1);
+                if cache.alloc_slots(1, &mut s).is_err() {
+                    return;
+                }
+                if cache.is_empty() {
+                    outcomes.hit("draw_cut_short");
+                }
+                distinct_in_range(&s, CAP);
+                owners.claim(&s, 1);
+                owners.check(&s, 1);
+                assert_eq!(cache.free_slots(&mut s), Ok(1));
+                let before = cache.len();
+                cache.alloc_slots(1, &mut s).unwrap();
+                assert_eq!(cache.len(), before - 1, "the second fill comes off the stock");
+                owners.claim(&s, 1);
+                owners.check(&s, 1);
+                assert_eq!(cache.free_slots(&mut s), Ok(1));
+            })
+        };
+        let claim = {
+            let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
+            thread::spawn(move || {
+                let mut s = Slots::with_capacity(3);
+                match pool.alloc_slots(3, &mut s) {
+                    Ok(()) => {
+                        distinct_in_range(&s, CAP);
+                        owners.claim(&s, 2);
+                        owners.check(&s, 2);
+                        outcomes.hit("claim_served");
+                        assert_eq!(pool.free_slots(&mut s), Ok(3));
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, kvpool::SlotsError::OutOfMemory(o) if o.requested == 3), "{e:?}");
+                        assert!(s.is_empty());
+                        outcomes.hit("claim_refused");
+                    }
+                }
+            })
+        };
+        cached.join().unwrap();
+        claim.join().unwrap();
+        assert_eq!(pool.available(), CAP as usize);
+        pool.check_invariants().unwrap();
+    });
+    seen.expect_seen(
+        "a_private_magazine_racing_a_claim_for_what_it_holds",
+        &["claim_served", "claim_refused", "draw_cut_short"],
     );
 }

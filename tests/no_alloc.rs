@@ -10,7 +10,7 @@ use std::hint::black_box;
 mod alloc_common;
 
 use alloc_common::{allocations, assert_no_alloc};
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool, Slots, TokenAllocator};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotCache, SlotPool, Slots, TokenAllocator};
 
 /// The counter works: if it did not, every other test here would pass vacuously.
 #[test]
@@ -86,6 +86,43 @@ fn slot_pool_owned_batch_paths() {
     assert_no_alloc("SlotPool::alloc_slots that flushes another thread's runs", || pool.alloc_slots(all, &mut big))
         .unwrap();
     assert_no_alloc("SlotPool::check_invariants with owned batches", || pool.check_invariants()).unwrap();
+}
+
+/// A private magazine's paths (`SlotCache`): a draw, pops off the stock, frees onto it,
+/// a free that overflows it (its top goes back to the pool), batches larger than it
+/// both ways, a draw cut to the shortfall, every error, a flush and the drop.
+#[test]
+fn slot_cache_paths() {
+    let pool = SlotPool::with_magazines(5000, 16);
+    let mut cache = SlotCache::new(&pool, 256).unwrap();
+    let (mut a, mut b, mut big) = (Slots::with_capacity(600), Slots::with_capacity(600), Slots::with_capacity(5000));
+    assert_no_alloc("SlotCache::alloc_slots drawing from the pool", || cache.alloc_slots(10, &mut a)).unwrap();
+    assert_eq!(cache.len(), 128);
+    assert_no_alloc("SlotCache::alloc_slots off the stock", || cache.alloc_slots(100, &mut a)).unwrap();
+    assert_no_alloc("SlotCache::free_slots_tail", || cache.free_slots_tail(&mut a, 30)).unwrap();
+    assert_no_alloc("SlotCache::free_slots_tail (too many)", || cache.free_slots_tail(&mut a, 81)).unwrap_err();
+    assert_no_alloc("SlotCache::free_slots onto the stock", || cache.free_slots(&mut a)).unwrap();
+    assert_eq!(cache.len(), 138);
+    pool.alloc_slots(200, &mut b).unwrap();
+    assert_no_alloc("SlotCache::free_slots that spills the stock", || cache.free_slots(&mut b)).unwrap();
+    assert_eq!(cache.len(), 200);
+    assert_no_alloc("SlotCache::alloc_slots larger than the stock", || cache.alloc_slots(300, &mut b)).unwrap();
+    assert_no_alloc("SlotCache::alloc_slots (full)", || cache.alloc_slots(301, &mut b)).unwrap_err();
+    assert_no_alloc("SlotCache::free_slots larger than the stock", || cache.free_slots(&mut b)).unwrap();
+    let rest = pool.available() - 5;
+    pool.alloc_slots(rest, &mut big).unwrap();
+    assert_no_alloc("SlotCache::alloc_slots with the draw cut short", || cache.alloc_slots(5, &mut a)).unwrap();
+    assert_no_alloc("SlotCache::alloc_slots (out of memory)", || cache.alloc_slots(1, &mut a)).unwrap_err();
+    let other = SlotPool::new(8);
+    let mut foreign = Slots::with_capacity(1);
+    other.alloc_slots(1, &mut foreign).unwrap();
+    assert_no_alloc("SlotCache::free_slots of another pool's batch", || cache.free_slots(&mut foreign)).unwrap_err();
+    pool.free_slots(&mut big).unwrap();
+    cache.alloc_slots(40, &mut b).unwrap();
+    assert_no_alloc("SlotCache::flush", || cache.flush());
+    cache.alloc_slots(40, &mut a).unwrap();
+    assert_no_alloc("SlotCache's drop", || drop(cache));
+    assert_eq!(pool.available(), 5000 - 85);
 }
 
 /// The magazine paths: a free onto the magazine, a pop, a double free of an index

@@ -278,19 +278,19 @@ impl<P: Deref<Target = SlotPool>> SlotCache<P> {
     }
 
     /// Return the whole stock to the pool; returns how many indices. The next
-    /// allocation draws afresh.
+    /// allocation draws afresh. Returns 0 and keeps the stock if `P` no longer reaches
+    /// the cache's pool (another pool, or the pool after a [`clear`](SlotPool::clear)):
+    /// it is not that pool's to take.
     pub fn flush(&mut self) -> usize {
         let stock = &mut self.stock;
-        let (nruns, n) = (stock.nruns, stock.len);
-        (stock.nruns, stock.len) = (0, 0);
+        let n = stock.len;
         match Self::checked(&self.pool, self.id) {
             Ok(pool) if n > 0 => {
-                pool.return_runs(&stock.runs[..nruns], n);
+                pool.return_runs(&stock.runs[..stock.nruns], n);
+                (stock.nruns, stock.len) = (0, 0);
                 crate::debug_check(pool);
                 n
             }
-            // Empty, or another pool (a `P` gone astray) or epoch: the stock is not its
-            // to give (after a `clear` it is free there already), so it is forgotten.
             _ => 0,
         }
     }
@@ -300,10 +300,25 @@ impl Stock {
     /// Pop the last `n` indices (`n <= len`) into `into` (which has room).
     #[inline]
     fn pop_into(&mut self, n: usize, into: &mut Slots) {
-        if n > 0 {
-            self.nruns = pop_runs(&mut self.runs, self.nruns, n, into);
-            self.len -= n;
+        if n == 0 {
+            return;
         }
+        self.len -= n;
+        // The common case first: the top run holds them all (a batch freed as one run
+        // comes back as it), so no walk.
+        if let Some(t) = self.nruns.checked_sub(1) {
+            let (first, count) = self.runs[t];
+            if let Some(keep) = (count as usize).checked_sub(n) {
+                into.push_run(first + keep as u32, n as u32);
+                if keep == 0 {
+                    self.nruns = t;
+                } else {
+                    self.runs[t].1 = keep as u32;
+                }
+                return;
+            }
+        }
+        self.nruns = pop_runs(&mut self.runs, self.nruns, n, into);
     }
 
     /// Push `runs` (`n` indices, owned by the caller) on top, making room first by
@@ -327,7 +342,9 @@ impl Stock {
 }
 
 impl<P: Deref<Target = SlotPool>> Drop for SlotCache<P> {
-    /// Returns the stock to the pool ([`flush`](SlotCache::flush)).
+    /// Returns the stock to the pool ([`flush`](SlotCache::flush)); a stock whose pool
+    /// `P` no longer reaches stays handed out, as a dropped [`Slots`] leaves its
+    /// indices.
     fn drop(&mut self) {
         self.flush();
     }

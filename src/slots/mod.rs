@@ -233,6 +233,14 @@
 //! (`lease_floor_2f`, `lease_floor_1f` in `benches/slots.rs`): BENCHMARKS.md,
 //! "Region leases (issue 8, second attempt)".
 //!
+//! **What gets under that floor** is ownership the type system proves. An owned batch
+//! ([`Slots`], module [`owned`]) skips the held bits, leaving one `busy`
+//! compare-and-swap each way; a private magazine ([`SlotCache`], module [`cache`])
+//! is a stock of owned indices that one owner holds by `&mut`, so a round its stock
+//! covers touches no atomic at all. Its stock counts as handed out, so `available()`
+//! keeps the guarantees above; what it costs is the per-owner stranding of any
+//! per-thread cache, bounded by the cache's capacity.
+//!
 //! # Parked blocks
 //!
 //! A pool built with [`SlotPool::with_parking`] changes ownership of whole aligned

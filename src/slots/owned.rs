@@ -46,7 +46,9 @@
 //! A round of alloc and free of a batch through the magazine thus costs two
 //! compare-and-swaps, a few stores and writing the batch's indices once, where a
 //! `Mutex<Vec<u32>>` free list pays two lock/unlock pairs and copies the indices in and
-//! out (BENCHMARKS.md, "Owned batches").
+//! out (BENCHMARKS.md, "Owned batches"). A [`SlotCache`](super::SlotCache) removes the
+//! two compare-and-swaps as well, for an owner that keeps a stock of its own (module
+//! [`cache`](super::cache)).
 //!
 //! **Counting.** Runs in a magazine are free: `available()` adds each magazine's
 //! `run_total`, stored 0 by a flush before it publishes (as `len`). Indices in a
@@ -248,21 +250,25 @@ impl Slots {
     }
 
     /// How many indices it can hold.
+    #[inline]
     pub fn capacity(&self) -> usize {
         self.idx.len()
     }
 
     /// How many indices it holds.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether it holds no index.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// The indices, in the order they were handed out.
+    #[inline]
     pub fn as_slice(&self) -> &[u32] {
         &self.idx[..self.len]
     }
@@ -275,6 +281,7 @@ impl Slots {
     }
 
     /// Forget the contents (they went back to the pool).
+    #[inline]
     pub(super) fn reset(&mut self) {
         self.len = 0;
         self.nruns = 0;
@@ -282,11 +289,13 @@ impl Slots {
     }
 
     /// The runs, as stored.
+    #[inline]
     pub(super) fn raw_runs(&self) -> &[(u32, u32)] {
         &self.runs[..self.nruns]
     }
 
     /// Run `f` on the last `n` indices (at most `len`) as runs, then drop them.
+    #[inline]
     pub(super) fn take_tail<R>(&mut self, n: usize, f: impl FnOnce(&[(u32, u32)]) -> R) -> R {
         let r = take_tail(&mut self.runs, &mut self.nruns, n, f);
         self.len -= n;
@@ -297,11 +306,13 @@ impl Slots {
     }
 
     /// The identity of the pool that filled it (0 while empty).
+    #[inline]
     pub(super) fn pool_id(&self) -> u64 {
         self.pool
     }
 
     /// Mark it filled by the pool `id`.
+    #[inline]
     pub(super) fn set_pool_id(&mut self, id: u64) {
         self.pool = id;
     }
@@ -319,6 +330,7 @@ impl RunSink for Slots {
 
 impl core::ops::Deref for Slots {
     type Target = [u32];
+    #[inline]
     fn deref(&self) -> &[u32] {
         self.as_slice()
     }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::SlotsError;
 
 #[test]
 fn fresh_pool_is_ascending() {
@@ -535,13 +536,13 @@ fn sparse_words_are_those_of_short_inner_stretches() {
 fn owned_batches_need_magazines_and_their_own_pool() {
     let mut s = Slots::with_capacity(4);
     for pool in [SlotPool::without_magazines(10), SlotPool::with_parking(1024)] {
-        assert_eq!(pool.alloc_slots(1, &mut s), Err(crate::SlotsError::Unsupported));
+        assert_eq!(pool.alloc_slots(1, &mut s), Err(SlotsError::Unsupported));
         assert!(s.is_empty() && pool.available() == pool.capacity() as usize);
     }
     let (a, b) = (SlotPool::new(10), SlotPool::new(10));
     a.alloc_slots(2, &mut s).unwrap();
-    assert_eq!(b.alloc_slots(1, &mut s), Err(crate::SlotsError::OtherPool));
-    assert_eq!(b.free_slots(&mut s), Err(crate::SlotsError::OtherPool));
+    assert_eq!(b.alloc_slots(1, &mut s), Err(SlotsError::OtherPool));
+    assert_eq!(b.free_slots(&mut s), Err(SlotsError::OtherPool));
     assert_eq!((s.as_slice(), a.available(), b.available()), (&[1, 2][..], 8, 10));
     // A batch bigger than the runs magazine takes: from the bitmap and back to it.
     let big = SlotPool::with_magazines(300, 1);
@@ -553,7 +554,7 @@ fn owned_batches_need_magazines_and_their_own_pool() {
     big.alloc_slots(300, &mut t).unwrap();
     assert!(t.iter().copied().eq(1..=300));
     assert!(
-        matches!(big.alloc_slots(1, &mut Slots::with_capacity(1)), Err(crate::SlotsError::OutOfMemory(e)) if e.available == 0)
+        matches!(big.alloc_slots(1, &mut Slots::with_capacity(1)), Err(SlotsError::OutOfMemory(e)) if e.available == 0)
     );
     assert_eq!(big.free_slots(&mut t), Ok(300));
     assert_eq!(big.available(), 300);
@@ -573,4 +574,83 @@ fn an_allocation_short_of_indices_takes_them_from_the_runs_magazines() {
     pool.alloc(&mut all).unwrap();
     assert_eq!(pool.available(), 0);
     pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cache_over_an_arc_moves_to_another_thread_with_its_stock() {
+    use std::sync::Arc;
+    let pool = Arc::new(SlotPool::new(1000));
+    let mut cache = SlotCache::new(Arc::clone(&pool), 64).unwrap();
+    let mut s = Slots::with_capacity(100);
+    cache.alloc_slots(10, &mut s).unwrap();
+    assert_eq!((cache.len(), pool.available()), (32, 958));
+    let mut s = std::thread::spawn(move || {
+        // The stock came along: these 20 come off it, nothing from the pool.
+        cache.alloc_slots(20, &mut s).unwrap();
+        assert_eq!(cache.len(), 12);
+        cache.free_slots_tail(&mut s, 5).unwrap();
+        assert_eq!(cache.len(), 17);
+        s
+    })
+    .join()
+    .unwrap();
+    // The cache was dropped on the other thread: its stock is back.
+    assert_eq!((s.len(), pool.available()), (25, 975));
+    assert_eq!(pool.free_slots(&mut s), Ok(25));
+    assert_eq!(pool.available(), 1000);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cache_whose_pointer_goes_astray_refuses_everything_and_keeps_its_stock() {
+    /// A pointer that derefs to whichever of two pools `at` says.
+    struct Astray<'a>(&'a [SlotPool; 2], &'a core::cell::Cell<usize>);
+    impl core::ops::Deref for Astray<'_> {
+        type Target = SlotPool;
+        fn deref(&self) -> &SlotPool {
+            &self.0[self.1.get()]
+        }
+    }
+    let pools = [SlotPool::new(100), SlotPool::new(100)];
+    let at = core::cell::Cell::new(0);
+    let mut cache = SlotCache::new(Astray(&pools, &at), 16).unwrap();
+    let mut s = Slots::with_capacity(50);
+    cache.alloc_slots(4, &mut s).unwrap();
+    assert_eq!((cache.len(), pools[0].available()), (8, 88));
+    at.set(1);
+    let mut fresh = Slots::with_capacity(8);
+    assert_eq!(cache.alloc_slots(1, &mut fresh), Err(SlotsError::OtherPool));
+    assert_eq!(cache.free_slots(&mut s), Err(SlotsError::OtherPool));
+    assert_eq!(cache.free_slots_tail(&mut s, 1), Err(SlotsError::OtherPool));
+    assert_eq!(cache.flush(), 0);
+    assert_eq!((s.len(), cache.len(), fresh.len()), (4, 8, 0));
+    assert_eq!((pools[0].available(), pools[1].available()), (88, 100));
+    at.set(0);
+    assert_eq!(cache.free_slots(&mut s), Ok(4));
+    drop(cache);
+    assert_eq!(pools[0].available(), 100);
+    pools[0].check_invariants().unwrap();
+    pools[1].check_invariants().unwrap();
+}
+
+#[test]
+fn a_cache_of_capacity_zero_passes_everything_through() {
+    let pool = SlotPool::new(64);
+    let mut cache = SlotCache::new(&pool, 0).unwrap();
+    let mut s = Slots::with_capacity(64);
+    cache.alloc_slots(10, &mut s).unwrap();
+    assert_eq!((cache.len(), pool.available(), s.as_slice()), (0, 54, &(1..=10).collect::<Vec<_>>()[..]));
+    assert!(pool.free(&[3]).is_err());
+    assert_eq!(cache.free_slots(&mut s), Ok(10));
+    assert_eq!((cache.len(), pool.available()), (0, 64));
+    assert!(matches!(cache.alloc_slots(65, &mut Slots::with_capacity(65)),
+        Err(SlotsError::OutOfMemory(e)) if e.requested == 65 && e.available == 64));
+    drop(cache);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cache_needs_a_pool_with_magazines() {
+    let pool = SlotPool::without_magazines(64);
+    assert_eq!(SlotCache::new(&pool, 8).map(|_| ()), Err(SlotsError::Unsupported));
 }
