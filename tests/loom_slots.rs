@@ -813,6 +813,26 @@ fn a_claim_trading_for_a_block_racing_one_that_reserved_it() {
     );
 }
 
+/// An owned batch of 3 from `pool` (of 4) as owner `tag`: served (checked, owned, freed)
+/// or refused with nothing changed; `outcome` names the two.
+fn claim_three(pool: &SlotPool, owners: &Owners, tag: usize, outcomes: &Outcomes, outcome: [&str; 2]) {
+    let mut s = Slots::with_capacity(3);
+    match pool.alloc_slots(3, &mut s) {
+        Ok(()) => {
+            distinct_in_range(&s, 4);
+            owners.claim(&s, tag);
+            owners.check(&s, tag);
+            outcomes.hit(outcome[0]);
+            assert_eq!(pool.free_slots(&mut s), Ok(3));
+        }
+        Err(e) => {
+            assert!(matches!(e, kvpool::SlotsError::OutOfMemory(o) if o.requested == 3), "{e:?}");
+            assert!(s.is_empty());
+            outcomes.hit(outcome[1]);
+        }
+    }
+}
+
 /// Owned batches (`Slots`). The main thread's runs magazine (shard 0) holds the run
 /// [1, 2]; 3 and 4 are free in the bitmap. Thread 2 shares that magazine: it fills a
 /// batch of 1 (from the runs, or from the bitmap when the magazine is busy), tries a
@@ -835,23 +855,7 @@ fn owned_batches_racing_a_flush_and_a_bare_free() {
 
         let big = {
             let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
-            thread::spawn(move || {
-                let mut s = Slots::with_capacity(3);
-                match pool.alloc_slots(3, &mut s) {
-                    Ok(()) => {
-                        distinct_in_range(&s, CAP);
-                        owners.claim(&s, 1);
-                        owners.check(&s, 1);
-                        outcomes.hit("three_served");
-                        assert_eq!(pool.free_slots(&mut s), Ok(3));
-                    }
-                    Err(e) => {
-                        assert!(matches!(e, kvpool::SlotsError::OutOfMemory(o) if o.requested == 3), "{e:?}");
-                        assert!(s.is_empty());
-                        outcomes.hit("three_refused");
-                    }
-                }
-            })
+            thread::spawn(move || claim_three(&pool, &owners, 1, &outcomes, ["three_served", "three_refused"]))
         };
         let sharer = {
             let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
@@ -922,23 +926,7 @@ fn a_private_magazine_racing_a_claim_for_what_it_holds() {
         };
         let claim = {
             let (pool, owners, outcomes) = (Arc::clone(&pool), Arc::clone(&owners), outcomes.clone());
-            thread::spawn(move || {
-                let mut s = Slots::with_capacity(3);
-                match pool.alloc_slots(3, &mut s) {
-                    Ok(()) => {
-                        distinct_in_range(&s, CAP);
-                        owners.claim(&s, 2);
-                        owners.check(&s, 2);
-                        outcomes.hit("claim_served");
-                        assert_eq!(pool.free_slots(&mut s), Ok(3));
-                    }
-                    Err(e) => {
-                        assert!(matches!(e, kvpool::SlotsError::OutOfMemory(o) if o.requested == 3), "{e:?}");
-                        assert!(s.is_empty());
-                        outcomes.hit("claim_refused");
-                    }
-                }
-            })
+            thread::spawn(move || claim_three(&pool, &owners, 2, &outcomes, ["claim_served", "claim_refused"]))
         };
         cached.join().unwrap();
         claim.join().unwrap();

@@ -28,7 +28,7 @@
 //!   cache's `available()` that plus its stock, `is_allocated` holds exactly for
 //!   bare-allocated indices, and `check_invariants()` passes.
 
-use arbitrary::{Arbitrary, Unstructured};
+use arbitrary::Arbitrary;
 
 use crate::error::{FreeErrorKind, SlotsError};
 use crate::{OutOfMemory, SlotCache, SlotPool, Slots, Unit};
@@ -128,15 +128,7 @@ pub enum CacheOp {
 
 /// Decode up to `max` ops from fuzzer bytes.
 pub fn cache_ops_from_bytes(bytes: &[u8], max: usize) -> Vec<CacheOp> {
-    let mut u = Unstructured::new(bytes);
-    let mut ops = Vec::new();
-    while ops.len() < max {
-        match CacheOp::arbitrary(&mut u) {
-            Ok(op) => ops.push(op),
-            Err(_) => break,
-        }
-    }
-    ops
+    super::decode_ops(bytes, max)
 }
 
 /// Who holds an index.

@@ -375,10 +375,16 @@ pub enum Op {
 /// assert!(kvpool::models::ops_from_bytes(&[]).is_empty());
 /// ```
 pub fn ops_from_bytes(bytes: &[u8]) -> Vec<Op> {
+    decode_ops(bytes, usize::MAX)
+}
+
+/// Decode up to `max` values of `T` from fuzzer bytes, until the bytes run out or stop
+/// decoding: the op decoder of every model here.
+pub(crate) fn decode_ops<'a, T: Arbitrary<'a>>(bytes: &'a [u8], max: usize) -> Vec<T> {
     let mut u = Unstructured::new(bytes);
     let mut ops = Vec::new();
-    while !u.is_empty() {
-        match Op::arbitrary(&mut u) {
+    while ops.len() < max && !u.is_empty() {
+        match T::arbitrary(&mut u) {
             Ok(op) => ops.push(op),
             Err(_) => break,
         }

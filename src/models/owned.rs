@@ -22,7 +22,7 @@
 //!   holds exactly for bare-allocated indices, and `check_invariants()` passes
 //!   (held + free + in magazines + in batches = capacity).
 
-use arbitrary::{Arbitrary, Unstructured};
+use arbitrary::Arbitrary;
 
 use crate::error::{FreeErrorKind, SlotsError};
 use crate::{SlotPool, Slots};
@@ -95,15 +95,7 @@ pub enum OwnedOp {
 
 /// Decode up to `max` ops from fuzzer bytes.
 pub fn owned_ops_from_bytes(bytes: &[u8], max: usize) -> Vec<OwnedOp> {
-    let mut u = Unstructured::new(bytes);
-    let mut ops = Vec::new();
-    while ops.len() < max {
-        match OwnedOp::arbitrary(&mut u) {
-            Ok(op) => ops.push(op),
-            Err(_) => break,
-        }
-    }
-    ops
+    super::decode_ops(bytes, max)
 }
 
 /// Who holds an index.

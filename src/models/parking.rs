@@ -26,7 +26,7 @@
 
 use std::collections::HashSet;
 
-use arbitrary::{Arbitrary, Unstructured};
+use arbitrary::Arbitrary;
 
 use crate::SlotPool;
 
@@ -92,15 +92,7 @@ pub enum ParkOp {
 /// assert!(!ops.is_empty());
 /// ```
 pub fn park_ops_from_bytes(bytes: &[u8], max_ops: usize) -> Vec<ParkOp> {
-    let mut u = Unstructured::new(bytes);
-    let mut ops = Vec::new();
-    while ops.len() < max_ops && !u.is_empty() {
-        match ParkOp::arbitrary(&mut u) {
-            Ok(op) => ops.push(op),
-            Err(_) => break,
-        }
-    }
-    ops
+    super::decode_ops(bytes, max_ops)
 }
 
 /// Fail with a message naming the step unless `$cond`.
