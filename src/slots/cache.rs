@@ -86,6 +86,39 @@ use crate::error::SlotsError;
 /// derefs to one. The stock's storage (`capacity` runs) is allocated once by
 /// [`new`](Self::new); nothing else allocates. It is `Send` when `P` is, so it may move
 /// to another thread with its stock; every operation takes `&mut self`.
+///
+/// # Examples
+///
+/// An overlap scheduler: the scheduler thread allocates through its cache, the output
+/// thread frees through its own, and each stock moves to the pool in bulk.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::{SlotCache, SlotPool, Slots};
+///
+/// let pool = Arc::new(SlotPool::new(1 << 16));
+/// let (done, finished) = std::sync::mpsc::channel::<Slots>();
+/// let output = {
+///     let pool = Arc::clone(&pool);
+///     std::thread::spawn(move || {
+///         let mut cache = SlotCache::new(pool, 1024)?;
+///         for mut batch in finished {
+///             cache.free_slots(&mut batch)?;        // onto this thread's stock
+///         }
+///         Ok::<(), kvpool::SlotsError>(())          // the drop returns the stock
+///     })
+/// };
+/// let mut cache = SlotCache::new(Arc::clone(&pool), 1024)?;
+/// for _ in 0..100 {
+///     let mut batch = Slots::with_capacity(16);
+///     cache.alloc_slots(16, &mut batch)?;
+///     done.send(batch).unwrap();
+/// }
+/// drop((done, cache));
+/// output.join().unwrap()?;
+/// assert_eq!(pool.available(), 1 << 16);
+/// # Ok::<(), kvpool::SlotsError>(())
+/// ```
 pub struct SlotCache<P: Deref<Target = SlotPool>> {
     pool: P,
     /// The pool's identity when the cache was made: its stock is that pool's. Checked
@@ -113,8 +146,9 @@ impl RunSink for Stock {
 }
 
 impl<P: Deref<Target = SlotPool>> SlotCache<P> {
-    /// A cache of up to `capacity` indices in front of `pool`, with an empty stock.
-    /// Allocates its storage (8 bytes per index of capacity) here, once.
+    /// A cache of up to `capacity` indices (at most the pool's capacity) in front of
+    /// `pool`, with an empty stock. Allocates its storage (8 bytes per index of
+    /// capacity) here, once.
     ///
     /// # Errors
     ///
@@ -124,7 +158,7 @@ impl<P: Deref<Target = SlotPool>> SlotCache<P> {
         if pool.mags.is_empty() {
             return Err(SlotsError::Unsupported);
         }
-        let id = pool.id;
+        let (id, capacity) = (pool.id, capacity.min(pool.capacity() as usize));
         Ok(SlotCache { pool, id, stock: Stock { runs: vec![(0, 0); capacity].into_boxed_slice(), nruns: 0, len: 0 } })
     }
 

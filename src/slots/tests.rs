@@ -650,6 +650,17 @@ fn a_cache_of_capacity_zero_passes_everything_through() {
 }
 
 #[test]
+fn a_cache_is_no_larger_than_its_pool() {
+    let pool = SlotPool::new(64);
+    let mut cache = SlotCache::new(&pool, usize::MAX).unwrap();
+    assert_eq!(cache.capacity(), 64);
+    let mut s = Slots::with_capacity(64);
+    cache.alloc_slots(64, &mut s).unwrap();
+    assert_eq!(cache.free_slots(&mut s), Ok(64));
+    assert_eq!((cache.len(), pool.available(), cache.available()), (64, 0, 64));
+}
+
+#[test]
 fn a_cache_needs_a_pool_with_magazines() {
     let pool = SlotPool::without_magazines(64);
     assert_eq!(SlotCache::new(&pool, 8).map(|_| ()), Err(SlotsError::Unsupported));
