@@ -155,10 +155,11 @@ impl<P: Deref<Target = SlotPool>> SlotCache<P> {
     /// [`SlotsError::Unsupported`] for a pool without magazines, which refuses owned
     /// batches (see [`SlotPool::alloc_slots`]).
     pub fn new(pool: P, capacity: usize) -> Result<Self, SlotsError> {
-        if pool.mags.is_empty() {
+        let p: &SlotPool = &pool;
+        if p.mags.is_empty() {
             return Err(SlotsError::Unsupported);
         }
-        let (id, capacity) = (pool.id, capacity.min(pool.capacity() as usize));
+        let (id, capacity) = (p.id, capacity.min(p.capacity() as usize));
         Ok(SlotCache { pool, id, stock: Stock { runs: vec![(0, 0); capacity].into_boxed_slice(), nruns: 0, len: 0 } })
     }
 
