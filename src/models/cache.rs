@@ -165,9 +165,9 @@ impl Model {
         Ok(())
     }
 
-    /// Set stock `c` to `now` (what the cache reports): every index in it must have
-    /// been free or in that stock already; indices that left it are free again unless
-    /// `except` (a batch's new ones) holds them.
+    /// Set stock `c` to `now` (what the cache reports): indices that left it are free
+    /// again unless already handed to a batch ([`take`](Self::take)), and every index
+    /// in it must be free by then (it was free or in that stock).
     fn restock(&mut self, c: usize, now: Vec<u32>) -> Result<(), String> {
         for &i in &self.stocks[c] {
             if self.owner[i as usize] == Owner::Stock(c) {
@@ -250,7 +250,7 @@ fn fill_error(n: usize, batch: &Slots, free: usize) -> Option<SlotsError> {
     }
 }
 
-/// Check a fill's result: the batch kept what it had and gained `got`'s worth, its
+/// Check a fill's result: the batch kept what it had and gained `added` indices, its
 /// runs equal to its indices. Returns the new indices.
 fn gained(before: &[u32], batch: &Slots, added: usize) -> Result<Vec<u32>, String> {
     let now = batch.as_slice();

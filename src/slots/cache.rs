@@ -73,7 +73,7 @@
 
 use core::ops::Deref;
 
-use super::owned::{pop_runs, push_runs, take_tail, RunSink};
+use super::owned::{pop_runs, push_runs, ranges, take_tail, RunSink};
 use super::{SlotPool, Slots};
 use crate::error::SlotsError;
 
@@ -191,7 +191,7 @@ impl<P: Deref<Target = SlotPool>> SlotCache<P> {
 
     /// The stock as ranges of consecutive indices, bottom of the stack first.
     pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
-        self.stock.runs[..self.stock.nruns].iter().map(|&(first, count)| first..=first + (count - 1))
+        ranges(&self.stock.runs[..self.stock.nruns])
     }
 
     /// The pool, dereferenced once per operation (so that every step of it sees the
@@ -335,25 +335,10 @@ impl Stock {
     /// Pop the last `n` indices (`n <= len`) into `into` (which has room).
     #[inline]
     fn pop_into(&mut self, n: usize, into: &mut Slots) {
-        if n == 0 {
-            return;
+        if n > 0 {
+            self.nruns = pop_runs(&mut self.runs, self.nruns, n, into);
+            self.len -= n;
         }
-        self.len -= n;
-        // The common case first: the top run holds them all (a batch freed as one run
-        // comes back as it), so no walk.
-        if let Some(t) = self.nruns.checked_sub(1) {
-            let (first, count) = self.runs[t];
-            if let Some(keep) = (count as usize).checked_sub(n) {
-                into.push_run(first + keep as u32, n as u32);
-                if keep == 0 {
-                    self.nruns = t;
-                } else {
-                    self.runs[t].1 = keep as u32;
-                }
-                return;
-            }
-        }
-        self.nruns = pop_runs(&mut self.runs, self.nruns, n, into);
     }
 
     /// Push `runs` (`n` indices, owned by the caller) on top, making room first by

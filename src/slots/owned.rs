@@ -133,8 +133,21 @@ pub(super) fn push_runs(stack: &mut [(u32, u32)], mut top: usize, runs: &[(u32, 
 /// Pop the last `n` indices of the stack `stack[..top]` (which holds at least `n`)
 /// into `sink`, in push order: the lowest run reached gives its upper part and keeps
 /// the rest. Returns the new top.
-#[inline]
+#[inline(always)]
 pub(super) fn pop_runs(stack: &mut [(u32, u32)], top: usize, n: usize, sink: &mut impl RunSink) -> usize {
+    debug_assert!(n > 0, "a pop of no index");
+    // The common case first: the top run holds them all (a batch freed as one run comes
+    // back as it), so no walk.
+    if let Some((first, count)) = top.checked_sub(1).map(|t| stack[t]) {
+        if let Some(keep) = (count as usize).checked_sub(n) {
+            sink.push_run(first + keep as u32, n as u32);
+            if keep == 0 {
+                return top - 1;
+            }
+            stack[top - 1].1 = keep as u32;
+            return top;
+        }
+    }
     let (p, keep) = tail_start(&stack[..top], n);
     let (first, count) = stack[p];
     sink.push_run(first + keep, count - keep);
@@ -171,6 +184,11 @@ pub(super) fn take_tail<R>(
         *nruns = p;
     }
     r
+}
+
+/// Runs `(first, count)` as inclusive ranges (so that a range may end at `u32::MAX`).
+pub(super) fn ranges(runs: &[(u32, u32)]) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
+    runs.iter().map(|&(first, count)| first..=first + (count - 1))
 }
 
 /// A fresh pool identity (see `SlotPool::id`). Process-wide, never reused.
@@ -277,7 +295,7 @@ impl Slots {
     /// the one before it is merged into it). Inclusive, so that a range may end at
     /// `u32::MAX`.
     pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
-        self.runs[..self.nruns].iter().map(|&(first, count)| first..=first + (count - 1))
+        ranges(&self.runs[..self.nruns])
     }
 
     /// Forget the contents (they went back to the pool).
