@@ -44,7 +44,10 @@
 //! reserved fallibly (a configuration too large for the machine is a
 //! [`ConfigError::TooLargeForMemory`](crate::ConfigError)). Arenas are committed
 //! eagerly: construction writes every cell (all but the eviction heap's spare room), so
-//! page faults are paid there, not on the hot paths.
+//! page faults are paid there, not on the hot paths. On Linux, arenas of 4 MiB and more
+//! are advised as transparent huge pages first (`MADV_HUGEPAGE`): resident either way,
+//! they then take far fewer page faults to build and far fewer TLB misses on the hot
+//! paths when the cache is large (BENCHMARKS, issue 8, sixteenth round).
 //!
 //! Splitting never rewrites runs: the upper half keeps the record's first page and run,
 //! the lower half starts inside a run or at the next one, and its record states how many
@@ -537,6 +540,14 @@ enum Lookup {
 /// a prefix of the other). Blocks of 64 are compared with one branch-free pass each (it
 /// vectorizes), so a long equal stretch costs what a `memcmp` of it costs, and only the
 /// block holding the difference is scanned element by element.
+///
+/// `a` is the tree's side: each block first asks for the lines of `a`
+/// [`PREFETCH_AHEAD`] tokens further on. A cached run is one stretch of memory (16 KiB
+/// on average at page size 16 on the bundled trace) that the hardware prefetchers pick
+/// up only after a few misses and lose at every 4 KiB page; with everything cached
+/// (150 M tokens) those tokens come from DRAM, and the hint keeps about 2 KiB of
+/// them in flight (BENCHMARKS, issue 8, sixteenth round). `b`, the caller's key, is
+/// usually cached already.
 #[cfg_attr(loom, allow(dead_code))]
 fn first_diff(a: &[u32], b: &[u32]) -> usize {
     const BLOCK: usize = 64;
@@ -544,6 +555,10 @@ fn first_diff(a: &[u32], b: &[u32]) -> usize {
     let (a, b) = (&a[..n], &b[..n]);
     let mut i = 0;
     while i + BLOCK <= n {
+        // The block's four cache lines, `PREFETCH_AHEAD` tokens on, within `a`.
+        for line in (i + PREFETCH_AHEAD..n.min(i + PREFETCH_AHEAD + BLOCK)).step_by(16) {
+            prefetch(&a[line]);
+        }
         let mut diff = 0u32;
         for (x, y) in a[i..i + BLOCK].iter().zip(&b[i..i + BLOCK]) {
             diff |= x ^ y;
@@ -554,6 +569,25 @@ fn first_diff(a: &[u32], b: &[u32]) -> usize {
         i += BLOCK;
     }
     i + a[i..].iter().zip(&b[i..]).position(|(x, y)| x != y).unwrap_or(n - i)
+}
+
+/// How far ahead of its comparison [`first_diff`] asks for the tree's tokens: 2 KiB.
+/// Measured at 1, 2, 4 and 8 KiB on the 150 M configuration of `cache_ops`: 1 and 2 KiB
+/// gained about the same, 8 KiB little (BENCHMARKS, issue 8, sixteenth round).
+const PREFETCH_AHEAD: usize = 512;
+
+/// Ask for the cache line holding `x` (a hint: no effect on the program's results).
+#[inline(always)]
+fn prefetch<T>(x: &T) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    // SAFETY: SSE, which `_mm_prefetch` needs, is part of every x86-64 target; a
+    // prefetch neither reads nor writes memory as far as the program can tell, never
+    // faults, and the address is a live reference besides.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>((x as *const T).cast::<i8>());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
+    let _ = x;
 }
 
 fn span_of(v: u64) -> (u32, u32) {
@@ -814,21 +848,13 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// (the comparison of the node above). A hint only: it reads nothing.
     #[inline]
     fn prefetch_child(&self, parent_page: u32, namespace: u64, key_page: &[u32]) {
-        #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+        #[cfg(not(loom))]
+        if let Some(word) =
+            self.buckets.get(self.key_hash(parent_page, namespace, key_page) as usize & self.bucket_mask)
         {
-            let bucket = self.key_hash(parent_page, namespace, key_page) as usize & self.bucket_mask;
-            if let Some(word) = self.buckets.get(bucket) {
-                // SAFETY: SSE, which `_mm_prefetch` needs, is part of every x86-64 target;
-                // a prefetch neither reads nor writes memory as far as the program can
-                // tell (and never faults), and the address is a live bucket besides.
-                unsafe {
-                    core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                        (word as *const AtomicU64).cast::<i8>(),
-                    );
-                }
-            }
+            prefetch(word);
         }
-        #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+        #[cfg(loom)]
         let _ = (parent_page, namespace, key_page);
     }
 
