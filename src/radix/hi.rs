@@ -120,6 +120,7 @@ use core::sync::atomic::AtomicU64;
 use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::{run_at, NewLeaf, Runs, Writer};
+use super::LatchHeld;
 use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
 use crate::error::{ConfigError, Unit};
@@ -834,8 +835,8 @@ fn to_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, group: &mut KvFre
         debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
     }
     let len = count as usize * w.c.ps;
-    w.c.evictable.fetch_sub(len, Ordering::Release);
-    w.c.total.fetch_sub(len, Ordering::Release);
+    w.c.evictable.latch_sub(len);
+    w.c.total.latch_sub(len);
     let parent = w.parent_of(id);
     let pm = &mut w.s.meta[parent as usize];
     pm.children -= 1;
@@ -866,8 +867,8 @@ fn to_device<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, id: u32, slots: &[u32]) 
     let x = ext_mut(w, id);
     (x.host_only, x.copy, x.copy_run) = (false, own, own_run);
     let len = count as usize * ps;
-    w.c.evictable.fetch_add(len, Ordering::Release);
-    w.c.total.fetch_add(len, Ordering::Release);
+    w.c.evictable.latch_add(len);
+    w.c.total.latch_add(len);
     let parent = w.parent_of(id);
     w.s.meta[parent as usize].children += 1;
     w.heap().remove(parent);

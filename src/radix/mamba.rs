@@ -62,6 +62,7 @@ use std::sync::Arc;
 use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::Writer;
+use super::LatchHeld;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
@@ -302,7 +303,7 @@ impl<P: StatePool> Variant for Mamba<P> {
         w.s.ext.owner[e.state as usize] = NIL;
         w.s.meta[id as usize].ext.state = NIL;
         let count = if e.lock == 0 { &w.c.variant.evictable } else { &w.c.variant.protected };
-        count.fetch_sub(1, Ordering::Release);
+        count.latch_sub(1);
         let r = w.c.variant.pool.free(&[e.state]);
         debug_assert!(r.is_ok(), "a state held by the tree failed to free: {r:?}");
     }
@@ -314,8 +315,8 @@ impl<P: StatePool> Variant for Mamba<P> {
         }
         let v = &w.c.variant;
         if e.lock == 0 {
-            v.evictable.fetch_sub(1, Ordering::Release);
-            v.protected.fetch_add(1, Ordering::Release);
+            v.evictable.latch_sub(1);
+            v.protected.latch_add(1);
             states(w).remove(id);
         }
         w.s.meta[id as usize].ext.lock += 1;
@@ -331,8 +332,8 @@ impl<P: StatePool> Variant for Mamba<P> {
         debug_assert!(e.lock > 0, "a state lock released twice");
         w.s.meta[id as usize].ext.lock -= 1;
         if e.lock == 1 {
-            v.evictable.fetch_add(1, Ordering::Release);
-            v.protected.fetch_sub(1, Ordering::Release);
+            v.evictable.latch_add(1);
+            v.protected.latch_sub(1);
             states(w).push(id);
         }
     }
@@ -654,7 +655,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         }
         w.s.meta[end as usize].ext = MambaNode { state, lock: 0, pos: NIL };
         w.s.ext.owner[state as usize] = end;
-        w.c.variant.evictable.fetch_add(1, Ordering::Release);
+        w.c.variant.evictable.latch_add(1);
         w.touch(end);
         states(w).push(end);
         true

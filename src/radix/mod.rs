@@ -590,6 +590,39 @@ fn prefetch<T>(x: &T) {
     let _ = x;
 }
 
+/// Counters and generations that only the latch holder writes (the sizes, a record's
+/// `gen` when it is published) change with a load and a store instead of a
+/// read-modify-write. Readers see the old value or the new one either way; the store
+/// keeps the `Release` of the RMW it replaces. What it saves is the locked
+/// instruction, which on x86 waits for every earlier load and store to complete: the
+/// insert of a new leaf stalled there on the store of its bucket's cold line
+/// (BENCHMARKS, issue 8, sixteenth round).
+pub(crate) trait LatchHeld {
+    type Value;
+    /// Add `d` (wrapping); the latch holder only.
+    fn latch_add(&self, d: Self::Value);
+    /// Subtract `d` (wrapping); the latch holder only.
+    fn latch_sub(&self, d: Self::Value);
+}
+
+macro_rules! latch_held {
+    ($atomic:ty, $value:ty) => {
+        impl LatchHeld for $atomic {
+            type Value = $value;
+            #[inline]
+            fn latch_add(&self, d: $value) {
+                self.store(self.load(Ordering::Relaxed).wrapping_add(d), Ordering::Release);
+            }
+            #[inline]
+            fn latch_sub(&self, d: $value) {
+                self.store(self.load(Ordering::Relaxed).wrapping_sub(d), Ordering::Release);
+            }
+        }
+    };
+}
+latch_held!(AtomicUsize, usize);
+latch_held!(AtomicU64, u64);
+
 fn span_of(v: u64) -> (u32, u32) {
     ((v >> 32) as u32, v as u32)
 }
@@ -849,13 +882,17 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     #[inline]
     fn prefetch_child(&self, parent_page: u32, namespace: u64, key_page: &[u32]) {
         #[cfg(not(loom))]
-        if let Some(word) =
-            self.buckets.get(self.key_hash(parent_page, namespace, key_page) as usize & self.bucket_mask)
-        {
-            prefetch(word);
-        }
+        self.prefetch_bucket(self.key_hash(parent_page, namespace, key_page));
         #[cfg(loom)]
         let _ = (parent_page, namespace, key_page);
+    }
+
+    /// Start loading the bucket of key hash `h` (a hint).
+    #[inline]
+    fn prefetch_bucket(&self, h: u64) {
+        if let Some(word) = self.buckets.get(h as usize & self.bucket_mask) {
+            prefetch(word);
+        }
     }
 
     fn find_child_in<const LOCKED: bool>(&self, parent_page: u32, namespace: u64, key_page: &[u32]) -> Lookup {

@@ -74,6 +74,7 @@ use core::fmt::{self, Write as _};
 use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::Writer;
+use super::LatchHeld;
 use super::{
     CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT,
 };
@@ -186,7 +187,7 @@ fn tombstone<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32) -> usize {
     let len = w.len_of(id);
     w.s.meta[id as usize].ext = SwaNode { tomb: true, lock: 0, pos: NIL };
     w.set_mark(id, 1);
-    w.c.variant.evictable.fetch_sub(len, Ordering::Release);
+    w.c.variant.evictable.latch_sub(len);
     freed
 }
 
@@ -195,7 +196,7 @@ fn revive<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32) {
     debug_assert!(w.s.meta[id as usize].ext.tomb);
     w.s.meta[id as usize].ext = SwaNode::default();
     w.set_mark(id, 0);
-    w.c.variant.evictable.fetch_add(w.len_of(id), Ordering::Release);
+    w.c.variant.evictable.latch_add(w.len_of(id));
     windows(w).push(id);
 }
 
@@ -282,7 +283,7 @@ impl Variant for Swa {
         }
         let len = w.len_of(id);
         let count = if e.lock == 0 { &w.c.variant.evictable } else { &w.c.variant.protected };
-        count.fetch_sub(len, Ordering::Release);
+        count.latch_sub(len);
         w.s.ext.removed_window += len;
     }
 
@@ -296,8 +297,8 @@ impl Variant for Swa {
             let len = w.len_of(x);
             if e.lock == 0 {
                 windows(w).remove(x);
-                w.c.variant.evictable.fetch_sub(len, Ordering::Release);
-                w.c.variant.protected.fetch_add(len, Ordering::Release);
+                w.c.variant.evictable.latch_sub(len);
+                w.c.variant.protected.latch_add(len);
             }
             w.s.meta[x as usize].ext.lock += 1;
             acc += len;
@@ -315,8 +316,8 @@ impl Variant for Swa {
             debug_assert!(e.lock > 0 && !e.tomb, "a window lock released twice");
             e.lock -= 1;
             if e.lock == 0 {
-                w.c.variant.evictable.fetch_add(len, Ordering::Release);
-                w.c.variant.protected.fetch_sub(len, Ordering::Release);
+                w.c.variant.evictable.latch_add(len);
+                w.c.variant.protected.latch_sub(len);
                 windows(w).push(x);
             }
             acc += len as u64;
@@ -484,7 +485,7 @@ fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
         let pages = new.len() / ps;
         let window = dual(w).window();
         // The leaf counts as live first; a cut below makes its upper part a tombstone.
-        w.c.variant.evictable.fetch_add(new.len(), Ordering::Release);
+        w.c.variant.evictable.latch_add(new.len());
         windows(w).push(leaf);
         // The leaf holds exactly the new pages: its runs, one bitmap load per 64 pages.
         let (mut at, mut last_dead) = (0usize, None);

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use super::heap::{Heap, Leaves};
 use super::variant::Variant;
+use super::LatchHeld;
 use super::{
     link_of, link_to, page_hash, span_of, CacheError, EvictionPolicy, Inner, KvEvent, Lookup, MatchResult, Meta,
     RadixCache, NIL, ROOT,
@@ -483,7 +484,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let b = self.bucket_of(id);
         let word = self.c.buckets[b].load(Ordering::Relaxed);
         r.hash_next.store(word as u32, Ordering::Relaxed);
-        r.gen.fetch_add(1, Ordering::Release);
+        r.gen.latch_add(1);
         // Release: readers that load this head (Acquire) see the record's fields and
         // the tokens and page links written before.
         self.c.buckets[b].store(word & !0xffff_ffff | id as u64, Ordering::Release);
@@ -508,7 +509,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let next = self.c.records[old as usize].hash_next.load(Ordering::Relaxed);
         let r = &self.c.records[new as usize];
         r.hash_next.store(next, Ordering::Relaxed);
-        r.gen.fetch_add(1, Ordering::Release);
+        r.gen.latch_add(1);
         // The old record leaves the chain as an unlink would, so the bucket's removal
         // version moves too: a lookup that reached `old` before the swap, then finds it
         // retired and walks off the chain, must see the change and retry instead of
@@ -1033,6 +1034,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     ) -> u32 {
         let ps = self.c.ps;
         let pages = key.len() / ps;
+        // The bucket the leaf goes into, asked for now: its line is cold in a large
+        // cache, and the copy of the leaf's tokens below hides the miss.
+        let h = self.c.key_hash(parent_page, namespace, &key[..ps]);
+        self.c.prefetch_bucket(h);
         if self.c.events.is_some() {
             let mut prev_hash = (parent_page != 0).then(|| self.s.digests[parent_page as usize]);
             for (i, (chunk, slot)) in key.chunks_exact(ps).zip(slots.iter().step_by(ps)).enumerate() {
@@ -1067,7 +1072,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.c.links[last as usize].store(0, Ordering::Relaxed);
         let first = slots[0] / ps as u32;
         let leaf = NewLeaf { parent_page, namespace, first, first_run, pages: pages as u32, last };
-        self.attach_leaf(leaf, &key[..ps], priority, 0, true)
+        self.attach_hashed(leaf, h, priority, 0, true)
     }
 
     /// Publish a new leaf whose pages (linked, their tokens written) are `leaf`'s, with
@@ -1083,8 +1088,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         mark: u32,
         resident: bool,
     ) -> u32 {
+        let h = self.c.key_hash(leaf.parent_page, leaf.namespace, first_page);
+        self.attach_hashed(leaf, h, priority, mark, resident)
+    }
+
+    /// [`attach_leaf`](Self::attach_leaf) with the key hash of the leaf's first page
+    /// (`h`) already computed.
+    fn attach_hashed(&mut self, leaf: NewLeaf, h: u64, priority: i64, mark: u32, resident: bool) -> u32 {
         let NewLeaf { parent_page, namespace, first, first_run, pages, last } = leaf;
-        let h = self.c.key_hash(parent_page, namespace, first_page);
         let id = self.new_record(first, first_run, pages, parent_page, namespace, h);
         self.c.records[id as usize].mark.store(mark, Ordering::Relaxed);
         self.publish(id);
@@ -1101,8 +1112,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             super::hints::touched(self, id);
             self.heap().push(id);
             let len = pages as usize * self.c.ps;
-            self.c.evictable.fetch_add(len, Ordering::Release);
-            self.c.total.fetch_add(len, Ordering::Release);
+            self.c.evictable.latch_add(len);
+            self.c.total.latch_add(len);
         }
         id
     }
@@ -1133,8 +1144,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         while id != ROOT {
             if self.s.meta[id as usize].lock_ref == 0 {
                 let len = self.len_of(id);
-                self.c.evictable.fetch_sub(len, Ordering::Release);
-                self.c.protected.fetch_add(len, Ordering::Release);
+                self.c.evictable.latch_sub(len);
+                self.c.protected.latch_add(len);
                 self.heap().remove(id);
             }
             self.s.meta[id as usize].lock_ref += 1;
@@ -1156,8 +1167,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             if m.lock_ref == 0 {
                 let leaf = m.children == 0;
                 let len = self.len_of(id);
-                self.c.evictable.fetch_add(len, Ordering::Release);
-                self.c.protected.fetch_sub(len, Ordering::Release);
+                self.c.evictable.latch_add(len);
+                self.c.protected.latch_sub(len);
                 if leaf {
                     self.heap().push(id);
                 }
@@ -1218,8 +1229,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
             debug_assert!(r.is_ok(), "evicted pages are owned by the tree: {r:?}");
             self.s.page_owner[last_page as usize] = NIL;
             let len = count as usize * ps;
-            self.c.evictable.fetch_sub(len, Ordering::Release);
-            self.c.total.fetch_sub(len, Ordering::Release);
+            self.c.evictable.latch_sub(len);
+            self.c.total.latch_sub(len);
             freed += len;
             let pm = &mut self.s.meta[parent as usize];
             pm.children -= 1;
