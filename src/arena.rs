@@ -4,11 +4,14 @@
 //! that says how many bytes it needs, never an abort in the global allocator.
 //!
 //! On Linux (x86-64 and AArch64), an arena of [`HUGE_MIN_BYTES`] or more is advised as
-//! transparent huge pages (`madvise(MADV_HUGEPAGE)`) before anything is written to it.
-//! The arenas are written whole at construction, so they are resident either way and
-//! huge pages cost no memory; what they save is the hot paths' TLB misses (a radix
-//! cache for 150 M tokens spreads its look-ups over gigabytes: one 2 MiB page covers
-//! what 512 small ones do) and most of construction's page faults. Where the system's
+//! transparent huge pages (`madvise(MADV_HUGEPAGE)`) when it is reserved, before anything
+//! is written to it. Most arenas are written whole at construction ([`try_vec_with`]), so
+//! they are resident either way and huge pages cost them no memory; one that its owner
+//! fills later (a free list, the eviction heap) commits memory 2 MiB at a time instead of
+//! 4 KiB, so at most one partly used huge page more than its contents. What huge pages
+//! save is the hot paths' TLB misses (a radix cache for 150 M tokens spreads its
+//! look-ups over gigabytes: one 2 MiB page covers what 512 small ones do) and most of
+//! construction's page faults. Where the system's
 //! policy (`/sys/kernel/mm/transparent_hugepage/enabled`) is `never`, or the kernel
 //! has no huge pages, the advice is refused and nothing changes; with `always`, the
 //! kernel gives huge pages without it.
@@ -140,7 +143,8 @@ mod tests {
             None
         };
         // Small arenas are left alone.
-        let small = try_with_capacity::<u64>(1024, "small").unwrap();
+        let small = try_vec_with(1024, "small", |_| 0u64);
+        let small = small.unwrap();
         let probe_small = advise_huge(small.as_ptr() as *mut u8, 8 * 1024);
         assert!(!probe_small, "nothing whole to advise in 8 KiB");
         let v = try_vec_with(3 * HUGE_PAGE / 8, "large", |i| i as u64).unwrap();
