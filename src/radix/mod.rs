@@ -545,7 +545,7 @@ enum Lookup {
 /// [`PREFETCH_AHEAD`] tokens further on. A cached run is one stretch of memory (16 KiB
 /// on average at page size 16 on the bundled trace) that the hardware prefetchers pick
 /// up only after a few misses and lose at every 4 KiB page; with everything cached
-/// (150 M tokens) those tokens come from DRAM, and the hint keeps about 2 KiB of
+/// (150 M tokens) those tokens come from DRAM, and the hint keeps about 4 KiB of
 /// them in flight (BENCHMARKS, issue 8, sixteenth round). `b`, the caller's key, is
 /// usually cached already.
 #[cfg_attr(loom, allow(dead_code))]
@@ -571,10 +571,11 @@ fn first_diff(a: &[u32], b: &[u32]) -> usize {
     i + a[i..].iter().zip(&b[i..]).position(|(x, y)| x != y).unwrap_or(n - i)
 }
 
-/// How far ahead of its comparison [`first_diff`] asks for the tree's tokens: 2 KiB.
-/// Measured at 1, 2, 4 and 8 KiB on the 150 M configuration of `cache_ops`: 1 and 2 KiB
-/// gained about the same, 8 KiB little (BENCHMARKS, issue 8, sixteenth round).
-const PREFETCH_AHEAD: usize = 512;
+/// How far ahead of its comparison [`first_diff`] asks for the tree's tokens: 1,024
+/// tokens (4 KiB). Measured on the 150 M configuration of `cache_ops` (local, three
+/// sets of rounds) from 256 to 8,192 tokens: 256 gained least, 1,024 and 2,048 the
+/// most or as much as any, 8,192 less again (BENCHMARKS, issue 8, sixteenth round).
+const PREFETCH_AHEAD: usize = 1024;
 
 /// Ask for the cache line holding `x` (a hint: no effect on the program's results).
 #[inline(always)]

@@ -489,7 +489,10 @@ fn first_diff_finds_the_first_difference_at_every_position() {
     // first block, at a block edge, in the tail), and one slice a prefix of the other.
     // The long lengths put the prefetch distance ahead of the slice's end (its hints
     // stop there) and inside it.
-    for n in [0usize, 1, 15, 63, 64, 65, 127, 128, 129, 200, 575, 576, 577, 640, 700] {
+    let ahead = super::PREFETCH_AHEAD;
+    for n in
+        [0usize, 1, 15, 63, 64, 65, 127, 128, 129, 200, ahead + 63, ahead + 64, ahead + 65, ahead + 128, ahead + 150]
+    {
         let a: Vec<u32> = (0..n as u32).map(|x| x.wrapping_mul(2_654_435_761)).collect();
         assert_eq!(super::first_diff(&a, &a), n);
         for at in 0..n {
