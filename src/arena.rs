@@ -11,10 +11,10 @@
 //! 4 KiB, so at most one partly used huge page more than its contents. What huge pages
 //! save is the hot paths' TLB misses (a radix cache for 150 M tokens spreads its
 //! look-ups over gigabytes: one 2 MiB page covers what 512 small ones do) and most of
-//! construction's page faults. Where the system's
-//! policy (`/sys/kernel/mm/transparent_hugepage/enabled`) is `never`, or the kernel
-//! has no huge pages, the advice is refused and nothing changes; with `always`, the
-//! kernel gives huge pages without it.
+//! construction's page faults. Where the system's policy
+//! (`/sys/kernel/mm/transparent_hugepage/enabled`) is `never`, or the kernel has no huge
+//! pages, the advice is refused and nothing changes; with `always`, the kernel gives
+//! huge pages without it.
 
 use crate::error::ConfigError;
 
@@ -56,7 +56,7 @@ pub(crate) fn try_with_capacity<T>(len: usize, what: &'static str) -> Result<Vec
 
 /// The smallest arena advised as huge pages: two 2 MiB pages, so that at least one
 /// whole, aligned huge page lies inside it wherever the allocator placed it.
-pub(crate) const HUGE_MIN_BYTES: usize = 2 * HUGE_PAGE;
+const HUGE_MIN_BYTES: usize = 2 * HUGE_PAGE;
 
 /// The huge page size the advice aims at (x86-64 and AArch64 with 4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
@@ -65,7 +65,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// pages. Returns whether the kernel took the advice (`false` where there is nothing
 /// to advise, on other systems, and under loom or Miri).
 #[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"), not(loom), not(miri)))]
-pub(crate) fn advise_huge(start: *mut u8, bytes: usize) -> bool {
+fn advise_huge(start: *mut u8, bytes: usize) -> bool {
     // `MADV_HUGEPAGE` on both architectures (asm-generic/mman-common.h).
     const MADV_HUGEPAGE: i32 = 14;
     extern "C" {
@@ -86,7 +86,7 @@ pub(crate) fn advise_huge(start: *mut u8, bytes: usize) -> bool {
 
 /// See the Linux version: nothing to do elsewhere.
 #[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"), not(loom), not(miri))))]
-pub(crate) fn advise_huge(_start: *mut u8, _bytes: usize) -> bool {
+fn advise_huge(_start: *mut u8, _bytes: usize) -> bool {
     false
 }
 
@@ -142,11 +142,9 @@ mod tests {
             }
             None
         };
-        // Small arenas are left alone.
-        let small = try_vec_with(1024, "small", |_| 0u64);
-        let small = small.unwrap();
-        let probe_small = advise_huge(small.as_ptr() as *mut u8, 8 * 1024);
-        assert!(!probe_small, "nothing whole to advise in 8 KiB");
+        // Nothing whole to advise in 8 KiB.
+        let small = try_vec_with(1024, "small", |_| 0u64).unwrap();
+        assert!(!advise_huge(small.as_ptr() as *mut u8, 8 * 1024));
         let v = try_vec_with(3 * HUGE_PAGE / 8, "large", |i| i as u64).unwrap();
         let inner = (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
         let flags = flags_at(inner).expect("the arena's mapping is listed");
