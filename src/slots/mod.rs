@@ -1211,8 +1211,7 @@ impl SlotPool {
     /// correctness: it visits every word, wrapping around, until it has them all.
     pub(crate) fn claim(&self, r: Reservation, out: &mut [u32]) {
         debug_assert_eq!(r.len(), out.len());
-        let mut filled = 0;
-        self.claim_with(r, |w, take| filled += write_indices(take, w, &mut out[filled..]));
+        self.claim_marked::<true>(r, Indices { out, filled: 0 });
     }
 
     /// [`claim`](Self::claim) `n` indices, handing them to `each(first, count)` as
@@ -1228,18 +1227,8 @@ impl SlotPool {
     /// [`claim_stretches`](Self::claim_stretches); `HELD` as in
     /// [`claim_marked`](Self::claim_marked).
     #[inline]
-    pub(super) fn claim_stretches_marked<const HELD: bool>(&self, r: Reservation, mut each: impl FnMut(u32, usize)) {
-        self.claim_marked::<HELD>(r, |w, take| {
-            let base = (w * BITS + 1) as u32;
-            let mut t = take;
-            while t != 0 {
-                let b = t.trailing_zeros();
-                let count = (!(t >> b)).trailing_zeros();
-                each(base + b, count as usize);
-                let end = b + count;
-                t = if end >= BITS as u32 { 0 } else { t & (!0u64 << end) };
-            }
-        });
+    pub(super) fn claim_stretches_marked<const HELD: bool>(&self, r: Reservation, each: impl FnMut(u32, usize)) {
+        self.claim_marked::<HELD>(r, Stretches(each));
     }
 
     /// [`claim`](Self::claim) what `r` reserved, handing each word's claimed bits to
@@ -1254,7 +1243,7 @@ impl SlotPool {
     /// [`claim_with`](Self::claim_with); `HELD`: mark the claimed indices held (a
     /// bare allocation), or leave them unheld (an owned batch, "Owned batches").
     #[inline]
-    pub(super) fn claim_marked<const HELD: bool>(&self, r: Reservation, mut each: impl FnMut(usize, u64)) {
+    pub(super) fn claim_marked<const HELD: bool>(&self, r: Reservation, mut each: impl Claimed) {
         let n = r.len();
         let nwords = self.words.len();
         if n == 0 || nwords == 0 {
@@ -1328,7 +1317,7 @@ impl SlotPool {
                     if HELD {
                         self.set_held(w, take);
                     }
-                    each(w, take);
+                    each.word(w, take);
                     let got = ones(take);
                     filled += got;
                     words_left -= got;
@@ -1353,7 +1342,7 @@ impl SlotPool {
                         if HELD {
                             self.set_held(w, take);
                         }
-                        each(w, take);
+                        each.word(w, take);
                         filled += got;
                         words_left -= got;
                         last_word = w;
@@ -2275,6 +2264,77 @@ fn lowest_bits(v: u64, n: usize) -> u64 {
         v ^= low;
     }
     m
+}
+
+/// Where a claim puts what it takes ([`SlotPool::claim_marked`]): the claimed bits of
+/// one word at a time, or whole words in a row (a parked block handed out whole), which
+/// a receiver of stretches takes as one stretch instead of one per word. Any
+/// `FnMut(word, bits)` is one.
+pub(super) trait Claimed {
+    /// Bits `bits` of word `w` (index `w * 64 + b + 1` is bit `b`).
+    fn word(&mut self, w: usize, bits: u64);
+
+    /// Every bit of words `w..w + count`.
+    #[inline]
+    fn whole(&mut self, w: usize, count: usize) {
+        for k in w..w + count {
+            self.word(k, u64::MAX);
+        }
+    }
+}
+
+impl<F: FnMut(usize, u64)> Claimed for F {
+    #[inline]
+    fn word(&mut self, w: usize, bits: u64) {
+        self(w, bits)
+    }
+}
+
+/// A [`Claimed`] writing the claimed indices into `out` in claim order
+/// ([`SlotPool::claim`]).
+struct Indices<'a> {
+    out: &'a mut [u32],
+    filled: usize,
+}
+
+impl Claimed for Indices<'_> {
+    #[inline]
+    fn word(&mut self, w: usize, bits: u64) {
+        self.filled += write_indices(bits, w, &mut self.out[self.filled..]);
+    }
+
+    #[inline]
+    fn whole(&mut self, w: usize, count: usize) {
+        let n = count * BITS;
+        crate::iota::fill_ascending(&mut self.out[self.filled..self.filled + n], (w * BITS + 1) as u32);
+        self.filled += n;
+    }
+}
+
+/// A [`Claimed`] handing the claimed indices on as stretches `(first, count)` of
+/// consecutive indices ([`SlotPool::claim_stretches`]).
+struct Stretches<F>(F);
+
+impl<F: FnMut(u32, usize)> Claimed for Stretches<F> {
+    #[inline]
+    fn word(&mut self, w: usize, bits: u64) {
+        let base = (w * BITS + 1) as u32;
+        let mut t = bits;
+        while t != 0 {
+            let b = t.trailing_zeros();
+            let count = (!(t >> b)).trailing_zeros();
+            (self.0)(base + b, count as usize);
+            let end = b + count;
+            t = if end >= BITS as u32 { 0 } else { t & (!0u64 << end) };
+        }
+    }
+
+    #[inline]
+    fn whole(&mut self, w: usize, count: usize) {
+        if count > 0 {
+            (self.0)((w * BITS + 1) as u32, count * BITS);
+        }
+    }
 }
 
 /// Write the indices of the bits of `mask` in word `w` to `out`, ascending; returns

@@ -3,7 +3,7 @@
 //! The module docs of [`super`] ("Parked blocks") give the protocol and why it is
 //! correct; this file is its code.
 
-use super::{Applied, SlotPool, BITS};
+use super::{Applied, Claimed, SlotPool, BITS};
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{spin_loop, untracked};
 use crossbeam_utils::CachePadded;
@@ -353,7 +353,7 @@ impl SlotPool {
         limit: usize,
         guided: bool,
         need: usize,
-        mut each: impl FnMut(usize, u64),
+        each: &mut impl Claimed,
     ) -> usize {
         let nb = self.park.blocks.len();
         let mut got = 0;
@@ -374,7 +374,7 @@ impl SlotPool {
             }
             if self.try_unpark(b, guided) {
                 bw.held -= 1;
-                let took = self.hand_out_block(b, need - got, &mut each);
+                let took = self.hand_out_block(b, need - got, each);
                 got += took;
                 bw.last_word = b * BLOCK_WORDS + (took - 1) / BITS;
             }
@@ -385,21 +385,15 @@ impl SlotPool {
     /// The end of a claim's walk: `need` indices still owed, all from blocks this claim
     /// holds (its word part is spent); then give back what the claim holds and did
     /// not use: `words` of its word part (traded for blocks) and block counts.
-    pub(super) fn finish_block_walk(
-        &self,
-        bw: &mut BlockWalk,
-        mut need: usize,
-        words: usize,
-        mut each: impl FnMut(usize, u64),
-    ) {
+    pub(super) fn finish_block_walk(&self, bw: &mut BlockWalk, mut need: usize, words: usize, each: &mut impl Claimed) {
         if need > 0 {
-            need -= self.claim_blocks_below(bw, usize::MAX, true, need, &mut each);
+            need -= self.claim_blocks_below(bw, usize::MAX, true, need, each);
         }
         while need > 0 {
             debug_assert!(bw.held > 0, "a claim owed {need} indices with no block to take them from");
             let b = self.unpark_one();
             bw.held -= 1;
-            need -= self.hand_out_block(b, need, &mut each);
+            need -= self.hand_out_block(b, need, each);
         }
         self.publish(words);
         self.publish_parked(bw.held);
@@ -409,13 +403,11 @@ impl SlotPool {
     /// Block `b`, just unparked: hand out up to `need` of its indices (its words whole,
     /// but the last one's); the remainder is freed back to the words and published.
     /// Returns how many were handed out.
-    fn hand_out_block(&self, b: usize, need: usize, mut each: impl FnMut(usize, u64)) -> usize {
+    fn hand_out_block(&self, b: usize, need: usize, each: &mut impl Claimed) -> usize {
         let w0 = b * BLOCK_WORDS;
         let take = need.min(BLOCK);
         let (full, part) = (take / BITS, take % BITS);
-        for w in w0..w0 + full {
-            each(w, u64::MAX);
-        }
+        each.whole(w0, full);
         if take == BLOCK {
             return take;
         }
@@ -424,7 +416,7 @@ impl SlotPool {
         let mut w = w0 + full;
         if part > 0 {
             let low = (1u64 << part) - 1;
-            each(w, low);
+            each.word(w, low);
             self.set_bits(w, !low, super::Dup::Strict, &mut acc);
             w += 1;
         }

@@ -10,18 +10,45 @@ use crate::sync::atomic::Ordering;
 /// The 64-bit words covering bits `start..start + len` of a bitmap, each with the mask
 /// of the range's bits in it. (The slot pool's index `i` is bit `i - 1`; the radix
 /// cache's page bitmap uses it too.)
-pub(crate) fn bit_words(start: usize, len: usize) -> impl Iterator<Item = (usize, u64)> {
-    let (mut i, end) = (start, start + len);
-    core::iter::from_fn(move || {
-        if i >= end {
+pub(crate) fn bit_words(start: usize, len: usize) -> BitWords {
+    BitWords { i: start, end: start + len }
+}
+
+/// What [`bit_words`] returns: the words of a bit range, in order.
+#[derive(Clone, Debug)]
+pub(crate) struct BitWords {
+    /// The next bit to cover.
+    i: usize,
+    /// One past the range's last bit.
+    end: usize,
+}
+
+impl BitWords {
+    /// Skip ahead to word `w`: the next word yielded is `w` (if the range reaches it).
+    /// One store, where `nth` would compute the masks of every word passed over (a
+    /// free that parks a block passes over seven). `w` must not lie before the next
+    /// word, or the range's start.
+    #[inline]
+    fn skip_to(&mut self, w: usize) {
+        debug_assert!(w * BITS >= self.i - self.i % BITS, "skipping back to word {w}");
+        self.i = self.i.max(w * BITS);
+    }
+}
+
+impl Iterator for BitWords {
+    type Item = (usize, u64);
+
+    #[inline]
+    fn next(&mut self) -> Option<(usize, u64)> {
+        if self.i >= self.end {
             return None;
         }
-        let (w, bit) = (i / BITS, i % BITS);
-        let n = (BITS - bit).min(end - i);
+        let (w, bit) = (self.i / BITS, self.i % BITS);
+        let n = (BITS - bit).min(self.end - self.i);
         let mask = if n == BITS { u64::MAX } else { ((1u64 << n) - 1) << bit };
-        i += n;
+        self.i += n;
         Some((w, mask))
-    })
+    }
 }
 
 /// The first and last words of bits `start..start + len` with the range's bits in
@@ -41,7 +68,7 @@ pub(crate) fn bit_ends(start: usize, len: usize) -> Option<(usize, u64, usize, u
 }
 
 /// The words of indices `first..first + count` (`first >= 1`).
-fn words_of(first: u32, count: u32) -> impl Iterator<Item = (usize, u64)> {
+fn words_of(first: u32, count: u32) -> BitWords {
     bit_words(first as usize - 1, count as usize)
 }
 
@@ -129,7 +156,7 @@ impl SlotPool {
             if self.parks && starts_whole_block(w, first, count) {
                 if let Some(b) = self.block_of(w).filter(|&b| self.try_park(b)) {
                     self.note_parked(b, &mut acc);
-                    words.nth(BLOCK_WORDS - 2); // the block's other words
+                    words.skip_to(w + BLOCK_WORDS); // past the block's other words
                     continue;
                 }
             }
@@ -233,7 +260,7 @@ impl FreeGroup<'_> {
                         word = usize::MAX;
                         if pool.try_park(b) {
                             pool.note_parked(b, &mut acc);
-                            words.nth(BLOCK_WORDS - 2); // the block's other words
+                            words.skip_to(w + BLOCK_WORDS); // past the block's other words
                             continue;
                         }
                     }
