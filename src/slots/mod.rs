@@ -2319,6 +2319,11 @@ impl<F: FnMut(u32, usize)> Claimed for Stretches<F> {
     #[inline]
     fn word(&mut self, w: usize, bits: u64) {
         let base = (w * BITS + 1) as u32;
+        if bits == u64::MAX {
+            // A whole word (most of a long claim's): one stretch, no bit scan.
+            (self.0)(base, BITS);
+            return;
+        }
         let mut t = bits;
         while t != 0 {
             let b = t.trailing_zeros();
