@@ -284,7 +284,10 @@
 //!   hint, guided by the summary). So a claim takes the same indices, in the same
 //!   order, as in a pool that does not park (on the bundled trace at page size 1 the
 //!   same stretches exactly, sequential replay), with one RMW per block instead of
-//!   eight.
+//!   eight. A block handed out whole reaches the claim's receiver as one run of eight
+//!   whole words (`Claimed::whole`): one stretch for `claim_stretches`, one fill for
+//!   `claim`. A free that parks a block steps past its other words at once
+//!   (`BitWords::skip_to`).
 //!
 //! **Why a double free is still caught once.** The race is a block free of block `B`
 //! against a word-level free of an index in `B` (one of them is a double free), and
