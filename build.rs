@@ -10,6 +10,7 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=kernels_build/src");
     println!("cargo::rerun-if-changed=kernels_build/Cargo.toml");
+    avx512_cfg();
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let files = kernels_build::write_all(&out).expect("write the generated PTX into OUT_DIR");
 
@@ -80,4 +81,21 @@ fn main() {
         k::DELTA_MAX_THREADS,
     );
     std::fs::write(out.join("kernels.rs"), rs).expect("write kernels.rs");
+}
+
+/// `cfg(kvpool_avx512)` where the compiler builds `src/iota.rs`'s AVX-512 fill: the
+/// `avx512f` target feature and its `zmm_reg` operands are stable from Rust 1.89 on,
+/// newer than the crate's `rust-version`. An unreadable version leaves the fill out.
+fn avx512_cfg() {
+    println!("cargo::rustc-check-cfg=cfg(kvpool_avx512)");
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let Ok(out) = std::process::Command::new(rustc).arg("--version").output() else {
+        return;
+    };
+    // "rustc 1.95.0 (59807616e 2026-04-14)"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let minor = text.split_whitespace().nth(1).and_then(|v| v.split('.').nth(1)).and_then(|m| m.parse::<u32>().ok());
+    if minor.is_some_and(|m| m >= 89) {
+        println!("cargo::rustc-cfg=kvpool_avx512");
+    }
 }
