@@ -35,7 +35,8 @@
 //! [`fill_ascending_hot`], for a buffer its owner is about to read (an owned batch of
 //! a `SlotPool`), takes AVX2 on every CPU that has it where AVX-512 is not chosen.
 //!
-//! `KVPOOL_WIDE_FILL` overrides the choice (read once): `0` the portable loop, `1`
+//! `KVPOOL_WIDE_FILL` overrides the choice (read once, when the first `SlotPool` or
+//! `Trace` is built, never on a hot path: [`prepare`]): `0` the portable loop, `1`
 //! AVX2, `512` AVX-512; a loop the CPU cannot run falls back to the next narrower one.
 //! The AVX-512 loop needs Rust 1.89 to build (the crate's `rust-version` is older;
 //! `build.rs` leaves it out of older builds). The tests below compare every loop the
@@ -44,6 +45,18 @@
 /// Fills shorter than this use the portable loop.
 #[cfg(all(target_arch = "x86_64", not(miri), not(loom)))]
 const WIDE_MIN: usize = 64;
+
+/// Choose the loops now. The first choice reads `KVPOOL_WIDE_FILL`, which allocates
+/// when it is set, so the constructors of everything that fills (`SlotPool`, and through
+/// it every allocator and cache; `Trace`) call this, and no hot path makes the choice.
+#[inline]
+pub(crate) fn prepare() {
+    #[cfg(all(target_arch = "x86_64", not(miri), not(loom)))]
+    {
+        x86::general();
+        x86::hot();
+    }
+}
 
 /// `out[k] = base + k` (wrapping).
 #[inline]

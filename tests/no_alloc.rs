@@ -303,3 +303,24 @@ fn delta_step_staging() {
         assert!(plan.stage(&host, &mut block, &mut fresh, &mut owners).is_err());
     });
 }
+
+/// The fill loop is chosen when a pool is built, not on the first fill: that choice
+/// reads `KVPOOL_WIDE_FILL`, which allocates when it is set. Every test above runs
+/// again in a child process for each value of it.
+#[test]
+fn hot_paths_stay_allocation_free_when_the_fill_loop_is_forced() {
+    let exe = std::env::current_exe().expect("this test binary");
+    for value in ["0", "1", "512"] {
+        let out = std::process::Command::new(&exe)
+            .env("KVPOOL_WIDE_FILL", value)
+            .args(["--skip", "hot_paths_stay_allocation_free_when_the_fill_loop_is_forced", "--test-threads", "1"])
+            .output()
+            .expect("run this test binary again");
+        assert!(
+            out.status.success(),
+            "KVPOOL_WIDE_FILL={value}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -306,6 +306,7 @@ impl Trace {
     }
 
     fn parse_lines<R: BufRead>(mut reader: R, source: &str) -> Result<Trace, TraceError> {
+        crate::iota::prepare();
         let err = |line: Option<usize>, kind| TraceError { source: source.to_string(), line, kind };
         let mut trace = Trace { requests: Vec::new(), hash_ids: Vec::new(), source: source.to_string() };
         let mut line = String::new();

@@ -759,6 +759,7 @@ impl SlotPool {
     }
 
     fn build(capacity: u32, mag_cap: usize, parking: bool) -> Self {
+        crate::iota::prepare();
         let nwords = (capacity as usize).div_ceil(BITS);
         let words: Box<[AtomicU64]> = (0..nwords).map(|_| AtomicU64::new(0)).collect();
         let held_words = if mag_cap > 0 { nwords } else { 0 };
