@@ -55,8 +55,8 @@ use kvpool::radix::{
     EvictionPolicy, HiRadixCache, HostTier, MambaRadixCache, RadixCache, RadixConfig, SwaRadixCache, Transfer,
 };
 use kvpool::replay::{
-    run_sequential, HybridConfig, Mode, ReferenceCache, ReplayCache, ReplayConfig, Trace, VecTrieReplayCache,
-    MAX_MAMBA_STATES, MIN_MAMBA_STATES,
+    run_sequential, HybridConfig, Mode, ReferenceCache, ReplayConfig, Trace, VecTrieReplayCache, MAX_MAMBA_STATES,
+    MIN_MAMBA_STATES,
 };
 use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool};
 
@@ -77,34 +77,9 @@ const SETUPS: [Setup; 3] = [
     Setup { label: "ps1_1M", page_size: 1, capacity: 1 << 20, measure: Duration::from_secs(20) },
 ];
 
-/// The cache work of every request of `trace`; returns the hit tokens.
-fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -> usize {
-    let ps = cache.page_size();
-    let mut hits = 0;
-    for r in 0..trace.len() {
-        let req = trace.request(r);
-        let kv = req.kv_len();
-        trace.write_kv_tokens(r, &mut tokens[..kv]);
-        let prompt = req.input_length as usize;
-        // The row gets the match, then the rest straight from the allocator.
-        let mut row = cache.req_pool().alloc().unwrap();
-        let (hit, lease) = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
-        hits += hit;
-        // Evict the shortfall first (as the replay drivers and SGLang do).
-        let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
-        let avail = cache.available_tokens();
-        if avail < need {
-            cache.evict(need - avail);
-        }
-        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
-            cache.unlock(lease);
-            cache.req_pool().free(row).unwrap();
-            continue;
-        }
-        cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
-    }
-    hits
-}
+#[path = "shared/cache_ops.rs"]
+mod shared;
+use shared::cache_ops;
 
 /// [`cache_ops`] for a hybrid model through a `MambaRadixCache`, with the same row
 /// calls: a request resumes from the deepest cached state (`lease.len()` tokens),

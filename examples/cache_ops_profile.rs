@@ -33,37 +33,14 @@
 
 use std::time::Duration;
 
-use kvpool::alloc::plan_extend;
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
 use kvpool::replay::{ReferenceCache, ReplayCache, Trace, VecTrieReplayCache};
 use kvpool::{PagedAllocator, ReqToTokenPool};
 
-/// The bench's loop: the cache work of every request; returns the hit tokens.
-fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -> usize {
-    let ps = cache.page_size();
-    let mut hits = 0;
-    for r in 0..trace.len() {
-        let req = trace.request(r);
-        let kv = req.kv_len();
-        trace.write_kv_tokens(r, &mut tokens[..kv]);
-        let prompt = req.input_length as usize;
-        let mut row = cache.req_pool().alloc().expect("one row, freed by every request");
-        let (hit, lease) = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).expect("match");
-        hits += hit;
-        let need = plan_extend(ps, &[hit as u32], &[kv as u32]).expect("plan").new_pages * ps as usize;
-        let avail = cache.available_tokens();
-        if avail < need {
-            cache.evict(need - avail);
-        }
-        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
-            cache.unlock(lease);
-            cache.req_pool().free(row).expect("free the row");
-            continue;
-        }
-        cache.cache_finished_req(0, &tokens[..kv], row, lease).expect("finish");
-    }
-    hits
-}
+// The bench's loop itself.
+#[path = "../benches/shared/cache_ops.rs"]
+mod shared;
+use shared::cache_ops;
 
 /// Best thread-CPU time of `passes` passes, each on a fresh cache; the hit tokens.
 fn best_of<C: ReplayCache>(make: impl Fn() -> C, trace: &Trace, passes: usize) -> (Duration, usize) {
