@@ -6,7 +6,7 @@ mod replay_common;
 
 use std::process::{Command, Output, Stdio};
 
-use replay_common::{int, kvpool, replay_json, write_text, write_trace};
+use replay_common::{int, kvpool, random_trace, replay_json, write_text, write_trace, Rng};
 
 /// Scenario A, page size 4, capacity 1024 (no eviction). Per request:
 ///
@@ -675,4 +675,73 @@ fn store_without_the_redis_feature_is_a_config_error() {
     assert!(err.contains("without the `redis` feature"), "{err}");
     let v = replay_json(&["--trace", t, "--capacity-tokens", "4096", "--engines", "2"]);
     assert_eq!(int(&v["store"]["total"], "requests"), 2);
+}
+
+/// `v` without what depends on timing (wall time, rates, latencies).
+fn counts(mut v: serde_json::Value) -> serde_json::Value {
+    let map = v.as_object_mut().unwrap();
+    for key in ["wall_seconds", "requests_per_second", "tokens_per_second", "latency_ns"] {
+        map.remove(key);
+    }
+    v
+}
+
+// Traces from elsewhere: outputs longer than 2048 tokens (reasoning models) expand by
+// the same formula, and hash ids of any size (64-bit content hashes) are renumbered.
+// Neither changes a replay: the same trace with its ids mapped one to one onto large
+// values replays to exactly the same numbers in every model, cache and policy, and
+// kvpool's cache still agrees with the reference on it.
+#[test]
+fn large_hash_ids_and_long_outputs_replay_the_same() {
+    let mut rng = Rng::new(7);
+    let mut trace = random_trace(11, 300, 8);
+    for (i, (_, output, ids)) in trace.iter_mut().enumerate() {
+        if i % 4 == 0 {
+            *output = 2049 + rng.below(6000);
+        }
+        // Not in order of first appearance, so that the renumbering changes the ids.
+        for h in ids.iter_mut() {
+            *h ^= 0x2a5;
+        }
+    }
+    let big: Vec<(u64, u64, Vec<u64>)> = trace
+        .iter()
+        .map(|(l, o, ids)| (*l, *o, ids.iter().map(|h| h.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (1 << 63)).collect()))
+        .collect();
+    let write = |name: &str, t: &[(u64, u64, Vec<u64>)]| {
+        let lines: Vec<(u64, u64, &[u64])> = t.iter().map(|(l, o, h)| (*l, *o, &h[..])).collect();
+        write_trace(name, &lines)
+    };
+    let (small, large) = (write("ids-small.jsonl", &trace), write("ids-large.jsonl", &big));
+    let (small, large) = (small.to_str().unwrap(), large.to_str().unwrap());
+    let base = ["--mode", "sequential", "--capacity-tokens", "65536"];
+    let configs: &[&[&str]] = &[
+        &[],
+        &["--cache", "reference"],
+        &["--page-size", "1"],
+        &["--policy", "lfu"],
+        &["--policy", "optimal"],
+        &["--model", "hybrid"],
+        &["--model", "swa"],
+        &["--host-ratio", "2"],
+    ];
+    for extra in configs {
+        let run = |t: &str| {
+            let mut args = vec!["--trace", t];
+            args.extend_from_slice(&base);
+            args.extend_from_slice(extra);
+            counts(replay_json(&args))
+        };
+        let (a, b) = (run(small), run(large));
+        assert_eq!(a, b, "{extra:?}");
+        assert!(int(&a, "evicted_tokens") > 0 && int(&a, "hit_tokens") > 0, "{extra:?}: {a}");
+        assert_eq!(int(&a, "output_tokens"), trace.iter().map(|r| r.1).sum::<u64>(), "{extra:?}");
+    }
+    let hits = |t: &str, cache: &str| {
+        int(
+            &replay_json(&["--trace", t, "--mode", "sequential", "--capacity-tokens", "65536", "--cache", cache]),
+            "hit_tokens",
+        )
+    };
+    assert_eq!(hits(large, "kvpool"), hits(large, "reference"));
 }

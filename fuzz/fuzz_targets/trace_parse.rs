@@ -1,8 +1,8 @@
 //! The trace reader (`kvpool::replay::Trace::from_reader`) on arbitrary bytes: plain
 //! JSON lines, or gzip of them (detected by the magic bytes). It must return `Ok` or a
 //! typed `TraceError`, never panic, and a trace it accepts must keep the bounds the
-//! module documents (hash ids, output lengths, blocks reached by the prompt), so that
-//! expanding any request's tokens is in range.
+//! module documents (hash ids, renumbered or not; output ids and KV counts in 32 bits;
+//! blocks reached by the prompt), so that expanding any request's tokens is in range.
 //!
 //! Differential check: a plain input is also wrapped, by hand, in two gzip members of
 //! stored (uncompressed) deflate blocks; the gzip path must give exactly the same
@@ -70,7 +70,11 @@ fn check_trace(trace: &Trace) {
         output += out_len as u64;
         assert_eq!(ids.len(), len.div_ceil(BLOCK_TOKENS as usize), "request {r}: blocks kept");
         assert!(ids.iter().all(|&h| h as u64 <= MAX_HASH_ID), "request {r}: hash id out of range");
-        assert!(q.output_length <= MAX_OUTPUT_LEN, "request {r}: output too long");
+        assert!(
+            r as u64 * MAX_OUTPUT_LEN as u64 + out_len as u64 <= 1 << 31,
+            "request {r}: output ids past u32::MAX"
+        );
+        assert!(q.kv_len() <= u32::MAX as usize, "request {r}: KV tokens past u32");
         assert_eq!(q.kv_len(), len + out_len.max(1) - 1);
         if len > 0 {
             assert!(prompt_token(ids, len - 1) < OUTPUT_TOKEN_BASE);
@@ -84,6 +88,16 @@ fn check_trace(trace: &Trace) {
                 let want = if p < len { prompt_token(ids, p) } else { output_token(r, p - len) };
                 assert_eq!(t, want, "request {r}, token {p}");
                 assert_eq!(t < OUTPUT_TOKEN_BASE, p < len, "request {r}, token {p}: prompt and output ids overlap");
+            }
+        }
+    }
+    if trace.renumbered() {
+        // 0, 1, 2, ... in order of first appearance.
+        let mut next = 0u32;
+        for r in 0..trace.len() {
+            for &h in trace.hash_ids(r) {
+                assert!(h <= next, "request {r}: renumbered id {h} before {next}");
+                next = next.max(h + 1);
             }
         }
     }

@@ -10,28 +10,44 @@
 //! * prompt token `p < L` is `h_(p/512) * 512 + p % 512`;
 //! * output token `j < O` is `2^31 + r * 2048 + j`.
 //!
-//! Prompt tokens stay below `2^31` and output tokens of different requests never
-//! collide, which bounds what a trace may hold: hash ids below `2^22`, at most 2048
-//! output tokens per request and at most `2^20` requests. A line that breaks a bound,
-//! or whose `input_length` exceeds `512 * len(hash_ids)`, is an input error naming the
-//! line.
+//! Prompt tokens stay below `2^31` and output tokens at or above it. An output longer
+//! than 2048 tokens runs into the next requests' ids, which is harmless: two requests
+//! share a path in a prefix tree only up to the shorter prompt's end, since there one
+//! of them holds its first output token, which no other request holds at that
+//! position (the other holds a prompt token below `2^31`, or its own first output
+//! token, which differs). So the one bound on outputs is that the ids stay in `u32`:
+//! `r * 2048 + O <= 2^31`, which leaves a trace of 100,000 requests outputs of up to
+//! 1.9 G tokens; a request's KV tokens (`L + O - 1`) must fit in `u32` too.
+//!
+//! Hash ids stand only for block identities. When every id the prompts reach is at most
+//! [`MAX_HASH_ID`] (`2^22 - 1`; true of the Mooncake traces, whose ids count up from 0),
+//! they are used as they are, so every implementation replays the same tokens. A trace
+//! with a larger id (64-bit content hashes, say) is renumbered instead: its ids become
+//! 0, 1, 2, ... in order of first appearance, equal ids staying equal, which keeps every
+//! hit and eviction of the replay; [`Trace::renumbered`] tells which happened. At most
+//! `2^22` distinct ids (2 G prompt tokens) then. Any other bound a line breaks, or an
+//! `input_length` above `512 * len(hash_ids)`, is an input error naming the line; at
+//! most `2^20` requests.
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
+use rustc_hash::FxHashMap;
 use serde::Deserialize;
 
 /// Tokens per hash block.
 pub const BLOCK_TOKENS: u32 = 512;
 /// The first output token id: `2^31`.
 pub const OUTPUT_TOKEN_BASE: u32 = 1 << 31;
-/// Output token ids reserved per request (`output_length` may not exceed it).
+/// The step between two requests' first output ids (`output_length` may exceed it:
+/// the module docs say why that is harmless).
 pub const MAX_OUTPUT_LEN: u32 = 2048;
 /// The longest prompt a trace may hold: a request's KV tokens (prompt and outputs) are
 /// counted in `u32`, as KV slots are.
 pub const MAX_INPUT_LEN: u32 = u32::MAX - MAX_OUTPUT_LEN;
-/// The largest hash id whose tokens stay below [`OUTPUT_TOKEN_BASE`].
+/// The largest hash id whose tokens stay below [`OUTPUT_TOKEN_BASE`]: a trace whose ids
+/// all stay at or below it keeps them; one with a larger id is renumbered (module docs).
 pub const MAX_HASH_ID: u64 = (OUTPUT_TOKEN_BASE / BLOCK_TOKENS) as u64 - 1;
 /// The most requests a trace may hold (their output ids must fit in a `u32`).
 pub const MAX_REQUESTS: usize = ((u32::MAX - OUTPUT_TOKEN_BASE) / MAX_OUTPUT_LEN + 1) as usize;
@@ -119,6 +135,8 @@ pub struct Trace {
     requests: Vec<TraceRequest>,
     hash_ids: Vec<u32>,
     source: String,
+    /// Whether the hash ids were renumbered (module docs).
+    renumbered: bool,
 }
 
 /// Why a trace could not be loaded. Its message names the source and, for a bad line,
@@ -167,15 +185,17 @@ pub enum TraceErrorKind {
         /// Its number of hash ids.
         blocks: usize,
     },
-    /// A hash id above [`MAX_HASH_ID`].
-    HashIdTooLarge {
-        /// The hash id.
-        hash_id: u64,
-    },
-    /// `output_length` above [`MAX_OUTPUT_LEN`].
+    /// More than `2^22` distinct hash ids in a trace that has to be renumbered (module
+    /// docs), so that prompt tokens would not stay below `2^31`; or more than
+    /// `2^32 - 1` blocks reached by the prompts in all.
+    TooManyBlocks,
+    /// An `output_length` whose output ids (`2^31 + r * 2048 + j`) or KV tokens
+    /// (`L + O - 1`) would not fit in `u32`.
     OutputTooLong {
         /// The line's `output_length`.
         output_length: u64,
+        /// The longest output this line may have.
+        limit: u64,
     },
     /// More than [`MAX_REQUESTS`] requests.
     TooManyRequests,
@@ -211,12 +231,14 @@ impl fmt::Display for TraceError {
                 "input_length {input_length} exceeds 512 * len(hash_ids) = {} ({blocks} blocks)",
                 512 * *blocks as u64
             ),
-            TraceErrorKind::HashIdTooLarge { hash_id } => {
-                write!(f, "hash id {hash_id} is above {MAX_HASH_ID} (prompt tokens must stay below 2^31)")
+            TraceErrorKind::TooManyBlocks => {
+                write!(f, "more than {} distinct hash ids (prompt tokens must stay below 2^31)", MAX_HASH_ID + 1)
             }
-            TraceErrorKind::OutputTooLong { output_length } => {
-                write!(f, "output_length {output_length} is above {MAX_OUTPUT_LEN} (output token ids would collide)")
-            }
+            TraceErrorKind::OutputTooLong { output_length, limit } => write!(
+                f,
+                "output_length {output_length} is above {limit}, the most this line may hold \
+                 (its output token ids and KV token count must fit in 32 bits)"
+            ),
             TraceErrorKind::TooManyRequests => write!(f, "more than {MAX_REQUESTS} requests"),
             TraceErrorKind::Empty => f.write_str("the trace holds no request"),
         }
@@ -308,7 +330,10 @@ impl Trace {
     fn parse_lines<R: BufRead>(mut reader: R, source: &str) -> Result<Trace, TraceError> {
         crate::iota::prepare();
         let err = |line: Option<usize>, kind| TraceError { source: source.to_string(), line, kind };
-        let mut trace = Trace { requests: Vec::new(), hash_ids: Vec::new(), source: source.to_string() };
+        let mut trace =
+            Trace { requests: Vec::new(), hash_ids: Vec::new(), source: source.to_string(), renumbered: false };
+        // The renumbering, once a line needs it (module docs): raw id -> new id.
+        let mut ids = None;
         let mut line = String::new();
         let mut line_no = 0;
         let mut first_blank = None;
@@ -339,7 +364,7 @@ impl Trace {
             }
             let raw: RawRequest =
                 serde_json::from_str(text).map_err(|e| err(Some(line_no), TraceErrorKind::Json(e)))?;
-            trace.push(raw).map_err(|kind| err(Some(line_no), kind))?;
+            trace.push(raw, &mut ids).map_err(|kind| err(Some(line_no), kind))?;
         }
         if trace.requests.is_empty() {
             return Err(err(None, TraceErrorKind::Empty));
@@ -347,7 +372,7 @@ impl Trace {
         Ok(trace)
     }
 
-    fn push(&mut self, raw: RawRequest) -> Result<(), TraceErrorKind> {
+    fn push(&mut self, raw: RawRequest, ids: &mut Option<FxHashMap<u64, u32>>) -> Result<(), TraceErrorKind> {
         if raw.input_length > MAX_INPUT_LEN as u64 {
             return Err(TraceErrorKind::InputTooLong { input_length: raw.input_length });
         }
@@ -355,26 +380,83 @@ impl Trace {
         if raw.input_length > BLOCK_TOKENS as u64 * blocks as u64 {
             return Err(TraceErrorKind::PromptLongerThanBlocks { input_length: raw.input_length, blocks });
         }
-        if raw.output_length > MAX_OUTPUT_LEN as u64 {
-            return Err(TraceErrorKind::OutputTooLong { output_length: raw.output_length });
-        }
-        if let Some(&hash_id) = raw.hash_ids.iter().find(|&&h| h > MAX_HASH_ID) {
-            return Err(TraceErrorKind::HashIdTooLarge { hash_id });
+        // Output ids 2^31 + r * 2048 + j stay in u32, and so do the KV tokens L + O - 1.
+        let r = self.requests.len() as u64;
+        let limit = ((u32::MAX - OUTPUT_TOKEN_BASE) as u64 + 1 - r * MAX_OUTPUT_LEN as u64)
+            .min(u32::MAX as u64 + 1 - raw.input_length);
+        if raw.output_length > limit {
+            return Err(TraceErrorKind::OutputTooLong { output_length: raw.output_length, limit });
         }
         // Only the blocks the prompt reaches are kept (ids past it are never read).
-        let used = (raw.input_length as usize).div_ceil(BLOCK_TOKENS as usize);
-        // input_length <= MAX_INPUT_LEN, and hash ids < 2^22: these fit in u32.
+        let used = &raw.hash_ids[..(raw.input_length as usize).div_ceil(BLOCK_TOKENS as usize)];
+        if ids.is_none() && used.iter().any(|&h| h > MAX_HASH_ID) {
+            *ids = Some(self.renumber());
+        }
+        if self.hash_ids.len() + used.len() > u32::MAX as usize {
+            return Err(TraceErrorKind::TooManyBlocks);
+        }
         let hash_start = self.hash_ids.len() as u32;
-        self.hash_ids.extend(raw.hash_ids[..used].iter().map(|&h| h as u32));
+        match ids {
+            None => self.hash_ids.extend(used.iter().map(|&h| h as u32)),
+            Some(map) => {
+                for &h in used {
+                    let id = match map.get(&h) {
+                        Some(&id) => id,
+                        None if map.len() as u64 > MAX_HASH_ID => {
+                            self.hash_ids.truncate(hash_start as usize);
+                            return Err(TraceErrorKind::TooManyBlocks);
+                        }
+                        None => {
+                            let next = map.len() as u32;
+                            map.insert(h, next);
+                            next
+                        }
+                    };
+                    self.hash_ids.push(id);
+                }
+            }
+        }
         let timestamp_ms = if raw.timestamp.is_finite() && raw.timestamp > 0.0 { raw.timestamp as u64 } else { 0 };
         self.requests.push(TraceRequest {
             timestamp_ms,
             input_length: raw.input_length as u32,
             output_length: raw.output_length as u32,
             hash_start,
-            hash_len: used as u32,
+            hash_len: used.len() as u32,
         });
         Ok(())
+    }
+
+    /// Renumber the ids read so far in order of first appearance, and return the
+    /// renumbering for the lines to come. They are all at most [`MAX_HASH_ID`], so
+    /// there are not too many of them.
+    fn renumber(&mut self) -> FxHashMap<u64, u32> {
+        let mut map = FxHashMap::default();
+        for h in &mut self.hash_ids {
+            let next = map.len() as u32;
+            *h = *map.entry(*h as u64).or_insert(next);
+        }
+        self.renumbered = true;
+        map
+    }
+
+    /// Whether the trace's hash ids were renumbered because one of them was above
+    /// [`MAX_HASH_ID`] (module docs): if so, [`hash_ids`](Self::hash_ids) gives the new
+    /// ids, 0, 1, 2, ... in order of first appearance.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::replay::Trace;
+    /// let text = "{\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [7, 9]}\n\
+    ///             {\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [7, 18446744073709551615]}\n";
+    /// let trace = Trace::from_jsonl_str(text, "t")?;
+    /// assert!(trace.renumbered());
+    /// assert_eq!((trace.hash_ids(0), trace.hash_ids(1)), (&[0, 1][..], &[0, 2][..]));
+    /// # Ok::<(), kvpool::replay::TraceError>(())
+    /// ```
+    pub fn renumbered(&self) -> bool {
+        self.renumbered
     }
 
     /// Where the trace came from.
@@ -599,10 +681,18 @@ mod tests {
         assert!(e.to_string().starts_with("t.jsonl: line 2: not a trace record"), "{e}");
         let e = parse("{\"input_length\": 513, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
         assert!(matches!(e.kind, TraceErrorKind::PromptLongerThanBlocks { input_length: 513, blocks: 1 }));
-        let e = parse("{\"input_length\": 1, \"output_length\": 2049, \"hash_ids\": [1]}").unwrap_err();
-        assert!(matches!(e.kind, TraceErrorKind::OutputTooLong { .. }));
-        let e = parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [4194304]}").unwrap_err();
-        assert!(matches!(e.kind, TraceErrorKind::HashIdTooLarge { hash_id: 4194304 }));
+        // Output ids stay in u32: r * 2048 + O <= 2^31.
+        let line = |o: u64| format!("{{\"input_length\": 1, \"output_length\": {o}, \"hash_ids\": [1]}}\n");
+        assert_eq!(parse(&line(1 << 31)).unwrap().request(0).output_length, 1 << 31);
+        let e = parse(&line((1 << 31) + 1)).unwrap_err();
+        assert_eq!(e.line, Some(1));
+        assert!(
+            matches!(e.kind, TraceErrorKind::OutputTooLong { output_length, limit: 2147483648 } if output_length == (1 << 31) + 1)
+        );
+        assert!(e.to_string().contains("above 2147483648"), "{e}");
+        assert!(parse(&(line(1) + &line((1 << 31) - 2048))).is_ok());
+        let e = parse(&(line(1) + &line((1 << 31) - 2047))).unwrap_err();
+        assert!(matches!(e.kind, TraceErrorKind::OutputTooLong { limit: 2147481600, .. }) && e.line == Some(2));
         let e = parse("{\"input_length\": -1, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
         assert!(matches!(e.kind, TraceErrorKind::Json(_)));
         let e = parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n\n{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}").unwrap_err();
@@ -610,6 +700,62 @@ mod tests {
         assert!(matches!(parse("\n\n").unwrap_err().kind, TraceErrorKind::Empty));
         // Trailing blank lines are fine.
         assert_eq!(parse("{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n\n").unwrap().len(), 1);
+    }
+
+    /// Outputs longer than 2048 tokens expand by the same formula, running into the
+    /// next request's ids (harmless: module docs), and stay above the prompts.
+    #[test]
+    fn long_outputs_follow_the_formula() {
+        let t = parse(
+            "{\"input_length\": 3, \"output_length\": 5000, \"hash_ids\": [1]}\n\
+             {\"input_length\": 3, \"output_length\": 2, \"hash_ids\": [1]}\n",
+        )
+        .unwrap();
+        let mut out = vec![0; t.request(0).kv_len()];
+        t.write_kv_tokens(0, &mut out);
+        assert_eq!(out.len(), 5002);
+        assert_eq!((out[3], out[3 + 2048], out[5001]), (1 << 31, (1 << 31) + 2048, (1 << 31) + 4998));
+        assert_eq!(output_token(1, 0), out[3 + 2048]);
+    }
+
+    /// A hash id above `MAX_HASH_ID` renumbers the whole trace, the lines before it
+    /// included, in order of first appearance; a trace within the bound keeps its ids.
+    #[test]
+    fn large_hash_ids_renumber_the_trace() {
+        let line = |ids: &str| format!("{{\"input_length\": 1100, \"output_length\": 1, \"hash_ids\": [{ids}]}}\n");
+        let kept = parse(&(line("9, 4194303, 7") + &line("9, 5, 6"))).unwrap();
+        assert!(!kept.renumbered());
+        assert_eq!((kept.hash_ids(0), kept.hash_ids(1)), (&[9, 4194303, 7][..], &[9, 5, 6][..]));
+        // Ids past the prompt's blocks are dropped before they are looked at.
+        let t =
+            parse(&(line("9, 4194303, 7, 18446744073709551615") + &line("9, 4194304, 9") + &line("4194304, 7, 12")))
+                .unwrap();
+        assert!(t.renumbered());
+        assert_eq!((t.hash_ids(0), t.hash_ids(1), t.hash_ids(2)), (&[0, 1, 2][..], &[0, 3, 0][..], &[3, 2, 4][..]));
+        let mut out = vec![0; t.request(1).kv_len()];
+        t.write_kv_tokens(1, &mut out);
+        assert_eq!((out[0], out[512], out[1024]), (0, 3 * 512, 0));
+        // A large id on the first line: renumbered from the start.
+        let t = parse(&(line("18446744073709551615, 5, 5") + &line("5, 5, 9"))).unwrap();
+        assert_eq!((t.renumbered(), t.hash_ids(0), t.hash_ids(1)), (true, &[0, 1, 1][..], &[1, 1, 2][..]));
+    }
+
+    /// More distinct ids than prompt tokens below 2^31 allow, once renumbered, is an
+    /// error naming the line; nothing of that line is kept.
+    #[test]
+    fn too_many_blocks_to_renumber_is_an_error() {
+        let mut t = Trace { requests: Vec::new(), hash_ids: Vec::new(), source: "t".into(), renumbered: true };
+        let mut ids = Some((0..=MAX_HASH_ID).map(|h| (h << 30, h as u32)).collect::<FxHashMap<u64, u32>>());
+        let raw = |hash_ids: Vec<u64>| RawRequest { timestamp: 0.0, input_length: 1024, output_length: 1, hash_ids };
+        t.push(raw(vec![0, 1 << 30]), &mut ids).unwrap();
+        assert_eq!(t.hash_ids(0), &[0, 1]);
+        assert!(matches!(t.push(raw(vec![0, 7]), &mut ids), Err(TraceErrorKind::TooManyBlocks)));
+        assert_eq!((t.len(), t.hash_ids.len(), ids.as_ref().map(|m| m.contains_key(&7))), (1, 2, Some(false)));
+        let e = TraceError { source: "t".into(), line: Some(2), kind: TraceErrorKind::TooManyBlocks };
+        assert_eq!(
+            e.to_string(),
+            "t: line 2: more than 4194304 distinct hash ids (prompt tokens must stay below 2^31)"
+        );
     }
 
     #[test]
