@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvpool::mamba::{
-    Component, HybridReqToTokenPool, HybridRow, MambaConfig, MambaError, MambaPool, MambaSlot, StateDtype, StateShape,
+    Component, HeldState, HybridReqToTokenPool, HybridRow, MambaConfig, MambaError, MambaPool, MambaSlot, StateDtype,
+    StateShape,
 };
 use kvpool::FreeErrorKind;
 use proptest::collection::vec;
@@ -90,7 +91,7 @@ fn contents(pool: &MambaPool, slot: &MambaSlot) -> Vec<u8> {
     v
 }
 
-fn set(pool: &MambaPool, slot: &mut MambaSlot, b: u8) {
+fn set(pool: &MambaPool, slot: &mut impl HeldState, b: u8) {
     for l in 0..2 {
         for c in [Component::Conv(0), Component::Temporal] {
             pool.component_mut::<u8>(slot, l, c).unwrap().fill(b);
@@ -292,9 +293,9 @@ fn run(ops: &[Op], size: u32, rows: u32) -> Result<(), TestCaseError> {
             Op::RowCheckpoint(i, b) => {
                 if let Some(i) = pick(i, live_rows.len()) {
                     let row = &mut live_rows[i];
-                    let Some(state) = row.mamba_mut() else { continue };
-                    set(&pool, state, b);
-                    let w = state.index();
+                    let Some(w) = row.mamba().map(MambaSlot::index) else { continue };
+                    set(&pool, &mut *row, b); // the row's working state
+
                     m.slots.get_mut(&w).unwrap().1 = b;
                     let next = row.next_track();
                     match hybrid.checkpoint(row) {

@@ -60,7 +60,11 @@ fn hybrid_rows_and_layer_map_hot_paths() {
     let pool = Arc::new(MambaPool::new(7, cfg).unwrap());
     let rows = HybridReqToTokenPool::new(2, 32, Arc::clone(&pool), 2).unwrap();
     let mut r = assert_no_alloc("HybridReqToTokenPool::alloc", || rows.alloc()).unwrap();
-    assert_no_alloc("tokens().write", || rows.tokens().write(r.req_row_mut(), 0, &[1, 2, 3])).unwrap();
+    assert_no_alloc("write", || rows.write(&mut r, 0, &[1, 2, 3])).unwrap();
+    assert_no_alloc("read", || rows.read(&r, 0..3).map(|s| s[2])).unwrap();
+    assert_no_alloc("component_mut (row)", || {
+        pool.component_mut::<f32>(&mut r, 1, Component::Temporal).unwrap()[0] = 1.0
+    });
     assert_no_alloc("checkpoint", || rows.checkpoint(&mut r)).unwrap();
     let mut out = [0u32; 1];
     assert_no_alloc("mamba_indices", || rows.mamba_indices(&[r.index()], &mut out)).unwrap();
@@ -73,8 +77,10 @@ fn hybrid_rows_and_layer_map_hot_paths() {
     });
     let r2 = assert_no_alloc("alloc_with", || rows.alloc_with(forked)).unwrap();
     assert_no_alloc("alloc (out of rows)", || rows.alloc()).unwrap_err();
-    assert_no_alloc("free", || rows.free(r)).unwrap();
-    assert_no_alloc("free", || rows.free(r2)).unwrap();
+    let other = HybridReqToTokenPool::new(1, 32, Arc::clone(&pool), 0).unwrap();
+    let r = assert_no_alloc("free (another pool's row)", || other.free(r).err().map(|e| e.row)).unwrap();
+    assert_no_alloc("free", || rows.free(r).map_err(|e| e.error)).unwrap();
+    assert_no_alloc("free", || rows.free(r2).map_err(|e| e.error)).unwrap();
     let map = HybridLayerMap::new(8, &[3, 7], &[0, 1, 2, 4, 5, 6]).unwrap();
     assert_no_alloc("kv_index / mamba_index", || (map.kv_index(7), map.mamba_index(6), map.kind(3))).0.unwrap();
 }

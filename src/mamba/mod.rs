@@ -54,8 +54,8 @@ mod pool;
 mod rows;
 
 pub use layers::{HybridLayerMap, LayerError, LayerKind};
-pub use pool::{MambaPool, MambaSlot};
-pub use rows::{HybridAllocError, HybridReqToTokenPool, HybridRow};
+pub use pool::{HeldState, MambaPool, MambaSlot};
+pub use rows::{HybridAllocError, HybridFreeError, HybridReqToTokenPool, HybridRow};
 
 use core::fmt;
 
@@ -130,21 +130,36 @@ impl MambaConfig {
         }
     }
 
-    /// Bytes of one row: one component of one layer of one slot (0 if unknown).
+    /// Bytes of one row: one component of one layer of one slot (0 if unknown,
+    /// `usize::MAX` if it does not fit a `usize`, a shape [`MambaPool::new`] refuses).
     pub fn row_bytes(&self, comp: Component) -> usize {
-        self.shape(comp).and_then(|s| Some(s.elements()? * s.dtype.bytes())).unwrap_or(0)
+        self.shape(comp).map_or(0, |s| Self::shape_bytes(s).unwrap_or(usize::MAX))
+    }
+
+    /// Bytes of one row of shape `s`, `None` on overflow.
+    fn shape_bytes(s: &StateShape) -> Option<usize> {
+        s.elements()?.checked_mul(s.dtype.bytes())
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
         if self.layers == 0 {
             return Err(ConfigError::Zero("mamba layers"));
         }
+        let too_large = ConfigError::TooLargeForMemory { what: "a Mamba state row", bytes: u64::MAX };
         for comp in self.components() {
-            let s = self.shape(comp).expect("listed");
+            let Some(s) = self.shape(comp) else { continue };
             match s.elements() {
-                None => return Err(ConfigError::TooLargeForMemory { what: "a Mamba state row", bytes: u64::MAX }),
+                None => return Err(too_large),
                 Some(0) => return Err(ConfigError::Zero("a Mamba state dimension")),
                 Some(_) => {}
+            }
+            // Elements fit a `usize` but their bytes may not.
+            if Self::shape_bytes(s).is_none() {
+                let bytes = s.elements().and_then(|e| (e as u64).checked_mul(s.dtype.bytes() as u64));
+                return Err(ConfigError::TooLargeForMemory {
+                    what: "a Mamba state row",
+                    bytes: bytes.unwrap_or(u64::MAX),
+                });
             }
         }
         Ok(())
@@ -203,6 +218,9 @@ pub enum MambaError {
     Row(RowError),
     /// The row has no track buffers (the pool was built with none).
     NoTrackBuffers,
+    /// The row's working state was taken ([`HybridReqToTokenPool::take_mamba`]), so it
+    /// has none to read or write.
+    NoWorkingState,
     /// A request row index past the pool.
     BadRow {
         /// The row asked for.
@@ -234,6 +252,7 @@ impl fmt::Display for MambaError {
             MambaError::NoTrackBuffers => {
                 f.write_str("the row has no track buffer there (none configured, or it was taken)")
             }
+            MambaError::NoWorkingState => f.write_str("the row's working Mamba state was taken"),
             MambaError::BadRow { row, rows } => write!(f, "request row {row} out of range: the pool has {rows} rows"),
         }
     }

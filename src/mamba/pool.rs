@@ -43,6 +43,59 @@ impl MambaSlot {
     }
 }
 
+/// What holds a Mamba state the caller may read and write: a [`MambaSlot`], or a
+/// [`HybridRow`](super::HybridRow) (its working state). The pool's state accessors
+/// ([`MambaPool::component`], [`component_mut`](MambaPool::component_mut),
+/// [`zero_slot`](MambaPool::zero_slot), [`copy_slot`](MambaPool::copy_slot),
+/// [`copy_from`](MambaPool::copy_from)) take either.
+///
+/// A hybrid row never lends its state handle out by `&mut` (a `&mut MambaSlot` could
+/// be swapped for another handle behind the row's back, leaving the pool's
+/// `mamba_index` table naming a slot the row no longer holds), so writing a row's
+/// working state goes through this trait instead. Sealed: only kvpool's handles
+/// implement it.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::mamba::{Component, HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+///
+/// let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// let mamba = Arc::new(MambaPool::new(2, cfg)?);
+/// let rows = HybridReqToTokenPool::new(1, 8, Arc::clone(&mamba), 0)?;
+/// let mut req = rows.alloc()?;
+/// mamba.component_mut::<f32>(&mut req, 0, Component::Temporal)?[0] = 1.0; // the row's state
+/// let mut spare = mamba.alloc()?;
+/// mamba.copy_slot(&req, &mut spare)?;                                     // row -> handle
+/// assert_eq!(mamba.component::<f32>(&spare, 0, Component::Temporal)?[0], 1.0);
+/// mamba.free_slot(spare)?;
+/// rows.free(req)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait HeldState: sealed::Holder {}
+
+impl HeldState for MambaSlot {}
+impl HeldState for super::HybridRow {}
+
+pub(crate) mod sealed {
+    use super::{MambaError, MambaSlot};
+
+    /// The private half of [`HeldState`](super::HeldState): the handle inside, which
+    /// users cannot reach (the trait cannot be named outside kvpool), so they cannot
+    /// get a `&mut MambaSlot` out of a row.
+    pub trait Holder {
+        /// The state handle held, or why there is none.
+        fn held(&self) -> Result<&MambaSlot, MambaError>;
+    }
+
+    impl Holder for MambaSlot {
+        fn held(&self) -> Result<&MambaSlot, MambaError> {
+            Ok(self)
+        }
+    }
+}
+
 /// 16 bytes of state, 16-aligned, so every row of every element type is aligned for
 /// its type (row offsets are multiples of the row size, itself a multiple of the
 /// element size).
@@ -63,7 +116,8 @@ struct Chunk(UnsafeCell<[u8; 16]>);
 /// * **free**;
 /// * **held** through a [`MambaSlot`] handle ([`alloc`](Self::alloc),
 ///   [`fork_from`](Self::fork_from)): only the holder reads and writes it, through
-///   `&MambaSlot` / `&mut MambaSlot`;
+///   `&` / `&mut` of the handle or of the [`HybridRow`](super::HybridRow) holding it
+///   (see [`HeldState`]);
 /// * **cached**, owned by number ([`cache`](Self::cache) consumes the handle): the
 ///   state is frozen. Anyone may read it while *pinning* it ([`fork_from`](Self::fork_from),
 ///   [`copy_from`](Self::copy_from), [`read_cached`](Self::read_cached)); the owner
@@ -108,7 +162,8 @@ pub struct MambaPool {
 }
 
 // SAFETY: the state bytes are reached only by the holder of a slot's unique handle
-// (reads through `&MambaSlot`, writes through `&mut MambaSlot`) or, for a cached slot,
+// (reads through `&`, writes through `&mut` of the handle or of the `HybridRow` that
+// holds it, which never lends the handle out by `&mut`) or, for a cached slot,
 // by readers that pinned it, and a cached slot is never written (see "Ownership").
 // Every other field is atomic or immutable.
 unsafe impl Sync for MambaPool {}
@@ -128,14 +183,18 @@ impl MambaPool {
         if size == 0 {
             return Err(ConfigError::Zero("mamba pool size"));
         }
+        // `validate` checked every row's bytes fit a `usize`; the products below are
+        // checked too, so no shape can wrap into a smaller layout.
+        let too_large = ConfigError::TooLargeForMemory { what: "the Mamba state buffers", bytes: u64::MAX };
         let row_bytes: Box<[usize]> = config.components().map(|c| config.row_bytes(c)).collect();
-        let rows = (size as usize + 1) * config.layers as usize;
+        let rows = (size as usize).checked_add(1).and_then(|n| n.checked_mul(config.layers as usize));
+        let rows = rows.ok_or(too_large.clone())?;
         let total = row_bytes.iter().try_fold(0u64, |acc, &r| acc.checked_add((r as u64).checked_mul(rows as u64)?));
-        let total = total.ok_or(ConfigError::TooLargeForMemory { what: "the Mamba state buffers", bytes: u64::MAX })?;
+        let total = total.ok_or(too_large.clone())?;
         crate::arena::probe(total, "the Mamba state buffers")?;
         let mut buffers = Vec::with_capacity(row_bytes.len());
         for &r in row_bytes.iter() {
-            let chunks = (r * rows).div_ceil(16);
+            let chunks = r.checked_mul(rows).ok_or(too_large.clone())?.div_ceil(16);
             let buf = crate::arena::try_vec_with(chunks, "a Mamba state buffer", |_| Chunk(UnsafeCell::new([0; 16])))?;
             buffers.push(buf.into_boxed_slice());
         }
@@ -339,41 +398,50 @@ impl MambaPool {
     /// # Errors
     ///
     /// [`MambaError::LengthMismatch`], [`MambaError::ForeignSlot`],
-    /// [`MambaError::NotCached`]; nothing is copied on error.
-    pub fn copy_from(&self, src: &[u32], dst: &mut [&mut MambaSlot]) -> Result<(), MambaError> {
+    /// [`MambaError::NotCached`], [`MambaError::NoWorkingState`] (a row whose working
+    /// state was taken); nothing is copied on error.
+    pub fn copy_from(&self, src: &[u32], dst: &mut [&mut impl HeldState]) -> Result<(), MambaError> {
         if src.len() != dst.len() {
             return Err(MambaError::LengthMismatch { src: src.len(), dst: dst.len() });
         }
         for d in dst.iter() {
-            self.own(d)?;
+            self.own(d.held()?)?;
         }
         self.pin_all(src)?;
         for (&s, d) in src.iter().zip(dst.iter()) {
-            self.copy_raw(s, d.slot);
+            // Checked above; `dst` is borrowed mutably, so it still holds that handle.
+            if let Ok(d) = d.held() {
+                self.copy_raw(s, d.slot);
+            }
         }
         src.iter().for_each(|&s| self.unpin(s));
         Ok(())
     }
 
     /// Copy held slot `src` into held slot `dst` (a decode-time checkpoint into a
-    /// track buffer).
+    /// track buffer). Either may be a [`HybridRow`](super::HybridRow)'s working state.
     ///
     /// # Errors
     ///
-    /// [`MambaError::ForeignSlot`] for another pool's handle.
-    pub fn copy_slot(&self, src: &MambaSlot, dst: &mut MambaSlot) -> Result<(), MambaError> {
+    /// [`MambaError::ForeignSlot`] for another pool's handle,
+    /// [`MambaError::NoWorkingState`] for a row whose working state was taken.
+    pub fn copy_slot(&self, src: &impl HeldState, dst: &mut impl HeldState) -> Result<(), MambaError> {
+        let (src, dst) = (src.held()?, dst.held()?);
         self.own(src)?;
         self.own(dst)?;
         self.copy_raw(src.slot, dst.slot);
         Ok(())
     }
 
-    /// Zero a held slot's state.
+    /// Zero a held slot's state (a handle's, or a [`HybridRow`](super::HybridRow)'s
+    /// working state).
     ///
     /// # Errors
     ///
-    /// [`MambaError::ForeignSlot`] for another pool's handle.
-    pub fn zero_slot(&self, slot: &mut MambaSlot) -> Result<(), MambaError> {
+    /// [`MambaError::ForeignSlot`] for another pool's handle,
+    /// [`MambaError::NoWorkingState`] for a row whose working state was taken.
+    pub fn zero_slot(&self, slot: &mut impl HeldState) -> Result<(), MambaError> {
+        let slot = slot.held()?;
         self.own(slot)?;
         self.zero(slot.slot);
         Ok(())
@@ -408,17 +476,19 @@ impl MambaPool {
     ///
     /// [`MambaError::ForeignSlot`], [`MambaError::BadLayer`],
     /// [`MambaError::BadComponent`], [`MambaError::Cast`] when `T` does not match the
-    /// component's element size.
+    /// component's element size, [`MambaError::NoWorkingState`] for a
+    /// [`HybridRow`](super::HybridRow) whose working state was taken.
     pub fn component<'a, T: bytemuck::Pod>(
         &'a self,
-        slot: &'a MambaSlot,
+        slot: &'a impl HeldState,
         layer: u32,
         comp: Component,
     ) -> Result<&'a [T], MambaError> {
+        let slot = slot.held()?;
         self.own(slot)?;
         let (at, len) = self.locate(slot.slot, layer, comp)?;
-        // SAFETY: a shared borrow of the unique handle: nobody writes this slot while
-        // the returned slice (which borrows `slot`) lives.
+        // SAFETY: a shared borrow of the unique handle (or of the row holding it):
+        // nobody writes this slot while the returned slice (which borrows it) lives.
         let bytes = unsafe { core::slice::from_raw_parts(self.base(comp).add(at), len) };
         bytemuck::try_cast_slice(bytes).map_err(MambaError::Cast)
     }
@@ -430,14 +500,16 @@ impl MambaPool {
     /// As [`component`](Self::component).
     pub fn component_mut<'a, T: bytemuck::Pod>(
         &'a self,
-        slot: &'a mut MambaSlot,
+        slot: &'a mut impl HeldState,
         layer: u32,
         comp: Component,
     ) -> Result<&'a mut [T], MambaError> {
+        let slot = slot.held()?;
         self.own(slot)?;
         let (at, len) = self.locate(slot.slot, layer, comp)?;
-        // SAFETY: the returned slice borrows the unique handle mutably: nothing else
-        // reads or writes this slot's state while it lives ("Ownership").
+        // SAFETY: the returned slice borrows the unique holder of the handle (the
+        // handle, or the row owning it) mutably: nothing else reads or writes this
+        // slot's state while it lives ("Ownership").
         let bytes = unsafe { core::slice::from_raw_parts_mut(self.base(comp).add(at), len) };
         bytemuck::try_cast_slice_mut(bytes).map_err(MambaError::Cast)
     }

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
-use crate::error::{ConfigError, InvariantViolation};
+use crate::error::{ConfigError, InvariantViolation, RowError};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::sync::atomic::{AtomicU32, Ordering};
 
+use super::pool::sealed;
 use super::{MambaError, MambaPool, MambaSlot};
 
 /// A hybrid request row: a [`ReqRow`] plus the Mamba slots it owns — the working state
@@ -16,6 +17,63 @@ use super::{MambaError, MambaPool, MambaSlot};
 /// ([`take_mamba`](HybridReqToTokenPool::take_mamba),
 /// [`take_checkpoint`](HybridReqToTokenPool::take_checkpoint)) is no longer the row's:
 /// it cannot be both freed with the row and kept by the tree.
+///
+/// The row lends out neither its token row nor its state handle by `&mut` (either
+/// could be swapped for another handle behind the pool's back, and the pool's
+/// `mamba_index` table would then name a state the row no longer holds): write its
+/// tokens with [`HybridReqToTokenPool::write`] and its working state through
+/// [`HeldState`](super::HeldState) (`MambaPool::component_mut(&mut row, ..)`).
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::mamba::{Component, HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+///
+/// let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// let mamba = Arc::new(MambaPool::new(2, cfg)?);
+/// let rows = HybridReqToTokenPool::new(1, 8, Arc::clone(&mamba), 0)?;
+/// let mut req = rows.alloc()?;
+/// rows.write(&mut req, 0, &[4, 5])?;                                      // its tokens
+/// mamba.component_mut::<f32>(&mut req, 0, Component::Temporal)?[0] = 1.0; // its state
+/// rows.free(req)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// The state handle cannot be swapped out of the row (nor the token row):
+///
+/// ```compile_fail,E0599
+/// # use std::sync::Arc;
+/// # use kvpool::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+/// # let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// # let mamba = Arc::new(MambaPool::new(2, cfg)?);
+/// # let rows = HybridReqToTokenPool::new(1, 8, Arc::clone(&mamba), 0)?;
+/// let mut req = rows.alloc()?;
+/// let other = mamba.alloc()?;
+/// let old = std::mem::replace(req.mamba_mut().unwrap(), other); // no `&mut MambaSlot`
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// ```compile_fail,E0624
+/// # use std::sync::Arc;
+/// # use kvpool::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+/// # let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// # let rows = HybridReqToTokenPool::new(1, 8, Arc::new(MambaPool::new(2, cfg)?), 0)?;
+/// let mut req = rows.alloc()?;
+/// let plain = kvpool::ReqToTokenPool::new(1, 8)?.alloc()?;
+/// let old = std::mem::replace(req.req_row_mut(), plain); // no `&mut ReqRow`
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// Nor can plain rows be allocated (or freed) in the hybrid pool's own token table,
+/// which its Mamba tables would not know:
+///
+/// ```compile_fail,E0624
+/// # use std::sync::Arc;
+/// # use kvpool::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
+/// # let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// # let rows = HybridReqToTokenPool::new(1, 8, Arc::new(MambaPool::new(2, cfg)?), 0)?;
+/// let plain = rows.tokens().alloc()?; // `tokens` is private
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 #[must_use = "a request row is held until it is freed"]
 pub struct HybridRow {
@@ -32,24 +90,20 @@ impl HybridRow {
         self.row.index()
     }
 
-    /// The token row, for [`ReqToTokenPool::read`].
+    /// The token row (read it with [`HybridReqToTokenPool::read`]).
     pub fn req_row(&self) -> &ReqRow {
         &self.row
     }
 
-    /// The token row, for [`ReqToTokenPool::write`].
-    pub fn req_row_mut(&mut self) -> &mut ReqRow {
+    /// The token row, writable: crate-only, so no caller can swap it for another.
+    pub(crate) fn req_row_mut(&mut self) -> &mut ReqRow {
         &mut self.row
     }
 
-    /// The working Mamba state, unless it was taken.
+    /// The working Mamba state, unless it was taken. To write it, pass the row itself
+    /// to [`MambaPool::component_mut`] (see [`HeldState`](super::HeldState)).
     pub fn mamba(&self) -> Option<&MambaSlot> {
         self.mamba.as_ref()
-    }
-
-    /// The working Mamba state, writable.
-    pub fn mamba_mut(&mut self) -> Option<&mut MambaSlot> {
-        self.mamba.as_mut()
     }
 
     /// Track buffer `i` (0 or 1), unless absent or taken.
@@ -60,6 +114,12 @@ impl HybridRow {
     /// The track buffer the next checkpoint is written to.
     pub fn next_track(&self) -> usize {
         self.next_track as usize
+    }
+}
+
+impl sealed::Holder for HybridRow {
+    fn held(&self) -> Result<&MambaSlot, MambaError> {
+        self.mamba.as_ref().ok_or(MambaError::NoWorkingState)
     }
 }
 
@@ -81,6 +141,25 @@ impl core::fmt::Display for HybridAllocError {
 
 impl std::error::Error for HybridAllocError {}
 
+/// Why [`HybridReqToTokenPool::free`] refused a row: nothing was freed, and the row
+/// comes back whole (with every state it owns) in `row`.
+#[derive(Debug)]
+pub struct HybridFreeError {
+    /// What went wrong ([`MambaError::Row`] for another pool's row,
+    /// [`MambaError::ForeignSlot`] for a state of another Mamba pool).
+    pub error: MambaError,
+    /// The row handed to `free`, given back.
+    pub row: HybridRow,
+}
+
+impl core::fmt::Display for HybridFreeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for HybridFreeError {}
+
 /// SGLang's `HybridReqToTokenPool`: a [`ReqToTokenPool`] whose rows also own a Mamba
 /// slot (`req_index_to_mamba_index`) and `track_buffers` ping-pong track buffers
 /// (2, or 1 with speculative decoding, or 0 without SGLang's extra buffer).
@@ -100,7 +179,8 @@ impl std::error::Error for HybridAllocError {}
 /// let mamba = Arc::new(MambaPool::new(3, cfg)?);
 /// let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 0)?;
 /// let mut a = rows.alloc()?;
-/// rows.tokens().write(a.req_row_mut(), 0, &[5, 6, 7])?;
+/// rows.write(&mut a, 0, &[5, 6, 7])?;
+/// assert_eq!(rows.read(&a, 0..3)?, &[5, 6, 7]);
 /// let b = rows.alloc()?;
 /// let err = rows.alloc().unwrap_err();                 // out of rows
 /// assert_eq!(mamba.available(), 1);                     // nothing leaked
@@ -158,9 +238,56 @@ impl HybridReqToTokenPool {
         }
     }
 
-    /// The token table (write and read rows through [`HybridRow::req_row_mut`]).
-    pub fn tokens(&self) -> &ReqToTokenPool {
+    /// The token table. Crate-only: through it a caller could allocate and free plain
+    /// rows of this pool's own table, which the Mamba tables know nothing about; rows
+    /// are read and written with [`read`](Self::read) and [`write`](Self::write).
+    pub(crate) fn tokens(&self) -> &ReqToTokenPool {
         &self.tokens
+    }
+
+    /// Positions per row (`max_context_len`).
+    pub fn max_context_len(&self) -> usize {
+        self.tokens.max_context_len()
+    }
+
+    /// Write `slots` into the row at positions `start..start + slots.len()`
+    /// ([`ReqToTokenPool::write`]). Does not allocate.
+    ///
+    /// # Errors
+    ///
+    /// [`RowError::OutOfBounds`] past `max_context_len`, [`RowError::ForeignRow`] for
+    /// another pool's row. Nothing is written on error.
+    pub fn write(&self, row: &mut HybridRow, start: usize, slots: &[u32]) -> Result<(), RowError> {
+        self.tokens.write(&mut row.row, start, slots)
+    }
+
+    /// Read positions `range` of the row ([`ReqToTokenPool::read`]); the slice borrows
+    /// the row, so it cannot be written meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read<'a>(&'a self, row: &'a HybridRow, range: core::ops::Range<usize>) -> Result<&'a [u32], RowError> {
+        self.tokens.read(&row.row, range)
+    }
+
+    /// Positions `range` of the row, writable ([`ReqToTokenPool::read_mut`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`write`](Self::write).
+    pub fn read_mut<'a>(
+        &'a self,
+        row: &'a mut HybridRow,
+        range: core::ops::Range<usize>,
+    ) -> Result<&'a mut [u32], RowError> {
+        self.tokens.read_mut(&mut row.row, range)
+    }
+
+    /// Whether `row` is one of this pool's live rows (not another pool's, not one from
+    /// before a `clear`).
+    fn owns(&self, row: &HybridRow) -> Result<(), RowError> {
+        self.tokens.read(&row.row, 0..0).map(|_| ())
     }
 
     /// The Mamba pool the states come from.
@@ -183,10 +310,13 @@ impl HybridReqToTokenPool {
         self.track_buffers
     }
 
-    /// The other track buffer (`1 - i` with two, `i` itself with one).
+    /// The other track buffer: with two, `1` for `0` and `0` for `1`; with one (or
+    /// none), `i` itself. Total: an `i` past the buffers is read as `i & 1` with two
+    /// (so the result is always 0 or 1), and comes back as is otherwise (the `take_*`
+    /// calls then find no buffer there).
     pub fn other_track(&self, i: usize) -> usize {
         if self.track_buffers == 2 {
-            1 - i
+            (i & 1) ^ 1
         } else {
             i
         }
@@ -242,38 +372,58 @@ impl HybridReqToTokenPool {
         Ok(HybridRow { row, mamba, track, next_track: 0 })
     }
 
-    /// Give the row back with every Mamba slot still in it.
+    /// Give the row back with every Mamba slot still in it. Does not allocate.
     ///
     /// # Errors
     ///
-    /// [`MambaError::Row`] / [`MambaError::ForeignSlot`] for another pool's row; the
-    /// handle is consumed either way.
-    pub fn free(&self, row: HybridRow) -> Result<(), MambaError> {
+    /// [`HybridFreeError`] with [`MambaError::Row`] for another pool's row (also one
+    /// of another pool sharing this pool's [`MambaPool`]), or
+    /// [`MambaError::ForeignSlot`] for a state of another Mamba pool: nothing is freed,
+    /// and the row comes back whole in the error.
+    // The row comes back by value on error (boxing it would allocate on a path that
+    // must not): the error is as large as the row.
+    #[allow(clippy::result_large_err)]
+    pub fn free(&self, row: HybridRow) -> Result<(), HybridFreeError> {
+        // Check everything first, so that what follows cannot fail half way.
+        if let Err(e) = self.owns(&row) {
+            return Err(HybridFreeError { error: e.into(), row });
+        }
+        let held = row.mamba.iter().chain(row.track.iter().flatten());
+        if let Some(error) = held.map(|s| self.mamba.own(s)).find_map(Result::err) {
+            return Err(HybridFreeError { error, row });
+        }
         let HybridRow { row, mamba, track, .. } = row;
         let r = row.index();
-        self.tokens.free(row)?;
-        if let Some(e) = self.mamba_index.get(r) {
-            e.store(0, Ordering::Relaxed);
-            self.track_index[2 * r].store(0, Ordering::Relaxed);
-            self.track_index[2 * r + 1].store(0, Ordering::Relaxed);
-        }
+        self.mamba_index[r].store(0, Ordering::Relaxed);
+        self.track_index[2 * r].store(0, Ordering::Relaxed);
+        self.track_index[2 * r + 1].store(0, Ordering::Relaxed);
         for s in mamba.into_iter().chain(track.into_iter().flatten()) {
-            self.mamba.free_slot(s)?;
+            // Ours (checked above) and unique, so allocated: this cannot fail.
+            let freed = self.mamba.free_slot(s);
+            debug_assert!(freed.is_ok(), "a checked Mamba slot failed to free: {freed:?}");
         }
+        // Ours (checked above) and unique: this cannot fail.
+        let freed = self.tokens.free(row);
+        debug_assert!(freed.is_ok(), "a checked request row failed to free: {freed:?}");
         Ok(())
     }
 
     /// Detach the working state from the row (chunked prefill keeps it for the next
     /// chunk; the tree caches it): the row no longer owns it, so
-    /// [`free`](Self::free) will not free it.
+    /// [`free`](Self::free) will not free it. `None` when it was taken already, or
+    /// when the row is another pool's (nothing changes then).
     pub fn take_mamba(&self, row: &mut HybridRow) -> Option<MambaSlot> {
+        self.owns(row).ok()?;
         let s = row.mamba.take()?;
         self.mamba_index[row.index()].store(0, Ordering::Relaxed);
         Some(s)
     }
 
     /// Detach track buffer `i` (SGLang's `mamba_ping_pong_track_buffer_to_keep`).
+    /// `None` when there is none at `i` (absent, taken, or `i >= 2`), or when the row
+    /// is another pool's (nothing changes then).
     pub fn take_track(&self, row: &mut HybridRow, i: usize) -> Option<MambaSlot> {
+        self.owns(row).ok()?;
         let s = row.track.get_mut(i)?.take()?;
         self.track_index[2 * row.index() + i].store(0, Ordering::Relaxed);
         Some(s)
@@ -293,8 +443,10 @@ impl HybridReqToTokenPool {
     /// # Errors
     ///
     /// [`MambaError::NoTrackBuffers`] if that track buffer (or the working state) is
-    /// absent or was taken.
+    /// absent or was taken; [`MambaError::Row`] for another pool's row. Nothing
+    /// changes on error.
     pub fn checkpoint(&self, row: &mut HybridRow) -> Result<u32, MambaError> {
+        self.owns(row)?;
         let i = row.next_track();
         let (Some(src), Some(dst)) = (row.mamba.as_ref(), row.track[i].as_mut()) else {
             return Err(MambaError::NoTrackBuffers);

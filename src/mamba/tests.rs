@@ -12,7 +12,7 @@ fn cfg() -> MambaConfig {
 }
 
 /// Fill every component of every layer of `slot` with a pattern from `seed`.
-fn fill(pool: &MambaPool, slot: &mut MambaSlot, seed: u8) {
+fn fill(pool: &MambaPool, slot: &mut impl HeldState, seed: u8) {
     for layer in 0..pool.config().layers {
         for comp in pool.config().clone().components() {
             for (i, b) in pool.component_mut::<u8>(slot, layer, comp).unwrap().iter_mut().enumerate() {
@@ -278,11 +278,11 @@ fn ping_pong_checkpoints_and_handoff_to_the_tree() {
     let (m, pool) = rows(2, 6, 2);
     assert_eq!((pool.other_track(0), pool.other_track(1)), (1, 0));
     let mut r = pool.alloc().unwrap();
-    fill(&m, r.mamba_mut().unwrap(), 1);
+    fill(&m, &mut r, 1); // the row's working state
     let first = pool.checkpoint(&mut r).unwrap();
     assert_eq!(first, r.track(0).unwrap().index());
     assert_eq!(r.next_track(), 1);
-    fill(&m, r.mamba_mut().unwrap(), 2);
+    fill(&m, &mut r, 2);
     let want = snapshot(&m, r.mamba().unwrap());
     let second = pool.checkpoint(&mut r).unwrap();
     assert_eq!(second, r.track(1).unwrap().index());

@@ -73,7 +73,37 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 
 /// Where a [`MambaRadixCache`] keeps the states it holds: slot numbers `1..=capacity`
 /// handed out and taken back (lock-free, like every kvpool pool).
-pub trait StatePool: Send + Sync + 'static {
+///
+/// Implemented for [`SlotPool`], [`MambaPool`] and an [`Arc`] of either; sealed (its
+/// private half says whether other values share the pool, see below), so no other
+/// type can implement it.
+///
+/// # One cache per pool
+///
+/// The cache records which of its nodes holds which state, so a state handed to it
+/// twice is refused; but a second cache would not see the first one's records and
+/// could adopt a state the first holds. So a pool shared through an [`Arc`] (as
+/// [`for_hybrid_rows`](RadixCache::for_hybrid_rows) shares a
+/// [`HybridReqToTokenPool`]'s pool) serves one live cache at a time: building a second
+/// cache over it is refused with [`ConfigError::Unsupported`] until the first is
+/// dropped.
+///
+/// ```
+/// use std::sync::Arc;
+/// use kvpool::radix::{MambaRadixCache, RadixConfig};
+/// use kvpool::{ConfigError, ReqToTokenPool, SlotPool, TokenAllocator};
+///
+/// let states = Arc::new(SlotPool::without_magazines(4));
+/// let mk = || MambaRadixCache::with_states(
+///     TokenAllocator::new(64).unwrap(), ReqToTokenPool::new(2, 64).unwrap(),
+///     Arc::clone(&states), RadixConfig::default());
+/// let first = mk()?;
+/// assert!(matches!(mk(), Err(ConfigError::Unsupported { .. })));
+/// drop(first);
+/// let _second = mk()?; // the pool is free for another cache again
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait StatePool: sealed::SharedPool + Send + Sync + 'static {
     /// The highest slot number.
     fn capacity(&self) -> u32;
     /// Free slots now.
@@ -92,6 +122,73 @@ pub trait StatePool: Send + Sync + 'static {
     fn free(&self, slots: &[u32]) -> Result<(), FreeError>;
     /// Whether `slot` is handed out.
     fn is_allocated(&self, slot: u32) -> bool;
+}
+
+mod sealed {
+    /// The private half of [`StatePool`](super::StatePool).
+    pub trait SharedPool {
+        /// The address of the pool other values of this type may share (an `Arc`'s
+        /// pointee, through nested `Arc`s), or `None` for a pool this value owns alone.
+        fn shared_at(&self) -> Option<usize>;
+    }
+}
+
+impl sealed::SharedPool for SlotPool {
+    fn shared_at(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl sealed::SharedPool for MambaPool {
+    fn shared_at(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl<P: StatePool> sealed::SharedPool for Arc<P> {
+    fn shared_at(&self) -> Option<usize> {
+        Some((**self).shared_at().unwrap_or(Arc::as_ptr(self) as *const () as usize))
+    }
+}
+
+/// The shared state pools (by address) a live cache holds: at most one cache per pool
+/// ("One cache per pool" on [`StatePool`]). Only touched when a cache is built or
+/// dropped, never on a request path. A plain `std` mutex, also under loom: this is
+/// setup bookkeeping, not part of any modelled protocol.
+static CLAIMED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+/// A cache's claim on its shared state pool, released when the cache is dropped.
+#[derive(Debug)]
+struct PoolClaim(Option<usize>);
+
+impl PoolClaim {
+    fn take(pool: &impl StatePool) -> Result<Self, ConfigError> {
+        let Some(at) = pool.shared_at() else { return Ok(PoolClaim(None)) };
+        // A poisoned lock only means a panic elsewhere while it was held; the list is
+        // still consistent (each change is one push or one swap_remove).
+        let mut claimed = CLAIMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if claimed.contains(&at) {
+            return Err(ConfigError::Unsupported {
+                what: "a Mamba state pool another live MambaRadixCache holds",
+                with: "a second cache (a state must have one owner)",
+            });
+        }
+        claimed
+            .try_reserve(1)
+            .map_err(|_| ConfigError::TooLargeForMemory { what: "the state pool claims", bytes: 8 })?;
+        claimed.push(at);
+        Ok(PoolClaim(Some(at)))
+    }
+}
+
+impl Drop for PoolClaim {
+    fn drop(&mut self) {
+        let Some(at) = self.0 else { return };
+        let mut claimed = CLAIMED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(i) = claimed.iter().position(|&c| c == at) {
+            claimed.swap_remove(i);
+        }
+    }
 }
 
 impl StatePool for SlotPool {
@@ -193,6 +290,9 @@ impl CheckpointConfig {
 /// of pool `P`.
 #[derive(Debug)]
 pub struct Mamba<P: StatePool> {
+    /// First, so that it is released before `pool` (an `Arc` keeping the claimed
+    /// address alive) is dropped.
+    _claim: PoolClaim,
     pool: P,
     config: CheckpointConfig,
 
@@ -450,8 +550,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// # Errors
     ///
     /// As [`RadixCache::new`]; also [`ConfigError::TooLargeForMemory`] for the state
-    /// bookkeeping (4 bytes per state slot), and [`ConfigError::NotAMultiple`] for a
-    /// page size that does not divide the default chunk (64).
+    /// bookkeeping (4 bytes per state slot), [`ConfigError::NotAMultiple`] for a
+    /// page size that does not divide the default chunk (64), and
+    /// [`ConfigError::Unsupported`] when `states` is a pool shared through an `Arc`
+    /// that another live cache holds (see [`StatePool`]).
     pub fn with_states(
         alloc: A,
         req_pool: ReqToTokenPool,
@@ -467,7 +569,9 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     ///
     /// As [`with_states`](Self::with_states); [`ConfigError::Zero`] or
     /// [`ConfigError::NotAMultiple`] when the chunk is not a positive whole number of
-    /// pages or the track interval not a whole number of chunks.
+    /// pages or the track interval not a whole number of chunks;
+    /// [`ConfigError::Unsupported`] when `states` is a pool shared through an `Arc`
+    /// that another live cache holds (see [`StatePool`]).
     pub fn with_checkpoints(
         alloc: A,
         req_pool: ReqToTokenPool,
@@ -479,8 +583,14 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             return Err(ConfigError::ZeroPageSize);
         }
         mamba.validate(alloc.page_size() as usize)?;
-        let variant =
-            Mamba { pool: states, config: mamba, evictable: AtomicUsize::new(0), protected: AtomicUsize::new(0) };
+        let claim = PoolClaim::take(&states)?;
+        let variant = Mamba {
+            _claim: claim,
+            pool: states,
+            config: mamba,
+            evictable: AtomicUsize::new(0),
+            protected: AtomicUsize::new(0),
+        };
         Self::with_variant(alloc, req_pool, config, variant)
     }
 
@@ -793,7 +903,9 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
     ///
     /// # Errors
     ///
-    /// As [`with_checkpoints`](Self::with_checkpoints).
+    /// As [`with_checkpoints`](Self::with_checkpoints): in particular
+    /// [`ConfigError::Unsupported`] when another live cache holds `rows`' Mamba pool
+    /// already (two caches over one pool could both adopt one state).
     pub fn for_hybrid_rows(
         alloc: A,
         rows: &HybridReqToTokenPool,
@@ -857,8 +969,9 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
         );
         match r {
             Ok((cached, state_kept)) => {
-                core::mem::forget(lease); // its lock was released by `finish`
-                                          // The row is the pool's (its tokens were read above): freeing it cannot fail.
+                // Its lock was released by `finish`.
+                core::mem::forget(lease);
+                // The row is the pool's (its tokens were read above): freeing it cannot fail.
                 let freed = rows.free(row);
                 debug_assert!(freed.is_ok(), "a checked hybrid row failed to free: {freed:?}");
                 Ok(StateInsert { cached, state_kept })

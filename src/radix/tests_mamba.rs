@@ -419,7 +419,7 @@ fn hybrid_rows_hand_everything_back_on_refusal() {
     let mut lease = c.match_and_lock(0, &tokens, &mut out);
     let mut req = rows.alloc().unwrap();
     let kv_slots = kv(&c, 8);
-    rows.tokens().write(req.req_row_mut(), 0, &kv_slots).unwrap();
+    rows.write(&mut req, 0, &kv_slots).unwrap();
     // Chunked prefill: cache the first 4 tokens with a copy of the state there.
     rows.checkpoint(&mut req).unwrap();
     let copy = rows.take_checkpoint(&mut req).unwrap();
@@ -438,14 +438,14 @@ fn hybrid_rows_hand_everything_back_on_refusal() {
     other.free(foreign_req).unwrap();
     // A row that disagrees with its lease is refused before anything changes.
     let mut bad = req;
-    rows.tokens().write(bad.req_row_mut(), 0, &[kv_slots[1]]).unwrap();
+    rows.write(&mut bad, 0, &[kv_slots[1]]).unwrap();
     let u = c.cache_finished_hybrid(&rows, 0, &tokens, bad, lease, state).unwrap_err();
     assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
     let (mut req, lease, state) = (u.row, u.lease, u.state);
     let mut fixed = [0u32; 8];
     fixed[..4].copy_from_slice(&c_slots(&c, &tokens[..4]));
     fixed[4..].copy_from_slice(&kv_slots[4..]);
-    rows.tokens().write(req.req_row_mut(), 0, &fixed).unwrap();
+    rows.write(&mut req, 0, &fixed).unwrap();
     let r = c.cache_finished_hybrid(&rows, 0, &tokens, req, lease, state).unwrap();
     assert_eq!((r.cached, r.state_kept), (4, true));
     assert_eq!((c.mamba_evictable_size(), c.mamba_protected_size(), c.protected_size()), (2, 0, 0));
