@@ -91,14 +91,22 @@ pub enum FreeErrorKind {
     /// held through a handle, or one that a reader has pinned (see
     /// [`MambaPool::free`](crate::mamba::MambaPool::free)).
     InUse,
+    /// The index lies in a page a prefix cache holds: the cache frees it when it evicts
+    /// it (see [`CacheAllocator`](crate::radix::CacheAllocator)).
+    Cached,
 }
 
 /// A free named an index that it may not free.
 ///
 /// Out-of-range and already-free indices are found before anything changes: the whole
-/// batch is refused. The one case found later is an index named twice in one batch
-/// (or freed by two threads at once): the index is freed once, the error names it, and
-/// the rest of the batch is freed. In every case the pool's counts stay exact.
+/// batch is refused (`rest_freed: false`). The one case found later is an index freed
+/// by two threads at once, or, by a bare [`SlotPool`](crate::SlotPool) (and its
+/// [`FreeGroup`](crate::slots::FreeGroup)), an index named twice in one batch: the
+/// index is freed once, the error names it, and the rest of the batch is freed
+/// (`rest_freed: true`). The KV allocators ([`KvAllocator::free`](crate::KvAllocator::free))
+/// free the distinct pages a batch of slots lies in, so a repeat there is no error at
+/// any page size, and they refuse a batch all or nothing. In every case the pool's
+/// counts stay exact.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FreeError {
     /// The offending index (a slot, page or row number, as the caller passed it).
@@ -125,6 +133,11 @@ impl fmt::Display for FreeError {
             FreeErrorKind::InUse => write!(
                 f,
                 "cannot free index {}: it is in use (held through a handle, or pinned by a reader)",
+                self.index
+            )?,
+            FreeErrorKind::Cached => write!(
+                f,
+                "cannot free slot {}: its page is cached in the prefix tree, which frees it when it evicts it",
                 self.index
             )?,
         }
@@ -171,6 +184,27 @@ pub enum InvalidInput {
         /// The request's position in the batch.
         request: usize,
         /// The slot given.
+        last_loc: u32,
+    },
+    /// Request `request`'s `last_loc` lies in a page the prefix cache holds, and the
+    /// request would continue that page (its prefix ends inside it and grows): the
+    /// page's next slots are the tree's. A request continues only a page of its own.
+    LastLocCached {
+        /// The request's position in the batch.
+        request: usize,
+        /// The slot given.
+        last_loc: u32,
+    },
+    /// Requests `earlier` and `request` of one batch both continue the partial page of
+    /// `last_loc` (their prefixes end inside it and grow): one call would hand the
+    /// page's next slots to both. A partial page belongs to one request (prefix-cache
+    /// hits are page-aligned), so this is always a caller bug.
+    SamePartialPage {
+        /// The first request that continues the page.
+        earlier: usize,
+        /// The later request that continues it too.
+        request: usize,
+        /// The later request's `last_loc`.
         last_loc: u32,
     },
     /// A count that must be a whole number of pages is not.
@@ -228,6 +262,14 @@ impl fmt::Display for InvalidInput {
             InvalidInput::BadLastLoc { request, last_loc } => {
                 write!(f, "request {request}: last_loc {last_loc} is not an allocated slot of this pool")
             }
+            InvalidInput::LastLocCached { request, last_loc } => write!(
+                f,
+                "request {request}: last_loc {last_loc} lies in a page the prefix cache holds; a request continues only a page of its own"
+            ),
+            InvalidInput::SamePartialPage { earlier, request, last_loc } => write!(
+                f,
+                "request {request}: last_loc {last_loc} continues the same partial page as request {earlier}; a partial page belongs to one request"
+            ),
             InvalidInput::NotPageAligned { count, page_size } => {
                 write!(f, "{count} is not a multiple of the page size {page_size}")
             }

@@ -218,9 +218,9 @@ fn op_mix_reaches_every_outcome() {
             "translate: length mismatch",
             "clear: ok",
         ];
-        if ps == 1 {
-            want.push("free: duplicate in batch");
-        } else {
+        // a slot named twice: merged at every page size
+        want.push("free: ok, slot repeated");
+        if ps > 1 {
             want.extend([
                 "alloc: not page aligned",
                 "alloc_extend: ok, filled a partial page",
@@ -236,7 +236,10 @@ fn op_mix_reaches_every_outcome() {
         for outcome in want {
             assert!(stats.get(outcome) > 0, "page size {ps}: never saw {outcome:?}; saw {stats:?}");
         }
-        assert!(stats.get("alloc_extend: ok") > stats.get("alloc_extend: malformed batch"), "{stats:?}");
+        // successes (fresh pages only, or a partial page filled first) dominate for the
+        // main allocation path
+        let ok = stats.get("alloc_extend: ok") + stats.get("alloc_extend: ok, filled a partial page");
+        assert!(ok > stats.get("alloc_extend: malformed batch"), "{stats:?}");
     }
 }
 
@@ -318,10 +321,10 @@ fn refused_frees_keep_window_parts() {
     let t = SwaAllocator::new(8, 8, 1).unwrap();
     let mut s = [0u32; 3];
     t.alloc(&mut s).unwrap();
-    let e = t.free(&[s[0], s[1], s[0]]).unwrap_err();
-    assert!(e.rest_freed && e.kind == FreeErrorKind::NotAllocated);
+    // a slot named twice is freed once in both pools, with no error (repeats merge)
+    t.free(&[s[0], s[1], s[0]]).unwrap();
     assert_eq!((t.full_available_size(), t.window_available_size()), (7, 7));
     t.check_invariants().unwrap();
     let ops = [SwaOp::Alloc { pages: 3, misalign: Misalign(0) }, SwaOp::Free(FreeOp::WithDuplicate { handle: 0 })];
-    assert_eq!(run_swa(&ops, 8, 8, 1).unwrap().get("free: duplicate in batch"), 1);
+    assert_eq!(run_swa(&ops, 8, 8, 1).unwrap().get("free: ok, slot repeated"), 1);
 }

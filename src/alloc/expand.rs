@@ -80,9 +80,34 @@ fn ceil_pages(len: u32, ps: u32) -> u64 {
     div_ceil_ps(len as u64, ps as u64)
 }
 
-/// New pages one request needs (`ceil(seq/ps) - ceil(prefix/ps)`); `prefix <= seq`.
+/// New pages one request needs to grow from `prefix_len` to `seq_len` tokens:
+/// `ceil(seq/ps) - ceil(prefix/ps)`.
+///
+/// Total: 0 when the request does not grow (`prefix_len >= seq_len`, so a prefix
+/// longer than its sequence, which [`plan_extend`] refuses, needs nothing) or when
+/// `page_size` is 0 (no pages exist; [`plan_extend`] and the allocators refuse it).
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::alloc::new_pages;
+/// assert_eq!(new_pages(4, 3, 9), 2); // pages 1..=3 of the request: page 1 is held
+/// assert_eq!(new_pages(4, 9, 3), 0); // no growth
+/// assert_eq!(new_pages(0, 0, 1), 0); // no page size
+/// ```
 #[inline]
 pub fn new_pages(page_size: u32, prefix_len: u32, seq_len: u32) -> u32 {
+    if page_size == 0 || prefix_len >= seq_len {
+        return 0;
+    }
+    pages_to_add(page_size, prefix_len, seq_len)
+}
+
+/// [`new_pages`] for validated input (`page_size >= 1`, `prefix_len <= seq_len`): the
+/// planning loops' form, without the checks they have done already.
+#[inline]
+pub(crate) fn pages_to_add(page_size: u32, prefix_len: u32, seq_len: u32) -> u32 {
+    debug_assert!(page_size >= 1 && prefix_len <= seq_len, "unvalidated request");
     (ceil_pages(seq_len, page_size) - ceil_pages(prefix_len, page_size)) as u32
 }
 
@@ -117,7 +142,7 @@ pub fn plan_extend(page_size: u32, prefix_lens: &[u32], seq_lens: &[u32]) -> Res
         if prefix_len > seq_len {
             return Err(InvalidInput::PrefixLongerThanSeq { request, prefix_len, seq_len });
         }
-        plan.new_pages += new_pages(page_size, prefix_len, seq_len) as usize;
+        plan.new_pages += pages_to_add(page_size, prefix_len, seq_len) as usize;
         plan.new_tokens += (seq_len - prefix_len) as usize;
     }
     Ok(plan)
@@ -137,7 +162,7 @@ pub fn plan_decode(page_size: u32, seq_lens: &[u32]) -> Result<BatchPlan, Invali
         if seq_len == 0 {
             return Err(InvalidInput::EmptyDecode { request });
         }
-        plan.new_pages += new_pages(page_size, seq_len - 1, seq_len) as usize;
+        plan.new_pages += pages_to_add(page_size, seq_len - 1, seq_len) as usize;
     }
     Ok(plan)
 }
@@ -285,7 +310,7 @@ impl<R: Fn(usize) -> (u32, u32, u32)> Placer<R> {
             let start = self.next_start;
             self.next_req += 1;
             self.next_start += (seq - prefix) as usize;
-            let pages = new_pages(self.ps as u32, prefix, seq) as usize;
+            let pages = pages_to_add(self.ps as u32, prefix, seq) as usize;
             if pages > 0 {
                 let p1 = part1(self.ps as u64, prefix as u64, seq as u64);
                 (self.at, self.end, self.left) = (start + p1, start + (seq - prefix) as usize, pages);
@@ -367,6 +392,29 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `new_pages` is total (audit finding: page size 0 divided by zero and a prefix
+    /// longer than its sequence underflowed, panics from a public pure function).
+    #[test]
+    fn new_pages_is_total() {
+        assert_eq!(new_pages(0, 0, 1), 0, "no page size: no pages");
+        assert_eq!(new_pages(0, 5, 9), 0);
+        assert_eq!(new_pages(4, 9, 1), 0, "prefix longer than seq: no growth");
+        assert_eq!(new_pages(4, 9, 9), 0);
+        assert_eq!(new_pages(1, 0, u32::MAX), u32::MAX);
+        assert_eq!(new_pages(u32::MAX, 0, u32::MAX), 1);
+        assert_eq!(new_pages(3, u32::MAX - 1, u32::MAX), 0);
+        // in range it is the formula, as the planners use it
+        for ps in 1..=5u32 {
+            for prefix in 0..12 {
+                for seq in prefix..12 {
+                    let want = (seq as u64).div_ceil(ps as u64) - (prefix as u64).div_ceil(ps as u64);
+                    assert_eq!(new_pages(ps, prefix, seq) as u64, want, "{ps} {prefix} {seq}");
+                    assert_eq!(pages_to_add(ps, prefix, seq), new_pages(ps, prefix, seq));
+                }
+            }
+        }
+    }
 
     #[test]
     fn worked_examples() {

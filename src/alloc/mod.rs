@@ -91,11 +91,13 @@ pub trait KvAllocator: Send + Sync {
     ///
     /// [`AllocError`]; nothing changes on error.
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError>;
-    /// Free token slots (a paged allocator frees the distinct pages they lie in).
+    /// Free token slots: the distinct pages they lie in (a slot or page named twice is
+    /// freed once, at every page size; see [`PagedAllocator::free`]).
     ///
     /// # Errors
     ///
-    /// [`FreeError`] naming a slot that is out of range or not allocated.
+    /// [`FreeError`] naming a slot that is out of range or not allocated; nothing is
+    /// freed then.
     fn free(&self, slots: &[u32]) -> Result<(), FreeError>;
     /// Open a free group whose frees are published together when it ends.
     fn free_group(&self) -> KvFreeGroup<'_>;
@@ -145,7 +147,8 @@ pub trait KvAllocator: Send + Sync {
 /// Check an extend or decode batch against `alloc` without changing anything: the
 /// `last_locs` and output lengths, and every `last_loc` that part 1 of the expansion will
 /// read (one that continues a page must sit at the matching position of an allocated
-/// page). `req(i)` gives request `i`'s `(prefix_len, seq_len)`; `new_tokens` is the
+/// page, and no two requests may continue the same page: both would be handed its next
+/// slots). `req(i)` gives request `i`'s `(prefix_len, seq_len)`; `new_tokens` is the
 /// output length the batch needs. Callers that evict before allocating (the prefix
 /// cache) run this first, so a malformed batch evicts nothing.
 ///
@@ -186,7 +189,122 @@ where
             }
         }
     }
-    Ok(())
+    if batch < 2 {
+        return Ok(());
+    }
+    // Every continued page is allocated (checked above); no two requests may continue
+    // the same one. (`NO_PAGE`: with page size >= 2 a page is at most `u32::MAX / 2`.)
+    let shift = ps.is_power_of_two().then(|| ps.trailing_zeros());
+    let page_at = |request: usize| {
+        let (prefix, seq) = req(request);
+        if rem(prefix) == 0 || seq <= prefix {
+            return NO_PAGE;
+        }
+        let last_loc = last_locs[request];
+        shift.map_or(last_loc / ps, |s| last_loc >> s)
+    };
+    let repeat = if batch <= PAIRWISE_MAX {
+        first_repeat_pairwise(batch, page_at)
+    } else if batch <= SMALL_TABLE / 2 {
+        first_repeat_hashed::<SMALL_TABLE>(batch, page_at)
+    } else {
+        first_repeat_hashed::<LARGE_TABLE>(batch, page_at)
+    };
+    match repeat {
+        None => Ok(()),
+        Some(request) => {
+            let page = page_at(request);
+            let earlier = (0..request).find(|&i| page_at(i) == page).unwrap_or(0);
+            Err(InvalidInput::SamePartialPage { earlier, request, last_loc: last_locs[request] })
+        }
+    }
+}
+
+/// No page: what `page_at` gives for a request that continues none.
+const NO_PAGE: u32 = u32::MAX;
+
+/// Batches up to this size are checked for a repeated page pair by pair (at most 120
+/// comparisons, on a stack array): cheaper than any table.
+const PAIRWISE_MAX: usize = 16;
+
+/// Entries of the stack hash table for batches up to half of it (1 KiB, zeroed per call).
+const SMALL_TABLE: usize = 256;
+
+/// Entries of the stack hash table for larger batches (16 KiB); a batch with more than
+/// half as many continued pages is checked in chunks of that many.
+const LARGE_TABLE: usize = 4096;
+
+/// The first request `j` of `0..batch` with `page_at(j) != NO_PAGE` equal to
+/// `page_at(i)` for some `i < j`, pair by pair (`batch <= PAIRWISE_MAX`).
+#[inline]
+fn first_repeat_pairwise(batch: usize, page_at: impl Fn(usize) -> u32) -> Option<usize> {
+    let mut pages = [NO_PAGE; PAIRWISE_MAX];
+    for (j, slot) in pages[..batch].iter_mut().enumerate() {
+        *slot = page_at(j);
+    }
+    (1..batch).find(|&j| pages[j] != NO_PAGE && pages[..j].contains(&pages[j]))
+}
+
+/// As [`first_repeat_pairwise`], for any batch, through an open-addressing hash table
+/// of `SLOTS` entries on the stack (`page + 1`, 0 for empty; linear probing, load at
+/// most one half), so no allocation: O(batch) expected. A batch with more than
+/// `SLOTS / 2` continued pages goes in chunks: each chunk's pages are inserted (a
+/// repeat inside the chunk is found then) and the rest of the batch is looked up in
+/// them; a repeat found by a lookup limits the later chunks to the requests before it,
+/// so the answer is the first repeat whatever the chunking.
+#[inline(never)]
+fn first_repeat_hashed<const SLOTS: usize>(batch: usize, page_at: impl Fn(usize) -> u32) -> Option<usize> {
+    let bits = SLOTS.trailing_zeros();
+    // Fibonacci hashing: pages of one batch are often close together.
+    let home = |page: u32| (page.wrapping_mul(0x9E37_79B9) >> (32 - bits)) as usize;
+    let mut table = [0u32; SLOTS];
+    let (mut start, mut end, mut found) = (0, batch, None);
+    while start < end {
+        if start > 0 {
+            table.fill(0);
+        }
+        // Insert the chunk's pages.
+        let (mut i, mut held) = (start, 0);
+        while i < end && held < SLOTS / 2 {
+            let page = page_at(i);
+            if page != NO_PAGE {
+                let key = page + 1;
+                let mut at = home(page);
+                loop {
+                    match table[at] {
+                        0 => {
+                            table[at] = key;
+                            held += 1;
+                            break;
+                        }
+                        e if e == key => return Some(i),
+                        _ => at = (at + 1) & (SLOTS - 1),
+                    }
+                }
+            }
+            i += 1;
+        }
+        // Look the rest up in them.
+        let hit = (i..end).find(|&j| {
+            let page = page_at(j);
+            if page == NO_PAGE {
+                return false;
+            }
+            let (key, mut at) = (page + 1, home(page));
+            loop {
+                match table[at] {
+                    0 => return false,
+                    e if e == key => return true,
+                    _ => at = (at + 1) & (SLOTS - 1),
+                }
+            }
+        });
+        if let Some(j) = hit {
+            (end, found) = (j, Some(j));
+        }
+        start = i;
+    }
+    found
 }
 
 /// A paged KV slot allocator: SGLang's `PagedTokenToKVPoolAllocator`, lock-free.
@@ -224,8 +342,11 @@ impl PagedAllocator {
     ///
     /// # Errors
     ///
-    /// [`ConfigError`] if `page_size` is 0 or the slot numbers would overflow `u32`;
-    /// [`ConfigError::TooLargeForMemory`] if the page bitmap cannot be allocated.
+    /// [`ConfigError::ZeroPageSize`] if `page_size` is 0; [`ConfigError::TooLarge`] if
+    /// the slot numbers would overflow `u32` (the highest slot,
+    /// `(size / page_size + 1) * page_size - 1`, must be at most `u32::MAX`; with page
+    /// size 1, if `size > u32::MAX`); [`ConfigError::TooLargeForMemory`] if the page
+    /// bitmap cannot be allocated.
     pub fn new(size: usize, page_size: u32) -> Result<Self, ConfigError> {
         Self::build(size, page_size, page_size == 1)
     }
@@ -242,9 +363,9 @@ impl PagedAllocator {
             return Err(ConfigError::ZeroPageSize);
         }
         let num_pages = size as u64 / page_size as u64;
-        // The highest slot is (num_pages + 1) * page_size - 1 (checked: `size` may be
-        // near `u64::MAX`).
-        let end = (num_pages + 1).checked_mul(page_size as u64);
+        // The highest slot is (num_pages + 1) * page_size - 1 (both steps checked: with
+        // page size 1 and `size == usize::MAX`, `num_pages + 1` itself overflows).
+        let end = num_pages.checked_add(1).and_then(|pages| pages.checked_mul(page_size as u64));
         if end.map_or(true, |end| end > u32::MAX as u64 + 1) {
             return Err(ConfigError::TooLarge { size: size as u64, page_size });
         }
@@ -550,12 +671,16 @@ impl PagedAllocator {
     }
 
     /// Free token slots: the distinct pages they lie in are freed (slots of one page may
-    /// repeat; listing one slot of a page frees the whole page, as in SGLang).
+    /// repeat; listing one slot of a page frees the whole page, as in SGLang's
+    /// `torch.unique` of the pages). At page size 1 a slot is its page: a slot listed
+    /// twice is freed once, like two slots of one page at a larger page size.
     ///
     /// # Errors
     ///
     /// [`FreeError`] naming the first slot whose page is out of range or not allocated;
-    /// nothing is freed then.
+    /// nothing is freed then (`rest_freed` is `false`). The one exception is a race
+    /// that is a caller bug anyway: another thread freeing the same page at the same
+    /// time; the error then says `rest_freed: true`, and the counts stay exact.
     pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         let mut group = self.free_group();
         let r = group.free(slots);
@@ -565,8 +690,10 @@ impl PagedAllocator {
 
     /// Open a free group (SGLang's `free_group_begin`/`free_group_end`).
     pub fn free_group(&self) -> KvFreeGroup<'_> {
-        let group = if self.page_size == 1 { self.pages.free_group() } else { FreeGroup::merging(&self.pages) };
-        KvFreeGroup { window: None, group, alloc: self }
+        // Merging at every page size: a batch names the distinct pages its slots lie in,
+        // so a repeat (two slots of a page, or one slot twice at page size 1) is no
+        // double free, and a refused batch has freed nothing.
+        KvFreeGroup { window: None, group: FreeGroup::merging(&self.pages), alloc: self }
     }
 
     /// Whether `slot`'s page is allocated.
@@ -692,28 +819,21 @@ impl KvFreeGroup<'_> {
     ///
     /// As [`KvAllocator::free`]; nothing is freed on error.
     pub fn free(&mut self, slots: &[u32]) -> Result<(), FreeError> {
-        let a = self.alloc;
-        if let Some(w) = &mut self.window {
-            // Release the window pages before the full pages can be handed out again
-            // (their mapping must be clear by then), and only once the whole batch is
-            // known to be freeable, so a refused free changes nothing.
-            // A page's first slot in a stretch is checked; its repeats are skipped.
-            // (`u64::MAX` is no page: with page size 1, slot `u32::MAX` is page `u32::MAX`.)
-            let mut prev = u64::MAX;
-            let all_allocated = slots.iter().all(|&s| {
-                let page = a.page_of(s) as u64;
-                let ok = page == prev || a.is_allocated(s);
-                prev = page;
-                ok
-            });
-            if all_allocated {
+        let KvFreeGroup { window, group, alloc: a } = self;
+        let a = *a;
+        // A dual allocator releases the window pages once the full pool has validated
+        // the whole batch (so a refused free changes nothing) and before it sets a
+        // full page's bit (so the page's mapping is clear before it can be handed out
+        // again).
+        let release_window = || {
+            if let Some(w) = window {
                 w.window.release_slots(slots, &mut w.group);
             }
-        }
+        };
         let r = if a.page_size == 1 {
-            self.group.free(slots)
+            group.free_then(slots, release_window)
         } else {
-            self.group.free_iter(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }))
+            group.free_iter_then(slots.iter().map(|&s| if s < a.page_size { 0 } else { a.page_of(s) }), release_window)
         };
         r.map_err(|e| a.slot_error(slots, e))
     }
@@ -804,7 +924,9 @@ impl TokenAllocator {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::TooLarge`] if `size >= u32::MAX`.
+    /// [`ConfigError::TooLarge`] if `size > u32::MAX` (the highest slot is `size`, and
+    /// slots are `u32`s); [`ConfigError::TooLargeForMemory`] if the bitmap cannot be
+    /// allocated.
     pub fn new(size: usize) -> Result<Self, ConfigError> {
         PagedAllocator::new(size, 1).map(TokenAllocator)
     }

@@ -899,6 +899,70 @@ mod tests {
         assert!(matches!(SwaAllocator::new(64, 3, 4), Err(ConfigError::Zero(_))));
         assert!(matches!(SwaAllocator::new(64, 16, 0), Err(ConfigError::ZeroPageSize)));
         assert!(SwaAllocator::new(1 << 33, 16, 1).is_err());
+        // `size / page_size + 1` is checked too (it overflowed, a panic, at page size 1)
+        let too_large = ConfigError::TooLarge { size: u64::MAX, page_size: 1 };
+        assert_eq!(SwaAllocator::new(usize::MAX, 16, 1).unwrap_err(), too_large);
+        assert_eq!(SwaAllocator::new(16, usize::MAX, 1).unwrap_err(), too_large);
+    }
+
+    /// At page size 1 a slot named twice is freed once in both pools, with no error
+    /// (as two slots of one page at a larger page size); it used to free both pools'
+    /// parts and then report an error.
+    #[test]
+    fn free_merges_a_repeated_slot_in_both_pools() {
+        for ps in [1u32, 4] {
+            let a = SwaAllocator::new(16 * ps as usize, 8 * ps as usize, ps).unwrap();
+            let mut s = vec![0u32; 2 * ps as usize];
+            a.alloc(&mut s).unwrap();
+            let (full, window) = (a.full_available_size(), a.window_available_size());
+            KvAllocator::free(&a, &[s[0], s[0]]).unwrap();
+            let freed = ps as usize;
+            assert_eq!((a.full_available_size(), a.window_available_size()), (full + freed, window + freed));
+            assert_eq!(a.window_slot(s[0]), None);
+            assert!(a.window_slot(s[ps as usize]).is_some());
+            check(&a);
+        }
+    }
+
+    /// A refused free changes neither pool: the window part is released only after the
+    /// full pool has validated the whole batch (repeats included).
+    #[test]
+    fn refused_free_releases_no_window_page() {
+        for ps in [1u32, 4] {
+            let a = SwaAllocator::new(16 * ps as usize, 8 * ps as usize, ps).unwrap();
+            let mut s = vec![0u32; 2 * ps as usize];
+            a.alloc(&mut s).unwrap();
+            let before = (a.full_available_size(), a.window_available_size());
+            let mapped = a.window_slot(s[0]);
+            assert!(mapped.is_some());
+            let unallocated = 10 * ps;
+            for batch in [vec![s[0], s[0], unallocated], vec![s[0], unallocated, s[0]], vec![s[0], 0]] {
+                let e = KvAllocator::free(&a, &batch).unwrap_err();
+                assert!(!e.rest_freed, "{e:?}");
+                let mut g = a.free_group();
+                assert!(g.free(&batch).is_err());
+                assert_eq!(g.end(), 0);
+                assert_eq!((a.full_available_size(), a.window_available_size()), before, "{batch:?}");
+                assert_eq!(a.window_slot(s[0]), mapped, "the window part stays mapped");
+            }
+            check(&a);
+        }
+    }
+
+    /// Two requests continuing one partial page are refused by the dual allocator too
+    /// (it shares the full pool's batch check).
+    #[test]
+    fn same_partial_page_twice_is_refused() {
+        let a = SwaAllocator::new(64, 32, 4).unwrap();
+        let mut page = [0u32; 4];
+        a.alloc(&mut page).unwrap();
+        let before = (a.full_available_size(), a.window_available_size());
+        let mut out = [0u32; 2];
+        let want = AllocError::Invalid(InvalidInput::SamePartialPage { earlier: 0, request: 1, last_loc: 4 });
+        assert_eq!(a.alloc_extend(&[1, 1], &[2, 2], &[4, 4], &mut out), Err(want.clone()));
+        assert_eq!(a.alloc_decode(&[2, 2], &[4, 4], &mut out), Err(want));
+        assert_eq!((a.full_available_size(), a.window_available_size()), before);
+        check(&a);
     }
 
     #[test]

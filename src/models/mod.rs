@@ -773,8 +773,9 @@ impl AllocModel {
     /// In this order: `prefix_lens` length, the first request with a prefix longer than
     /// its sequence, `last_locs` length, output length, the first bad `last_loc` (a
     /// prefix ending inside a page, growing, whose `last_loc` is not an allocated slot
-    /// at the prefix's position in its page; never checked with page size 1), then out
-    /// of memory.
+    /// at the prefix's position in its page; never checked with page size 1), the first
+    /// request that continues the same partial page as an earlier one
+    /// (`SamePartialPage`; never with page size 1), then out of memory.
     pub fn alloc_extend(
         &mut self,
         prefix_lens: &[u32],
@@ -843,6 +844,18 @@ impl AllocModel {
                     return Err(InvalidInput::BadLastLoc { request, last_loc }.into());
                 }
             }
+            // Then: no two requests continue the same partial page (both would be handed
+            // its next slots); the first request that repeats an earlier one's page.
+            let continued = |i: usize| {
+                let reads_last_loc = prefix_lens[i] % ps != 0 && seq_lens[i] > prefix_lens[i];
+                reads_last_loc.then(|| last_locs[i] / ps)
+            };
+            for (request, &last_loc) in last_locs.iter().enumerate() {
+                let Some(page) = continued(request) else { continue };
+                if let Some(earlier) = (0..request).find(|&i| continued(i) == Some(page)) {
+                    return Err(InvalidInput::SamePartialPage { earlier, request, last_loc }.into());
+                }
+            }
         }
         let pages_of = |len: u32| (len as u64).div_ceil(ps as u64);
         let need: u64 = prefix_lens.iter().zip(seq_lens).map(|(&p, &s)| pages_of(s) - pages_of(p)).sum();
@@ -852,8 +865,10 @@ impl AllocModel {
     }
 
     /// Free `slots`: validate all (in order: range, then allocated), then free the
-    /// distinct pages. A page size of 1 is strict about a slot named twice in the batch
-    /// (freed once, reported with `rest_freed`); larger page sizes merge repeats.
+    /// distinct pages. A KV allocator's model merges repeats at every page size (at
+    /// page size 1 a slot named twice is freed once, with no error), so a batch is
+    /// freed all or nothing. A `SlotPool`'s model is strict about an index named twice
+    /// in the batch (freed once, reported with `rest_freed`).
     ///
     /// # Errors
     ///
@@ -907,7 +922,7 @@ impl AllocModel {
             self.free[page as usize / 64] |= 1 << (page % 64);
         }
         self.free_count += pages.len();
-        if ps == 1 && !repeated.is_empty() {
+        if self.unit == Unit::Indices && !repeated.is_empty() {
             repeated.sort_unstable();
             repeated.dedup();
             let kind = FreeErrorKind::NotAllocated;
@@ -1151,10 +1166,20 @@ fn alloc_outcome(r: &Result<Allocated, AllocError>) -> &'static str {
         Ok(_) => "ok",
         Err(AllocError::OutOfMemory(_)) => "out of memory",
         Err(AllocError::Invalid(InvalidInput::BadLastLoc { .. })) => "bad last_loc",
+        Err(AllocError::Invalid(InvalidInput::SamePartialPage { .. })) => "same partial page",
         Err(AllocError::Invalid(InvalidInput::NotPageAligned { .. })) => "not page aligned",
         Err(AllocError::Invalid(_)) => "malformed batch",
         Err(AllocError::Row(_)) => "bad request row",
     }
+}
+
+/// The outcome of a free of `slots` for the stats: [`free_outcome`], but a batch that
+/// names one slot twice and is freed is "ok, slot repeated" (repeats merge).
+pub(crate) fn free_batch_outcome(slots: &[u32], r: &Result<(), ExpectedFreeError>) -> &'static str {
+    if r.is_ok() && slots.iter().enumerate().any(|(i, s)| slots[..i].contains(s)) {
+        return "ok, slot repeated";
+    }
+    free_outcome(r)
 }
 
 fn free_outcome(r: &Result<(), ExpectedFreeError>) -> &'static str {
@@ -1603,7 +1628,7 @@ fn step<'s, S: Subject>(
             prev = page;
         }
         let stats = &mut runner.stats;
-        stats.record(if group.is_some() { "group free" } else { "free" }, free_outcome(&want));
+        stats.record(if group.is_some() { "group free" } else { "free" }, free_batch_outcome(slots, &want));
         let refused = matches!(want, Err(ExpectedFreeError { rest_freed: false, .. }));
         match (&got, &want) {
             (Ok(()), Ok(())) => Ok(refused),
@@ -1627,7 +1652,7 @@ fn step<'s, S: Subject>(
                 let p = r.prefix as u32 % (3 * ps + 1);
                 prefix.push(p);
                 seq.push(p + r.extend as u32 % (4 * ps + 1));
-                last.push(last_loc(r.last_loc, p, runner, model));
+                last.push(last_loc(r.last_loc, p, runner, model, &last));
             }
             let mut out_len: usize = prefix.iter().zip(&seq).map(|(p, s)| (s - p) as usize).sum();
             if !S::BATCHES {
@@ -1679,7 +1704,7 @@ fn step<'s, S: Subject>(
             for r in reqs {
                 let sl = 1 + r.seq as u32 % (3 * ps);
                 seq.push(sl);
-                last.push(last_loc(r.last_loc, sl - 1, runner, model));
+                last.push(last_loc(r.last_loc, sl - 1, runner, model, &last));
             }
             let mut out_len = seq.len();
             match *fault {
@@ -1726,27 +1751,42 @@ fn step<'s, S: Subject>(
     Ok(())
 }
 
-/// The concrete `last_loc` for a request whose prefix has `prefix_len` tokens.
-fn last_loc(choice: LastLoc, prefix_len: u32, runner: &Runner, model: &AllocModel) -> u32 {
+/// The concrete `last_loc` for a request whose prefix has `prefix_len` tokens, in a
+/// batch whose earlier requests chose `taken`. Two requests continuing one partial page
+/// are refused (`SamePartialPage`), so a live choice prefers a page no earlier request
+/// took; one in sixteen (`k % 16 == 15`) takes the previous request's page on purpose.
+fn last_loc(choice: LastLoc, prefix_len: u32, runner: &Runner, model: &AllocModel, taken: &[u32]) -> u32 {
     let ps = model.page_size();
-    let pos = prefix_len.wrapping_sub(1) % ps; // position of the last prefix token in its page
-                                               // Among live handles whose first page is still allocated (a stale free may have
-                                               // taken another's page); failing that, any allocated page; slot 0 when none is.
+    // Position of the last prefix token in its page.
+    let pos = prefix_len.wrapping_sub(1) % ps;
+    // The previous request's page (if allocated) for a deliberate repeat; else among
+    // live handles whose first page is still allocated (a stale free may have taken
+    // another's page), then among all allocated pages, one no earlier request took;
+    // failing that, any such page; slot 0 when no page is allocated.
     let live_page = |k: u8| {
-        let held = || runner.live.iter().map(|h| h[0] / ps).filter(|&p| model.is_page_allocated(p));
-        let n = held().count();
-        if n > 0 {
-            return held().nth(k as usize % n);
+        let repeat = taken.last().map(|&t| t / ps).filter(|&p| p >= 1 && model.is_page_allocated(p));
+        if k % 16 == 15 && repeat.is_some() {
+            return repeat;
         }
+        let untaken = |p: &u32| !taken.iter().any(|&t| t / ps == *p);
+        let held = || runner.live.iter().map(|h| h[0] / ps).filter(|&p| model.is_page_allocated(p));
         let any = || (1..=model.num_pages()).filter(|&p| model.is_page_allocated(p));
-        let n = any().count();
-        (n > 0).then(|| any().nth(k as usize % n)).flatten()
+        pick(k, || held().filter(untaken))
+            .or_else(|| pick(k, || any().filter(untaken)))
+            .or_else(|| pick(k, held))
+            .or_else(|| pick(k, any))
     };
     match choice {
         LastLoc::Live(k) => live_page(k).map_or(0, |p| p * ps + pos),
         LastLoc::WrongPosition(k) => live_page(k).map_or(0, |p| p * ps + (pos + 1) % ps),
         LastLoc::Forged(raw) => raw.resolve(ps, model.num_pages()),
     }
+}
+
+/// Item `k` (mod their number) of the items `items()` yields, `None` when it yields none.
+fn pick<I: Iterator<Item = u32>>(k: u8, items: impl Fn() -> I) -> Option<u32> {
+    let n = items().count();
+    (n > 0).then(|| items().nth(k as usize % n)).flatten()
 }
 
 /// Compare `s` with the model: invariants, available and pending counts, and whether

@@ -18,9 +18,10 @@
 //!   `k`-th fresh full page maps to the `k`-th window page the window pool hands out
 //!   (both in the order of the pools' placement, see `kvpool::slots`);
 //! * `free` (plain or through a group) releases the window page of every full page it
-//!   names that has one, but only when every slot of the batch is allocated; then the
-//!   full pool frees as `PagedAllocator` does (with page size 1, a slot named twice
-//!   is freed once and reported with `rest_freed`, the window parts are released);
+//!   names that has one, but only when every slot of the batch is allocated (the full
+//!   pool's validation passed); then the full pool frees as `PagedAllocator` does
+//!   (repeats merge at every page size: with page size 1, a slot named twice is freed
+//!   once, with no error); a refused batch changes neither pool;
 //!   inside a group both pools' frees count as available only when it ends;
 //! * `free_swa` validates every slot (the full pool's error, nothing changes on
 //!   error), then releases the window page of each named page that has one, published
@@ -39,9 +40,9 @@
 use arbitrary::{Arbitrary, Unstructured};
 
 use super::{
-    alloc_outcome, free_op, free_outcome, last_loc, AllocModel, Allocated, Batch, Control, DecodeReq,
-    ExpectedFreeError, ExtendReq, FreeOp, Misalign, RawSlot, Runner, ShapeFault, Stats, MAX_BATCH, MAX_FORGED,
-    SENTINEL,
+    alloc_outcome, free_batch_outcome, free_op, free_outcome, last_loc, AllocModel, Allocated, Batch, Control,
+    DecodeReq, ExpectedFreeError, ExtendReq, FreeOp, Misalign, RawSlot, Runner, ShapeFault, Stats, MAX_BATCH,
+    MAX_FORGED, SENTINEL,
 };
 use crate::alloc::{KvAllocator, KvFreeGroup, SwaAllocator};
 use crate::error::{AllocError, FreeErrorKind, InvalidInput, OutOfMemory, Unit};
@@ -665,7 +666,7 @@ fn step<'s>(
             None => a.free(slots),
         };
         let want = model.free(slots);
-        runner.stats.record(if group.is_some() { "group free" } else { "free" }, free_outcome(&want));
+        runner.stats.record(if group.is_some() { "group free" } else { "free" }, free_batch_outcome(slots, &want));
         let refused = matches!(want, Err(ExpectedFreeError { rest_freed: false, .. }));
         match (&got, &want) {
             (Ok(()), Ok(())) => Ok(refused),
@@ -690,7 +691,7 @@ fn step<'s>(
                 let p = r.prefix as u32 % (3 * ps + 1);
                 prefix.push(p);
                 seq.push(p + r.extend as u32 % (4 * ps + 1));
-                last.push(last_loc(r.last_loc, p, runner, model.full()));
+                last.push(last_loc(r.last_loc, p, runner, model.full(), &last));
             }
             let mut out_len: usize = prefix.iter().zip(&seq).map(|(p, s)| (s - p) as usize).sum();
             match *fault {
@@ -740,7 +741,7 @@ fn step<'s>(
             for r in reqs {
                 let sl = 1 + r.seq as u32 % (3 * ps);
                 seq.push(sl);
-                last.push(last_loc(r.last_loc, sl - 1, runner, model.full()));
+                last.push(last_loc(r.last_loc, sl - 1, runner, model.full(), &last));
             }
             let mut out_len = seq.len();
             match *fault {

@@ -1627,13 +1627,28 @@ impl SlotPool {
 
     /// Validate then set the bits of `indices` (without publishing), strict about
     /// duplicates. Returns how many bits went 0 -> 1, and on error also that count.
+    #[inline]
+    pub(crate) fn release_slice(&self, indices: &[u32]) -> Result<usize, (usize, FreeError)> {
+        self.release_slice_then(indices, Dup::Strict, || {})
+    }
+
+    /// Validate then set the bits of `indices` (without publishing); `dup` says what
+    /// an index named twice is (see [`Dup`]). `validated` runs once the whole batch has
+    /// passed validation and before any bit is set (never on a validation error): a
+    /// dual allocator releases the window part of the pages there. Returns how many
+    /// bits went 0 -> 1, and on error also that count.
     ///
     /// The batch is cut into *runs*: maximal stretches of indices in one word, each
     /// folded into a bit mask. A run of consecutive indices (what lowest-first
     /// allocation hands out) is recognised with a branch-free comparison against an
     /// ascending sequence instead of index by index. Validation costs one load per run;
     /// applying, one read-modify-write per run.
-    pub(crate) fn release_slice(&self, indices: &[u32]) -> Result<usize, (usize, FreeError)> {
+    pub(crate) fn release_slice_then(
+        &self,
+        indices: &[u32],
+        dup: Dup,
+        validated: impl FnOnce(),
+    ) -> Result<usize, (usize, FreeError)> {
         // 1. Validate: nothing changes unless every index is in range and allocated.
         // The buffer is left uninitialised: zeroing 1 KiB would cost more than freeing
         // a small batch.
@@ -1654,7 +1669,9 @@ impl SlotPool {
                     .unwrap_or(indices[pos]);
                 return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
             }
-            first_dup = first_dup.or(run.dup);
+            if dup == Dup::Strict {
+                first_dup = first_dup.or(run.dup);
+            }
             if buffered < RUN_BUF {
                 runs[buffered].write((run.word, run.mask));
                 buffered += 1;
@@ -1663,18 +1680,19 @@ impl SlotPool {
             }
             pos = run.end;
         }
+        validated();
         // 2. Apply: one fetch_or per run.
         let mut acc = Applied::new(first_dup);
         for run in &runs[..buffered] {
             // SAFETY: the validation loop wrote entries `..buffered` (it counts up
             // `buffered` only right after writing `runs[buffered]`).
             let (word, mask) = unsafe { run.assume_init() };
-            self.set_bits(word, mask, Dup::Strict, &mut acc);
+            self.set_bits(word, mask, dup, &mut acc);
         }
         if let Some(mut pos) = unbuffered_from {
             // Validated above, and a run depends only on the indices and the capacity.
             while let Ok(run) = self.next_run(indices, pos) {
-                self.set_bits(run.word, run.mask, Dup::Strict, &mut acc);
+                self.set_bits(run.word, run.mask, dup, &mut acc);
                 pos = run.end;
                 if pos == indices.len() {
                     break;
@@ -1807,8 +1825,9 @@ impl SlotPool {
 
     /// Validate then set the bits of `indices` (without publishing), for any iterator
     /// of indices (pages of token slots: repeats are the norm there, see [`Dup`]).
+    /// `validated` runs as in [`release_slice_then`](Self::release_slice_then).
     /// Returns how many bits went 0 -> 1, and on error also that count.
-    pub(crate) fn release<I>(&self, indices: I, dup: Dup) -> Result<usize, (usize, FreeError)>
+    pub(crate) fn release<I>(&self, indices: I, dup: Dup, validated: impl FnOnce()) -> Result<usize, (usize, FreeError)>
     where
         I: Iterator<Item = u32> + Clone,
     {
@@ -1831,6 +1850,7 @@ impl SlotPool {
             }
             prev = index as u64;
         }
+        validated();
         // 2. Apply, one fetch_or per run of indices in the same word. Merging, an index
         // equal to the one before it adds nothing (strict, it is a double free).
         let mut acc = Applied::new(None);
@@ -2401,22 +2421,29 @@ impl<'a> FreeGroup<'a> {
     ///
     /// As [`SlotPool::free`].
     pub fn free(&mut self, indices: &[u32]) -> Result<(), FreeError> {
-        let r = match self.unit {
-            Dup::Strict => self.pool.release_slice(indices),
-            Dup::Merge => self.pool.release(indices.iter().copied(), Dup::Merge),
-        };
-        self.account(r)
+        self.free_then(indices, || {})
     }
 
+    /// A group whose batches may name an index more than once: it is freed once and
+    /// the repeats are no error ([`Dup::Merge`]), so a batch is all or nothing. For the
+    /// KV allocators, which free the distinct pages a batch of slots lies in.
     pub(crate) fn merging(pool: &'a SlotPool) -> Self {
         FreeGroup { pool, pending: 0, pending_blocks: 0, unit: Dup::Merge }
     }
 
-    pub(crate) fn free_iter<I>(&mut self, indices: I) -> Result<(), FreeError>
+    /// [`free`](Self::free), running `validated` once the whole batch has passed
+    /// validation, before anything is freed (not at all on a validation error).
+    pub(crate) fn free_then(&mut self, indices: &[u32], validated: impl FnOnce()) -> Result<(), FreeError> {
+        let r = self.pool.release_slice_then(indices, self.unit, validated);
+        self.account(r)
+    }
+
+    /// [`free_then`](Self::free_then) for any iterator of indices.
+    pub(crate) fn free_iter_then<I>(&mut self, indices: I, validated: impl FnOnce()) -> Result<(), FreeError>
     where
         I: Iterator<Item = u32> + Clone,
     {
-        let r = self.pool.release(indices, self.unit);
+        let r = self.pool.release(indices, self.unit, validated);
         self.account(r)
     }
 
