@@ -58,7 +58,7 @@ use kvpool::replay::{
     run_sequential, HybridConfig, Mode, ReferenceCache, ReplayConfig, Trace, VecTrieReplayCache, MAX_MAMBA_STATES,
     MIN_MAMBA_STATES,
 };
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool};
+use kvpool::{PagedAllocator, ReqToTokenPool, SlotPool};
 
 /// One pool configuration.
 #[derive(Clone, Copy)]

@@ -31,7 +31,7 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 
 use kvpool::radix::{Lease, RadixCache, RadixConfig, RawLease};
-use kvpool::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
+use kvpool::{PagedAllocator, ReqRow, ReqToTokenPool};
 
 const PAGE_SIZE: u32 = 16;
 /// KV capacity in tokens: small enough that the cache has to evict.
@@ -124,7 +124,7 @@ fn admit<'c>(cache: &'c Cache, req: &Request, reserved: usize) -> Result<Option<
     //    output thread only ever adds to that, so the check stays true; decode never
     //    runs out (a real scheduler would retract requests instead).
     let need = pages_for(req.prompt.len() - hit) + pages_for(req.output_len);
-    if need > KvAllocator::size(cache.allocator()) {
+    if need > cache.allocator().size() {
         return Err(format!("a request of {} tokens can never fit in the pool", req.prompt.len()).into());
     }
     if cache.allocator().available_size() + cache.evictable_size() < need + reserved {
@@ -277,12 +277,12 @@ fn main() -> Result<(), Box<dyn Error>> {
     if finished != REQUESTS {
         problems.push(format!("{finished} of {REQUESTS} requests finished"));
     }
-    if alloc.available_size() + cache.total_size() != KvAllocator::size(alloc) {
+    if alloc.available_size() + cache.total_size() != alloc.size() {
         problems.push(format!(
             "slots leaked: {} free + {} cached != {}",
             alloc.available_size(),
             cache.total_size(),
-            KvAllocator::size(alloc)
+            alloc.size()
         ));
     }
     if cache.protected_size() != 0 {

@@ -13,7 +13,7 @@ mod alloc_common;
 
 use alloc_common::allocations;
 use kvpool::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, Transfer, WritePolicy};
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+use kvpool::{PagedAllocator, ReqToTokenPool};
 
 /// Transfers taken and not yet completed, in fixed buffers.
 struct Flight {

@@ -11,7 +11,7 @@ mod alloc_common;
 use alloc_common::allocations;
 use kvpool::alloc::SwaAllocator;
 use kvpool::radix::{EvictionPolicy, RadixConfig, SwaRadixCache};
-use kvpool::{KvAllocator, ReqToTokenPool};
+use kvpool::ReqToTokenPool;
 
 #[test]
 fn the_counter_counts() {

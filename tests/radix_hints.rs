@@ -3,7 +3,7 @@
 #![cfg(not(loom))]
 
 use kvpool::radix::{EvictionPolicy, KvEvent, RadixCache, RadixConfig};
-use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::{ReqToTokenPool, TokenAllocator};
 
 fn cache(policy: EvictionPolicy, size: usize) -> RadixCache<TokenAllocator> {
     let config = RadixConfig { policy, event_capacity: Some(1024) };

@@ -739,7 +739,10 @@ impl ReferenceSwaCache {
     fn make_room(&mut self, need: usize) {
         let full = need.saturating_sub(self.pool.full_available());
         let window = need.saturating_sub(self.pool.window_available());
-        if full > 0 || window > 0 {
+        // A shortfall past what is evictable fails either way: evict nothing for it
+        // (kvpool's rule; SGLang would empty the cache first).
+        let evictable = (self.sum(|n| n.lock_ref == 0), self.sum(|n| !n.tomb && n.swa_lock == 0));
+        if (full > 0 || window > 0) && full <= evictable.0 && window <= evictable.1 {
             self.evict_both(full, window);
         }
     }

@@ -316,7 +316,7 @@ fn alloc_kv(cache: &Cache, model: &mut Model, n: usize, step: usize) -> Result<O
     let mut s = vec![0u32; n];
     let got = cache.alloc(&mut s);
     let avail = model.allocator().available_size();
-    if avail < n {
+    if avail < n && n - avail <= model.evictable_size() {
         model.evict(n - avail);
     }
     let mut rs = vec![0u32; n];
@@ -384,7 +384,7 @@ fn apply<'c>(
             let got = cache.alloc_extend(&prefix, &seq, &[last], &mut new);
             let need = model.allocator().extend_need(&prefix, &seq).map_err(|e| e.to_string())?;
             let avail = model.allocator().available_size();
-            if avail < need {
+            if avail < need && need - avail <= model.evictable_size() {
                 model.evict(need - avail);
             }
             let mut ref_new = vec![0u32; t.len() - h];

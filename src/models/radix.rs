@@ -249,10 +249,11 @@ fn apply<'c>(
             } else {
                 cache.alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut new)
             };
-            // reference: evict the shortfall, then allocate
+            // reference: evict the shortfall (unless it is past what is evictable: the
+            // allocation fails then, and nothing is evicted for it), then allocate
             let need = reference.allocator().extend_need(&[h as u32], &[t.len() as u32]).unwrap();
             let avail = reference.allocator().available_size();
-            if avail < need {
+            if avail < need && need - avail <= reference.evictable_size() {
                 reference.evict(need - avail);
             }
             let mut ref_new = vec![0u32; t.len() - h];

@@ -23,7 +23,7 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use crate::alloc::{KvAllocator, SwaAllocator};
+use crate::alloc::SwaAllocator;
 use crate::baseline::swa_ref::{RefDualPool, RefSwaLease, ReferenceSwaCache, SwaSizes};
 use crate::radix::{EvictionPolicy, Lease, MatchResult, RadixConfig, Swa, SwaRadixCache};
 use crate::{ReqRow, ReqToTokenPool};

@@ -176,6 +176,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod alloc_view;
 mod events;
 mod heap;
 pub mod hi;
@@ -187,6 +188,7 @@ pub mod swa;
 mod tokens;
 mod variant;
 
+pub use alloc_view::CacheAllocator;
 pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
 pub use hi::{
     Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, Transfer, TransferError, TransferKind, WritePolicy,
@@ -468,8 +470,6 @@ struct Inner<V: Variant> {
     meta: Box<[Meta<V::Node>]>,
     free_ids: Vec<u32>,
     heap: Vec<u32>,
-    /// Which pages the tree holds (one bit each).
-    in_tree: Box<[u64]>,
     /// For a page that ends a node: that node.
     page_owner: Box<[u32]>,
     /// Bumped each time a page becomes the end of a node (rules out ABA on leases).
@@ -505,6 +505,12 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     /// 32 bits) and its length in pages (high 32 bits); 0 ends the chain. One cell per
     /// run, read with one load: a walk's only dependent load per run.
     links: Box<[AtomicU64]>,
+    /// Which pages the tree holds (one bit each). Written only under the latch; read
+    /// there, and without it by the allocation paths, which refuse to continue a page
+    /// the tree holds (`check_continued_pages`). Those reads are a check of the
+    /// caller's input, not part of any protocol: plain `std` atomics (never loom's, so
+    /// loom models do not branch on them), relaxed.
+    in_tree: Box<[std::sync::atomic::AtomicU64]>,
     /// `removal_version << 32 | head record`.
     buckets: Box<[AtomicU64]>,
     bucket_mask: usize,
@@ -723,7 +729,6 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             meta,
             free_ids: crate::arena::try_with_capacity(nrec, "radix free node list")?,
             heap: crate::arena::try_with_capacity(nrec, "radix eviction heap")?,
-            in_tree: boxed("radix page bitmap", pages.div_ceil(64), |_| 0u64)?,
             page_owner: boxed("radix page owners", pages, |_| NIL)?,
             page_epoch: boxed("radix page epochs", pages, |_| 0u32)?,
             digests: if events.is_some() { boxed("radix page digests", pages, |_| [0u8; 32])? } else { Box::new([]) },
@@ -744,6 +749,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             records,
             slot_token: tokens::Tokens::new(nslots)?,
             links: boxed("radix run links", pages, |_| AtomicU64::new(0))?,
+            in_tree: boxed("radix page bitmap", pages.div_ceil(64), |_| std::sync::atomic::AtomicU64::new(0))?,
             buckets: boxed("radix hash buckets", nbuckets, |_| AtomicU64::new(NIL as u64))?,
             bucket_mask: nbuckets - 1,
             latch: CachePadded::new(AtomicBool::new(false)),
@@ -759,8 +765,15 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         Ok(cache)
     }
 
-    /// The KV allocator.
-    pub fn allocator(&self) -> &A {
+    /// The KV allocator, as callers may use it: a free of a page the tree holds is
+    /// refused ([`CacheAllocator`]).
+    pub fn allocator(&self) -> CacheAllocator<'_, A> {
+        CacheAllocator::new(&self.alloc, &self.in_tree)
+    }
+
+    /// The KV allocator itself, for kvpool's own drivers (the replay).
+    #[cfg(feature = "replay")]
+    pub(crate) fn raw_allocator(&self) -> &A {
         &self.alloc
     }
 
@@ -1234,6 +1247,34 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         V::make_room(self, need);
     }
 
+    /// Whether the tree holds `page` (a snapshot: only the latch holder changes it).
+    #[inline]
+    fn page_in_tree(&self, page: u32) -> bool {
+        self.in_tree
+            .get(page as usize / 64)
+            .is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed) & (1 << (page % 64)) != 0)
+    }
+
+    /// Refuse a batch in which a request would continue a page the tree holds: its
+    /// prefix ends inside that page (`last_loc` is there) and it grows, so part 1 of
+    /// the expansion would hand out the page's next slots, which are the tree's. A
+    /// request continues only a page of its own (a match is page-aligned; a chunk or a
+    /// decode step continues the request's own last page). Run after
+    /// `check_batch_shape`, before anything is evicted.
+    fn check_continued_pages(&self, last_locs: &[u32], req: impl Fn(usize) -> (u32, u32)) -> Result<(), InvalidInput> {
+        let ps = self.ps as u32;
+        if ps <= 1 {
+            return Ok(());
+        }
+        for (request, &last_loc) in last_locs.iter().enumerate() {
+            let (prefix, seq) = req(request);
+            if prefix % ps != 0 && seq > prefix && self.page_in_tree(last_loc / ps) {
+                return Err(InvalidInput::LastLocCached { request, last_loc });
+            }
+        }
+        Ok(())
+    }
+
     fn with_evictable(&self, e: AllocError) -> AllocError {
         match e {
             AllocError::OutOfMemory(mut oom) => {
@@ -1285,9 +1326,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         out_len: usize,
     ) -> Result<(), InvalidInput> {
         let plan = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?;
-        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out_len, plan.new_tokens, |i| {
-            (prefix_lens[i], seq_lens[i])
-        })?;
+        let req = |i: usize| (prefix_lens[i], seq_lens[i]);
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out_len, plan.new_tokens, req)?;
+        self.check_continued_pages(last_locs, req)?;
         self.make_room(plan.new_pages * self.ps);
         Ok(())
     }
@@ -1348,9 +1389,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// As [`alloc_extend`](Self::alloc_extend).
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let need = self.alloc.decode_need(seq_lens)?;
-        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), |i| {
-            (seq_lens[i] - 1, seq_lens[i])
-        })?;
+        let req = |i: usize| (seq_lens[i] - 1, seq_lens[i]);
+        crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), req)?;
+        self.check_continued_pages(last_locs, req)?;
         self.make_room(need);
         self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }
@@ -1594,7 +1635,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let (key, r) = self.write(|w| {
             check(w)?;
             let key = &token_ids[..aligned];
-            let p = w.prepare_request(namespace, key, kv, lease.key, false, shape, vouched)?;
+            let p = w.prepare_request(namespace, key, kv, lease.key, true, shape, vouched)?;
             let end = V::apply_insert(w, namespace, key, &kv[..aligned], priority, p.cached);
             let ins = Inserted { end, namespace, key, kv: &kv[..aligned], protected: p.protected, cached: p.cached };
             let r = then(w, &ins);

@@ -79,8 +79,9 @@ use super::{
     CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT,
 };
 use crate::alloc::{KvAllocator, SwaAllocator};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, InvalidInput};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::slots::ascending_from;
 use crate::sync::atomic::{AtomicUsize, Ordering};
 
 /// The sliding-window variant (see the [module docs](self)).
@@ -247,7 +248,12 @@ impl Variant for Swa {
         let a = c.alloc.as_swa().expect("an SWA cache is built over an SwaAllocator");
         let full = need.saturating_sub(a.full_available_size());
         let window = need.saturating_sub(a.window_available_size());
-        if full > 0 || window > 0 {
+        // As the core: a shortfall past what is evictable fails either way, and
+        // evicting for it would only empty the cache.
+        if (full > 0 || window > 0)
+            && full <= c.evictable_size()
+            && window <= c.variant.evictable.load(Ordering::Acquire)
+        {
             c.write(|w| evict_both(w, full, window));
             crate::debug_check(c);
         }
@@ -452,6 +458,24 @@ fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
     end
 }
 
+/// The pages of an insert that [`live_len`] cut off: each a whole page of slots
+/// allocated in the full pool and not the tree's.
+fn check_cut_pages<A: KvAllocator>(w: &Writer<'_, A, Swa>, cut: &[u32]) -> Result<(), CacheError> {
+    let ps = w.c.ps;
+    for page in cut.chunks(ps) {
+        let first = page[0];
+        let p = first / ps as u32;
+        let whole = page.len() == ps && first % ps as u32 == 0 && ascending_from(page, first);
+        if !whole {
+            return Err(InvalidInput::NotAPage { slot: first }.into());
+        }
+        if p == 0 || p > w.c.num_pages || !w.c.alloc.is_allocated(first) || w.in_tree(p) {
+            return Err(CacheError::SlotNotOwned { slot: first });
+        }
+    }
+    Ok(())
+}
+
 /// After an insert: revive the tombstones the request brings window KV for, and make
 /// the part of the new leaf whose window KV the request released a tombstone.
 fn settle<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, ins: &Inserted<'_>) {
@@ -638,6 +662,10 @@ impl RadixCache<SwaAllocator, Swa> {
             key.len() // malformed: the core's check reports it
         };
         let r = self.write(|w| {
+            // The pages cut off (no window KV) are not inserted, but they are input all
+            // the same: whole pages of allocated slots the tree does not hold, as the
+            // core checks the rest.
+            check_cut_pages(w, &slots[len.min(slots.len())..])?;
             let (key, slots) = (&key[..len], &slots[..len]);
             let (cached, end) = w.insert(namespace, key, slots, 0)?;
             settle(w, &Inserted { end, namespace, key, kv: slots, protected: 0, cached });

@@ -867,3 +867,142 @@ fn a_match_into_the_row_is_trusted_only_for_its_own_lease_and_until_overwritten(
     assert!(matches!(c.match_and_lock_row(0, &key, &mut f), Err(RowError::ForeignRow { .. })));
     assert_eq!(c.protected_size(), 0);
 }
+
+// ---- misuse: each of these once handed a slot to two owners or changed state on a
+// failed call (found by an audit of the public API) ----
+
+/// A lease detached before `reset` names a node of the old tree. Once the same tokens
+/// are cached again in the same slots, its page ends a node again in the same
+/// incarnation; it must still be refused everywhere, or its never-taken lock would be
+/// released on the new node (another request's lock, whose slots eviction then frees).
+#[test]
+fn a_lease_from_before_reset_is_refused() {
+    let mut c = token_cache(16, EvictionPolicy::Lru);
+    let t = [10u32, 11, 12, 13];
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &t, &s, 0).unwrap();
+    let mut row = c.req_pool().alloc().unwrap();
+    let raw = c.match_and_lock_row(0, &t, &mut row).unwrap().detach();
+    c.reset();
+    let s2 = alloc_slots(&c, 4);
+    assert_eq!(s2, s, "the allocator hands back the same slots");
+    c.insert(0, &t, &s2, 0).unwrap();
+    let mut hit = [0u32; 4];
+    let live = c.match_and_lock(0, &t, &mut hit);
+    assert_eq!((live.len(), c.protected_size()), (4, 4));
+    let before = (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size());
+    let e = c.cache_finished_req(0, &t, row, c.attach(raw).unwrap(), 0).unwrap_err();
+    assert!(matches!(e.error, CacheError::StaleMatch), "{:?}", e.error);
+    assert_eq!(before, (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size()));
+    let super::Unfinished { mut row, lease, .. } = e;
+    let mut lease = lease;
+    assert!(matches!(c.cache_unfinished_req(0, &t, &mut row, &mut lease, 0), Err(CacheError::StaleMatch)));
+    assert!(matches!(c.release(lease.detach()), Err(CacheError::StaleMatch)), "release");
+    // The live lease still protects its slots.
+    assert_eq!(c.evict(4), 0);
+    assert!(hit.iter().all(|&x| c.allocator().is_allocated(x)));
+    drop(live);
+    c.req_pool().free(row).unwrap();
+    c.check_invariants().unwrap();
+}
+
+/// A request continues only a page of its own: a prefix ending inside a page the tree
+/// holds (here the request re-computes its last matched token) would be handed the
+/// page's next slot, the tree's. Refused before anything is evicted or allocated, in
+/// `alloc_extend_row`, `alloc_extend` and `alloc_decode`.
+#[test]
+fn continuing_a_cached_page_is_refused() {
+    let c = RadixCache::new(
+        PagedAllocator::new(64, 4).unwrap(),
+        ReqToTokenPool::new(4, 64).unwrap(),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let t: Vec<u32> = (100..108).collect();
+    let s = alloc_slots(&c, 8);
+    c.insert(0, &t, &s, 0).unwrap();
+    let avail = c.allocator().available_size();
+    let mut row = c.req_pool().alloc().unwrap();
+    let lease = c.match_and_lock_row(0, &t, &mut row).unwrap();
+    assert_eq!(lease.len(), 8);
+    let e = c.alloc_extend_row(&mut row, 7, 8).unwrap_err();
+    assert!(
+        matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { request: 0, last_loc }) if last_loc == s[6]),
+        "{e:?}"
+    );
+    let e = c.alloc_extend(&[6], &[8], &[s[5]], &mut [0; 2]).unwrap_err();
+    assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
+    let e = c.alloc_decode(&[7], &[s[5]], &mut [0; 1]).unwrap_err();
+    assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
+    assert_eq!((c.allocator().available_size(), c.total_size()), (avail, 8));
+    // A page-aligned prefix starts a fresh page, and the request's own partial page
+    // may be continued.
+    c.alloc_extend_row(&mut row, 8, 10).unwrap();
+    c.alloc_extend_row(&mut row, 10, 12).unwrap();
+    let own = c.req_pool().read(&row, 8..12).unwrap().to_vec();
+    assert_eq!(own[1..], [own[0] + 1, own[0] + 2, own[0] + 3]);
+    drop(lease);
+    c.allocator().free(&own).unwrap();
+    c.req_pool().free(row).unwrap();
+    c.check_invariants().unwrap();
+}
+
+/// `cache_unfinished_req` keeps the request's unaligned tail: it must be the
+/// request's own, as `cache_finished_req` checks: not in a page the call caches, nor
+/// in a page it frees as a duplicate. Nothing changes on the error.
+#[test]
+fn an_unfinished_request_keeps_only_a_tail_of_its_own() {
+    let c = RadixCache::new(
+        PagedAllocator::new(64, 2).unwrap(),
+        ReqToTokenPool::new(4, 64).unwrap(),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let t = [1u32, 2, 3];
+    // The tail written into the page the call would cache.
+    let mut row = c.req_pool().alloc().unwrap();
+    let mut lease = c.match_and_lock_row(0, &t, &mut row).unwrap();
+    c.alloc_extend_row(&mut row, 0, 2).unwrap();
+    let first = c.req_pool().read(&row, 0..1).unwrap()[0];
+    c.req_pool().write(&mut row, 2, &[first]).unwrap();
+    let e = c.cache_unfinished_req(0, &t, &mut row, &mut lease, 0).unwrap_err();
+    assert!(matches!(e, CacheError::RowMismatch { index: 2, .. }), "{e:?}");
+    assert_eq!((c.total_size(), c.allocator().is_allocated(first)), (0, true));
+    drop(lease);
+    c.allocator().free(&[first, first + 1]).unwrap();
+    c.req_pool().free(row).unwrap();
+    // The tail in a page the call frees as a duplicate.
+    let s = alloc_slots(&c, 2);
+    c.insert(0, &t[..2], &s, 0).unwrap();
+    let mut row = c.req_pool().alloc().unwrap();
+    let mut lease = c.match_and_lock(0, &[], &mut []);
+    c.alloc_extend_row(&mut row, 0, 2).unwrap();
+    let first = c.req_pool().read(&row, 0..1).unwrap()[0];
+    c.req_pool().write(&mut row, 2, &[first]).unwrap();
+    let e = c.cache_unfinished_req(0, &t, &mut row, &mut lease, 0).unwrap_err();
+    assert!(matches!(e, CacheError::RowMismatch { index: 2, .. }), "{e:?}");
+    assert!(c.allocator().is_allocated(first));
+    drop(lease);
+    c.allocator().free(&[first, first + 1]).unwrap();
+    c.req_pool().free(row).unwrap();
+    c.check_invariants().unwrap();
+}
+
+/// An allocation larger than what is free and evictable together fails, and evicts
+/// nothing for it: a failed call does not empty the cache.
+#[test]
+fn a_doomed_allocation_evicts_nothing() {
+    let c = token_cache(16, EvictionPolicy::Lru);
+    let t: Vec<u32> = (0..8).collect();
+    let s = alloc_slots(&c, 8);
+    c.insert(0, &t, &s, 0).unwrap();
+    assert!(c.alloc(&mut [0; 17]).is_err());
+    assert_eq!(c.total_size(), 8);
+    let held = alloc_slots(&c, 4); // 4 free, 8 evictable
+    assert!(c.alloc_extend(&[0], &[13], &[0], &mut [0; 13]).is_err());
+    assert_eq!(c.total_size(), 8);
+    // A shortfall eviction can cover still evicts it.
+    c.alloc_extend(&[0], &[12], &[0], &mut [0; 12]).unwrap();
+    assert_eq!(c.total_size(), 0);
+    let _ = held;
+}

@@ -336,3 +336,53 @@ fn construction_errors() {
     );
     assert!(matches!(e, Err(ConfigError::Zero(_))));
 }
+
+/// The pages an insert cuts off (no window KV: not inserted) are checked as the rest:
+/// slots out of range, the padding page, free slots, a page the tree holds or a page
+/// cut in two are errors, not an insert of nothing.
+#[test]
+fn cut_pages_are_checked_too() {
+    let c = cache(64, 16, 1, 4);
+    for bad in [[u32::MAX - 1, u32::MAX], [0, 0], [5, 6]] {
+        assert!(c.insert(0, &[1, 2], &bad).is_err(), "{bad:?}");
+    }
+    // Pages the tree holds, their window KV evicted (a tombstone): cut off, and not
+    // the caller's.
+    let s = kv(&c, 2);
+    c.insert(0, &[7, 8], &s).unwrap();
+    put(&c, &[7, 8, 5, 6]);
+    assert_eq!(c.evict_swa(2), 2);
+    assert!(!c.allocator().window().is_mapped(s[0]));
+    let e = c.insert(0, &[9, 9], &s).unwrap_err();
+    assert!(matches!(e, CacheError::SlotNotOwned { slot } if slot == s[0]), "{e:?}");
+    // The caller's own slots without window KV: cut off, nothing inserted, no error.
+    let own = kv(&c, 2);
+    c.allocator().free_swa(&own).unwrap();
+    assert_eq!(c.insert(0, &[3, 4], &own).unwrap(), SwaInsert { cached: 0, inserted: 0 });
+    c.check_invariants().unwrap();
+    // At page size 2, a cut page must be a whole page.
+    let c = cache(64, 16, 2, 4);
+    let s = kv(&c, 4);
+    c.allocator().free_swa(&s[2..]).unwrap();
+    let e = c.insert(0, &[1, 2, 3, 4], &[s[0], s[1], s[3], s[2]]).unwrap_err();
+    assert!(matches!(e, CacheError::Invalid(_)), "{e:?}");
+    c.check_invariants().unwrap();
+}
+
+/// The cache's allocator refuses to free, or to release the window KV of, a page the
+/// tree holds: either would leave the page cached and free (or windowless) at once.
+#[test]
+fn the_cache_allocator_refuses_the_trees_pages() {
+    use crate::error::FreeErrorKind;
+    let c = cache(64, 16, 1, 4);
+    let s = kv(&c, 2);
+    c.insert(0, &[7, 8], &s).unwrap();
+    let (full, window) = (c.allocator().full_available_size(), c.allocator().window_available_size());
+    let own = kv(&c, 1);
+    for e in [c.allocator().free(&[own[0], s[1]]).unwrap_err(), c.allocator().free_swa(&[own[0], s[1]]).unwrap_err()] {
+        assert_eq!((e.index, e.kind, e.rest_freed), (s[1], FreeErrorKind::Cached, false));
+    }
+    assert_eq!((c.allocator().full_available_size(), c.allocator().window_available_size()), (full - 1, window - 1));
+    c.allocator().free(&own).unwrap();
+    c.check_invariants().unwrap();
+}

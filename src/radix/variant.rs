@@ -131,11 +131,13 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     }
 
     /// Make room for `need` tokens before an allocation (the core evicts the shortfall
-    /// of [`KvAllocator::available_size`]).
+    /// of [`KvAllocator::available_size`]). Nothing is evicted for a shortfall larger
+    /// than what is evictable: that allocation fails either way, and it must not take
+    /// the cache with it (a failed call changes nothing).
     #[doc(hidden)]
     fn make_room<A: KvAllocator>(c: &RadixCache<A, Self>, need: usize) {
         let avail = c.alloc.available_size();
-        if avail < need {
+        if avail < need && need - avail <= c.evictable_size() {
             c.evict(need - avail);
         }
     }

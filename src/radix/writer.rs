@@ -16,6 +16,7 @@ use crate::error::{InvalidInput, InvariantViolation};
 use crate::req_to_token::Expansion;
 use crate::slots::{ascending_from, bit_ends, bit_words};
 use crate::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The latch holder's view: all tree changes go through here (and through the
 /// variant's hooks, which receive it).
@@ -343,7 +344,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.free_ids.clear();
         self.s.free_ids.extend((1..n as u32).rev());
         self.s.heap.clear();
-        self.s.in_tree.iter_mut().for_each(|w| *w = 0);
+        self.c.in_tree.iter().for_each(|w| w.store(0, Relaxed));
         self.s.page_owner.iter_mut().for_each(|o| *o = NIL);
         self.s.page_owner[0] = ROOT;
         self.c.evictable.store(0, Ordering::Release);
@@ -400,36 +401,38 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     pub(super) fn in_tree(&self, page: u32) -> bool {
-        self.s.in_tree[page as usize / 64] & (1 << (page % 64)) != 0
+        self.c.page_in_tree(page)
     }
 
     /// Whether every page of `start..start + len` is in the tree, a word at a time.
     pub(super) fn in_tree_all(&self, start: u32, len: u32) -> bool {
-        bit_words(start as usize, len as usize).all(|(w, mask)| self.s.in_tree[w] & mask == mask)
+        bit_words(start as usize, len as usize).all(|(w, mask)| self.c.in_tree[w].load(Relaxed) & mask == mask)
     }
 
     /// Whether no page of `start..start + len` is in the tree, a word at a time.
     fn in_tree_clear(&self, start: u32, len: u32) -> bool {
         let Some((w0, m0, w1, m1)) = bit_ends(start as usize, len as usize) else { return true };
-        let t = &self.s.in_tree;
-        // The whole words between the ends as one OR (it vectorizes).
-        t[w0] & m0 == 0 && t[w1] & m1 == 0 && t[w0 + 1..w1.max(w0 + 1)].iter().fold(0, |a, &x| a | x) == 0
+        let t = &self.c.in_tree;
+        t[w0].load(Relaxed) & m0 == 0
+            && t[w1].load(Relaxed) & m1 == 0
+            && t[w0 + 1..w1.max(w0 + 1)].iter().all(|x| x.load(Relaxed) == 0)
     }
 
     /// Set or clear the in-tree bits of pages `start..start + len`: the end words by
-    /// mask, the whole words between them as one fill.
+    /// mask, the whole words between them as one fill. Only the latch holder writes
+    /// the bits, so a load and a store (no read-modify-write) suffice.
     pub(super) fn set_in_tree_range(&mut self, start: u32, len: u32, on: bool) {
         let Some((w0, m0, w1, m1)) = bit_ends(start as usize, len as usize) else { return };
-        let t = &mut self.s.in_tree;
-        if on {
-            t[w0] |= m0;
-            t[w1] |= m1;
-        } else {
-            t[w0] &= !m0;
-            t[w1] &= !m1;
-        }
+        let t = &self.c.in_tree;
+        let set = |w: usize, m: u64| {
+            let x = t[w].load(Relaxed);
+            t[w].store(if on { x | m } else { x & !m }, Relaxed);
+        };
+        set(w0, m0);
+        set(w1, m1);
         if w1 > w0 + 1 {
-            t[w0 + 1..w1].fill(if on { u64::MAX } else { 0 });
+            let fill = if on { u64::MAX } else { 0 };
+            t[w0 + 1..w1].iter().for_each(|x| x.store(fill, Relaxed));
         }
     }
 
@@ -888,6 +891,13 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         let ps = self.c.ps;
         let aligned = key.len();
         let protected = lease.len;
+        // The lease must still hold its lock (as `release` checks): its node ends where
+        // it did, in the same incarnation, and is locked.
+        if lease.last_page != 0
+            && (!self.is_node_end(lease.last_page, lease.epoch) || self.node_of(lease.last_page).lock_ref == 0)
+        {
+            return Err(CacheError::StaleMatch);
+        }
         // The leased prefix is compared with the tree's slots below (whole pages).
         self.s.row_runs = shape.runs;
         shape.result?;
@@ -1262,6 +1272,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         }
         group.end();
         V::reset(self);
+        // A new incarnation of every page: a lease or match from before (detached, or
+        // a `MatchResult`) no longer names a node end, even where the same page ends a
+        // node again, so it is refused (`StaleMatch`) everywhere.
+        self.s.page_epoch.iter_mut().for_each(|e| *e = e.wrapping_add(1));
         for b in self.c.buckets.iter() {
             let w = b.load(Ordering::Relaxed);
             b.store(((w >> 32).wrapping_add(1) << 32) | NIL as u64, Ordering::Release);

@@ -402,7 +402,7 @@ impl<A: KvAllocator> ReplayCache for RadixCache<A> {
         // As `alloc_extend` below (the plain allocator, no uncounted eviction), through
         // the call that reports the runs, so the finish need not search the row for them.
         self.req_pool().fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out, breaks| {
-            self.allocator().alloc_extend_runs(prefix, seq, last_loc, out, breaks)
+            self.raw_allocator().alloc_extend_runs(prefix, seq, last_loc, out, breaks)
         })
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {

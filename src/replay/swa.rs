@@ -15,7 +15,6 @@ use crate::alloc::SwaAllocator;
 use crate::error::{AllocError, FreeError, InvariantViolation};
 use crate::radix::{Lease, RadixConfig, Swa, SwaRadixCache};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
-use crate::KvAllocator;
 
 use super::sequential::{release, serve, write_row, PROGRESS_EVERY};
 use super::{

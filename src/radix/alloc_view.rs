@@ -1,0 +1,226 @@
+//! [`CacheAllocator`]: a prefix cache's KV allocator as its callers see it.
+//!
+//! A cache frees the pages it holds itself (eviction, duplicates, tails). A caller
+//! frees only what it owns: fresh slots it did not insert, the duplicates an insert
+//! reports, an aborted request's slots. A free that names a page the tree holds would
+//! leave the page cached and free at once, so the next allocation hands it to a
+//! request while lookups still return it. The view refuses such a free with a typed
+//! error and frees nothing; everything else is the allocator's own method.
+//!
+//! The check reads the tree's page bitmap without the writer latch: it catches a free
+//! that comes after the insert that cached the page (the mistake a caller can make
+//! alone). A free racing with an insert of the same page means two callers each
+//! believe they own it, which no check of one call can settle.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::alloc::{KvAllocator, SwaAllocator, SwaWindow};
+use crate::error::{AllocError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation};
+
+/// A prefix cache's KV allocator (see [`RadixCache::allocator`](super::RadixCache::allocator)):
+/// every operation of the allocator, except that a free of a page the tree holds is
+/// refused with [`FreeErrorKind::Cached`], nothing freed.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::radix::{RadixCache, RadixConfig};
+/// use kvpool::error::FreeErrorKind;
+/// use kvpool::{ReqToTokenPool, TokenAllocator};
+///
+/// let cache = RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?;
+/// let mut slots = [0u32; 4];
+/// cache.allocator().alloc(&mut slots)?;
+/// cache.insert(0, &[1, 2, 3, 4], &slots, 0)?;
+/// let e = cache.allocator().free(&slots[2..]).unwrap_err(); // the tree's now
+/// assert_eq!((e.index, e.kind), (slots[2], FreeErrorKind::Cached));
+/// assert_eq!(cache.evict(4), 4); // the cache frees them itself
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CacheAllocator<'a, A> {
+    alloc: &'a A,
+    in_tree: &'a [AtomicU64],
+    ps: u32,
+}
+
+impl<A> Clone for CacheAllocator<'_, A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<A> Copy for CacheAllocator<'_, A> {}
+
+impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
+    pub(super) fn new(alloc: &'a A, in_tree: &'a [AtomicU64]) -> Self {
+        CacheAllocator { alloc, in_tree, ps: alloc.page_size().max(1) }
+    }
+
+    /// Whether the tree holds `page` (a snapshot).
+    fn cached(&self, page: u32) -> bool {
+        self.in_tree.get(page as usize / 64).is_some_and(|w| w.load(Relaxed) & (1 << (page % 64)) != 0)
+    }
+
+    /// The first slot of `slots` in a page the tree holds, as the error a free gives.
+    fn refuse_cached(&self, slots: &[u32]) -> Result<(), FreeError> {
+        let mut last = u32::MAX;
+        for &slot in slots {
+            let page = slot / self.ps;
+            if page != last && page != 0 && self.cached(page) {
+                return Err(FreeError { index: slot, kind: FreeErrorKind::Cached, rest_freed: false });
+            }
+            last = page;
+        }
+        Ok(())
+    }
+
+    /// [`KvAllocator::page_size`].
+    pub fn page_size(&self) -> u32 {
+        self.alloc.page_size()
+    }
+
+    /// [`KvAllocator::size`].
+    pub fn size(&self) -> usize {
+        self.alloc.size()
+    }
+
+    /// [`KvAllocator::available_size`].
+    pub fn available_size(&self) -> usize {
+        self.alloc.available_size()
+    }
+
+    /// [`KvAllocator::is_allocated`] (true for a page the tree holds as well).
+    pub fn is_allocated(&self, slot: u32) -> bool {
+        self.alloc.is_allocated(slot)
+    }
+
+    /// [`KvAllocator::alloc`]: no eviction (the cache's own
+    /// [`alloc`](super::RadixCache::alloc) evicts the shortfall first).
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::alloc`].
+    pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        self.alloc.alloc(out)
+    }
+
+    /// [`KvAllocator::alloc_extend`]: no eviction, and no check that a request
+    /// continues a page of its own (the cache's own
+    /// [`alloc_extend`](super::RadixCache::alloc_extend) does both).
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::alloc_extend`].
+    pub fn alloc_extend(
+        &self,
+        prefix_lens: &[u32],
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+    ) -> Result<(), AllocError> {
+        self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out)
+    }
+
+    /// [`KvAllocator::alloc_decode`]: no eviction (see
+    /// [`alloc_extend`](Self::alloc_extend)).
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::alloc_decode`].
+    pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        self.alloc.alloc_decode(seq_lens, last_locs, out)
+    }
+
+    /// [`KvAllocator::extend_need`].
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::extend_need`].
+    pub fn extend_need(&self, prefix_lens: &[u32], seq_lens: &[u32]) -> Result<usize, InvalidInput> {
+        self.alloc.extend_need(prefix_lens, seq_lens)
+    }
+
+    /// [`KvAllocator::decode_need`].
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::decode_need`].
+    pub fn decode_need(&self, seq_lens: &[u32]) -> Result<usize, InvalidInput> {
+        self.alloc.decode_need(seq_lens)
+    }
+
+    /// [`KvAllocator::free`], refusing a page the tree holds.
+    ///
+    /// # Errors
+    ///
+    /// [`FreeErrorKind::Cached`] for the first slot in a page the tree holds, else as
+    /// [`KvAllocator::free`]; nothing is freed on error.
+    pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.refuse_cached(slots)?;
+        self.alloc.free(slots)
+    }
+
+    /// [`KvAllocator::check_invariants`].
+    ///
+    /// # Errors
+    ///
+    /// As [`KvAllocator::check_invariants`].
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.alloc.check_invariants()
+    }
+}
+
+impl CacheAllocator<'_, SwaAllocator> {
+    /// [`SwaAllocator::window`].
+    pub fn window(&self) -> &SwaWindow {
+        self.alloc.window()
+    }
+
+    /// [`SwaAllocator::full_available_size`].
+    pub fn full_available_size(&self) -> usize {
+        self.alloc.full_available_size()
+    }
+
+    /// [`SwaAllocator::window_available_size`].
+    pub fn window_available_size(&self) -> usize {
+        self.alloc.window_available_size()
+    }
+
+    /// [`SwaAllocator::window_size`].
+    pub fn window_size(&self) -> usize {
+        self.alloc.window_size()
+    }
+
+    /// [`SwaAllocator::window_slot`].
+    pub fn window_slot(&self, slot: u32) -> Option<u32> {
+        self.alloc.window_slot(slot)
+    }
+
+    /// [`SwaAllocator::translate`].
+    ///
+    /// # Errors
+    ///
+    /// As [`SwaAllocator::translate`].
+    pub fn translate(&self, full: &[u32], out: &mut [u32]) -> Result<(), InvalidInput> {
+        self.alloc.translate(full, out)
+    }
+
+    /// [`SwaAllocator::free_swa`], refusing a page the tree holds (its window KV is the
+    /// tree's: a request releases its own through
+    /// [`release_window`](super::SwaRadixCache::release_window)).
+    ///
+    /// # Errors
+    ///
+    /// [`FreeErrorKind::Cached`] for the first slot in a page the tree holds, else as
+    /// [`SwaAllocator::free_swa`]; nothing is freed on error.
+    pub fn free_swa(&self, slots: &[u32]) -> Result<usize, FreeError> {
+        self.refuse_cached(slots)?;
+        self.alloc.free_swa(slots)
+    }
+}
+
+impl<A> core::fmt::Debug for CacheAllocator<'_, A> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("CacheAllocator").field("page_size", &self.ps).finish_non_exhaustive()
+    }
+}
