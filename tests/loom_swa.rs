@@ -423,12 +423,14 @@ fn check_double_free(alloc: &SwaAllocator, results: [&Result<(), kvpool::FreeErr
 }
 
 /// Page size 1, both pools two tokens. A token and its window slot; two threads free
-/// it at once (a caller's double free). The window slot is released by whichever
-/// clears the mapping, once; the full slot is freed once and the other free is
-/// refused: at validation, or (both validated) by losing its bit.
+/// it at once (a caller's double free). The KV allocators merge repeats of a page at
+/// every page size (a slot is its own page here), so a free that finds the bit already
+/// set by the other is not an error: either one free is refused at validation
+/// (`NotAllocated`, the other done), or both validated first and both return `Ok`. The
+/// full slot and the window slot are freed once either way.
 #[test]
 fn double_free_frees_each_part_once() {
-    let outcomes = Outcomes::new(&["refused at validation", "refused on the bit"]);
+    let outcomes = Outcomes::new(&["one refused", "both ok"]);
     let seen = outcomes.clone();
     loom_common::model("double_free_frees_each_part_once", move || {
         let alloc = Arc::new(SwaAllocator::new(2, 2, 1).unwrap());
@@ -440,15 +442,11 @@ fn double_free_frees_each_part_once() {
         };
         let mine = alloc.free(&slot);
         let theirs = t.join().unwrap();
-        let refused = match (&mine, &theirs) {
-            (Ok(()), Err(e)) | (Err(e), Ok(())) => *e,
-            other => panic!("exactly one of two frees of one token succeeds: {other:?}"),
-        };
-        outcomes.hit(if refused.rest_freed { "refused on the bit" } else { "refused at validation" });
+        outcomes.hit(if mine.is_ok() && theirs.is_ok() { "both ok" } else { "one refused" });
         check_double_free(&alloc, [&mine, &theirs], (2, 2));
         assert_eq!(alloc.window_slot(slot[0]), None);
     });
-    seen.expect_seen("double_free_frees_each_part_once", &["refused at validation", "refused on the bit"]);
+    seen.expect_seen("double_free_frees_each_part_once", &["one refused", "both ok"]);
 }
 
 /// Page size 2, both pools two pages: the double free of a page. The paged free merges
