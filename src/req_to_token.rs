@@ -276,9 +276,12 @@ impl ReqToTokenPool {
     ///
     /// # Errors
     ///
-    /// As [`write`](Self::write).
+    /// As [`write`](Self::write); a reversed range (`start > end`) is
+    /// [`RowError::OutOfBounds`] too, its `len` being `end.wrapping_sub(start)`.
     pub fn read<'a>(&'a self, row: &'a ReqRow, range: core::ops::Range<usize>) -> Result<&'a [u32], RowError> {
-        let len = range.end.saturating_sub(range.start);
+        // Wrapping: a reversed range gets a length that overflows `start + len`, so the
+        // bounds check refuses it with the rest (no separate comparison).
+        let len = range.end.wrapping_sub(range.start);
         let at = self.bounds(row, range.start, len)?;
         let cells = &self.table[at..at + len];
         // SAFETY: a shared borrow of the unique handle: nobody can write this row while
@@ -290,13 +293,15 @@ impl ReqToTokenPool {
     ///
     /// # Errors
     ///
-    /// As [`write`](Self::write).
+    /// As [`read`](Self::read); the row's recorded state is kept then.
     pub fn read_mut<'a>(
         &'a self,
         row: &'a mut ReqRow,
         range: core::ops::Range<usize>,
     ) -> Result<&'a mut [u32], RowError> {
-        let len = range.end.saturating_sub(range.start);
+        // As in `read`: a reversed range fails the bounds check, before the row's
+        // recorded state is touched.
+        let len = range.end.wrapping_sub(range.start);
         let at = self.bounds(row, range.start, len)?;
         row.overwritten_from(range.start);
         let cells = &self.table[at..at + len];
@@ -468,6 +473,27 @@ mod tests {
         pool.free(a).unwrap();
         assert_eq!(pool.available_size(), 1);
         pool.check_invariants().unwrap();
+    }
+
+    /// A refused `read_mut` (here a reversed range, once read as empty) changes
+    /// nothing: the row keeps its recorded expansion and prefix match. A valid one from
+    /// below them forgets both.
+    #[test]
+    #[allow(clippy::reversed_empty_ranges)] // reversed on purpose
+    fn refused_read_mut_keeps_the_row_state() {
+        let pool = ReqToTokenPool::new(1, 8).unwrap();
+        let mut r = pool.alloc().unwrap();
+        pool.write(&mut r, 0, &[1, 2, 3, 4]).unwrap();
+        r.shaped = (2, 4);
+        ReqToTokenPool::set_matched(&mut r, 4, 1, 7);
+        assert!(matches!(pool.read_mut(&mut r, 5..2), Err(RowError::OutOfBounds { start: 5, .. })));
+        assert!(matches!(pool.read_mut(&mut r, 1..0), Err(RowError::OutOfBounds { start: 1, .. })));
+        assert!(matches!(pool.read_mut(&mut r, 0..9), Err(RowError::OutOfBounds { .. })));
+        assert_eq!(ReqToTokenPool::shaped(&r), 2..4);
+        assert_eq!(ReqToTokenPool::matched(&r), (4, 1, 7));
+        pool.read_mut(&mut r, 1..1).unwrap();
+        assert_eq!(ReqToTokenPool::shaped(&r), 0..0);
+        assert_eq!(ReqToTokenPool::matched(&r), (0, 0, 0));
     }
 
     #[test]

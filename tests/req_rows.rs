@@ -62,6 +62,33 @@ fn out_of_bounds_is_an_error_and_writes_nothing() {
     assert!(msg.contains("beyond max_context_len 4"), "{msg}");
 }
 
+/// A reversed range (`start > end`) is refused with `OutOfBounds` by `read` and
+/// `read_mut`, not read as an empty slice (its length used to be `end.saturating_sub(start)`,
+/// so `3..1` gave `Ok(&[])`). The reported `len` wraps, so `start.wrapping_add(len)` is
+/// the range's end.
+#[test]
+#[allow(clippy::reversed_empty_ranges)] // reversed on purpose
+fn reversed_ranges_are_refused() {
+    let pool = ReqToTokenPool::new(2, 8).unwrap();
+    let mut r = pool.alloc().unwrap();
+    pool.write(&mut r, 0, &[1, 2, 3, 4]).unwrap();
+    let row = r.index() as u32;
+    let reversed = |start: usize, end: usize| RowError::OutOfBounds {
+        row,
+        start,
+        len: end.wrapping_sub(start),
+        max_context_len: 8,
+    };
+    assert_eq!(pool.read(&r, 3..1), Err(reversed(3, 1)));
+    assert_eq!(pool.read(&r, 8..0), Err(reversed(8, 0)));
+    assert_eq!(pool.read(&r, usize::MAX..0), Err(reversed(usize::MAX, 0)));
+    assert_eq!(pool.read_mut(&mut r, 5..2).map(|s| s.len()), Err(reversed(5, 2)));
+    // An empty range is still fine anywhere up to the row's end.
+    assert_eq!(pool.read(&r, 8..8).unwrap(), &[] as &[u32]);
+    assert_eq!(pool.read_mut(&mut r, 0..0).unwrap(), &mut [] as &mut [u32]);
+    assert_eq!(pool.row(&r).unwrap(), &[1, 2, 3, 4, 0, 0, 0, 0]);
+}
+
 #[test]
 fn foreign_handles_are_refused() {
     let p1 = ReqToTokenPool::new(2, 4).unwrap();

@@ -138,7 +138,10 @@ impl ReqToTokenView {
         range: Range<usize>,
         out: &mut [u32],
     ) -> Result<(), CudaKvError> {
-        let len = range.end.saturating_sub(range.start);
+        // A reversed range is an error, not an empty read.
+        let Some(len) = range.end.checked_sub(range.start) else {
+            return Err(KvError::Shape { what: "range end (before its start)", got: range.end, expected: range.start }.into());
+        };
         let src = self.cells(row, range.start, len)?;
         if out.len() != len {
             return Err(KvError::Shape { what: "out", got: out.len(), expected: len }.into());

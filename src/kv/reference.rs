@@ -172,6 +172,12 @@ pub fn decode_with_rows(
 /// page (`len % page_size == 0`), else `last + 1`; it goes to `out[i]`, to the row
 /// (only if `len < stride`), and `state[i]` becomes `{row, len + 1, slot, page}`.
 ///
+/// `page * page_size`, `last + 1` and `len + 1` are `u32` arithmetic modulo 2^32, as in
+/// the kernel (its PTX computes them with `shl.b32` / `mad.lo.u32`, `add.u32`): a state
+/// that overflows them (never one [`DeltaPlanner`](super::delta::DeltaPlanner) builds,
+/// whose lengths stay within the row and whose pages within the pool) wraps here exactly
+/// as on the device, and is not an error.
+///
 /// # Errors
 ///
 /// [`KvError::Shape`] for `out.len() != bucket`, `bucket > state.len()`, a table
@@ -194,8 +200,12 @@ pub fn decode_delta(
     if bucket > state.len() {
         return Err(KvError::Shape { what: "bucket (state)", got: bucket, expected: state.len() });
     }
-    if table.len() != rows as usize * stride {
-        return Err(KvError::Shape { what: "table", got: table.len(), expected: rows as usize * stride });
+    match (rows as usize).checked_mul(stride) {
+        Some(cells) if cells == table.len() => {}
+        cells => {
+            let expected = cells.unwrap_or(usize::MAX);
+            return Err(KvError::Shape { what: "table", got: table.len(), expected });
+        }
     }
     if page_size == 0 {
         return Err(KvError::Shape { what: "page_size", got: 0, expected: 1 });
@@ -216,12 +226,13 @@ pub fn decode_delta(
             *o = 0;
             continue;
         }
-        let slot = if s.len % page_size == 0 { s.page * page_size } else { s.last + 1 };
+        // Wrapping, as the kernel's u32 registers (see above).
+        let slot = if s.len % page_size == 0 { s.page.wrapping_mul(page_size) } else { s.last.wrapping_add(1) };
         *o = slot;
         if (s.len as usize) < stride {
             table[s.row as usize * stride + s.len as usize] = slot;
         }
-        s.len += 1;
+        s.len = s.len.wrapping_add(1);
         s.last = slot;
     }
     Ok(())
@@ -239,7 +250,15 @@ fn check_dense(what: &'static str, len: usize, n: usize, row_bytes: usize, strid
     if stride < row_bytes {
         return Err(KvError::BadRow { what, bytes: stride });
     }
-    let need = if n == 0 { 0 } else { (n - 1) * stride + row_bytes };
+    let need = match n.checked_sub(1) {
+        None => 0,
+        // An extent past the address space (a huge stride) is a shape error too.
+        Some(last) => last.checked_mul(stride).and_then(|at| at.checked_add(row_bytes)).ok_or(KvError::Shape {
+            what,
+            got: len,
+            expected: usize::MAX,
+        })?,
+    };
     if len < need {
         return Err(KvError::Shape { what, got: len, expected: need });
     }
@@ -406,4 +425,74 @@ pub fn move_rows(pool: &mut [u8], row_bytes: usize, src_slots: &[u32], dst_slots
         pool.copy_within(s as usize * row_bytes..(s as usize + 1) * row_bytes, d as usize * row_bytes);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `decode_delta` on states whose `page * page_size`, `last + 1` or `len + 1`
+    /// overflow `u32`: it used to panic (debug) on them; now it wraps, as the kernel's
+    /// `shl.b32` / `mad.lo.u32` / `add.u32` do, and writes what the device would.
+    #[test]
+    fn decode_delta_wraps_u32_like_the_kernel() {
+        let step = |ps: u32, slot: DeltaSlot| {
+            let (mut state, mut out, mut table) = ([slot], [7u32; 1], [9u32; 4]);
+            decode_delta(ps, &mut state, &[], &[], 1, &mut out, &mut table, 1, 4).unwrap();
+            (state[0], out[0], table)
+        };
+        // `last + 1` (the token continues a page).
+        let (s, o, t) = step(2, DeltaSlot { row: 0, len: 1, last: u32::MAX, page: 0 });
+        assert_eq!((s, o, t), (DeltaSlot { row: 0, len: 2, last: 0, page: 0 }, 0, [9, 0, 9, 9]));
+        // `page * page_size` (the token starts a page).
+        let (s, o, t) = step(2, DeltaSlot { row: 0, len: 0, last: 0, page: u32::MAX });
+        let slot = u32::MAX - 1;
+        assert_eq!((s, o, t), (DeltaSlot { row: 0, len: 1, last: slot, page: u32::MAX }, slot, [slot, 9, 9, 9]));
+        // `len + 1` (past the row: no table write).
+        let (s, o, t) = step(1, DeltaSlot { row: 0, len: u32::MAX, last: 0, page: 5 });
+        assert_eq!((s, o, t), (DeltaSlot { row: 0, len: 0, last: 5, page: 5 }, 5, [9; 4]));
+    }
+
+    /// A table shape whose `rows * stride` overflows `usize` is a shape error (it used
+    /// to panic computing the expected length); nothing is written.
+    #[test]
+    fn decode_delta_refuses_an_overflowing_table_shape() {
+        let slot = DeltaSlot { row: 0, len: 0, last: 0, page: 3 };
+        let (mut state, mut out) = ([slot], [7u32; 1]);
+        let e = decode_delta(4, &mut state, &[], &[], 1, &mut out, &mut [], 2, usize::MAX).unwrap_err();
+        assert_eq!(e, KvError::Shape { what: "table", got: 0, expected: usize::MAX });
+        assert_eq!((state, out), ([slot], [7]));
+    }
+
+    /// A dense source or destination whose extent `(n - 1) * stride + row_bytes`
+    /// overflows `usize` (a huge stride) is `KvError::Shape` in `scatter_rows`,
+    /// `scatter_mla_rows` and `gather_rows` (it used to panic); nothing is written. A
+    /// stride that is never stepped over (one row) is still fine.
+    #[test]
+    fn dense_rows_with_an_overflowing_extent_are_refused() {
+        let huge = KvError::Shape { what: "src", got: 4, expected: usize::MAX };
+        let mut pool = vec![0u8; 8];
+        assert_eq!(scatter_rows(RowStore::Copy, &[1, 2, 3, 4], usize::MAX, 2, &[0, 1], &mut pool), Err(huge.clone()));
+        assert_eq!(
+            scatter_rows(RowStore::Copy, &[1, 2, 3, 4], usize::MAX / 2 + 1, 2, &[0, 1, 2], &mut pool),
+            Err(huge)
+        );
+        assert_eq!(pool, [0; 8]);
+
+        let rows = |data, row_stride| DenseRows { data, row_stride, row_bytes: 1 };
+        let e = scatter_mla_rows(RowStore::Copy, rows(&[1, 2], 1), rows(&[3, 4], usize::MAX), &[0, 1], &mut pool);
+        assert_eq!(e, Err(KvError::Shape { what: "rope", got: 2, expected: usize::MAX }));
+        assert_eq!(pool, [0; 8]);
+
+        let mut dst = [5u8; 4];
+        let e = gather_rows(&[1, 2, 3, 4], 2, &[0, 1], &mut dst, usize::MAX);
+        assert_eq!(e, Err(KvError::Shape { what: "dst", got: 4, expected: usize::MAX }));
+        assert_eq!(dst, [5; 4]);
+
+        // One row: the stride is never used.
+        scatter_rows(RowStore::Copy, &[1, 2], usize::MAX, 2, &[3], &mut pool).unwrap();
+        assert_eq!(pool, [0, 0, 0, 0, 0, 0, 1, 2]);
+        gather_rows(&pool, 2, &[3], &mut dst, usize::MAX).unwrap();
+        assert_eq!(dst, [1, 2, 5, 5]);
+    }
 }

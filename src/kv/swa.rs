@@ -351,10 +351,13 @@ pub struct SwaSource<'a, T: Pod> {
 }
 
 impl<T: Pod> SwaSource<'_, T> {
-    /// The source as bytes: `(bytes, row stride, layer stride)` in bytes.
+    /// The source as bytes: `(bytes, row stride, layer stride)` in bytes. A stride
+    /// whose bytes overflow `usize` saturates: unused (one token, one layer) it changes
+    /// nothing, used it makes the checked extent in [`SwaHostKv::scatter`] overflow
+    /// (rows are at least one byte), a [`KvError::Shape`].
     fn bytes(&self) -> (&[u8], usize, usize) {
         let t = size_of::<T>();
-        (bytemuck::cast_slice(self.data), self.row_stride * t, self.layer_stride * t)
+        (bytemuck::cast_slice(self.data), self.row_stride.saturating_mul(t), self.layer_stride.saturating_mul(t))
     }
 }
 
@@ -703,5 +706,35 @@ mod tests {
         assert_eq!(kv, before);
         // No tokens: nothing to check in the sources, nothing written.
         assert_eq!(go(&mut kv, &[], &map, &[]), Ok(SwaWrites::default()));
+    }
+
+    /// Element strides whose byte size overflows `usize` are refused by the checked
+    /// extent (`KvError::Shape`) with nothing written; `SwaSource::bytes` used to
+    /// multiply them by the element size unchecked and panic first. A stride that is
+    /// never stepped over (one token, or one layer) stays harmless.
+    #[test]
+    fn scatter_refuses_strides_whose_bytes_overflow() {
+        let cfg = SwaKvConfig {
+            layers: SwaLayout::alternating(2).unwrap(),
+            head_num: 1,
+            head_dim: 1,
+            dtype: KvDtype::F16,
+            full_size: 4,
+            window_size: 2,
+            page_size: 2,
+        };
+        let mut kv = SwaHostKv::new(cfg).unwrap();
+        let before = kv.clone();
+        let map = [0u32, 0, 2, 3, 0, 0];
+        let k = [1u16; 4];
+        let src = |row_stride, layer_stride| SwaSource { data: &k[..], row_stride, layer_stride };
+        let huge = |what| Err(KvError::Shape { what, got: 8, expected: usize::MAX });
+        assert_eq!(kv.scatter(src(usize::MAX, 2), src(1, 2), &[3, 2], &map[..]), huge("k"));
+        assert_eq!(kv.scatter(src(1, 2), src(usize::MAX / 2 + 1, 2), &[3, 2], &map[..]), huge("v"));
+        assert_eq!(kv.scatter(src(1, usize::MAX), src(1, 2), &[3, 2], &map[..]), huge("k"));
+        assert_eq!(kv, before);
+        // One token: its row stride is never used.
+        let w = kv.scatter(src(usize::MAX, 2), src(usize::MAX, 2), &[3], &map[..]).unwrap();
+        assert_eq!((w.full, w.window), (1, 1));
     }
 }

@@ -74,7 +74,7 @@ pub struct PageHeader {
     pub payload_bytes: u64,
     /// The CRC-32 described above.
     pub checksum: u32,
-    /// Zero.
+    /// Zero ([`check_page`] refuses anything else: [`Invalid::Reserved`]).
     pub reserved: u32,
 }
 
@@ -146,13 +146,20 @@ pub enum Invalid {
         /// The checksum of what was read.
         computed: u32,
     },
+    /// The header's reserved field is not zero, under a matching checksum: written so
+    /// on purpose, by a writer of another revision of the format (a damaged field fails
+    /// the checksum first).
+    Reserved {
+        /// The field's value.
+        found: u32,
+    },
 }
 
 impl Invalid {
     /// Whether the value is damaged (truncated, not a page, wrong length or checksum),
-    /// as opposed to a well-formed page of another version or format.
+    /// as opposed to a well-formed page of another version, revision or format.
     pub fn is_corrupt(&self) -> bool {
-        !matches!(self, Invalid::Version { .. } | Invalid::Format { .. })
+        !matches!(self, Invalid::Version { .. } | Invalid::Format { .. } | Invalid::Reserved { .. })
     }
 }
 
@@ -171,6 +178,9 @@ impl fmt::Display for Invalid {
             Invalid::Checksum { stored, computed } => {
                 write!(f, "checksum {computed:#010x} does not match the stored {stored:#010x}")
             }
+            Invalid::Reserved { found } => {
+                write!(f, "page header's reserved field is {found:#010x}, not zero (another format revision)")
+            }
         }
     }
 }
@@ -180,7 +190,8 @@ impl fmt::Display for Invalid {
 ///
 /// # Errors
 ///
-/// [`Invalid`], in the order: length, magic, version, format, payload length, checksum.
+/// [`Invalid`], in the order: length, magic, version, format, payload length, checksum,
+/// reserved field.
 pub fn check_page<'v>(hash: &BlockHash, format: PageFormat, value: &'v [u8]) -> Result<&'v [u8], Invalid> {
     let Some((head, payload)) = value.split_at_checked(HEADER_BYTES) else {
         return Err(Invalid::Truncated { len: value.len() });
@@ -205,6 +216,12 @@ pub fn check_page<'v>(hash: &BlockHash, format: PageFormat, value: &'v [u8]) -> 
     let computed = checksum(hash, &header, core::iter::once(payload));
     if stored != computed {
         return Err(Invalid::Checksum { stored, computed });
+    }
+    // After the checksum: a flipped bit here is damage (`Checksum`), a sound header
+    // that sets the field is another revision's page.
+    let reserved = u32::from_le(header.reserved);
+    if reserved != 0 {
+        return Err(Invalid::Reserved { found: reserved });
     }
     Ok(payload)
 }
@@ -265,5 +282,33 @@ mod tests {
         w[4] = 2;
         assert_eq!(check_page(&hash, F, &w), Err(Invalid::Version { found: 2 }));
         assert_eq!(check_page(&hash, F, &[0u8; 64]), Err(Invalid::Magic));
+    }
+
+    /// `PageHeader::reserved` must be zero: a header that sets it, under a checksum
+    /// that matches, is refused as `Invalid::Reserved` (counted as a mismatch, not as
+    /// damage); it used to be accepted as a sound page. A flipped bit in the field is
+    /// still a checksum failure.
+    #[test]
+    fn a_nonzero_reserved_field_is_refused() {
+        let hash = [5u8; 32];
+        let payload: Vec<u8> = (0..24).collect();
+        let mut h = PageHeader::new(&hash, F, core::iter::once(&payload[..]));
+        h.reserved = 7u32.to_le();
+        let damaged = [h.as_bytes(), &payload[..]].concat();
+        assert!(matches!(check_page(&hash, F, &damaged), Err(Invalid::Checksum { .. })));
+        h.checksum = checksum(&hash, &h, core::iter::once(&payload[..])).to_le();
+        let v = [h.as_bytes(), &payload[..]].concat();
+        let e = check_page(&hash, F, &v).unwrap_err();
+        assert_eq!(e, Invalid::Reserved { found: 7 });
+        assert!(!e.is_corrupt());
+        assert!(e.to_string().contains("reserved"), "{e}");
+        // The checksum is computed independently of `checksum()` too.
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&hash);
+        let mut zeroed = h;
+        zeroed.checksum = 0;
+        crc.update(zeroed.as_bytes());
+        crc.update(&payload);
+        assert_eq!(u32::from_le(h.checksum), crc.finalize());
     }
 }
