@@ -236,6 +236,10 @@ pub enum InvalidInput {
         /// The request's position in the batch.
         request: usize,
     },
+    /// A host KV pool's pages were allocated by number while a host tier owns the pool
+    /// (a live [`HiRadixCache::with_host_pool`](crate::radix::HiRadixCache::with_host_pool)
+    /// cache): that cache allocates and frees them.
+    HostPoolOwned,
     /// A range passes the end of what it indexes.
     OutOfBounds {
         /// What is indexed.
@@ -282,6 +286,9 @@ impl fmt::Display for InvalidInput {
             }
             InvalidInput::EmptyDecode { request } => {
                 write!(f, "request {request}: decode needs seq_len >= 1 (the new token is counted)")
+            }
+            InvalidInput::HostPoolOwned => {
+                f.write_str("the host KV pool is owned by a host tier, which allocates and frees its pages")
             }
             InvalidInput::OutOfBounds { what, end, len } => {
                 write!(f, "range of {what} ends at {end}, past its length {len}")

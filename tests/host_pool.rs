@@ -280,3 +280,62 @@ fn concurrent_allocation_never_shares_a_page() {
     }
     assert_eq!(pool.available_pages(), 200);
 }
+
+/// A host tier claims the pool while threads allocate and free pages by number: a
+/// claim waits for the calls in progress and succeeds only when every page is free, and
+/// once it holds no public call gets through. So a thread never finds the pages it
+/// allocated refused on free (they would be the tree's then), and the tree's counts
+/// stay exact (`check_invariants`) whenever a cache is built.
+#[test]
+fn a_cache_claims_a_pool_only_between_callers_pages() {
+    use kvpool::radix::{HiRadixCache, RadixConfig, WritePolicy};
+    use kvpool::{PagedAllocator, ReqToTokenPool};
+    const ROUNDS: usize = if cfg!(miri) { 10 } else { 2_000 };
+    let kv = KvConfig { size: 64, page_size: 2, ..configs()[0] };
+    let pool =
+        Arc::new(HostKvPool::pageable(HostKvConfig { kv, host_pages: 32, layout: HostLayout::PageFirst }).unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = (1..=2usize)
+        .map(|t| {
+            let (pool, stop) = (Arc::clone(&pool), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut held = [0u32; 4];
+                let mut round = 0usize;
+                while !stop.load(Ordering::Acquire) {
+                    round += 1;
+                    let n = 1 + (round + t) % 4;
+                    if pool.alloc_pages(&mut held[..n]).is_ok() {
+                        // Allocated by number: ours until we free them, owner or not.
+                        pool.free_pages(&held[..n]).unwrap();
+                    }
+                    std::thread::yield_now();
+                }
+            })
+        })
+        .collect();
+    let mut built = 0;
+    for round in 0..ROUNDS {
+        let c = HiRadixCache::with_host_pool(
+            PagedAllocator::new(64, 2).unwrap(),
+            ReqToTokenPool::new(2, 64).unwrap(),
+            RadixConfig::default(),
+            Arc::clone(&pool),
+            WritePolicy::WriteThrough,
+            1,
+        );
+        let Ok(c) = c else { continue }; // a caller's pages were allocated then
+        built += 1;
+        let mut a = [0u32; 4];
+        c.allocator().alloc(&mut a).unwrap();
+        c.insert(0, &[round as u32, 1, 2, 3], &a).unwrap();
+        assert_eq!(c.host_size(), 4);
+        c.check_invariants().unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(!pool.is_owned());
+    assert_eq!(pool.available_pages(), 32);
+    eprintln!("{built} of {ROUNDS} caches claimed the pool");
+}

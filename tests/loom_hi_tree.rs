@@ -22,7 +22,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind, WritePolicy};
-use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+use kvpool::{PagedAllocator, ReqToTokenPool};
 use loom_common::Outcomes;
 
 fn cache(device: usize, host_pages: u32) -> HiRadixCache<PagedAllocator> {

@@ -44,7 +44,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::radix::{CacheError, EventQueue, KvEvent, MambaRadixCache, RadixCache, RadixConfig};
-use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+use kvpool::{ReqToTokenPool, SlotPool, TokenAllocator};
 use loom_common::Outcomes;
 
 fn cache(size: usize) -> RadixCache<TokenAllocator> {

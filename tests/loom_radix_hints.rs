@@ -18,7 +18,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::{ReqToTokenPool, TokenAllocator};
 use loom_common::Outcomes;
 
 fn hinted(size: usize) -> RadixCache<TokenAllocator> {

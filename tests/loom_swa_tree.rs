@@ -26,7 +26,7 @@ use loom::thread;
 
 use kvpool::alloc::SwaAllocator;
 use kvpool::radix::{RadixConfig, SwaRadixCache};
-use kvpool::{KvAllocator, ReqToTokenPool};
+use kvpool::ReqToTokenPool;
 use loom_common::Outcomes;
 
 /// A cache of `size` full and window tokens, window 2, holding `[1,2] -> {[3,4], [5]}`

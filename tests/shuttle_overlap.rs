@@ -27,7 +27,7 @@ use shuttle::sync::Mutex;
 use shuttle::thread;
 
 use kvpool::radix::{Lease, RadixCache, RadixConfig};
-use kvpool::{AllocError, KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
+use kvpool::{AllocError, PagedAllocator, ReqRow, ReqToTokenPool};
 use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
 
 const PS: u32 = 4;

@@ -25,7 +25,7 @@ use shuttle::sync::Arc;
 use shuttle::thread;
 
 use kvpool::radix::{RadixCache, RadixConfig, RawLease};
-use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+use kvpool::{ReqToTokenPool, TokenAllocator};
 use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
 
 /// Token slots: room for the whole initial tree without eviction.

@@ -728,9 +728,10 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
     }
 
     /// Load the host-only continuation ending at `host_node` back to the device: device
-    /// slots for all of it (evicting device leaves for room) or `None` (nothing changed
-    /// but the evictions) — also when it is shorter than the load-back threshold or
-    /// longer than `quota` tokens. Returns the slots, in key order.
+    /// slots for all of it (evicting device leaves for room) or `None` (nothing changed:
+    /// a load that cannot get its slots even after evicting everything evictable evicts
+    /// nothing) — also when it is shorter than the load-back threshold or longer than
+    /// `quota` tokens. Returns the slots, in key order.
     pub fn load_back(&mut self, host_node: HiNodeId, quota: Option<usize>) -> Option<Vec<u32>> {
         let mut chain = Vec::new();
         let mut n = host_node.0;
@@ -754,11 +755,15 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         for &x in &chain {
             self.nodes[x].host_lock += 1;
         }
-        if self.alloc.available_size() < total {
-            self.evict(total - self.alloc.available_size());
+        // A load that cannot get its slots even after evicting all that is evictable
+        // (the prefix locked) evicts nothing.
+        let avail = self.alloc.available_size();
+        let room = avail >= total || total - avail <= self.evictable;
+        if room && avail < total {
+            self.evict(total - avail);
         }
         let mut slots = vec![0u32; total];
-        let got = self.alloc.alloc(&mut slots).is_ok();
+        let got = room && self.alloc.alloc(&mut slots).is_ok();
         for &x in &chain {
             self.nodes[x].host_lock -= 1;
         }

@@ -140,7 +140,9 @@ impl ReqToTokenView {
     ) -> Result<(), CudaKvError> {
         // A reversed range is an error, not an empty read.
         let Some(len) = range.end.checked_sub(range.start) else {
-            return Err(KvError::Shape { what: "range end (before its start)", got: range.end, expected: range.start }.into());
+            return Err(
+                KvError::Shape { what: "range end (before its start)", got: range.end, expected: range.start }.into()
+            );
         };
         let src = self.cells(row, range.start, len)?;
         if out.len() != len {

@@ -30,7 +30,17 @@
 //! nothing allocates after construction. **The bytes of a page belong to whoever
 //! allocated it** until they free it: the transfers name their pages, and a page that
 //! is not allocated is refused with [`HostPageFault::NotAllocated`] before anything is
-//! written. The host reference writes host bytes through `&mut self`
+//! written.
+//!
+//! A pool handed to a host tier
+//! ([`HiRadixCache::with_host_pool`](crate::radix::HiRadixCache::with_host_pool)) is
+//! **owned** by that cache while it lives ([`HostKvPool::is_owned`]): the tree
+//! allocates and frees every page, so `alloc_pages` is refused
+//! ([`InvalidInput::HostPoolOwned`]) and so is `free_pages` (a page the tree holds:
+//! [`FreeErrorKind::Cached`]) — no page can have two
+//! owners. A second cache over the same pool is refused. Reading and writing the bytes
+//! of pages (what a copy engine does with the tree's transfers) work as before. When
+//! the cache is dropped it returns its pages and the pool is the caller's again. The host reference writes host bytes through `&mut self`
 //! ([`HostKvPool::backup`]) and reads them through `&self`; the GPU transfers
 //! (`kvpool::cuda::host`, feature `cuda`) write them asynchronously and are `unsafe`:
 //! their caller promises not to touch the named pages until the stream has run them.
@@ -68,9 +78,13 @@
 use core::fmt;
 use core::ops::Range;
 use core::ptr::NonNull;
+// Plain `std` atomics, also under loom: who may allocate by number is setup
+// bookkeeping (a cache taking or giving back the pool), not a modelled protocol.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::KvConfig;
-use crate::error::{AllocError, ConfigError, FreeError, Unit};
+use crate::error::{AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, Unit};
 use crate::slots::SlotPool;
 
 /// SGLang's default `host_to_device_ratio`: the host pool holds twice the device pool.
@@ -185,36 +199,62 @@ impl HostKvConfig {
         self.kv.size / self.kv.page_size as usize
     }
 
+    /// `(chunk, page, page stride, layer-buffer stride, total)` bytes, or `None` when
+    /// any overflows `usize` (a configuration [`validate`](Self::validate) refuses).
+    fn checked_sizes(&self) -> Option<(usize, usize, usize, usize, usize)> {
+        let row = self.kv.layout.row_elems().checked_mul(self.kv.dtype.bytes())?;
+        let chunk = (self.kv.page_size as usize).checked_mul(row)?;
+        let lbs = (self.kv.layer_num as usize).checked_mul(self.buffers())?;
+        let page = chunk.checked_mul(lbs)?;
+        let total = self.host_pages.checked_add(1)?.checked_mul(page)?;
+        let (page_stride, lb_stride) = match self.layout {
+            // (host_pages + 1) * chunk <= total: no overflow once `total` has none.
+            HostLayout::LayerFirst => (chunk, (self.host_pages + 1) * chunk),
+            HostLayout::PageFirst => (page, chunk),
+        };
+        Some((chunk, page, page_stride, lb_stride, total))
+    }
+
     /// Bytes of one page of one layer buffer: `page_size * row_bytes`, contiguous on
-    /// the host and on the device.
+    /// the host and on the device. `usize::MAX` when that overflows (a configuration
+    /// [`validate`](Self::validate) refuses).
     pub fn chunk_bytes(&self) -> usize {
-        self.kv.page_size as usize * self.kv.row_bytes()
+        self.kv
+            .layout
+            .row_elems()
+            .checked_mul(self.kv.dtype.bytes())
+            .and_then(|row| (self.kv.page_size as usize).checked_mul(row))
+            .unwrap_or(usize::MAX)
     }
 
-    /// Bytes of one page across every layer and buffer.
+    /// Bytes of one page across every layer and buffer. `usize::MAX` when that
+    /// overflows (a configuration [`validate`](Self::validate) refuses).
     pub fn page_bytes(&self) -> usize {
-        self.chunk_bytes() * self.kv.layer_num as usize * self.buffers()
+        self.chunk_bytes().saturating_mul(self.kv.layer_num as usize).saturating_mul(self.buffers())
     }
 
-    /// Bytes of the whole pool, the dummy page 0 included.
+    /// Bytes of the whole pool, the dummy page 0 included. `usize::MAX` when that
+    /// overflows (a configuration [`validate`](Self::validate) refuses).
     pub fn total_bytes(&self) -> usize {
-        (self.host_pages + 1) * self.page_bytes()
+        self.checked_sizes().map_or(usize::MAX, |(.., total)| total)
     }
 
     /// `(page stride, layer-buffer stride)` in bytes: page `p`'s chunk of layer buffer
-    /// `lb = l * B + b` starts at `p * page_stride + lb * lb_stride`.
+    /// `lb = l * B + b` starts at `p * page_stride + lb * lb_stride`. Each saturates at
+    /// `usize::MAX` when the pool's size overflows (a configuration
+    /// [`validate`](Self::validate) refuses).
     pub fn strides(&self) -> (usize, usize) {
-        let chunk = self.chunk_bytes();
-        match self.layout {
-            HostLayout::LayerFirst => (chunk, (self.host_pages + 1) * chunk),
-            HostLayout::PageFirst => (self.kv.layer_num as usize * self.buffers() * chunk, chunk),
+        match self.checked_sizes() {
+            Some((_, _, page_stride, lb_stride, _)) => (page_stride, lb_stride),
+            None => (usize::MAX, usize::MAX),
         }
     }
 
     /// Where row `token` of page `page`, layer `layer`, buffer `buffer` (0 = K, 1 = V;
     /// 0 for MLA) starts, in bytes from the pool's start; `None` when any index is out
-    /// of range (`page > host_pages`, `token >= page_size`, ...). Page 0 (the dummy
-    /// page) has an offset like any other.
+    /// of range (`page > host_pages`, `token >= page_size`, ...) or the pool's size
+    /// overflows `usize` (a configuration [`validate`](Self::validate) refuses). Page 0
+    /// (the dummy page) has an offset like any other.
     pub fn offset(&self, page: u32, layer: u32, buffer: u32, token: u32) -> Option<usize> {
         if page as usize > self.host_pages
             || layer >= self.kv.layer_num
@@ -223,9 +263,12 @@ impl HostKvConfig {
         {
             return None;
         }
-        let (ps, lbs) = self.strides();
+        // Every row of the pool starts below `total`, so with `total` in range nothing
+        // below overflows.
+        let (chunk, _, ps, lbs, _) = self.checked_sizes()?;
+        let row = chunk / self.kv.page_size as usize;
         let lb = layer as usize * self.buffers() + buffer as usize;
-        Some(page as usize * ps + lb * lbs + token as usize * self.kv.row_bytes())
+        Some(page as usize * ps + lb * lbs + token as usize * row)
     }
 }
 
@@ -417,7 +460,18 @@ pub struct HostKvPool {
     cfg: HostKvConfig,
     pages: SlotPool,
     arena: Arena,
+    /// Who may allocate and free pages by number: [`OWNED`] while a host tier owns the
+    /// pool ([`HostPoolClaim`]), plus the count of public `alloc_pages` / `free_pages`
+    /// calls in progress (a claim waits for them to end).
+    users: AtomicU64,
 }
+
+/// The bit of [`HostKvPool::users`] set while a host tier owns the pool.
+const OWNED: u64 = 1 << 63;
+/// The bit of [`HostKvPool::users`] set while a host tier is claiming the pool: public
+/// calls wait for the claim to end (it succeeds only if none of them holds a page, so a
+/// call must not be refused on its account).
+const CLAIMING: u64 = 1 << 62;
 
 // SAFETY: the arena is a plain byte buffer owned by the pool. Through safe code its
 // bytes are written only through `&mut self` (the host reference's `backup`,
@@ -435,6 +489,7 @@ impl fmt::Debug for HostKvPool {
             .field("config", &self.cfg)
             .field("memory", &self.arena.memory)
             .field("available_pages", &self.available_pages())
+            .field("owned", &self.is_owned())
             .finish()
     }
 }
@@ -485,7 +540,12 @@ impl HostKvPool {
         } else {
             Arena::pageable(cfg.total_bytes())?
         };
-        Ok(HostKvPool { pages: SlotPool::without_magazines(cfg.host_pages as u32), cfg, arena })
+        Ok(HostKvPool {
+            pages: SlotPool::without_magazines(cfg.host_pages as u32),
+            cfg,
+            arena,
+            users: AtomicU64::new(0),
+        })
     }
 
     /// The configuration.
@@ -519,32 +579,125 @@ impl HostKvPool {
         self.pages.is_allocated(page)
     }
 
-    /// The page allocator itself (a host tier that takes the pool frees through its
-    /// free groups).
+    /// The page allocator itself, for the host tier that owns the pool (it allocates
+    /// and frees through it, past the ownership check of the public calls).
     pub(crate) fn page_allocator(&self) -> &SlotPool {
         &self.pages
     }
 
-    /// Allocate `out.len()` pages into `out`, all or nothing; lock-free, no heap
+    /// Whether a host tier owns the pool now (a live
+    /// [`HiRadixCache::with_host_pool`](crate::radix::HiRadixCache::with_host_pool)
+    /// cache): its pages are allocated and freed by that cache alone, and
+    /// [`alloc_pages`](Self::alloc_pages) / [`free_pages`](Self::free_pages) are refused.
+    pub fn is_owned(&self) -> bool {
+        self.users.load(Ordering::Acquire) & OWNED != 0
+    }
+
+    /// Enter a public allocation call: `None` while a host tier owns the pool. While a
+    /// tier is claiming it (a cache being built over it: one pass over its pages), the
+    /// call waits for the outcome: refused if the claim succeeds, let in if it fails.
+    fn public_call(&self) -> Option<PublicCall<'_>> {
+        let mut s = self.users.load(Ordering::Acquire);
+        let mut spins = 0u32;
+        loop {
+            if s & OWNED != 0 {
+                return None;
+            }
+            if s & CLAIMING != 0 {
+                backoff(&mut spins);
+                s = self.users.load(Ordering::Acquire);
+                continue;
+            }
+            match self.users.compare_exchange_weak(s, s + 1, Ordering::Acquire, Ordering::Acquire) {
+                Ok(_) => return Some(PublicCall(&self.users)),
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Make `pool` the host tier's: every page free, no other tier owning it. Public
+    /// allocation calls are refused from here on (those in progress are waited for),
+    /// until the claim is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::HostPool`] when another live cache owns the pool or some of its
+    /// pages are allocated; nothing changed then.
+    pub(crate) fn claim(pool: &Arc<HostKvPool>) -> Result<HostPoolClaim, ConfigError> {
+        let mut s = pool.users.load(Ordering::Acquire);
+        let mut spins = 0u32;
+        loop {
+            if s & OWNED != 0 {
+                return Err(ConfigError::HostPool { why: "another live cache owns it" });
+            }
+            if s & CLAIMING != 0 {
+                // Another cache is claiming it: its outcome decides this one's.
+                backoff(&mut spins);
+                s = pool.users.load(Ordering::Acquire);
+                continue;
+            }
+            match pool.users.compare_exchange_weak(s, s | CLAIMING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => s = now,
+            }
+        }
+        // Public calls that entered before the flag was set end soon (lock-free, no
+        // blocking): wait for them, so the check below sees their pages. New ones wait
+        // for the outcome.
+        while pool.users.load(Ordering::Acquire) & !CLAIMING != 0 {
+            backoff(&mut spins);
+        }
+        if pool.available_pages() != pool.capacity_pages() {
+            // Release: nothing changed; the waiting calls go on.
+            pool.users.fetch_and(!CLAIMING, Ordering::Release);
+            return Err(ConfigError::HostPool { why: "some of its pages are allocated already" });
+        }
+        // No public call is in progress or can enter: the word is exactly CLAIMING.
+        pool.users.store(OWNED, Ordering::Release);
+        Ok(HostPoolClaim { pool: Arc::clone(pool) })
+    }
+
+    /// Allocate `out.len()` pages into `out`, all or nothing; lock-free (but while a
+    /// host tier is being built over the pool, it waits for that claim's outcome), no heap
     /// allocation. Single-threaded, a fresh pool hands out the lowest free pages,
     /// ascending.
     ///
     /// # Errors
     ///
     /// [`AllocError::OutOfMemory`] (in [`Unit::Pages`]) when fewer pages are free;
-    /// `out` is untouched and nothing changed.
+    /// [`InvalidInput::HostPoolOwned`] while a host tier owns the pool
+    /// ([`is_owned`](Self::is_owned)): its cache allocates the pages. `out` is
+    /// untouched and nothing changed.
     pub fn alloc_pages(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        let Some(_call) = self.public_call() else {
+            return Err(AllocError::Invalid(InvalidInput::HostPoolOwned));
+        };
         self.pages.alloc_as(out, Unit::Pages).map_err(AllocError::from)
     }
 
-    /// Free `pages`; lock-free, no heap allocation.
+    /// Free `pages`; lock-free (waiting, as [`alloc_pages`](Self::alloc_pages) does,
+    /// while a host tier is being built over the pool), no heap allocation.
     ///
     /// # Errors
     ///
     /// [`FreeError`] for a page that is out of range or not allocated (a double free):
     /// the whole batch is refused and nothing changes. A page named twice in one batch
     /// is freed once and reported with `rest_freed` set, as [`SlotPool::free`] does.
+    /// While a host tier owns the pool ([`is_owned`](Self::is_owned)) every allocated
+    /// page is its cache's, so a non-empty batch is refused whole: its first page is
+    /// reported ([`FreeErrorKind::Cached`] when it is allocated).
     pub fn free_pages(&self, pages: &[u32]) -> Result<(), FreeError> {
+        let Some(_call) = self.public_call() else {
+            let Some(&page) = pages.first() else { return Ok(()) };
+            let kind = if page == 0 || page as usize > self.cfg.host_pages {
+                FreeErrorKind::OutOfRange { first: 1, last: self.cfg.host_pages as u32 }
+            } else if self.pages.is_allocated(page) {
+                FreeErrorKind::Cached
+            } else {
+                FreeErrorKind::NotAllocated
+            };
+            return Err(FreeError { index: page, kind, rest_freed: false });
+        };
         self.pages.free(pages)
     }
 
@@ -807,6 +960,63 @@ impl HostKvPool {
     }
 }
 
+/// A public allocation call in progress ([`HostKvPool::public_call`]); ends on drop.
+struct PublicCall<'a>(&'a AtomicU64);
+
+impl Drop for PublicCall<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Spin, yielding the thread every 64 rounds (a wait of a cache construction's length).
+fn backoff(spins: &mut u32) {
+    *spins += 1;
+    if *spins % 64 == 0 {
+        std::thread::yield_now();
+    } else {
+        core::hint::spin_loop();
+    }
+}
+
+/// A host tier's ownership of its [`HostKvPool`] ([`HostKvPool::claim`]): while it
+/// lives the public `alloc_pages` / `free_pages` are refused, and no other tier can
+/// claim the pool. Dropping it gives the pool back (the tier returns its pages first).
+#[derive(Debug)]
+pub(crate) struct HostPoolClaim {
+    pool: Arc<HostKvPool>,
+}
+
+impl HostPoolClaim {
+    /// Free every allocated page of the pool except those whose bit is set in `keep`
+    /// (bit `h - 1` for page `h`; missing words keep nothing). Every allocated page is
+    /// the owner's. Returns the pages freed. Not a request path: one pass over the
+    /// pool's pages.
+    pub(crate) fn free_all_except(&self, keep: &[u64]) -> usize {
+        let pages = &self.pool.pages;
+        let kept = |h: u32| {
+            let i = h as usize - 1;
+            keep.get(i / 64).is_some_and(|w| w >> (i % 64) & 1 != 0)
+        };
+        let mut group = pages.free_group();
+        for h in 1..=self.pool.cfg.host_pages as u32 {
+            if pages.is_allocated(h) && !kept(h) {
+                let r = group.free_range(h, 1);
+                debug_assert!(r.is_ok(), "the owner frees its own pages: {r:?}");
+            }
+        }
+        group.end()
+    }
+}
+
+impl Drop for HostPoolClaim {
+    fn drop(&mut self) {
+        // Release: the owner's last frees happen before a later claim or public call
+        // (Acquire) sees the pool unowned.
+        self.pool.users.fetch_and(!OWNED, Ordering::Release);
+    }
+}
+
 /// The pieces of one host page in page-first order ([`HostKvPool::page_chunks`]).
 #[derive(Clone, Debug)]
 pub struct PageChunks<'a> {
@@ -840,7 +1050,6 @@ impl ExactSizeIterator for PageChunks<'_> {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::FreeErrorKind;
     use crate::kv::{KvDtype, KvLayout};
 
     fn mha(layers: u32, size: usize, ps: u32) -> KvConfig {
@@ -924,6 +1133,61 @@ mod tests {
         // Fine per chunk, but the pool overflows isize.
         let big = HostKvConfig { kv: KvConfig { layer_num: u32::MAX, ..kv }, host_pages: u32::MAX as usize - 1, ..ok };
         assert!(matches!(big.validate(), Err(ConfigError::TooLargeForMemory { .. })));
+    }
+
+    /// `offset` is documented to give `None` for what it cannot answer, but on a
+    /// configuration `validate` refuses (`host_pages: usize::MAX`, public fields) it
+    /// panicked with an overflow in `strides()`; `total_bytes` / `page_bytes` overflowed
+    /// the same way. Now: `None` from `offset`, `usize::MAX` (never a real size) from
+    /// the byte counts.
+    #[test]
+    fn sizes_of_an_unvalidated_config_do_not_overflow() {
+        let huge = HostKvConfig { kv: mha(2, 16, 2), host_pages: usize::MAX, layout: HostLayout::LayerFirst };
+        assert!(huge.validate().is_err());
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+            let cfg = HostKvConfig { layout, ..huge };
+            assert_eq!(cfg.offset(0, 0, 0, 0), None);
+            assert_eq!(cfg.offset(1, 1, 1, 1), None);
+            assert_eq!(cfg.total_bytes(), usize::MAX);
+            assert_eq!(cfg.chunk_bytes(), 2 * 8); // fine on its own
+        }
+        assert_eq!(huge.strides(), (usize::MAX, usize::MAX));
+        let wide = KvConfig { layout: KvLayout::Mha { head_num: u32::MAX, head_dim: u32::MAX }, ..mha(2, 16, 2) };
+        let cfg = HostKvConfig { kv: KvConfig { layer_num: u32::MAX, page_size: u32::MAX, ..wide }, ..huge };
+        assert_eq!((cfg.chunk_bytes(), cfg.page_bytes(), cfg.total_bytes()), (usize::MAX, usize::MAX, usize::MAX));
+        assert_eq!(cfg.offset(0, 0, 0, 0), None);
+        // A validated configuration is unchanged: the largest offset plus a row is the
+        // pool's size.
+        let ok = HostKvConfig { host_pages: 5, ..huge };
+        let last = ok.offset(5, 1, 1, 1).unwrap() + ok.kv.row_bytes();
+        assert_eq!(last, ok.total_bytes());
+    }
+
+    /// While a host tier owns the pool, the public page calls are refused and nothing
+    /// changes; a second claim is refused; dropping the claim gives the pool back.
+    #[test]
+    fn an_owned_pool_refuses_allocation_by_number() {
+        let cfg = HostKvConfig { kv: mha(1, 16, 4), host_pages: 5, layout: HostLayout::PageFirst };
+        let pool = Arc::new(HostKvPool::pageable(cfg).unwrap());
+        pool.alloc_pages(&mut [0u32; 1]).unwrap();
+        assert!(matches!(HostKvPool::claim(&pool), Err(ConfigError::HostPool { .. })), "a page is allocated");
+        assert!(!pool.is_owned(), "a refused claim leaves the pool unowned");
+        pool.free_pages(&[1]).unwrap();
+        let claim = HostKvPool::claim(&pool).unwrap();
+        assert!(pool.is_owned());
+        assert!(matches!(HostKvPool::claim(&pool), Err(ConfigError::HostPool { .. })), "one owner");
+        assert_eq!(pool.alloc_pages(&mut [0u32; 1]), Err(AllocError::Invalid(InvalidInput::HostPoolOwned)));
+        let mut got = [0u32; 2];
+        pool.page_allocator().alloc_as(&mut got, Unit::Pages).unwrap(); // the owner's own path
+        assert_eq!(pool.free_pages(&got).unwrap_err().kind, FreeErrorKind::Cached);
+        assert_eq!(pool.available_pages(), 3);
+        // The owner returns its pages but those it keeps (page 2 here), then lets go.
+        assert_eq!(claim.free_all_except(&[0b10]), 1);
+        drop(claim);
+        assert!(!pool.is_owned());
+        assert!(pool.is_allocated(2) && !pool.is_allocated(1));
+        pool.free_pages(&[2]).unwrap();
+        assert_eq!(pool.available_pages(), 5);
     }
 
     #[test]

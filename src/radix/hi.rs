@@ -45,7 +45,8 @@
 //! * [`match_and_load`](RadixCache::match_and_load) loads a host continuation back: device
 //!   slots for all of it or nothing, skipped below the load-back threshold (SGLang's 10
 //!   tokens) or above a quota; the device prefix and the host copies being loaded are
-//!   locked while room is made.
+//!   locked while room is made, and a load that cannot get its slots even then evicts
+//!   nothing.
 //!
 //! # Transfers
 //!
@@ -76,6 +77,11 @@
 //! [`reset`](RadixCache::reset) drops the transfers in flight with everything else
 //! (their handles are refused afterwards): wait for their copies before resetting. The tree
 //! records what moved in [`HiCounters`] when a copy starts.
+//!
+//! A cache built over a caller's [`HostKvPool`]
+//! ([`with_host_pool`](RadixCache::with_host_pool)) owns it while it lives and gives
+//! it back when dropped; the pages of transfers taken and not completed then stay
+//! allocated for the caller to free once its copies are done (see there).
 //!
 //! Not combined with KV events or partial-leaf eviction (the constructor refuses the
 //! first; the second is ignored).
@@ -124,7 +130,7 @@ use super::LatchHeld;
 use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
 use crate::error::{ConfigError, Unit};
-use crate::kv::host::HostKvPool;
+use crate::kv::host::{HostKvPool, HostPoolClaim};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::{bit_words, SlotPool};
 use crate::sync::atomic::{fence, Ordering};
@@ -438,6 +444,26 @@ pub struct HiState {
     in_flight: Vec<u64>,
     /// Host pages in flight.
     in_flight_pages: usize,
+    /// With a caller's pool: the tree's ownership of it (see
+    /// [`with_host_pool`](RadixCache::with_host_pool)), released on drop after the
+    /// tree's pages went back.
+    claim: Option<HostPoolClaim>,
+    /// With a caller's pool: a bit per host page of a transfer handed to the caller
+    /// ([`take_transfers`](RadixCache::take_transfers)) and not complete (index
+    /// `h - 1`): its copy may still touch the page, so dropping the cache keeps it.
+    handed_out: Vec<u64>,
+}
+
+/// Dropping a cache over a caller's pool gives the pool back: every host page the tree
+/// holds is freed, but those of transfers handed out and not completed (the caller's
+/// copy may still be writing or reading them) stay allocated, for the caller to free
+/// with [`HostKvPool::free_pages`] once its copies are done. Then the claim goes.
+impl Drop for HiState {
+    fn drop(&mut self) {
+        if let Some(claim) = &self.claim {
+            claim.free_all_except(&self.handed_out);
+        }
+    }
 }
 
 /// A transfer in flight.
@@ -702,6 +728,9 @@ fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
     let mut group = w.c.variant.host().free_group();
     for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
         mark_run(&mut w.s.ext.in_flight, start - base, len, false);
+        if !w.s.ext.handed_out.is_empty() {
+            mark_run(&mut w.s.ext.handed_out, start - base, len, false);
+        }
         if w.in_tree_all(start, len) {
             continue;
         }
@@ -959,6 +988,16 @@ impl Variant for Hi {
         dev_of_host.resize(hp + 1, 0u32);
         let mut in_flight = crate::arena::try_with_capacity(hp.div_ceil(64), "host pages in flight")?;
         in_flight.resize(hp.div_ceil(64), 0u64);
+        let (claim, handed_out) = match &self.pool {
+            Some(pool) => {
+                let mut handed_out = crate::arena::try_with_capacity(hp.div_ceil(64), "host pages handed out")?;
+                handed_out.resize(hp.div_ceil(64), 0u64);
+                // Last: nothing after it can fail, so a refused construction leaves the
+                // pool as it was (the claim is released with the state otherwise).
+                (Some(HostKvPool::claim(pool)?), handed_out)
+            }
+            None => (None, Vec::new()),
+        };
         Ok(HiState {
             order: crate::arena::try_with_capacity(nodes, "host order")?,
             runs: crate::arena::try_with_capacity(hp, "host backup runs")?,
@@ -972,6 +1011,8 @@ impl Variant for Hi {
             dev_of_host,
             in_flight,
             in_flight_pages: 0,
+            claim,
+            handed_out,
         })
     }
 
@@ -1393,10 +1434,16 @@ fn load_back<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, host_end: u32, out: &mut
     let aux = w.inc_lock(anchor);
     hold_host_path(w, host_end, true);
     let avail = w.c.alloc.available_size();
-    if avail < total {
+    // A load that cannot get its slots even after evicting all that is evictable (the
+    // prefix locked) evicts nothing: it fails with the tree as it was.
+    let got = if avail >= total {
+        w.c.alloc.alloc(&mut out[..total]).is_ok()
+    } else if total - avail <= w.c.evictable.load(Ordering::Relaxed) {
         w.evict(total - avail);
-    }
-    let got = w.c.alloc.alloc(&mut out[..total]).is_ok();
+        w.c.alloc.alloc(&mut out[..total]).is_ok()
+    } else {
+        false
+    };
     hold_host_path(w, host_end, false);
     w.dec_lock(anchor, aux);
     if got {
@@ -1444,15 +1491,52 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
 
     /// A prefix cache over `alloc` whose host tier is `pool`'s pages: the host page
     /// numbers of [`transfer_pages`](Self::transfer_pages) are `pool`'s, for
-    /// [`DeviceHostTransfer`](crate::kv::host) and the store tier to copy. The tree
-    /// allocates and frees them; allocate none of them yourself (the invariant check
-    /// counts every allocated page as the tree's). `write_policy` and
-    /// `load_back_threshold` as in [`HostTier`].
+    /// [`DeviceHostTransfer`](crate::kv::host) and the store tier to copy. `write_policy`
+    /// and `load_back_threshold` as in [`HostTier`].
+    ///
+    /// The cache **owns** the pool while it lives ([`HostKvPool::is_owned`]): the tree
+    /// allocates and frees every page, so the pool's public
+    /// [`alloc_pages`](HostKvPool::alloc_pages) and [`free_pages`](HostKvPool::free_pages)
+    /// are refused meanwhile (no page can have two owners), and so is a second cache
+    /// over it. Reading and writing page bytes works as before.
+    ///
+    /// Dropping the cache gives the pool back: the tree's host pages are freed, except
+    /// those of transfers [taken](Self::take_transfers) and not
+    /// [completed](Self::complete) — the caller's copy may still touch them — which stay
+    /// allocated for the caller to free with [`HostKvPool::free_pages`] once its copies
+    /// are done (a transfer never taken was never copied: its pages are freed). Until
+    /// then a new cache over the pool is refused (some pages are allocated).
     ///
     /// # Errors
     ///
     /// As [`with_host_tier`](Self::with_host_tier); [`ConfigError::HostPool`] when the
-    /// pool's page size is not the allocator's or some of its pages are allocated.
+    /// pool's page size is not the allocator's, another live cache owns it, or some of
+    /// its pages are allocated. Nothing changed then.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kvpool::kv::host::{HostKvConfig, HostKvPool, HostLayout};
+    /// use kvpool::kv::{KvConfig, KvDtype, KvLayout};
+    /// use kvpool::radix::{HiRadixCache, RadixConfig, WritePolicy};
+    /// use kvpool::{ConfigError, PagedAllocator, ReqToTokenPool};
+    ///
+    /// let kv = KvConfig { layout: KvLayout::Mha { head_num: 1, head_dim: 4 }, dtype: KvDtype::F16,
+    ///                     layer_num: 2, size: 16, page_size: 2 };
+    /// let pool = Arc::new(HostKvPool::pageable(HostKvConfig::with_ratio(kv, 1.0, HostLayout::PageFirst)?)?);
+    /// let make = |p: &Arc<HostKvPool>| HiRadixCache::with_host_pool(
+    ///     PagedAllocator::new(16, 2).unwrap(), ReqToTokenPool::new(2, 16).unwrap(), RadixConfig::default(),
+    ///     Arc::clone(p), WritePolicy::WriteThrough, 1);
+    /// let cache = make(&pool)?;
+    /// assert!(pool.is_owned());
+    /// assert!(pool.alloc_pages(&mut [0u32; 1]).is_err());        // the tree's pages
+    /// assert!(matches!(make(&pool), Err(ConfigError::HostPool { .. }))); // one owner
+    /// drop(cache);
+    /// assert!(!pool.is_owned());
+    /// pool.alloc_pages(&mut [0u32; 1])?;                          // the caller's again
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_host_pool(
         alloc: A,
         req_pool: ReqToTokenPool,
@@ -1468,9 +1552,8 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         if ps != alloc.page_size() {
             return Err(ConfigError::HostPool { why: "its page size is not the device allocator's" });
         }
-        if pool.available_pages() != pool.capacity_pages() {
-            return Err(ConfigError::HostPool { why: "some of its pages are allocated already" });
-        }
+        // The cache's state claims the pool (owned by one cache, every page free), and
+        // gives it back when dropped (`HiState`'s drop).
         let host_pages = u32::try_from(pool.capacity_pages())
             .map_err(|_| ConfigError::HostPool { why: "it has more than 2^32 - 1 pages" })?;
         let tier = HostTier { host_pages, write_policy, load_back_threshold };
@@ -1551,7 +1634,8 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// transfer fills from the host copy). Returns the lease (its length is both) and
     /// what was found on host ([`HostHit`]): nothing is loaded when the continuation
     /// is shorter than the load-back threshold or longer than `quota`, or the device
-    /// has no room even after eviction (then only the device prefix is locked).
+    /// has no room even after evicting all it can (then nothing is evicted and only the
+    /// device prefix is locked).
     pub fn match_and_load(
         &self,
         namespace: u64,
@@ -1593,9 +1677,17 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
                 let slot = st.queue[st.queue_head];
                 st.queue_head = (st.queue_head + 1) % st.queue.len();
                 st.queue_len -= 1;
-                if w.s.ext.entries[slot as usize].live {
+                let e = w.s.ext.entries[slot as usize];
+                if e.live {
                     out[n] = ticket(w, slot);
                     n += 1;
+                    if !w.s.ext.handed_out.is_empty() {
+                        // The caller's copy may touch these pages from now on.
+                        let base = w.c.num_pages;
+                        for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+                            mark_run(&mut w.s.ext.handed_out, start - base, len, true);
+                        }
+                    }
                 }
             }
             n

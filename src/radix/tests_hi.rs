@@ -395,3 +395,167 @@ fn a_prefetch_outlives_its_node() {
     assert_eq!((c.host_size(), c.host_available()), (0, 2));
     c.check_invariants().unwrap();
 }
+
+/// An 8-page host pool of page size 2 (the device allocator's of `on_pool`).
+fn host_pool() -> std::sync::Arc<crate::kv::host::HostKvPool> {
+    use crate::kv::host::{HostKvConfig, HostKvPool, HostLayout};
+    use crate::kv::{KvConfig, KvDtype, KvLayout};
+    let kv = KvConfig {
+        layout: KvLayout::Mha { head_num: 1, head_dim: 4 },
+        dtype: KvDtype::F16,
+        layer_num: 2,
+        size: 16,
+        page_size: 2,
+    };
+    let cfg = HostKvConfig::with_ratio(kv, 1.0, HostLayout::PageFirst).unwrap();
+    std::sync::Arc::new(HostKvPool::pageable(cfg).unwrap())
+}
+
+fn on_pool(p: &std::sync::Arc<crate::kv::host::HostKvPool>) -> Result<HiRadixCache<PagedAllocator>, ConfigError> {
+    HiRadixCache::with_host_pool(
+        PagedAllocator::new(16, 2).unwrap(),
+        ReqToTokenPool::new(2, 16).unwrap(),
+        RadixConfig::default(),
+        p.clone(),
+        WritePolicy::WriteThrough,
+        1,
+    )
+}
+
+/// The pool's public `alloc_pages` / `free_pages` shared its allocator with the tree:
+/// the caller could free host pages the tree held (a backup's in flight, then the
+/// node's host copy) and get them back from `alloc_pages` — two owners of one page.
+/// While a cache owns the pool both are refused, typed, and nothing changes; reading
+/// and writing page bytes (the copy engine's part) still works.
+#[test]
+fn a_host_pool_refuses_page_calls_while_a_cache_owns_it() {
+    use crate::error::{AllocError, FreeErrorKind, InvalidInput};
+    let p = host_pool();
+    let c = on_pool(&p).unwrap();
+    assert!(p.is_owned());
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    let t = take_one(&c);
+    let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut dev, &mut host).unwrap();
+    let refused = |c: &HiRadixCache<PagedAllocator>| {
+        let e = p.free_pages(&host).unwrap_err();
+        assert_eq!((e.index, e.kind, e.rest_freed), (host[0], FreeErrorKind::Cached, false));
+        let free = (1..=8).find(|h| !p.is_allocated(*h)).unwrap();
+        assert_eq!(p.free_pages(&[free]).unwrap_err().kind, FreeErrorKind::NotAllocated);
+        assert!(matches!(p.free_pages(&[0]).unwrap_err().kind, FreeErrorKind::OutOfRange { first: 1, last: 8 }));
+        assert_eq!(p.free_pages(&[]), Ok(()));
+        let mut out = [7u32; 2];
+        assert_eq!(p.alloc_pages(&mut out), Err(AllocError::Invalid(InvalidInput::HostPoolOwned)));
+        assert_eq!(out, [7; 2], "out untouched");
+        assert_eq!(p.available_pages(), 6);
+        assert!(host.iter().all(|&h| p.is_allocated(h)));
+        c.check_invariants().unwrap();
+    };
+    refused(&c); // in flight
+    assert!(p.page_rows(host[0], 1, 1).is_ok(), "the copy engine reads the tree's pages");
+    c.complete(t).unwrap();
+    refused(&c); // the node's host copy
+    assert_eq!(c.host_size(), 4);
+}
+
+/// `with_host_pool` only checked that every page was free: two caches over one pool
+/// were both accepted, each counting the other's pages as its own (host_size wrong,
+/// check_invariants failing). The second is refused now, until the first is dropped.
+#[test]
+fn a_second_cache_over_one_host_pool_is_refused() {
+    let p = host_pool();
+    let c1 = on_pool(&p).unwrap();
+    assert!(matches!(on_pool(&p), Err(ConfigError::HostPool { .. })));
+    assert!(p.is_owned(), "a refused cache leaves the first one's claim");
+    let a = slots(&c1, 4);
+    c1.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    settle(&c1);
+    assert_eq!(c1.host_size(), 4);
+    c1.check_invariants().unwrap();
+    drop(c1);
+    let c2 = on_pool(&p).unwrap();
+    assert_eq!((c2.host_size(), c2.host_available()), (0, 16));
+    c2.check_invariants().unwrap();
+}
+
+/// A cache built `with_host_pool` left the host pages its tree held allocated in the
+/// pool when dropped: `available_pages` was wrong forever and a new cache over the
+/// pool was refused. Dropping it returns them and releases the pool; pages of a
+/// transfer taken and not completed stay allocated (the caller's copy may still touch
+/// them) until the caller frees them, and a transfer never taken is freed with the rest.
+#[test]
+fn dropping_the_cache_gives_the_host_pool_back() {
+    let p = host_pool();
+    {
+        let c = on_pool(&p).unwrap();
+        let a = slots(&c, 4);
+        c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+        settle(&c);
+        assert_eq!(p.available_pages(), 6);
+    }
+    assert!(!p.is_owned());
+    assert_eq!(p.available_pages(), 8, "the dropped cache's host pages are the pool's again");
+
+    // Transfers in flight at drop: one handed out (its copy may be running), one not.
+    let taken = {
+        let c = on_pool(&p).unwrap();
+        let a = slots(&c, 4);
+        c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+        let t = take_one(&c);
+        let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+        c.transfer_pages(t, &mut dev, &mut host).unwrap();
+        let b = slots(&c, 6);
+        c.insert(0, &[9, 9, 8, 8, 7, 7], &b).unwrap(); // a second backup, never taken
+        assert_eq!((c.transfers_in_flight(), p.available_pages()), (2, 3));
+        host
+    };
+    assert!(!p.is_owned());
+    assert_eq!(p.available_pages(), 6, "only the taken transfer's pages stay");
+    assert!(taken.iter().all(|&h| p.is_allocated(h)));
+    assert!(matches!(on_pool(&p), Err(ConfigError::HostPool { .. })), "pages are allocated");
+    // The copy is done: the caller frees them and the pool is whole.
+    p.free_pages(&taken).unwrap();
+    assert_eq!(p.available_pages(), 8);
+    on_pool(&p).unwrap().check_invariants().unwrap();
+}
+
+/// `match_and_load` evicted device nodes for a load-back before knowing whether its
+/// allocation could succeed: with 8 evictable tokens and a 10-token host continuation
+/// it evicted the 8 (dropping their device copies), then failed and loaded nothing. A
+/// doomed load-back evicts nothing now (as a doomed allocation does).
+#[test]
+fn a_doomed_load_back_evicts_nothing() {
+    let c = cache(16, 16, WritePolicy::WriteThrough);
+    // K1: 10 tokens, backed up, then evicted to host.
+    let k1: Vec<u32> = (1..=10).collect();
+    let a = slots(&c, 10);
+    c.insert(0, &k1, &a).unwrap();
+    settle(&c);
+    assert_eq!(c.evict(10), 10);
+    // K2: 8 tokens, locked by a lease. K3: 8 tokens, evictable.
+    let (k2, k3): (Vec<u32>, Vec<u32>) = ((50..58).collect(), (60..68).collect());
+    let b = slots(&c, 8);
+    c.insert(0, &k2, &b).unwrap();
+    let b = slots(&c, 8);
+    c.insert(0, &k3, &b).unwrap();
+    settle(&c);
+    let mut out = [0u32; 16];
+    let (lease2, _) = c.match_and_load(0, &k2, &mut out, None);
+    assert_eq!(lease2.len(), 8);
+    assert_eq!((c.allocator().available_size(), c.evictable_size()), (0, 8));
+    let before = (c.node_count(), c.host_size(), c.counters());
+    // Loading K1 needs 10 device tokens: 8 at most can be made free.
+    let (lease1, hit) = c.match_and_load(0, &k1, &mut out, None);
+    assert_eq!((lease1.len(), hit.matched, hit.loaded), (0, 10, 0));
+    assert_eq!(c.evictable_size(), 8, "a load-back that could not succeed evicted device KV");
+    assert_eq!((c.node_count(), c.host_size(), c.counters()), before);
+    assert_eq!(c.transfers_in_flight(), 0);
+    c.check_invariants().unwrap();
+    drop(lease1);
+    // With room for it (K2's lease gone: 16 evictable), the same load succeeds.
+    drop(lease2);
+    let (lease1, hit) = c.match_and_load(0, &k1, &mut out, None);
+    assert_eq!((lease1.len(), hit.loaded), (10, 10));
+    c.check_invariants().unwrap();
+}
