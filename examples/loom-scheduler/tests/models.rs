@@ -63,7 +63,7 @@ fn tiny_cache(rows: u32) -> RadixCache<TokenAllocator> {
 fn assert_settled(cache: &RadixCache<TokenAllocator>, rows: usize) {
     cache.check_invariants().unwrap();
     let alloc = cache.allocator();
-    assert_eq!(alloc.available_size() + cache.total_size(), KvAllocator::size(alloc), "a slot leaked");
+    assert_eq!(alloc.available_size() + cache.total_size(), alloc.size(), "a slot leaked");
     assert_eq!(cache.protected_size(), 0, "a lock was never released");
     assert_eq!(cache.req_pool().available_size(), rows, "a row was never freed");
 }
