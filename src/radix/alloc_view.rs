@@ -58,7 +58,30 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
 
     /// Whether the tree holds `page` (a snapshot).
     fn cached(&self, page: u32) -> bool {
-        self.in_tree.get(page as usize / 64).is_some_and(|w| w.load(Relaxed) & (1 << (page % 64)) != 0)
+        page_bit(self.in_tree, page)
+    }
+
+    /// Refuse a batch in which a request would continue a page the tree holds: its
+    /// prefix ends inside that page (`last_loc` is there) and it grows, so part 1 of the
+    /// expansion would hand out the page's next slots, which are the tree's. A request
+    /// continues only a page of its own (a match is page-aligned; a chunk or a decode
+    /// step continues the request's own last page). Malformed batches pass: the
+    /// allocator's own checks report them.
+    pub(super) fn check_continued_pages(
+        &self,
+        last_locs: &[u32],
+        req: impl Fn(usize) -> (u32, u32),
+    ) -> Result<(), InvalidInput> {
+        if self.ps <= 1 {
+            return Ok(());
+        }
+        for (request, &last_loc) in last_locs.iter().enumerate() {
+            let (prefix, seq) = req(request);
+            if prefix % self.ps != 0 && seq > prefix && self.cached(last_loc / self.ps) {
+                return Err(InvalidInput::LastLocCached { request, last_loc });
+            }
+        }
+        Ok(())
     }
 
     /// The first slot of `slots` in a page the tree holds, as the error a free gives.
@@ -104,13 +127,14 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
         self.alloc.alloc(out)
     }
 
-    /// [`KvAllocator::alloc_extend`]: no eviction, and no check that a request
-    /// continues a page of its own (the cache's own
-    /// [`alloc_extend`](super::RadixCache::alloc_extend) does both).
+    /// [`KvAllocator::alloc_extend`], refusing a request that would continue a page the
+    /// tree holds; no eviction (the cache's own
+    /// [`alloc_extend`](super::RadixCache::alloc_extend) evicts the shortfall first).
     ///
     /// # Errors
     ///
-    /// As [`KvAllocator::alloc_extend`].
+    /// [`InvalidInput::LastLocCached`], else as [`KvAllocator::alloc_extend`]; nothing
+    /// is allocated on error.
     pub fn alloc_extend(
         &self,
         prefix_lens: &[u32],
@@ -118,16 +142,20 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
         last_locs: &[u32],
         out: &mut [u32],
     ) -> Result<(), AllocError> {
+        let n = prefix_lens.len().min(seq_lens.len()).min(last_locs.len());
+        self.check_continued_pages(&last_locs[..n], |i| (prefix_lens[i], seq_lens[i]))?;
         self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out)
     }
 
-    /// [`KvAllocator::alloc_decode`]: no eviction (see
-    /// [`alloc_extend`](Self::alloc_extend)).
+    /// [`KvAllocator::alloc_decode`], refusing a request that would continue a page the
+    /// tree holds; no eviction (see [`alloc_extend`](Self::alloc_extend)).
     ///
     /// # Errors
     ///
-    /// As [`KvAllocator::alloc_decode`].
+    /// As [`alloc_extend`](Self::alloc_extend).
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        let n = seq_lens.len().min(last_locs.len());
+        self.check_continued_pages(&last_locs[..n], |i| (seq_lens[i].saturating_sub(1), seq_lens[i]))?;
         self.alloc.alloc_decode(seq_lens, last_locs, out)
     }
 
@@ -217,6 +245,12 @@ impl CacheAllocator<'_, SwaAllocator> {
         self.refuse_cached(slots)?;
         self.alloc.free_swa(slots)
     }
+}
+
+/// Whether bit `page` of the in-tree bitmap `bits` is set (false past its end).
+#[inline]
+pub(super) fn page_bit(bits: &[AtomicU64], page: u32) -> bool {
+    bits.get(page as usize / 64).is_some_and(|w| w.load(Relaxed) & (1 << (page % 64)) != 0)
 }
 
 impl<A> core::fmt::Debug for CacheAllocator<'_, A> {

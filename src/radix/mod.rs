@@ -507,7 +507,7 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     links: Box<[AtomicU64]>,
     /// Which pages the tree holds (one bit each). Written only under the latch; read
     /// there, and without it by the allocation paths, which refuse to continue a page
-    /// the tree holds (`check_continued_pages`). Those reads are a check of the
+    /// the tree holds ([`CacheAllocator`]). Those reads are a check of the
     /// caller's input, not part of any protocol: plain `std` atomics (never loom's, so
     /// loom models do not branch on them), relaxed.
     in_tree: Box<[std::sync::atomic::AtomicU64]>,
@@ -1247,34 +1247,6 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         V::make_room(self, need);
     }
 
-    /// Whether the tree holds `page` (a snapshot: only the latch holder changes it).
-    #[inline]
-    fn page_in_tree(&self, page: u32) -> bool {
-        self.in_tree
-            .get(page as usize / 64)
-            .is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed) & (1 << (page % 64)) != 0)
-    }
-
-    /// Refuse a batch in which a request would continue a page the tree holds: its
-    /// prefix ends inside that page (`last_loc` is there) and it grows, so part 1 of
-    /// the expansion would hand out the page's next slots, which are the tree's. A
-    /// request continues only a page of its own (a match is page-aligned; a chunk or a
-    /// decode step continues the request's own last page). Run after
-    /// `check_batch_shape`, before anything is evicted.
-    fn check_continued_pages(&self, last_locs: &[u32], req: impl Fn(usize) -> (u32, u32)) -> Result<(), InvalidInput> {
-        let ps = self.ps as u32;
-        if ps <= 1 {
-            return Ok(());
-        }
-        for (request, &last_loc) in last_locs.iter().enumerate() {
-            let (prefix, seq) = req(request);
-            if prefix % ps != 0 && seq > prefix && self.page_in_tree(last_loc / ps) {
-                return Err(InvalidInput::LastLocCached { request, last_loc });
-            }
-        }
-        Ok(())
-    }
-
     fn with_evictable(&self, e: AllocError) -> AllocError {
         match e {
             AllocError::OutOfMemory(mut oom) => {
@@ -1328,7 +1300,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let plan = crate::alloc::plan_extend(self.alloc.page_size(), prefix_lens, seq_lens)?;
         let req = |i: usize| (prefix_lens[i], seq_lens[i]);
         crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out_len, plan.new_tokens, req)?;
-        self.check_continued_pages(last_locs, req)?;
+        self.allocator().check_continued_pages(last_locs, req)?;
         self.make_room(plan.new_pages * self.ps);
         Ok(())
     }
@@ -1391,7 +1363,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let need = self.alloc.decode_need(seq_lens)?;
         let req = |i: usize| (seq_lens[i] - 1, seq_lens[i]);
         crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), req)?;
-        self.check_continued_pages(last_locs, req)?;
+        self.allocator().check_continued_pages(last_locs, req)?;
         self.make_room(need);
         self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }

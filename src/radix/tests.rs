@@ -909,7 +909,7 @@ fn a_lease_from_before_reset_is_refused() {
 /// A request continues only a page of its own: a prefix ending inside a page the tree
 /// holds (here the request re-computes its last matched token) would be handed the
 /// page's next slot, the tree's. Refused before anything is evicted or allocated, in
-/// `alloc_extend_row`, `alloc_extend` and `alloc_decode`.
+/// `alloc_extend_row`, `alloc_extend` and `alloc_decode`, and by the cache's allocator.
 #[test]
 fn continuing_a_cached_page_is_refused() {
     let c = RadixCache::new(
@@ -933,6 +933,11 @@ fn continuing_a_cached_page_is_refused() {
     let e = c.alloc_extend(&[6], &[8], &[s[5]], &mut [0; 2]).unwrap_err();
     assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
     let e = c.alloc_decode(&[7], &[s[5]], &mut [0; 1]).unwrap_err();
+    assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
+    // The cache's allocator (no eviction) refuses it too.
+    let e = c.allocator().alloc_extend(&[6], &[8], &[s[5]], &mut [0; 2]).unwrap_err();
+    assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
+    let e = c.allocator().alloc_decode(&[7], &[s[5]], &mut [0; 1]).unwrap_err();
     assert!(matches!(e, AllocError::Invalid(InvalidInput::LastLocCached { .. })), "{e:?}");
     assert_eq!((c.allocator().available_size(), c.total_size()), (avail, 8));
     // A page-aligned prefix starts a fresh page, and the request's own partial page

@@ -401,7 +401,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     pub(super) fn in_tree(&self, page: u32) -> bool {
-        self.c.page_in_tree(page)
+        super::alloc_view::page_bit(&self.c.in_tree, page)
     }
 
     /// Whether every page of `start..start + len` is in the tree, a word at a time.
