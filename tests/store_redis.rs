@@ -247,6 +247,50 @@ fn exists_prefix_stops_at_the_first_missing_page() {
     assert_eq!(RedisStore::new(cfg).unwrap().exists_prefix(&hs).unwrap(), 0);
 }
 
+/// Two tenants whose namespace and model id joined to the same text (namespace `a:b`
+/// with model `c` and namespace `a` with model `b:c`; an empty namespace with model `x:`
+/// and namespace `:x` with an empty model) shared their keys, so each read and overwrote
+/// the other's pages. Each pair now has keys of its own on one server: neither sees the
+/// other's pages, and a write by one leaves the other's pages as they were.
+#[test]
+fn tenants_whose_namespace_and_model_join_alike_do_not_share_pages() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 4, bytes_per_token: 8 };
+    let base = store(server.url(), format).config().clone();
+    let tenant = |namespace: &str, model_id: &str| {
+        let mut cfg = base.clone();
+        cfg.namespace = namespace.into();
+        cfg.model_id = model_id.into();
+        RedisStore::new(cfg).unwrap()
+    };
+    let hs = hashes(3, 4, 300);
+    let mut keys = 0;
+    for (i, ((ns_a, model_a), (ns_b, model_b))) in
+        [(("a:b", "c"), ("a", "b:c")), (("", "x:"), (":x", ""))].into_iter().enumerate()
+    {
+        let (a, b) = (tenant(ns_a, model_a), tenant(ns_b, model_b));
+        let pages_a: Vec<Vec<u8>> = (0..3u8).map(|p| vec![0x10 * (i as u8 + 1) + p; 32]).collect();
+        a.put(&hs, &pages_a.iter().map(|p| &p[..]).collect::<Vec<_>>()).unwrap();
+        assert_eq!(a.exists_prefix(&hs).unwrap(), 3);
+        assert_eq!(b.exists_prefix(&hs).unwrap(), 0, "{ns_b:?} + {model_b:?} sees {ns_a:?} + {model_a:?}'s pages");
+        let mut buf = vec![vec![0xeeu8; 32]; 3];
+        let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+        assert_eq!(b.get(&hs, &mut bufs).unwrap(), Loaded { pages: 0, stop: Some(Miss::Absent) });
+        assert!(buf.iter().flatten().all(|&x| x == 0xee));
+        // The other tenant's pages of the same hashes do not replace these.
+        let pages_b: Vec<Vec<u8>> = (0..3u8).map(|p| vec![0xb0 + p; 32]).collect();
+        b.put(&hs, &pages_b.iter().map(|p| &p[..]).collect::<Vec<_>>()).unwrap();
+        for (s, want) in [(&a, &pages_a), (&b, &pages_b)] {
+            let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+            assert_eq!(s.get(&hs, &mut bufs).unwrap(), Loaded { pages: 3, stop: None });
+            assert_eq!(&buf, want);
+        }
+        keys += 6;
+        let dbsize: usize = redis::cmd("DBSIZE").query(&mut server.raw()).unwrap();
+        assert_eq!(dbsize, keys);
+    }
+}
+
 /// One pipeline whose replies are sound, nil, corrupt, sound and too long (a page of a
 /// larger format): the reply reader stays in step with every reply, each miss is
 /// counted, the leading run is loaded and nothing from the nil on is written. Pages are

@@ -141,11 +141,21 @@ pub enum KvLayout {
 }
 
 impl KvLayout {
-    /// Elements per row.
+    /// Elements per row. Always exact on 64-bit targets (two `u32` dimensions multiply
+    /// or add within a `u64`); where `usize` is narrower and the count overflows it
+    /// ([`checked_row_elems`](Self::checked_row_elems) says `None`), `usize::MAX`.
     pub fn row_elems(self) -> usize {
+        self.checked_row_elems().unwrap_or(usize::MAX)
+    }
+
+    /// Elements per row, or `None` when that overflows `usize` (only possible where
+    /// `usize` is narrower than 64 bits).
+    pub fn checked_row_elems(self) -> Option<usize> {
         match self {
-            KvLayout::Mha { head_num, head_dim } => head_num as usize * head_dim as usize,
-            KvLayout::Mla { kv_lora_rank, qk_rope_head_dim } => kv_lora_rank as usize + qk_rope_head_dim as usize,
+            KvLayout::Mha { head_num, head_dim } => (head_num as usize).checked_mul(head_dim as usize),
+            KvLayout::Mla { kv_lora_rank, qk_rope_head_dim } => {
+                (kv_lora_rank as usize).checked_add(qk_rope_head_dim as usize)
+            }
         }
     }
 
@@ -195,23 +205,49 @@ pub struct KvConfig {
 
 impl KvConfig {
     /// Rows per buffer: `size + page_size` (page 0 holds the dummy slot 0).
+    /// `usize::MAX` when that overflows (a configuration [`validate`](Self::validate)
+    /// refuses).
     pub fn rows(&self) -> usize {
-        self.size + self.page_size as usize
+        self.size.saturating_add(self.page_size as usize)
     }
 
-    /// Bytes per row.
+    /// Bytes per row. `usize::MAX` (never a real size) when that overflows `usize`, a
+    /// configuration [`validate`](Self::validate) refuses; see
+    /// [`checked_row_bytes`](Self::checked_row_bytes).
     pub fn row_bytes(&self) -> usize {
-        self.layout.row_elems() * self.dtype.bytes()
+        self.checked_row_bytes().unwrap_or(usize::MAX)
     }
 
-    /// Bytes of one layer's buffer.
+    /// Bytes of one layer's buffer (`rows * row_bytes`). `usize::MAX` when that
+    /// overflows `usize`, a configuration [`validate`](Self::validate) refuses; see
+    /// [`checked_layer_bytes`](Self::checked_layer_bytes).
     pub fn layer_bytes(&self) -> usize {
-        self.rows() * self.row_bytes()
+        self.checked_layer_bytes().unwrap_or(usize::MAX)
     }
 
-    /// Bytes of the whole cache (all layers, all buffers).
+    /// Bytes of the whole cache (all layers, all buffers: `layer_bytes * layer_num *
+    /// buffers`). `usize::MAX` when that overflows `usize`, a configuration
+    /// [`validate`](Self::validate) refuses; see
+    /// [`checked_total_bytes`](Self::checked_total_bytes).
     pub fn total_bytes(&self) -> usize {
-        self.layer_bytes() * self.layer_num as usize * self.layout.buffers()
+        self.checked_total_bytes().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes per row, or `None` when that overflows `usize`.
+    pub fn checked_row_bytes(&self) -> Option<usize> {
+        self.layout.checked_row_elems()?.checked_mul(self.dtype.bytes())
+    }
+
+    /// Bytes of one layer's buffer, or `None` when that (or the rows) overflows `usize`.
+    pub fn checked_layer_bytes(&self) -> Option<usize> {
+        self.size.checked_add(self.page_size as usize)?.checked_mul(self.checked_row_bytes()?)
+    }
+
+    /// Bytes of the whole cache, or `None` when that (or any part of it) overflows
+    /// `usize`. A configuration that [`validate`](Self::validate) accepts always has
+    /// `Some`, at most `isize::MAX`.
+    pub fn checked_total_bytes(&self) -> Option<usize> {
+        self.checked_layer_bytes()?.checked_mul(self.layer_num as usize)?.checked_mul(self.layout.buffers())
     }
 
     /// Check that the configuration is usable.
@@ -219,7 +255,8 @@ impl KvConfig {
     /// # Errors
     ///
     /// [`ConfigError::Zero`] for a zero dimension, [`ConfigError::ZeroPageSize`],
-    /// [`ConfigError::TooLarge`] when slots overflow `u32` or sizes overflow `usize`.
+    /// [`ConfigError::TooLarge`] when slots overflow `u32`, the cache's bytes overflow
+    /// `isize` (or `usize`), or a row's bytes overflow `u32`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.page_size == 0 {
             return Err(ConfigError::ZeroPageSize);
@@ -239,13 +276,11 @@ impl KvConfig {
         if rows > u32::MAX as u64 {
             return Err(too_large);
         }
-        (self.rows())
-            .checked_mul(self.row_bytes())
-            .and_then(|b| b.checked_mul(self.layer_num as usize * self.layout.buffers()))
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or(too_large)?;
-        if self.row_bytes() > u32::MAX as usize {
-            return Err(ConfigError::TooLarge { size: self.row_bytes() as u64, page_size: self.page_size });
+        self.checked_total_bytes().filter(|&b| b <= isize::MAX as usize).ok_or(too_large)?;
+        // The whole cache's bytes fit, so a row's do: `row_bytes` is exact here.
+        let row_bytes = self.row_bytes();
+        if row_bytes > u32::MAX as usize {
+            return Err(ConfigError::TooLarge { size: row_bytes as u64, page_size: self.page_size });
         }
         Ok(())
     }
@@ -355,5 +390,57 @@ mod tests {
         assert_eq!(mha0.validate(), Err(ConfigError::Zero("head_num")));
         assert!(KvConfig { size: u32::MAX as usize, ..ok }.validate().is_err());
         assert!(KvConfig { size: usize::MAX - 1, ..ok }.validate().is_err());
+    }
+
+    /// The byte counts of a configuration `validate` refuses (public fields: callers
+    /// can ask before validating) wrapped in release builds and panicked in debug ones,
+    /// and `validate` itself panicked computing them. Now they saturate at `usize::MAX`
+    /// (never a real size), the `checked_*` forms say `None`, and `validate` refuses.
+    #[test]
+    fn sizes_of_an_unvalidated_config_saturate() {
+        let ok = KvConfig {
+            layout: KvLayout::Mha { head_num: 8, head_dim: 128 },
+            dtype: KvDtype::Bf16,
+            layer_num: 32,
+            size: 1 << 16,
+            page_size: 16,
+        };
+        let max = KvLayout::Mha { head_num: u32::MAX, head_dim: u32::MAX };
+        // (2^32 - 1)^2 elements fit in a 64-bit usize; times 4 bytes they do not.
+        let wide = KvConfig { layout: max, dtype: KvDtype::F32, layer_num: u32::MAX, ..ok };
+        assert_eq!(wide.checked_row_bytes(), None);
+        assert_eq!((wide.row_bytes(), wide.layer_bytes(), wide.total_bytes()), (usize::MAX, usize::MAX, usize::MAX));
+        assert_eq!((wide.checked_layer_bytes(), wide.checked_total_bytes()), (None, None));
+        assert!(matches!(wide.validate(), Err(ConfigError::TooLarge { .. })), "{:?}", wide.validate());
+        // A row that fits, but a layer or the whole cache that does not.
+        let tall = KvConfig { size: usize::MAX / 2, ..ok };
+        assert_eq!(tall.row_bytes(), 2048);
+        assert_eq!(tall.checked_row_bytes(), Some(2048));
+        assert_eq!((tall.layer_bytes(), tall.total_bytes()), (usize::MAX, usize::MAX));
+        assert!(matches!(tall.validate(), Err(ConfigError::TooLarge { .. })));
+        let deep =
+            KvConfig { layout: KvLayout::Mha { head_num: 1 << 16, head_dim: 1 << 16 }, layer_num: u32::MAX, ..ok };
+        assert_eq!(deep.checked_layer_bytes(), Some(deep.rows() << 33));
+        assert_eq!((deep.checked_total_bytes(), deep.total_bytes()), (None, usize::MAX));
+        assert!(matches!(deep.validate(), Err(ConfigError::TooLarge { .. })));
+        // `rows` saturates too.
+        let rows = KvConfig { size: usize::MAX, ..ok };
+        assert_eq!(rows.rows(), usize::MAX);
+        assert_eq!((rows.layer_bytes(), rows.total_bytes()), (usize::MAX, usize::MAX));
+        assert!(matches!(rows.validate(), Err(ConfigError::TooLarge { .. })));
+        // Every row's element count fits a 64-bit usize: both parts are u32.
+        #[cfg(target_pointer_width = "64")]
+        {
+            let mla = KvLayout::Mla { kv_lora_rank: u32::MAX, qk_rope_head_dim: u32::MAX };
+            assert_eq!(mla.checked_row_elems(), Some(2 * u32::MAX as usize));
+            let mha = KvLayout::Mha { head_num: u32::MAX, head_dim: u32::MAX };
+            assert_eq!(mha.row_elems(), u32::MAX as usize * u32::MAX as usize);
+        }
+        // A valid configuration is unchanged, and the checked forms agree with it.
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(ok.checked_row_bytes(), Some(ok.row_bytes()));
+        assert_eq!(ok.checked_layer_bytes(), Some(ok.rows() * 2048));
+        assert_eq!(ok.checked_total_bytes(), Some(32 * 2 * ok.rows() * 2048));
+        assert_eq!(ok.total_bytes(), 32 * 2 * ok.rows() * 2048);
     }
 }

@@ -269,13 +269,16 @@ impl SwaKvConfig {
         Ok(())
     }
 
-    /// Bytes per row (K or V of one token in one layer), both pools.
+    /// Bytes per row (K or V of one token in one layer), both pools. `usize::MAX` when
+    /// that overflows (a configuration [`validate`](Self::validate) refuses; see
+    /// [`KvConfig::row_bytes`]).
     pub fn row_bytes(&self) -> usize {
         self.full_config().row_bytes()
     }
 
     /// Rows of layer `layer`'s buffers: `full_size + page_size` for a full layer,
     /// `window_size + page_size` for a window layer, `None` past the last layer.
+    /// `Some(usize::MAX)` when the rows overflow (see [`KvConfig::rows`]).
     pub fn layer_rows(&self, layer: u32) -> Option<usize> {
         self.layers.layer(layer).map(|(kind, _)| match kind {
             LayerKind::Full => self.full_config().rows(),
@@ -284,14 +287,16 @@ impl SwaKvConfig {
     }
 
     /// Entries of the full-to-window mapping table: one per full slot, `(full_pages +
-    /// 1) * page_size`.
+    /// 1) * page_size`. `usize::MAX` when that overflows (a configuration
+    /// [`validate`](Self::validate) refuses).
     pub fn map_len(&self) -> usize {
-        self.full_size + self.page_size as usize
+        self.full_size.saturating_add(self.page_size as usize)
     }
 
-    /// Bytes of all K and V buffers of both pools.
+    /// Bytes of all K and V buffers of both pools. `usize::MAX` (never a real size) when
+    /// that overflows `usize`, a configuration [`validate`](Self::validate) refuses.
     pub fn total_bytes(&self) -> usize {
-        self.full_config().total_bytes() + self.window_config().total_bytes()
+        self.full_config().total_bytes().saturating_add(self.window_config().total_bytes())
     }
 }
 
@@ -623,6 +628,31 @@ mod tests {
         assert_eq!(SwaKvConfig { head_dim: 0, ..small() }.validate(), Err(ConfigError::Zero("head_dim")));
         assert_eq!(SwaKvConfig { page_size: 0, ..small() }.validate(), Err(ConfigError::ZeroPageSize));
         assert!(SwaKvConfig { full_size: u32::MAX as usize - 1, ..small() }.validate().is_err());
+    }
+
+    /// The sizes of a configuration `validate` refuses saturate at `usize::MAX` (as
+    /// [`KvConfig`]'s do) instead of overflowing: the sum of the two pools and the
+    /// mapping table's length panicked in debug builds and wrapped in release ones.
+    #[test]
+    fn sizes_of_an_unvalidated_config_saturate() {
+        let huge_rows = SwaKvConfig { window_size: usize::MAX - 1, ..small() };
+        assert_eq!(huge_rows.window_config().rows(), usize::MAX);
+        assert_eq!(huge_rows.total_bytes(), usize::MAX);
+        assert_eq!(huge_rows.layer_rows(0), Some(usize::MAX));
+        assert!(matches!(huge_rows.validate(), Err(ConfigError::TooLarge { .. })));
+        let huge_map = SwaKvConfig { full_size: usize::MAX - 1, ..small() };
+        assert_eq!((huge_map.map_len(), huge_map.total_bytes()), (usize::MAX, usize::MAX));
+        assert!(matches!(huge_map.validate(), Err(ConfigError::TooLarge { .. })));
+        let wide = SwaKvConfig { head_num: u32::MAX, head_dim: u32::MAX, dtype: KvDtype::F32, ..small() };
+        assert_eq!((wide.row_bytes(), wide.total_bytes()), (usize::MAX, usize::MAX));
+        assert!(matches!(wide.validate(), Err(ConfigError::TooLarge { .. })));
+        // Each pool fits on its own; together they do not.
+        let big =
+            SwaKvConfig { head_num: 1 << 16, head_dim: 1 << 16, full_size: 1 << 29, window_size: 1 << 28, ..small() };
+        let (f, w) = (big.full_config().total_bytes(), big.window_config().total_bytes());
+        assert!(f < usize::MAX && w < usize::MAX && f.checked_add(w).is_none(), "{f} {w}");
+        assert_eq!(big.total_bytes(), usize::MAX);
+        assert!(matches!(big.validate(), Err(ConfigError::TooLarge { .. })));
     }
 
     #[test]

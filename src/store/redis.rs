@@ -5,9 +5,18 @@
 //!
 //! A page lives under `{namespace}:{model_id}:{page hash as 64 hex digits}` (no hash
 //! tag, so a Redis Cluster spreads a request's pages over its slots and nodes); its value
-//! is a [`PageHeader`] and the page's bytes in page-first order (see [`super`]). Writes
-//! are plain `SET`s: pages are content-addressed, so a second writer of a page writes the
-//! same bytes. Give the server a `maxmemory` and an evicting policy
+//! is a [`PageHeader`] and the page's bytes in page-first order (see [`super`]).
+//!
+//! The namespace and the model id are percent-escaped in the key: `%` is `%25`, `:` is
+//! `%3A`, `{` is `%7B` and `}` is `%7D` (uppercase hex digits); every other byte is
+//! itself. Neither part then holds a `:`, so the key splits back into exactly one
+//! (namespace, model id, hash): two configurations whose parts differ never share a key
+//! (namespace `a:b` with model `c` is `a%3Ab:c:...`, namespace `a` with model `b:c` is
+//! `a:b%3Ac:...`), and no part can make a hash tag. Names without those four
+//! characters read as they are (`kvpool:llama-3-8b:0f3a...`).
+//!
+//! Writes are plain `SET`s: pages are content-addressed, so a second writer of a page
+//! writes the same bytes. Give the server a `maxmemory` and an evicting policy
 //! (`maxmemory-policy allkeys-lru`) to use it as a cache; with `noeviction` a full server
 //! refuses writes ([`StoreError::Full`]) and the client backs its writes off.
 //!
@@ -99,10 +108,11 @@ pub struct RedisStoreConfig {
     pub nodes: Vec<String>,
     /// Whether `nodes` are a Redis Cluster.
     pub cluster: bool,
-    /// The first part of every key (one store for several deployments).
+    /// The first part of every key (one store for several deployments). Any text:
+    /// escaped in the key (see the [module docs](self#keys-and-values)).
     pub namespace: String,
     /// The model (and anything else that changes the KV bytes: dtype, TP rank) whose
-    /// pages these are; the second part of every key.
+    /// pages these are; the second part of every key. Any text: escaped in the key.
     pub model_id: String,
     /// The pages' format; values of another format are misses.
     pub format: PageFormat,
@@ -143,10 +153,31 @@ impl RedisStoreConfig {
     }
 }
 
+/// `{namespace}:{model_id}:` with `%`, `:`, `{` and `}` of each part percent-escaped
+/// (`%25`, `%3A`, `%7B`, `%7D`): no escaped part holds a `:`, and the escaping decodes
+/// uniquely, so distinct (namespace, model id) pairs give distinct prefixes, and the
+/// prefix holds no hash tag. The four are ASCII, so no UTF-8 sequence is split.
+fn key_prefix(namespace: &str, model_id: &str) -> Vec<u8> {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = Vec::with_capacity(namespace.len() + model_id.len() + 2);
+    for part in [namespace, model_id] {
+        for &b in part.as_bytes() {
+            match b {
+                b'%' | b':' | b'{' | b'}' => {
+                    out.extend_from_slice(&[b'%', HEX[(b >> 4) as usize], HEX[(b & 15) as usize]])
+                }
+                _ => out.push(b),
+            }
+        }
+        out.push(b':');
+    }
+    out
+}
+
 /// The shared store tier on Redis (see the [module docs](self)).
 pub struct RedisStore {
     cfg: RedisStoreConfig,
-    /// `{namespace}:{model_id}:`.
+    /// `{namespace}:{model_id}:`, both parts escaped ([`key_prefix`]).
     prefix: Vec<u8>,
     target: Target,
     link: Mutex<Link>,
@@ -223,7 +254,7 @@ impl RedisStore {
             }
             Target::Single(infos.into_iter().next().expect("one node"))
         };
-        let prefix = format!("{}:{}:", cfg.namespace, cfg.model_id).into_bytes();
+        let prefix = key_prefix(&cfg.namespace, &cfg.model_id);
         Ok(RedisStore {
             backoff: Backoff::new(cfg.backoff),
             write_backoff: Backoff::new(cfg.backoff),
@@ -240,7 +271,9 @@ impl RedisStore {
         &self.cfg
     }
 
-    /// The key page `hash` is stored under.
+    /// The key page `hash` is stored under: `{namespace}:{model_id}:{hash as 64
+    /// lowercase hex digits}`, the namespace and model id escaped as the
+    /// [module docs](self#keys-and-values) say.
     pub fn key(&self, hash: &BlockHash) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + 64);
         self.write_key(hash, &mut key);
@@ -1153,5 +1186,112 @@ impl ConnectionLike for TcpConn {
 
     fn is_open(&self) -> bool {
         self.open
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store_of(namespace: &str, model_id: &str) -> RedisStore {
+        let format = PageFormat { page_size: 1, bytes_per_token: 1 };
+        let mut cfg = RedisStoreConfig::new("redis://127.0.0.1:1", model_id, format);
+        cfg.namespace = namespace.into();
+        RedisStore::new(cfg).unwrap()
+    }
+
+    /// Namespace `a:b` with model `c` and namespace `a` with model `b:c` were both
+    /// `a:b:c:<hash>`: two tenants read each other's pages. Every pair of (namespace,
+    /// model) here is a different key now, empty parts included.
+    #[test]
+    fn keys_of_distinct_namespace_and_model_pairs_differ() {
+        let h = [0xa5; 32];
+        let pairs = [
+            ("a:b", "c"),
+            ("a", "b:c"),
+            ("a:b:c", ""),
+            ("", "a:b:c"),
+            ("", "a:"),
+            (":a", ""),
+            ("", ""),
+            (":", ""),
+            ("", ":"),
+            ("a", ""),
+            ("", "a"),
+            ("a%3Ab", "c"),
+            ("a%", "3Ab:c"),
+            ("a%3A", "b"),
+            ("a%253A", "b"),
+            ("{a}", "b"),
+            ("%7Ba%7D", "b"),
+        ];
+        let mut keys = std::collections::HashSet::new();
+        for (ns, model) in pairs {
+            let key = store_of(ns, model).key(&h);
+            assert!(
+                keys.insert(key.clone()),
+                "{ns:?} + {model:?} -> {:?} is another pair's key",
+                String::from_utf8(key)
+            );
+        }
+        // The common case reads as before: `{namespace}:{model_id}:{hash hex}`.
+        let key = store_of("prod", "llama-3-8b").key(&h);
+        assert_eq!(key, format!("prod:llama-3-8b:{}", "a5".repeat(32)).into_bytes());
+        let key = store_of("a:b", "c").key(&[0x01; 32]);
+        assert_eq!(key, format!("a%3Ab:c:{}", "01".repeat(32)).into_bytes());
+        let key = store_of("50%{x}", "").key(&[0xff; 32]);
+        assert_eq!(key, format!("50%25%7Bx%7D::{}", "ff".repeat(32)).into_bytes());
+    }
+
+    /// Percent-decode a key's two escaped parts (the test's inverse of the encoding).
+    fn decode(key: &[u8]) -> (String, String, &[u8]) {
+        let mut parts = key.splitn(3, |&b| b == b':');
+        let mut part = || {
+            let p = parts.next().unwrap();
+            let mut out = Vec::new();
+            let mut i = 0;
+            while i < p.len() {
+                if p[i] == b'%' {
+                    out.push(u8::from_str_radix(std::str::from_utf8(&p[i + 1..i + 3]).unwrap(), 16).unwrap());
+                    i += 3;
+                } else {
+                    assert!(!b"{}".contains(&p[i]), "an unescaped brace in {key:?}");
+                    out.push(p[i]);
+                    i += 1;
+                }
+            }
+            String::from_utf8(out).unwrap()
+        };
+        let (ns, model) = (part(), part());
+        (ns, model, parts.next().unwrap())
+    }
+
+    /// Every (namespace, model) pair of up to three characters from an alphabet of the
+    /// separator, the escape, braces and a letter has a key of its own, and the key
+    /// decodes back to the pair (the encoding is injective).
+    #[test]
+    fn the_key_prefix_is_injective() {
+        let alphabet = ['a', ':', '%', '{', '}', 'é'];
+        let mut strings = vec![String::new()];
+        let mut last = vec![String::new()];
+        for _ in 0..3 {
+            last = last.iter().flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}"))).collect();
+            strings.extend(last.iter().cloned());
+        }
+        let h = [0x3c; 32];
+        let mut seen = std::collections::HashSet::new();
+        for ns in &strings {
+            for model in &strings {
+                let mut key = key_prefix(ns, model);
+                let len = key.len();
+                key.extend_from_slice("3c".repeat(32).as_bytes());
+                assert_eq!(decode(&key), (ns.clone(), model.clone(), &key[len..]));
+                assert!(seen.insert(key));
+            }
+        }
+        assert_eq!(seen.len(), strings.len() * strings.len());
+        // The store's own key is that prefix and the hash.
+        let s = store_of("a:%", "{m}");
+        assert_eq!(s.key(&h), [key_prefix("a:%", "{m}"), "3c".repeat(32).into_bytes()].concat());
     }
 }
