@@ -1510,8 +1510,10 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// # Errors
     ///
     /// As [`with_host_tier`](Self::with_host_tier); [`ConfigError::HostPool`] when the
-    /// pool's page size is not the allocator's, another live cache owns it, or some of
-    /// its pages are allocated. Nothing changed then.
+    /// pool's page size is not the allocator's, its device cache
+    /// ([`HostKvConfig::kv`](crate::kv::host::HostKvConfig::kv)) has fewer pages than the
+    /// allocator, another live cache owns it, or some of its pages are allocated.
+    /// Nothing changed then.
     ///
     /// # Examples
     ///
@@ -1551,6 +1553,11 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         let ps = pool.config().kv.page_size;
         if ps != alloc.page_size() {
             return Err(ConfigError::HostPool { why: "its page size is not the device allocator's" });
+        }
+        // The transfers name the allocator's device pages: the pool (and the copies
+        // made with it) must cover them all, or a transfer could never be carried out.
+        if alloc.size() / ps as usize > pool.config().device_pages() {
+            return Err(ConfigError::HostPool { why: "its device cache is smaller than the device allocator's pool" });
         }
         // The cache's state claims the pool (owned by one cache, every page free), and
         // gives it back when dropped (`HiState`'s drop).

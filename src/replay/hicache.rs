@@ -69,6 +69,9 @@ impl HostTierConfig {
     /// [`ReplayError::Config`] naming the bad option.
     pub fn validate(&self, page_size: u32) -> Result<(), ReplayError> {
         let bad = |m: String| Err(ReplayError::Config(m));
+        if page_size == 0 {
+            return bad("--page-size must be at least 1".into());
+        }
         if self.host_capacity_tokens < page_size as usize {
             return bad(format!(
                 "--host-capacity-tokens {} holds no page of {page_size} tokens",
@@ -451,6 +454,9 @@ pub(crate) fn replay_hicache(
     let too_large = |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower --capacity-tokens"));
     let max_context_len = trace.max_kv_len_fitting(config.capacity_tokens).max(1);
     let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).map_err(too_large)?;
+    // The tree's arenas cover the host pages too: name both options that size them.
+    let too_large =
+        |e: crate::ConfigError| ReplayError::Config(format!("{e}; lower --capacity-tokens or --host-capacity-tokens"));
     let req_pool = ReqToTokenPool::new(config.rows() as u32, max_context_len).map_err(too_large)?;
     let host_pages = (host.host_capacity_tokens / config.page_size as usize) as u32;
     let (mut report, c, host_size, host_hits, skipped) = if config.cache == CacheKind::Kvpool {

@@ -113,6 +113,12 @@ pub const MAX_ROW_TABLE_SLOTS: usize = 1 << 30;
 /// What kvpool's [`RadixCache`] allocates per page, besides 4 bytes per slot (its
 /// constructor's estimate; it allocates infallibly, so the replay checks first).
 const RADIX_BYTES_PER_PAGE: u128 = 190;
+/// A host page's share of `HiRadixCache`'s transfer tables (an entry, its free-list
+/// and queue places, its device pair and bits), rounded up.
+const HOST_TRANSFER_BYTES_PER_PAGE: u128 = 48;
+/// A host page of the reference two-tier tree: its place in the free-page set, and in
+/// the vector that set is collected from, rounded up.
+const REFERENCE_HOST_BYTES_PER_PAGE: u128 = 16;
 
 /// How requests are scheduled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -279,15 +285,21 @@ impl ReplayConfig {
     pub fn rows(&self) -> usize {
         match self.mode {
             Mode::Sequential => 1,
-            Mode::Overlap => 2 * self.max_running + 2,
+            // Saturating: `validate` bounds `max_running`, but this is public and
+            // `memory_bytes` reads it for any configuration.
+            Mode::Overlap => self.max_running.saturating_mul(2).saturating_add(2),
         }
     }
 
     /// The options that size this replay's memory ([`memory_bytes`](Self::memory_bytes)),
     /// for an error that asks to lower them: the pool always; the request rows in
     /// overlap mode (`--max-running`); the waiting queue's prompts in sequential mode
-    /// under a policy that reads it (`--lookahead`).
+    /// under a policy that reads it (`--lookahead`); the host tier (`--host-capacity-tokens`).
     fn size_options(&self) -> &'static str {
+        if self.host.is_some() {
+            // The host tier runs in sequential mode under a leaf policy (`validate`).
+            return "--capacity-tokens or --host-capacity-tokens";
+        }
         match self.mode {
             Mode::Overlap => "--capacity-tokens or --max-running",
             Mode::Sequential if self.policy.uses_hints() && self.lookahead() > 0 => "--capacity-tokens or --lookahead",
@@ -519,7 +531,16 @@ impl ReplayConfig {
                     + if self.timeline { trace.len() as u128 * core::mem::size_of::<HybridPoint>() as u128 } else { 0 }
             }
         };
-        u64::try_from(bitmap + rows + cache + buffers + timeline + hybrid).unwrap_or(u64::MAX)
+        // The host tier: kvpool's tree covers its pages in its arenas (records, token
+        // cells, a transfer slot each); the reference tree keeps a set of its free pages.
+        let host = self.host.as_ref().map_or(0, |h| {
+            let host_pages = h.host_capacity_tokens as u128 / ps;
+            match self.cache {
+                CacheKind::Kvpool => (RADIX_BYTES_PER_PAGE + HOST_TRANSFER_BYTES_PER_PAGE + slot * ps) * host_pages,
+                CacheKind::Reference | CacheKind::VecTrie => REFERENCE_HOST_BYTES_PER_PAGE * host_pages,
+            }
+        });
+        u64::try_from(bitmap + rows + cache + buffers + timeline + hybrid + host).unwrap_or(u64::MAX)
     }
 }
 
