@@ -92,7 +92,7 @@ pub use error::{
     SlotsError, Unit,
 };
 pub use mamba::{HybridLayerMap, HybridReqToTokenPool, HybridRow, MambaConfig, MambaPool, MambaSlot};
-pub use req_to_token::{ReqRow, ReqToTokenPool};
+pub use req_to_token::{ReqRow, ReqToTokenPool, RowFreeError};
 pub use slots::{FreeGroup, SlotCache, SlotPool, Slots};
 
 /// Structures that can check their own consistency.

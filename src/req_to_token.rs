@@ -47,6 +47,32 @@ pub struct ReqRow {
     matched: (u32, u32, u32),
 }
 
+/// Why [`ReqToTokenPool::free`] refused a row: nothing was freed, and the row handle
+/// comes back in `row`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RowFreeError {
+    /// What went wrong.
+    pub error: RowError,
+    /// The row handed to `free`, given back.
+    pub row: ReqRow,
+}
+
+impl core::fmt::Display for RowFreeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for RowFreeError {}
+
+/// The reason alone (the handle is dropped: keep it from the error first if it is to
+/// be freed elsewhere).
+impl From<RowFreeError> for RowError {
+    fn from(e: RowFreeError) -> Self {
+        e.error
+    }
+}
+
 impl ReqRow {
     /// The row number, `0..size` (SGLang's `req_pool_idx`).
     pub fn index(&self) -> usize {
@@ -221,12 +247,30 @@ impl ReqToTokenPool {
     ///
     /// # Errors
     ///
-    /// [`RowError::ForeignRow`] if the handle belongs to another pool (or to this pool
-    /// before a [`clear`](Self::clear)); the handle is consumed either way.
-    pub fn free(&self, row: ReqRow) -> Result<(), RowError> {
-        self.own(&row)?;
+    /// [`RowFreeError`] with [`RowError::ForeignRow`] if the handle belongs to another
+    /// pool (or to this pool before a [`clear`](Self::clear)): nothing is freed, and the
+    /// handle comes back in the error, so that it can still be given to the pool it
+    /// belongs to.
+    ///
+    /// ```
+    /// use kvpool::ReqToTokenPool;
+    ///
+    /// let (a, b) = (ReqToTokenPool::new(1, 8)?, ReqToTokenPool::new(1, 8)?);
+    /// let row = a.alloc()?;
+    /// let refused = b.free(row).unwrap_err(); // the wrong pool
+    /// a.free(refused.row)?;                    // the right one
+    /// assert_eq!(a.available_size(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn free(&self, row: ReqRow) -> Result<(), RowFreeError> {
+        if let Err(error) = self.own(&row) {
+            return Err(RowFreeError { error, row });
+        }
         // The handle is unique, so its row is allocated: this cannot fail.
-        self.rows.free(&[row.slot]).map_err(|_| RowError::ForeignRow { row: row.slot - 1 })
+        match self.rows.free(&[row.slot]) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(RowFreeError { error: RowError::ForeignRow { row: row.slot - 1 }, row }),
+        }
     }
 
     fn own(&self, row: &ReqRow) -> Result<(), RowError> {

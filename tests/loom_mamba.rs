@@ -13,6 +13,8 @@
 //! | model               | what it proves                                                      |
 //! |---------------------|---------------------------------------------------------------------|
 //! | `pin_races_free`    | a reader sees the cached bytes whole, or is refused; a free of a pinned slot is refused (`InUse`); no write overlaps a read |
+//! | `tree_eviction_races_a_reader` | a tree's state evicted while a reader forks from it is freed exactly once: at the eviction, or by the reader's unpin if it pinned first; the reader's copy is whole |
+//! | `caller_free_races_tree_insert` | a caller freeing a state by number while handing it to a tree: exactly one of them gets it (the free, or the tree's insert), never both |
 
 mod loom_common;
 
@@ -21,7 +23,8 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::mamba::{Component, MambaConfig, MambaError, MambaPool, StateDtype, StateShape};
-use kvpool::FreeErrorKind;
+use kvpool::radix::{CacheError, MambaRadixCache, RadixConfig};
+use kvpool::{FreeErrorKind, ReqToTokenPool, TokenAllocator};
 // Outcome counters live across executions, outside loom's model: std atomics.
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -49,7 +52,7 @@ fn pin_races_free() {
         let mut a = pool.alloc().unwrap();
         pool.component_mut::<u8>(&mut a, 0, Component::Temporal).unwrap().fill(7);
         shadow.write(1, 7);
-        let c = pool.cache(a);
+        let c = pool.cache(a).unwrap();
 
         let reader = {
             let (pool, shadow) = (Arc::clone(&pool), Arc::clone(&shadow));
@@ -98,4 +101,116 @@ fn pin_races_free() {
     let (refused, freed) = (outcomes[0].load(Ordering::Relaxed), outcomes[1].load(Ordering::Relaxed));
     println!("pin_races_free: free refused in {refused} executions, done in {freed}");
     assert!(refused > 0 && freed > 0);
+}
+
+/// The pool is shared through a `std` `Arc` (the cache's state pool type); its atomics
+/// are loom's, which is what the model checks.
+fn two_state_cache() -> (std::sync::Arc<MambaPool>, Arc<MambaRadixCache<TokenAllocator, std::sync::Arc<MambaPool>>>) {
+    let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[2], StateDtype::F32) };
+    let pool = std::sync::Arc::new(MambaPool::new(2, cfg).unwrap());
+    let cache = MambaRadixCache::with_states(
+        TokenAllocator::new(4).unwrap(),
+        ReqToTokenPool::new(1, 4).unwrap(),
+        std::sync::Arc::clone(&pool),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    (pool, Arc::new(cache))
+}
+
+#[test]
+fn tree_eviction_races_a_reader() {
+    let outcomes = std::sync::Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let seen = std::sync::Arc::clone(&outcomes);
+    loom_common::model("tree_eviction_races_a_reader", move || {
+        let (pool, cache) = two_state_cache();
+        let mut kv = [0u32; 2];
+        cache.allocator().alloc(&mut kv).unwrap();
+        let mut s = pool.alloc().unwrap();
+        pool.component_mut::<u8>(&mut s, 0, Component::Temporal).unwrap().fill(7);
+        let state = pool.cache(s).unwrap();
+        assert!(cache.insert(0, &[1, 2], &kv, state).unwrap().state_kept);
+
+        let reader = {
+            let pool = std::sync::Arc::clone(&pool);
+            thread::spawn(move || match pool.fork_from(state) {
+                Ok(fork) => {
+                    let whole = pool.component::<u8>(&fork, 0, Component::Temporal).unwrap().iter().all(|&x| x == 7);
+                    assert!(whole, "the fork copied a state freed under it");
+                    pool.free_slot(fork).unwrap();
+                    true
+                }
+                Err(e) => {
+                    assert_eq!(e, MambaError::NotCached { slot: state });
+                    false
+                }
+            })
+        };
+        let evictor = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || assert_eq!(cache.evict_mamba(1), 1))
+        };
+        let forked = reader.join().unwrap();
+        evictor.join().unwrap();
+        seen[usize::from(forked)].fetch_add(1, Ordering::Relaxed);
+        // Freed exactly once, whoever did it: every slot is free again.
+        assert_eq!(pool.available(), 2);
+        assert!(!pool.is_allocated(state));
+        pool.check_invariants().unwrap();
+        cache.check_invariants().unwrap();
+    });
+    let (refused, forked) = (outcomes[0].load(Ordering::Relaxed), outcomes[1].load(Ordering::Relaxed));
+    println!("tree_eviction_races_a_reader: fork refused in {refused} executions, done in {forked}");
+    assert!(refused > 0 && forked > 0);
+}
+
+#[test]
+fn caller_free_races_tree_insert() {
+    let outcomes = std::sync::Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let seen = std::sync::Arc::clone(&outcomes);
+    loom_common::model("caller_free_races_tree_insert", move || {
+        let (pool, cache) = two_state_cache();
+        let mut kv = [0u32; 2];
+        cache.allocator().alloc(&mut kv).unwrap();
+        let state = cache.alloc_state().unwrap();
+
+        let inserter = {
+            let cache = Arc::clone(&cache);
+            thread::spawn(move || match cache.insert(0, &[1, 2], &kv, state) {
+                Ok(ins) => {
+                    assert!(ins.state_kept);
+                    true
+                }
+                Err(e) => {
+                    assert_eq!(e, CacheError::StateNotOwned { state });
+                    false
+                }
+            })
+        };
+        let freer = {
+            let pool = std::sync::Arc::clone(&pool);
+            thread::spawn(move || match pool.free(&[state]) {
+                Ok(()) => true,
+                Err(e) => {
+                    assert_eq!(e.kind, FreeErrorKind::Cached, "only the tree can have it");
+                    false
+                }
+            })
+        };
+        let inserted = inserter.join().unwrap();
+        let freed = freer.join().unwrap();
+        assert!(inserted != freed, "inserted {inserted}, freed {freed}: one state, one owner");
+        seen[usize::from(inserted)].fetch_add(1, Ordering::Relaxed);
+        if !inserted {
+            cache.allocator().free(&kv).unwrap();
+        }
+        assert_eq!(pool.is_tree_held(state), inserted);
+        pool.check_invariants().unwrap();
+        cache.check_invariants().unwrap();
+    });
+    let (freed, inserted) = (outcomes[0].load(Ordering::Relaxed), outcomes[1].load(Ordering::Relaxed));
+    println!(
+        "caller_free_races_tree_insert: freed by the caller in {freed} executions, taken by the tree in {inserted}"
+    );
+    assert!(freed > 0 && inserted > 0);
 }

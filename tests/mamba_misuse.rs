@@ -10,7 +10,7 @@ use kvpool::mamba::{
     Component, HybridReqToTokenPool, MambaConfig, MambaError, MambaPool, MambaSlot, StateDtype, StateShape,
 };
 use kvpool::radix::{CacheError, CheckpointConfig, MambaRadixCache, RadixConfig};
-use kvpool::{ConfigError, ReqToTokenPool, RowError, SlotPool, TokenAllocator};
+use kvpool::{ConfigError, FreeErrorKind, ReqToTokenPool, RowError, SlotPool, TokenAllocator};
 
 fn cfg() -> MambaConfig {
     MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) }
@@ -55,7 +55,7 @@ fn a_rows_state_is_written_through_the_row_and_the_tables_stay_right() {
     assert_eq!(mamba.component::<f32>(&a, 0, Component::Temporal).unwrap(), &[3.0, 4.0, 0.0, 0.0]);
     mamba.zero_slot(&mut a).unwrap();
     assert_eq!(mamba.component::<f32>(&a, 0, Component::Temporal).unwrap(), &[0.0; 4]);
-    let cached = mamba.cache(other);
+    let cached = mamba.cache(other).unwrap();
     mamba.copy_from(&[cached], &mut [&mut a]).unwrap();
     assert_eq!(mamba.component::<f32>(&a, 0, Component::Temporal).unwrap()[1], 4.0);
     // The audit's sequence, as far as it can still go: free a spare handle and allocate
@@ -223,7 +223,7 @@ fn a_state_row_too_large_for_usize_is_a_config_error() {
 /// holds the pool, so A's state cannot be handed to it.
 #[test]
 fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
-    let pool = Arc::new(SlotPool::without_magazines(4));
+    let pool = Arc::new(MambaPool::new(4, cfg()).unwrap());
     let mk = || {
         MambaRadixCache::with_states(
             TokenAllocator::new(64).unwrap(),
@@ -238,26 +238,20 @@ fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
     a.allocator().alloc(&mut kv).unwrap();
     let state = a.alloc_state().unwrap();
     assert!(a.insert(0, &t, &kv, state).unwrap().state_kept);
-    // A second cache over the same pool (also through another `Arc` around it).
+    // A second cache over the same pool.
     assert!(matches!(mk(), Err(ConfigError::Unsupported { .. })));
-    let nested = MambaRadixCache::with_states(
-        TokenAllocator::new(64).unwrap(),
-        ReqToTokenPool::new(2, 64).unwrap(),
-        Arc::new(Arc::clone(&pool)),
-        RadixConfig::default(),
-    );
-    assert!(matches!(nested, Err(ConfigError::Unsupported { .. })));
     // A itself still refuses the state twice.
     let mut kv2 = [0u32; 4];
     a.allocator().alloc(&mut kv2).unwrap();
     assert!(matches!(a.insert(0, &[9, 9, 9, 9], &kv2, state), Err(CacheError::StateNotOwned { .. })));
     a.check_invariants().unwrap();
-    // Once A is gone, the pool may serve another cache; A's states are not its own.
+    // Once A is gone, the pool may serve another cache; A's states went back with it.
     drop(a);
+    assert_eq!(pool.available(), 4);
     let b = mk().unwrap();
     b.check_invariants().unwrap();
     // Pools that are not shared need no claim: two caches over two pools are fine.
-    let other = Arc::new(SlotPool::without_magazines(4));
+    let other = Arc::new(MambaPool::new(4, cfg()).unwrap());
     let c = MambaRadixCache::with_states(
         TokenAllocator::new(64).unwrap(),
         ReqToTokenPool::new(2, 64).unwrap(),
@@ -268,6 +262,116 @@ fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
     drop(b);
 }
 
+// -------------------------------------------------------------------------------------
+// A state the tree holds could be freed by number behind its back: `cache.states()`
+// was the pool itself (`&SlotPool` / `&MambaPool`), and an `Arc` of the pool reached
+// `MambaPool::free` directly. The slot went back to the free list while a node still
+// named it; the next `alloc_state` handed it to a request, and eviction later freed the
+// request's state (or a second node adopted it). Now `states()` is a view whose `free`
+// refuses the tree's states, a `MambaPool` marks them in its state words (so every path
+// to its `free` refuses them), and an `Arc<SlotPool>`, which keeps no marks, is no
+// longer a state pool.
+// -------------------------------------------------------------------------------------
+
+/// One state in the tree, one the caller's; `free` by number on each path.
+fn tree_and_spare<P: kvpool::radix::StatePool>(c: &MambaRadixCache<TokenAllocator, P>) -> (u32, u32) {
+    let mut kv = [0u32; 4];
+    c.allocator().alloc(&mut kv).unwrap();
+    let (state, spare) = (c.alloc_state().unwrap(), c.alloc_state().unwrap());
+    assert!(c.insert(0, &[1, 2, 3, 4], &kv, state).unwrap().state_kept);
+    (state, spare)
+}
+
+#[test]
+fn a_tree_held_state_cannot_be_freed_through_the_caches_view() {
+    let c = MambaRadixCache::with_states(
+        TokenAllocator::new(64).unwrap(),
+        ReqToTokenPool::new(2, 64).unwrap(),
+        SlotPool::without_magazines(4),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let (state, spare) = tree_and_spare(&c);
+    assert!(c.states().is_held(state) && !c.states().is_held(spare));
+    let e = c.states().free(&[spare, state]).unwrap_err();
+    assert_eq!((e.index, e.kind), (state, FreeErrorKind::Cached));
+    assert!(c.states().is_allocated(spare), "all or nothing: the spare is still the caller's");
+    // Before the fix the state went back to the free list here, and the next state the
+    // caller took was the tree's.
+    let next = c.alloc_state().unwrap();
+    assert_ne!(next, state);
+    c.states().free(&[spare, next]).unwrap();
+    c.check_invariants().unwrap();
+    // Eviction frees it, and then it is the pool's to hand out again.
+    assert_eq!(c.evict_mamba(1), 1);
+    assert!(!c.states().is_held(state) && !c.states().is_allocated(state));
+    assert_eq!(c.states().available(), 4);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_tree_held_state_cannot_be_freed_through_the_mamba_pool() {
+    let mamba = Arc::new(MambaPool::new(4, cfg()).unwrap());
+    let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 0).unwrap();
+    let cp = CheckpointConfig { chunk_size: 4, track_interval: 8 };
+    let c =
+        MambaRadixCache::for_hybrid_rows(TokenAllocator::new(64).unwrap(), &rows, RadixConfig::default(), cp).unwrap();
+    let (state, spare) = tree_and_spare(&c);
+    assert!(mamba.is_tree_held(state) && !mamba.is_tree_held(spare));
+    // The pool's own `free`, through the rows' `Arc`, the cache's view, and the trait.
+    for e in [
+        mamba.free(&[state]).unwrap_err(),
+        rows.mamba_pool().free(&[state]).unwrap_err(),
+        c.states().free(&[state]).unwrap_err(),
+        kvpool::radix::StatePool::free(c.states().pool(), &[state]).unwrap_err(),
+    ] {
+        assert_eq!((e.index, e.kind), (state, FreeErrorKind::Cached));
+    }
+    assert!(mamba.is_cached(state));
+    // A reader may still fork from it (copy-on-write), as before.
+    let fork = mamba.fork_from(state).unwrap();
+    mamba.free_slot(fork).unwrap();
+    mamba.free(&[spare]).unwrap();
+    c.check_invariants().unwrap();
+    mamba.check_invariants().unwrap();
+    // Dropping the cache gives the tree's states back to the shared pool.
+    drop(c);
+    assert!(!mamba.is_tree_held(state) && !mamba.is_allocated(state));
+    assert_eq!(mamba.available(), 4);
+    mamba.check_invariants().unwrap();
+}
+
+/// A request refused after its state was checked (here: its row disagrees with its
+/// lease) leaves the state the caller's: freeable, and not marked as the tree's.
+#[test]
+fn a_refused_finish_leaves_the_state_the_callers() {
+    let mamba = Arc::new(MambaPool::new(4, cfg()).unwrap());
+    let c = MambaRadixCache::with_states(
+        TokenAllocator::new(64).unwrap(),
+        ReqToTokenPool::new(2, 64).unwrap(),
+        Arc::clone(&mamba),
+        RadixConfig::default(),
+    )
+    .unwrap();
+    let (state, spare) = tree_and_spare(&c);
+    // A request matching the cached prompt, whose row then names other slots.
+    let mut row = c.req_pool().alloc().unwrap();
+    let m = c.match_and_lock_checkpoint_row(0, &[1, 2, 3, 4, 5, 6, 7, 8], &mut row).unwrap();
+    assert_eq!(m.lease.len(), 4);
+    let mut own = [0u32; 4];
+    c.allocator().alloc(&mut own).unwrap();
+    c.req_pool().write(&mut row, 0, &own).unwrap();
+    c.req_pool().write(&mut row, 4, &own).unwrap();
+    let u = c.cache_finished_req(0, &[1, 2, 3, 4, 5, 6, 7, 8], row, m.lease, spare).unwrap_err();
+    assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
+    assert!(!mamba.is_tree_held(spare) && !c.states().is_held(spare));
+    drop(u);
+    c.states().free(&[spare]).unwrap();
+    c.allocator().free(&own).unwrap();
+    assert!(mamba.is_tree_held(state));
+    c.check_invariants().unwrap();
+    mamba.check_invariants().unwrap();
+}
 /// The same through `for_hybrid_rows`: two caches over hybrid rows sharing one
 /// `MambaPool` (or one cache over it and one through `with_states`).
 #[test]

@@ -139,7 +139,7 @@ fn run(ops: &[Op], size: u32, rows: u32) -> Result<(), TestCaseError> {
             }
             Op::Cache(i) => {
                 if let Some(i) = pick(i, held.len()) {
-                    let s = pool.cache(held.swap_remove(i));
+                    let s = pool.cache(held.swap_remove(i)).unwrap();
                     m.slots.get_mut(&s).unwrap().0 = Hand::Cached;
                     cached.push(s);
                 }
@@ -313,7 +313,7 @@ fn run(ops: &[Op], size: u32, rows: u32) -> Result<(), TestCaseError> {
                     let mut row = live_rows.swap_remove(i);
                     if keep {
                         if let Some(s) = hybrid.take_checkpoint(&mut row) {
-                            let s = pool.cache(s);
+                            let s = pool.cache(s).unwrap();
                             m.slots.get_mut(&s).unwrap().0 = Hand::Cached;
                             cached.push(s);
                         }

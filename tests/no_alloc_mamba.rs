@@ -32,7 +32,7 @@ fn mamba_pool_hot_paths() {
     let mut b = assert_no_alloc("alloc", || pool.alloc()).unwrap();
     assert_no_alloc("copy_slot", || pool.copy_slot(&a, &mut b)).unwrap();
     assert_no_alloc("zero_slot", || pool.zero_slot(&mut b)).unwrap();
-    let c = assert_no_alloc("cache", || pool.cache(a));
+    let c = assert_no_alloc("cache", || pool.cache(a).unwrap());
     let f = assert_no_alloc("fork_from", || pool.fork_from(c)).unwrap();
     assert_no_alloc("fork_from (not cached)", || pool.fork_from(f.index())).unwrap_err();
     assert_no_alloc("copy_from", || pool.copy_from(&[c], &mut [&mut b])).unwrap();
@@ -70,7 +70,7 @@ fn hybrid_rows_and_layer_map_hot_paths() {
     assert_no_alloc("mamba_indices", || rows.mamba_indices(&[r.index()], &mut out)).unwrap();
     let kept = assert_no_alloc("take_checkpoint", || rows.take_checkpoint(&mut r)).unwrap();
     let forked = assert_no_alloc("fork + cache", || {
-        let c = pool.cache(kept);
+        let c = pool.cache(kept).unwrap();
         let f = pool.fork_from(c).unwrap();
         pool.free(&[c]).unwrap();
         f

@@ -97,10 +97,14 @@ fn foreign_handles_are_refused() {
     let _b = p2.alloc().unwrap(); // same row number in p2, allocated
     assert_eq!(p2.write(&mut a, 0, &[1]), Err(RowError::ForeignRow { row: 0 }));
     assert_eq!(p2.read(&a, 0..1), Err(RowError::ForeignRow { row: 0 }));
-    assert_eq!(p2.free(a), Err(RowError::ForeignRow { row: 0 }));
+    let refused = p2.free(a).unwrap_err();
+    assert_eq!(refused.error, RowError::ForeignRow { row: 0 });
     assert_eq!(p2.available_size(), 1); // p2's row 0 is still held by _b
     assert_eq!(p2.row(&_b).unwrap(), &[0; 4]);
-    assert_eq!(p1.available_size(), 1); // the consumed handle's row is lost to p1, not corrupted
+    // The handle came back (it used to be consumed, and its row lost to p1 for good).
+    assert_eq!(p1.available_size(), 1);
+    p1.free(refused.row).unwrap();
+    assert_eq!(p1.available_size(), 2);
     p1.check_invariants().unwrap();
     p2.check_invariants().unwrap();
 }

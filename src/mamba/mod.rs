@@ -42,10 +42,10 @@
 //! let written = rows.checkpoint(&mut req)?;           // copy state -> track[current]
 //! let kept = rows.take_checkpoint(&mut req).unwrap(); // the newest checkpoint
 //! assert_eq!(kept.index(), written);
-//! let cached = mamba.cache(kept);                     // the tree owns it by number
+//! let cached = mamba.cache(kept)?;                    // owned by number now
 //! rows.free(req)?;                                    // frees the row, state, other track
 //! assert_eq!(mamba.available(), 15);
-//! mamba.free(&[cached])?;                             // eviction
+//! mamba.free(&[cached])?;                             // given back by number
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -54,7 +54,7 @@ mod pool;
 mod rows;
 
 pub use layers::{HybridLayerMap, LayerError, LayerKind};
-pub use pool::{HeldState, MambaPool, MambaSlot};
+pub use pool::{HeldState, MambaPool, MambaSlot, SlotRefused};
 pub use rows::{HybridAllocError, HybridFreeError, HybridReqToTokenPool, HybridRow};
 
 use core::fmt;

@@ -10,19 +10,38 @@ use super::{Component, MambaConfig, MambaError};
 
 /// The per-slot state word (`MambaPool::states`), one `AtomicU32` per slot:
 ///
-/// | value              | meaning                                                        |
-/// |--------------------|----------------------------------------------------------------|
-/// | `FREE` (0)         | free in the slot arena (or being handed out by `alloc`)        |
-/// | `CACHED + n`       | a cached state owned by number, with `n` readers pinning it    |
-/// | `RETIRING`         | a `free` by number is taking it (for the length of one call)   |
-/// | `OWNED`            | held through a [`MambaSlot`] handle: writable by that holder   |
+/// | value                  | meaning                                                     |
+/// |------------------------|-------------------------------------------------------------|
+/// | `FREE` (0)             | free in the slot arena (or being handed out by `alloc`)     |
+/// | `CACHED + n`           | a cached state owned by number, with `n` readers pinning it |
+/// | `TREE \| (CACHED + n)` | the same, held by a radix tree: only the tree frees it     |
+/// | `DOOMED \| TREE \| (CACHED + n)` | freed by the tree while pinned: no new pins; the last unpin frees it |
+/// | `RETIRING`             | a `free` by number is taking it (for the length of one call)|
+/// | `OWNED`                | held through a [`MambaSlot`] handle: writable by that holder|
 ///
-/// `n` is at most `MAX_PINS`, so the three ranges never meet.
+/// `n` is at most `MAX_PINS`, so a cached word (tree-held, doomed or not) stays below
+/// `1 << 31` and never meets `RETIRING` or `OWNED`.
 const FREE: u32 = 0;
 const CACHED: u32 = 1;
+const DOOMED: u32 = 1 << 29;
+const TREE: u32 = 1 << 30;
 const RETIRING: u32 = u32::MAX - 1;
 const OWNED: u32 = u32::MAX;
-const MAX_PINS: u32 = RETIRING - CACHED - 1;
+const MAX_PINS: u32 = DOOMED - CACHED - 1;
+
+/// The pins of a cached state word (tree-held, doomed or not), or `None` for any other
+/// word.
+#[inline]
+fn pins(word: u32) -> Option<u32> {
+    (CACHED..1 << 31).contains(&word).then(|| (word & !(TREE | DOOMED)) - CACHED)
+}
+
+/// Whether `word` is a cached state a caller may still pin or free: cached and not
+/// doomed.
+#[inline]
+fn live(word: u32) -> bool {
+    pins(word).is_some() && word & DOOMED == 0
+}
 
 /// A Mamba state slot handle: the right to read and write one slot's state.
 ///
@@ -40,6 +59,45 @@ impl MambaSlot {
     /// The slot number, `1..=size` (SGLang's `mamba_pool_idx`; 0 is the dummy slot).
     pub fn index(&self) -> u32 {
         self.slot
+    }
+}
+
+/// Why [`MambaPool::free_slot`] or [`MambaPool::cache`] refused a handle: nothing
+/// changed, and the handle comes back in `slot` (to be given to the pool it belongs to).
+///
+/// ```
+/// use kvpool::mamba::{MambaConfig, MambaError, MambaPool, StateDtype, StateShape};
+///
+/// let cfg = || MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// let (a, b) = (MambaPool::new(1, cfg())?, MambaPool::new(1, cfg())?);
+/// let slot = a.alloc()?;
+/// let refused = b.free_slot(slot).unwrap_err(); // the wrong pool
+/// assert!(matches!(refused.error, MambaError::ForeignSlot { .. }));
+/// a.free_slot(refused.slot)?;                    // the right one
+/// assert_eq!(a.available(), 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, PartialEq, Eq)]
+pub struct SlotRefused {
+    /// What went wrong.
+    pub error: MambaError,
+    /// The handle, given back.
+    pub slot: MambaSlot,
+}
+
+impl core::fmt::Display for SlotRefused {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for SlotRefused {}
+
+/// The reason alone (the handle is dropped: take it from the error first if it is to
+/// be freed elsewhere).
+impl From<SlotRefused> for MambaError {
+    fn from(e: SlotRefused) -> Self {
+        e.error
     }
 }
 
@@ -121,8 +179,12 @@ struct Chunk(UnsafeCell<[u8; 16]>);
 /// * **cached**, owned by number ([`cache`](Self::cache) consumes the handle): the
 ///   state is frozen. Anyone may read it while *pinning* it ([`fork_from`](Self::fork_from),
 ///   [`copy_from`](Self::copy_from), [`read_cached`](Self::read_cached)); the owner
-///   (the radix tree) gives it back with [`free`](Self::free), which refuses a slot
-///   that is pinned at that instant ([`FreeErrorKind::InUse`]) or not cached.
+///   gives it back with [`free`](Self::free), which refuses a slot that is pinned at
+///   that instant ([`FreeErrorKind::InUse`]) or not cached. Once handed to a
+///   [`MambaRadixCache`](crate::radix::MambaRadixCache) it is the tree's
+///   ([`is_tree_held`](Self::is_tree_held)): the tree frees it when it evicts it (or is
+///   dropped), and [`free`](Self::free) refuses it ([`FreeErrorKind::Cached`]) whoever
+///   calls it, so no number can be freed behind the tree's back.
 ///
 /// So a state is never written while anyone else reads it, in safe code, whatever the
 /// callers do: the worst a confused caller gets is an error.
@@ -140,7 +202,7 @@ struct Chunk(UnsafeCell<[u8; 16]>);
 /// let pool = MambaPool::new(4, cfg)?;
 /// let mut slot = pool.alloc()?;                          // zeroed
 /// pool.component_mut::<f32>(&mut slot, 1, Component::Temporal)?[0] = 1.5;
-/// let cached = pool.cache(slot);                         // the tree owns it by number
+/// let cached = pool.cache(slot)?;                        // owned by number now
 /// let fork = pool.fork_from(cached)?;                    // copy-on-write into a request
 /// assert_eq!(pool.component::<f32>(&fork, 1, Component::Temporal)?[0], 1.5);
 /// pool.free(&[cached])?;                                 // eviction
@@ -232,7 +294,17 @@ impl MambaPool {
 
     /// Whether `slot` is a cached state (owned by number).
     pub fn is_cached(&self, slot: u32) -> bool {
-        self.states.get(slot as usize).is_some_and(|s| (CACHED..RETIRING).contains(&s.load(Ordering::Acquire)))
+        self.states.get(slot as usize).is_some_and(|s| live(s.load(Ordering::Acquire)))
+    }
+
+    /// Whether `slot` is a cached state a radix tree holds (a
+    /// [`MambaRadixCache`](crate::radix::MambaRadixCache) over this pool took it): only
+    /// that tree frees it, so [`free`](Self::free) refuses it.
+    pub fn is_tree_held(&self, slot: u32) -> bool {
+        self.states.get(slot as usize).is_some_and(|s| {
+            let w = s.load(Ordering::Acquire);
+            live(w) && w & TREE != 0
+        })
     }
 
     /// Bytes of one slot's whole state (every layer, every component).
@@ -275,39 +347,57 @@ impl MambaPool {
     ///
     /// # Errors
     ///
-    /// [`MambaError::ForeignSlot`] for another pool's handle (it is consumed either way).
-    pub fn free_slot(&self, slot: MambaSlot) -> Result<(), MambaError> {
-        self.own(&slot)?;
+    /// [`SlotRefused`] with [`MambaError::ForeignSlot`] for another pool's handle (or
+    /// one from before a [`clear`](Self::clear)): nothing is freed, and the handle
+    /// comes back in the error.
+    pub fn free_slot(&self, slot: MambaSlot) -> Result<(), SlotRefused> {
+        if let Err(error) = self.own(&slot) {
+            return Err(SlotRefused { error, slot });
+        }
         self.states[slot.slot as usize].store(FREE, Ordering::Relaxed);
         // The handle is unique, so its slot is allocated: this cannot fail. The slot
         // pool's Release orders our accesses before the next holder's.
-        self.slots.free(&[slot.slot]).map_err(|_| MambaError::ForeignSlot { slot: slot.slot })
+        match self.slots.free(&[slot.slot]) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(SlotRefused { error: MambaError::ForeignSlot { slot: slot.slot }, slot }),
+        }
     }
 
     /// Turn a held slot into a cached state owned by number (for the radix tree):
     /// from now on it is read-only, readable by anyone who pins it, and freed with
-    /// [`free`](Self::free). Returns the slot number.
+    /// [`free`](Self::free) (or by the tree it is handed to). Returns the slot number.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the handle belongs to another pool (a caller bug that would otherwise hand
-    /// the tree a number of the wrong pool).
-    pub fn cache(&self, slot: MambaSlot) -> u32 {
-        assert!(self.own(&slot).is_ok(), "MambaPool::cache: slot {} belongs to another pool", slot.slot);
+    /// [`SlotRefused`] with [`MambaError::ForeignSlot`] for another pool's handle,
+    /// which comes back in the error (nothing changed).
+    pub fn cache(&self, slot: MambaSlot) -> Result<u32, SlotRefused> {
+        if let Err(error) = self.own(&slot) {
+            return Err(SlotRefused { error, slot });
+        }
         // Release: the holder's writes happen before any reader's pin (Acquire).
         self.states[slot.slot as usize].store(CACHED, Ordering::Release);
-        slot.slot
+        Ok(slot.slot)
     }
 
-    /// Free cached states by number, all or nothing (the tree's eviction).
+    /// Free cached states by number, all or nothing: states the caller cached with
+    /// [`cache`](Self::cache) (or took from a tree's `alloc_state`) and did not hand to
+    /// a tree.
     ///
     /// # Errors
     ///
     /// [`FreeError`] naming the first offending slot, with nothing freed: out of range
     /// (0 or above `size`), not allocated (a double free; also a slot named twice in
-    /// the batch), or [`FreeErrorKind::InUse`]: held through a handle, or pinned by a
-    /// reader at this instant.
+    /// the batch), [`FreeErrorKind::Cached`]: held by a radix tree (which frees it
+    /// itself, when it evicts it), or [`FreeErrorKind::InUse`]: held through a handle,
+    /// or pinned by a reader at this instant.
     pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        self.free_from(slots, CACHED)
+    }
+
+    /// Free states by number whose words are `from` (no pins): `CACHED` for a caller's,
+    /// `TREE | CACHED` for the tree's.
+    fn free_from(&self, slots: &[u32], from: u32) -> Result<(), FreeError> {
         let size = self.slots.capacity();
         for &s in slots {
             if s == 0 || s > size {
@@ -318,18 +408,20 @@ impl MambaPool {
                 });
             }
         }
-        // Retire each slot: CACHED (no pins) -> RETIRING. A pin racing with this sees
+        // Retire each slot: `from` (no pins) -> RETIRING. A pin racing with this sees
         // RETIRING and fails; a slot pinned first makes this fail.
         for (i, &s) in slots.iter().enumerate() {
             // Acquire: the readers' unpins (Release) happen before we free the memory.
             if let Err(actual) =
-                self.states[s as usize].compare_exchange(CACHED, RETIRING, Ordering::Acquire, Ordering::Relaxed)
+                self.states[s as usize].compare_exchange(from, RETIRING, Ordering::Acquire, Ordering::Relaxed)
             {
                 for &r in &slots[..i] {
-                    self.states[r as usize].store(CACHED, Ordering::Release);
+                    self.states[r as usize].store(from, Ordering::Release);
                 }
                 let kind = match actual {
                     FREE | RETIRING => FreeErrorKind::NotAllocated,
+                    w if pins(w).is_some() && w & DOOMED != 0 => FreeErrorKind::NotAllocated,
+                    w if pins(w).is_some() && (w & TREE) != (from & TREE) => FreeErrorKind::Cached,
                     _ => FreeErrorKind::InUse,
                 };
                 return Err(FreeError { index: s, kind, rest_freed: false });
@@ -342,12 +434,86 @@ impl MambaPool {
         self.slots.free(slots)
     }
 
+    /// A radix tree takes cached state `slot` from its caller: from now on only the
+    /// tree frees it ([`free_tree_held`](Self::free_tree_held)). Readers' pins stay.
+    /// `false` (nothing changed) when `slot` is not a cached state free of any tree.
+    pub(crate) fn hold_for_tree(&self, slot: u32) -> bool {
+        let Some(word) = self.states.get(slot as usize).filter(|_| slot != 0) else { return false };
+        let mut cur = word.load(Ordering::Relaxed);
+        loop {
+            if !live(cur) || cur & TREE != 0 {
+                return false;
+            }
+            match word.compare_exchange_weak(cur, cur | TREE, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return true,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Undo [`hold_for_tree`](Self::hold_for_tree): the caller's again (a refused
+    /// insert hands it back).
+    pub(crate) fn release_from_tree(&self, slot: u32) {
+        if let Some(word) = self.states.get(slot as usize) {
+            word.fetch_and(!TREE, Ordering::AcqRel);
+        }
+    }
+
+    /// Cache held slot `slot` straight into a tree's hands (a request's checkpoint
+    /// handed over): [`cache`](Self::cache) and [`hold_for_tree`](Self::hold_for_tree)
+    /// in one store.
+    pub(crate) fn cache_for_tree(&self, slot: MambaSlot) -> Result<u32, MambaError> {
+        self.own(&slot)?;
+        // Release: the holder's writes happen before any reader's pin (Acquire).
+        self.states[slot.slot as usize].store(TREE | CACHED, Ordering::Release);
+        Ok(slot.slot)
+    }
+
+    /// Free a state a tree holds (its eviction). A state a reader pins at this instant
+    /// is *doomed* instead: no new pin is accepted, and the last reader's unpin frees
+    /// it. Either way the tree is done with it.
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] (nothing changed) when `slot` is not a state a tree holds.
+    pub(crate) fn free_tree_held(&self, slot: u32) -> Result<(), FreeError> {
+        let not_held = |kind| Err(FreeError { index: slot, kind, rest_freed: false });
+        let Some(word) = self.states.get(slot as usize).filter(|_| slot != 0) else {
+            return not_held(FreeErrorKind::OutOfRange { first: 1, last: self.slots.capacity() });
+        };
+        let mut cur = word.load(Ordering::Relaxed);
+        loop {
+            if !live(cur) || cur & TREE == 0 {
+                return not_held(FreeErrorKind::NotAllocated);
+            }
+            if cur == TREE | CACHED {
+                // No reader: retire it and free it now (as `free`). Acquire: the readers'
+                // unpins (Release) happen before the slot is handed on.
+                match word.compare_exchange_weak(cur, RETIRING, Ordering::Acquire, Ordering::Relaxed) {
+                    Ok(_) => {
+                        word.store(FREE, Ordering::Relaxed);
+                        // Cached, so allocated, and retired by us: this cannot fail.
+                        return self.slots.free(&[slot]);
+                    }
+                    Err(actual) => cur = actual,
+                }
+                continue;
+            }
+            // Pinned: doom it. Release: the tree's earlier accesses happen before the
+            // last reader's unpin frees the slot.
+            match word.compare_exchange_weak(cur, cur | DOOMED, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
     /// Pin cached slot `slot` for reading.
     fn pin(&self, slot: u32) -> Result<(), MambaError> {
         let word = self.states.get(slot as usize).filter(|_| slot != 0).ok_or(MambaError::NotCached { slot })?;
         let mut cur = word.load(Ordering::Relaxed);
         loop {
-            if !(CACHED..CACHED + MAX_PINS).contains(&cur) {
+            if !live(cur) || !pins(cur).is_some_and(|n| n < MAX_PINS) {
                 return Err(MambaError::NotCached { slot });
             }
             // Acquire: the writes of the holder that cached it (Release) are visible.
@@ -360,7 +526,16 @@ impl MambaPool {
 
     fn unpin(&self, slot: u32) {
         // Release: our reads happen before a later free (Acquire) hands the slot on.
-        self.states[slot as usize].fetch_sub(1, Ordering::Release);
+        // Acquire: for the last reader of a doomed state, every other reader's unpin
+        // (Release) happens before it frees the slot below.
+        let prev = self.states[slot as usize].fetch_sub(1, Ordering::AcqRel);
+        if prev == DOOMED | TREE | (CACHED + 1) {
+            // The last pin of a state the tree freed: nobody can pin it again (doomed)
+            // and the tree no longer names it, so the slot is ours to free.
+            self.states[slot as usize].store(FREE, Ordering::Relaxed);
+            let r = self.slots.free(&[slot]);
+            debug_assert!(r.is_ok(), "a doomed state failed to free: {r:?}");
+        }
     }
 
     fn pin_all(&self, slots: &[u32]) -> Result<(), MambaError> {
@@ -615,7 +790,7 @@ impl MambaPool {
             if s > 0 && allocated != (v != FREE) {
                 return Err(InvariantViolation(format!("slot {s}: allocated {allocated} but state {v:#x}")));
             }
-            if v == RETIRING || (CACHED + 1..RETIRING).contains(&v) {
+            if v == RETIRING || pins(v).is_some_and(|n| n > 0) || (pins(v).is_some() && v & DOOMED != 0) {
                 return Err(InvariantViolation(format!("slot {s}: state {v:#x} (pinned or retiring) at quiescence")));
             }
         }

@@ -117,7 +117,7 @@ fn fork_copies_exactly_the_cached_state() {
     fill(&pool, &mut a, 11);
     fill(&pool, &mut other, 99);
     let want = snapshot(&pool, &a);
-    let cached = pool.cache(a);
+    let cached = pool.cache(a).unwrap();
     assert!(pool.is_cached(cached));
     let mut f = pool.fork_from(cached).unwrap();
     assert_eq!(snapshot(&pool, &f), want);
@@ -161,8 +161,8 @@ fn copy_slot_and_zero_slot() {
 fn free_by_number_refuses_everything_but_unpinned_cached_states() {
     let pool = MambaPool::new(4, cfg()).unwrap();
     let held = pool.alloc().unwrap();
-    let c1 = pool.cache(pool.alloc().unwrap());
-    let c2 = pool.cache(pool.alloc().unwrap());
+    let c1 = pool.cache(pool.alloc().unwrap()).unwrap();
+    let c2 = pool.cache(pool.alloc().unwrap()).unwrap();
     let free_slot = 4;
     let check = |slots: &[u32], index, kind| {
         let e = pool.free(slots).unwrap_err();
@@ -212,11 +212,20 @@ fn foreign_and_stale_handles_are_refused() {
 }
 
 #[test]
-#[should_panic(expected = "belongs to another pool")]
-fn caching_a_foreign_handle_panics() {
+fn caching_a_foreign_handle_is_refused() {
     let p1 = MambaPool::new(1, cfg()).unwrap();
     let p2 = MambaPool::new(1, cfg()).unwrap();
-    let _ = p2.cache(p1.alloc().unwrap());
+    let a = p1.alloc().unwrap();
+    let slot = a.index();
+    let refused = p2.cache(a).unwrap_err();
+    assert_eq!(refused.error, MambaError::ForeignSlot { slot });
+    assert!(!p2.is_cached(slot) && p2.available() == 1);
+    assert!(p1.is_allocated(slot) && !p1.is_cached(slot));
+    // The handle came back: its own pool takes it.
+    let refused = p2.free_slot(refused.slot).unwrap_err();
+    assert_eq!(refused.error, MambaError::ForeignSlot { slot });
+    p1.free_slot(refused.slot).unwrap();
+    assert_eq!(p1.available(), 1);
 }
 
 fn rows(size: u32, mamba: u32, tracks: usize) -> (Arc<MambaPool>, HybridReqToTokenPool) {
@@ -294,7 +303,7 @@ fn ping_pong_checkpoints_and_handoff_to_the_tree() {
     assert_eq!(kept.index(), second);
     assert_eq!(pool.track_indices(r.index())[1], 0);
     assert!(pool.take_checkpoint(&mut r).is_none());
-    let cached = m.cache(kept);
+    let cached = m.cache(kept).unwrap();
     pool.free(r).unwrap();
     assert_eq!(m.available(), 5);
     assert_eq!(cached_snapshot(&m, cached), want);
@@ -334,4 +343,37 @@ fn layer_map() {
     assert!(HybridLayerMap::new(4, &[1, 1], &[]).is_err());
     assert!(HybridLayerMap::new(4, &[1], &[1]).is_err());
     assert!(HybridLayerMap::new(4, &[4], &[]).is_err());
+}
+
+/// A tree's state freed while a reader pins it is doomed, not refused: no new pin is
+/// accepted, no caller can free it, and the last reader's unpin gives it back. (Before,
+/// the tree's free was refused with `InUse` and the state, which no node named any
+/// more, was never freed.)
+#[test]
+fn a_tree_state_freed_while_read_is_freed_by_its_last_reader() {
+    let pool = MambaPool::new(2, cfg()).unwrap();
+    let s = pool.cache(pool.alloc().unwrap()).unwrap();
+    assert!(pool.hold_for_tree(s) && pool.is_tree_held(s));
+    assert!(!pool.hold_for_tree(s), "held once");
+    assert_eq!(pool.free(&[s]).unwrap_err().kind, FreeErrorKind::Cached);
+    pool.read_cached(s, 0, Component::Temporal, |_| {
+        pool.free_tree_held(s).unwrap();
+        assert!(pool.is_allocated(s) && !pool.is_cached(s) && !pool.is_tree_held(s));
+        assert_eq!(pool.fork_from(s).unwrap_err(), MambaError::NotCached { slot: s });
+        assert_eq!(pool.free(&[s]).unwrap_err().kind, FreeErrorKind::NotAllocated);
+        assert!(pool.free_tree_held(s).is_err(), "freed by the tree once");
+    })
+    .unwrap();
+    assert!(!pool.is_allocated(s));
+    assert_eq!(pool.available(), 2);
+    pool.check_invariants().unwrap();
+    // Without a reader the tree's free is immediate; a caller's state is not the tree's.
+    let t = pool.cache(pool.alloc().unwrap()).unwrap();
+    assert!(pool.free_tree_held(t).is_err());
+    assert!(pool.hold_for_tree(t));
+    pool.release_from_tree(t);
+    assert!(!pool.is_tree_held(t) && pool.hold_for_tree(t));
+    pool.free_tree_held(t).unwrap();
+    assert_eq!(pool.available(), 2);
+    pool.check_invariants().unwrap();
 }

@@ -590,9 +590,13 @@ fn compare(cache: &Cache, model: &Model, held: &Held<'_>, shape: Shape, step: us
     expected.extend(held.reqs.iter().map(|r| r.state));
     expected.extend(&held.states);
     expected.sort_unstable();
-    let allocated = |p: &SlotPool| (1..=shape.states).filter(|&s| p.is_allocated(s)).collect::<Vec<_>>();
-    check("allocated states", step, allocated(cache.states()), expected.clone())?;
-    check("model's allocated states", step, allocated(model.states()), expected)?;
+    let allocated = |is: &dyn Fn(u32) -> bool| (1..=shape.states).filter(|&s| is(s)).collect::<Vec<_>>();
+    check("allocated states", step, allocated(&|s| cache.states().is_allocated(s)), expected.clone())?;
+    check("model's allocated states", step, allocated(&|s| model.states().is_allocated(s)), expected)?;
+    // The tree's own states are exactly those the cache marks as held.
+    let mut tree: Vec<u32> = model.held_states();
+    tree.sort_unstable();
+    check("tree-held states", step, allocated(&|s| cache.states().is_held(s)), tree)?;
     for r in &held.reqs {
         check(
             "request lease",

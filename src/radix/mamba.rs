@@ -22,7 +22,7 @@
 //!   order: an internal node becomes a tombstone, a leaf is removed whole.
 //!
 //! The states themselves live in a pool the cache frees them into ([`StatePool`]:
-//! kvpool's `MambaPool`, or any [`SlotPool`]); the tree records which node holds
+//! kvpool's `MambaPool`, or a [`SlotPool`]); the tree records which node holds
 //! which slot, so a slot handed to the tree twice, or one the caller does not hold, is
 //! refused with [`CacheError::StateNotOwned`].
 //!
@@ -65,18 +65,28 @@ use super::writer::Writer;
 use super::LatchHeld;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
 use crate::alloc::KvAllocator;
-use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
+use crate::error::{AllocError, ConfigError, FreeError, FreeErrorKind, OutOfMemory, Unit};
 use crate::mamba::{HybridReqToTokenPool, HybridRow, MambaPool, MambaSlot};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
-use crate::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Where a [`MambaRadixCache`] keeps the states it holds: slot numbers `1..=capacity`
 /// handed out and taken back (lock-free, like every kvpool pool).
 ///
-/// Implemented for [`SlotPool`], [`MambaPool`] and an [`Arc`] of either; sealed (its
-/// private half says whether other values share the pool, see below), so no other
-/// type can implement it.
+/// Implemented for [`SlotPool`] (numbers only: an engine whose states live on the GPU),
+/// [`MambaPool`] (with the state bytes), and an [`Arc`] of a [`MambaPool`] (shared with
+/// a [`HybridReqToTokenPool`]); sealed, so no other type can implement it.
+///
+/// # Who frees a state
+///
+/// A state the tree took (by [`insert`](RadixCache::insert) or a request helper) is
+/// freed by the tree alone, when it evicts it. The cache's callers reach its pool
+/// through [`states`](RadixCache::states), whose [`free`](CacheStates::free) refuses
+/// the tree's states ([`FreeErrorKind::Cached`]); a [`MambaPool`] marks them in its
+/// own state words, so its [`free`](MambaPool::free) refuses them too, through any
+/// `Arc` of it. That is why a [`SlotPool`], which keeps no such marks, is taken only by
+/// value: no other handle to it can exist.
 ///
 /// # One cache per pool
 ///
@@ -86,20 +96,29 @@ use crate::sync::atomic::{AtomicUsize, Ordering};
 /// [`for_hybrid_rows`](RadixCache::for_hybrid_rows) shares a
 /// [`HybridReqToTokenPool`]'s pool) serves one live cache at a time: building a second
 /// cache over it is refused with [`ConfigError::Unsupported`] until the first is
-/// dropped.
+/// dropped, which gives the states it held back to the pool.
 ///
 /// ```
 /// use std::sync::Arc;
+/// use kvpool::mamba::{MambaConfig, MambaPool, StateDtype, StateShape};
 /// use kvpool::radix::{MambaRadixCache, RadixConfig};
-/// use kvpool::{ConfigError, ReqToTokenPool, SlotPool, TokenAllocator};
+/// use kvpool::{ConfigError, FreeErrorKind, KvAllocator, ReqToTokenPool, TokenAllocator};
 ///
-/// let states = Arc::new(SlotPool::without_magazines(4));
+/// let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+/// let states = Arc::new(MambaPool::new(4, cfg)?);
 /// let mk = || MambaRadixCache::with_states(
 ///     TokenAllocator::new(64).unwrap(), ReqToTokenPool::new(2, 64).unwrap(),
 ///     Arc::clone(&states), RadixConfig::default());
 /// let first = mk()?;
 /// assert!(matches!(mk(), Err(ConfigError::Unsupported { .. })));
+/// let mut kv = [0u32; 4];
+/// first.allocator().alloc(&mut kv)?;
+/// let state = first.alloc_state()?;
+/// first.insert(0, &[1, 2, 3, 4], &kv, state)?;
+/// // The tree's state: refused through the pool's own `Arc` as well.
+/// assert_eq!(states.free(&[state]).unwrap_err().kind, FreeErrorKind::Cached);
 /// drop(first);
+/// assert_eq!(states.available(), 4); // given back with the cache
 /// let _second = mk()?; // the pool is free for another cache again
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -125,29 +144,79 @@ pub trait StatePool: sealed::SharedPool + Send + Sync + 'static {
 }
 
 mod sealed {
+    use crate::error::FreeError;
+
     /// The private half of [`StatePool`](super::StatePool).
     pub trait SharedPool {
         /// The address of the pool other values of this type may share (an `Arc`'s
-        /// pointee, through nested `Arc`s), or `None` for a pool this value owns alone.
+        /// pointee), or `None` for a pool this value owns alone.
         fn shared_at(&self) -> Option<usize>;
+        /// The tree takes state `slot` from its caller: from now on only the tree frees
+        /// it. `false` (nothing changed) when `slot` is not a state the caller holds.
+        fn hold(&self, slot: u32) -> bool;
+        /// Undo [`hold`](Self::hold) (a refused insert gives the state back).
+        fn release(&self, slot: u32);
+        /// Free a state the tree holds (at once, or when its last reader is done).
+        fn free_held(&self, slot: u32) -> Result<(), FreeError>;
+        /// The pool's own invariants.
+        fn check_pool(&self) -> Result<(), crate::error::InvariantViolation>;
     }
 }
 
+/// A [`SlotPool`] only the cache reaches (it is not shared: see [`StatePool`]), so
+/// the tree's states are kept from its callers by the cache's view
+/// ([`CacheStates`]) alone.
 impl sealed::SharedPool for SlotPool {
     fn shared_at(&self) -> Option<usize> {
         None
     }
+    fn hold(&self, slot: u32) -> bool {
+        self.is_allocated(slot)
+    }
+    fn release(&self, _slot: u32) {}
+    fn free_held(&self, slot: u32) -> Result<(), FreeError> {
+        self.free(&[slot])
+    }
+    fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
+        self.check_invariants()
+    }
 }
 
+/// A [`MambaPool`] marks the states a tree holds in their state words, so its own
+/// [`free`](MambaPool::free) refuses them whoever calls it.
 impl sealed::SharedPool for MambaPool {
     fn shared_at(&self) -> Option<usize> {
         None
     }
+    fn hold(&self, slot: u32) -> bool {
+        self.hold_for_tree(slot)
+    }
+    fn release(&self, slot: u32) {
+        self.release_from_tree(slot);
+    }
+    fn free_held(&self, slot: u32) -> Result<(), FreeError> {
+        self.free_tree_held(slot)
+    }
+    fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
+        self.check_invariants()
+    }
 }
 
-impl<P: StatePool> sealed::SharedPool for Arc<P> {
+impl sealed::SharedPool for Arc<MambaPool> {
     fn shared_at(&self) -> Option<usize> {
-        Some((**self).shared_at().unwrap_or(Arc::as_ptr(self) as *const () as usize))
+        Some(Arc::as_ptr(self) as *const () as usize)
+    }
+    fn hold(&self, slot: u32) -> bool {
+        self.hold_for_tree(slot)
+    }
+    fn release(&self, slot: u32) {
+        self.release_from_tree(slot);
+    }
+    fn free_held(&self, slot: u32) -> Result<(), FreeError> {
+        self.free_tree_held(slot)
+    }
+    fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
+        self.check_invariants()
     }
 }
 
@@ -209,21 +278,23 @@ impl StatePool for SlotPool {
     }
 }
 
-impl<P: StatePool> StatePool for Arc<P> {
+/// A [`MambaPool`] shared with a [`HybridReqToTokenPool`] (its rows' working states):
+/// see [`for_hybrid_rows`](RadixCache::for_hybrid_rows).
+impl StatePool for Arc<MambaPool> {
     fn capacity(&self) -> u32 {
         (**self).capacity()
     }
     fn available(&self) -> usize {
-        (**self).available()
+        StatePool::available(&**self)
     }
     fn alloc_one(&self) -> Result<u32, OutOfMemory> {
         (**self).alloc_one()
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        (**self).free(slots)
+        MambaPool::free(self, slots)
     }
     fn is_allocated(&self, slot: u32) -> bool {
-        (**self).is_allocated(slot)
+        StatePool::is_allocated(&**self, slot)
     }
 }
 
@@ -295,9 +366,161 @@ pub struct Mamba<P: StatePool> {
     _claim: PoolClaim,
     pool: P,
     config: CheckpointConfig,
+    /// One bit per state slot: set while the tree holds the slot. Written by the
+    /// writer; read without the latch by [`CacheStates::free`], which refuses them.
+    held: Box<[AtomicU64]>,
 
     evictable: AtomicUsize,
     protected: AtomicUsize,
+}
+
+impl<P: StatePool> Mamba<P> {
+    #[inline]
+    fn bit(slot: u32) -> (usize, u64) {
+        ((slot / 64) as usize, 1u64 << (slot % 64))
+    }
+
+    fn is_held(&self, slot: u32) -> bool {
+        let (w, b) = Self::bit(slot);
+        self.held.get(w).is_some_and(|x| x.load(Ordering::Acquire) & b != 0)
+    }
+
+    /// The tree takes `state` from its caller (the writer, with the tree's own record
+    /// of it checked). `false`, nothing changed, when it is not the caller's to give.
+    fn take(&self, state: u32) -> bool {
+        if !self.pool.hold(state) {
+            return false;
+        }
+        let (w, b) = Self::bit(state);
+        self.held[w].fetch_or(b, Ordering::Release);
+        true
+    }
+
+    /// Undo [`take`](Self::take).
+    fn give_back(&self, state: u32) {
+        let (w, b) = Self::bit(state);
+        self.held[w].fetch_and(!b, Ordering::Release);
+        self.pool.release(state);
+    }
+
+    /// Free a state the tree took.
+    fn free_state(&self, state: u32) -> Result<(), FreeError> {
+        let (w, b) = Self::bit(state);
+        self.held[w].fetch_and(!b, Ordering::Release);
+        self.pool.free_held(state)
+    }
+}
+
+/// A dropped cache gives its states back to the pool (which may outlive it, shared
+/// with hybrid rows).
+impl<P: StatePool> Drop for Mamba<P> {
+    fn drop(&mut self) {
+        for (i, word) in self.held.iter().enumerate() {
+            let mut bits = word.load(Ordering::Acquire);
+            while bits != 0 {
+                let slot = (i * 64) as u32 + bits.trailing_zeros();
+                let r = self.pool.free_held(slot);
+                debug_assert!(r.is_ok(), "a state the tree held failed to free: {r:?}");
+                bits &= bits - 1;
+            }
+        }
+    }
+}
+
+/// A [`MambaRadixCache`]'s state pool as its callers reach it
+/// ([`states`](RadixCache::states)): its sizes, and a [`free`](Self::free) for the
+/// states a caller holds (from [`alloc_state`](RadixCache::alloc_state), or one the
+/// tree did not keep) that refuses the states the tree holds.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::radix::{MambaRadixCache, RadixConfig};
+/// use kvpool::{FreeErrorKind, KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+///
+/// let cache = MambaRadixCache::with_states(
+///     TokenAllocator::new(64)?, ReqToTokenPool::new(2, 64)?,
+///     SlotPool::without_magazines(4), RadixConfig::default())?;
+/// let mut kv = [0u32; 4];
+/// cache.allocator().alloc(&mut kv)?;
+/// let (state, spare) = (cache.alloc_state()?, cache.alloc_state()?);
+/// cache.insert(0, &[1, 2, 3, 4], &kv, state)?;
+/// let e = cache.states().free(&[state]).unwrap_err();  // the tree's now
+/// assert_eq!(e.kind, FreeErrorKind::Cached);
+/// cache.states().free(&[spare])?;                      // the caller's own
+/// assert_eq!(cache.states().available(), 3);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CacheStates<'c, P: StatePool> {
+    v: &'c Mamba<P>,
+}
+
+impl<P: StatePool> CacheStates<'_, P> {
+    /// The highest slot number.
+    pub fn capacity(&self) -> u32 {
+        self.v.pool.capacity()
+    }
+
+    /// Free slots now.
+    pub fn available(&self) -> usize {
+        self.v.pool.available()
+    }
+
+    /// Whether `slot` is handed out (to a caller or to the tree).
+    pub fn is_allocated(&self, slot: u32) -> bool {
+        self.v.pool.is_allocated(slot)
+    }
+
+    /// Whether the tree holds `slot` (it frees it itself, when it evicts it).
+    pub fn is_held(&self, slot: u32) -> bool {
+        self.v.is_held(slot)
+    }
+
+    /// Check the pool's own bookkeeping (O(capacity); exact at quiescence).
+    ///
+    /// # Errors
+    ///
+    /// [`InvariantViolation`](crate::error::InvariantViolation) on a kvpool bug.
+    pub fn check_invariants(&self) -> Result<(), crate::error::InvariantViolation> {
+        self.v.pool.check_pool()
+    }
+
+    /// Give back states the caller holds, all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`FreeError`] naming the first offending slot, nothing freed:
+    /// [`FreeErrorKind::Cached`] for a state the tree holds, and the pool's errors
+    /// (out of range, not allocated, named twice).
+    pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+        if let Some(&s) = slots.iter().find(|&&s| self.v.is_held(s)) {
+            return Err(FreeError { index: s, kind: FreeErrorKind::Cached, rest_freed: false });
+        }
+        self.v.pool.free(slots)
+    }
+}
+
+/// The pool itself, for its state bytes (a [`MambaPool`] refuses to free the states a
+/// tree holds by itself).
+impl<'c> CacheStates<'c, MambaPool> {
+    /// The Mamba pool.
+    pub fn pool(&self) -> &'c MambaPool {
+        &self.v.pool
+    }
+}
+
+/// The pool itself, for its state bytes (as for an owned [`MambaPool`]).
+impl<'c> CacheStates<'c, Arc<MambaPool>> {
+    /// The Mamba pool.
+    pub fn pool(&self) -> &'c Arc<MambaPool> {
+        &self.v.pool
+    }
+}
+
+impl<P: StatePool> fmt::Debug for CacheStates<'_, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheStates").field("capacity", &self.capacity()).field("available", &self.available()).finish()
+    }
 }
 
 /// A radix cache whose nodes also carry Mamba states (see the [module docs](self)).
@@ -404,7 +627,7 @@ impl<P: StatePool> Variant for Mamba<P> {
         w.s.meta[id as usize].ext.state = NIL;
         let count = if e.lock == 0 { &w.c.variant.evictable } else { &w.c.variant.protected };
         count.latch_sub(1);
-        let r = w.c.variant.pool.free(&[e.state]);
+        let r = w.c.variant.free_state(e.state);
         debug_assert!(r.is_ok(), "a state held by the tree failed to free: {r:?}");
     }
 
@@ -472,6 +695,9 @@ impl<P: StatePool> Variant for Mamba<P> {
             if !w.c.variant.pool.is_allocated(e.state) {
                 return Err(format!("state {} of node {id} is free in the pool", e.state));
             }
+            if !w.c.variant.is_held(e.state) {
+                return Err(format!("state {} of node {id} is not marked as the tree's", e.state));
+            }
             if e.lock > m.lock_ref {
                 return Err(format!("node {id} has more state locks than KV locks"));
             }
@@ -491,6 +717,9 @@ impl<P: StatePool> Variant for Mamba<P> {
         for (slot, &o) in w.s.ext.owner.iter().enumerate() {
             if o != NIL && (o as usize >= w.s.meta.len() || w.s.meta[o as usize].ext.state != slot as u32) {
                 return Err(format!("state {slot} is recorded for node {o}, which does not hold it"));
+            }
+            if o == NIL && w.c.variant.is_held(slot as u32) {
+                return Err(format!("state {slot} is marked as the tree's, but no node holds it"));
             }
         }
         if listed != w.s.ext.order.len() {
@@ -584,10 +813,13 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         }
         mamba.validate(alloc.page_size() as usize)?;
         let claim = PoolClaim::take(&states)?;
+        let words = (states.capacity() as usize + 1).div_ceil(64);
+        let held = crate::arena::try_vec_with(words, "mamba held-state marks", |_| AtomicU64::new(0))?;
         let variant = Mamba {
             _claim: claim,
             pool: states,
             config: mamba,
+            held: held.into_boxed_slice(),
             evictable: AtomicUsize::new(0),
             protected: AtomicUsize::new(0),
         };
@@ -664,9 +896,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         self.match_into_row(key, row, |key, out| self.match_and_lock_checkpoint(namespace, key, out), |m| m.lease.key)
     }
 
-    /// The state pool.
-    pub fn states(&self) -> &P {
-        &self.variant.pool
+    /// The state pool, as the cache's callers use it: its [`free`](CacheStates::free)
+    /// takes back the states a caller holds and refuses the tree's.
+    pub fn states(&self) -> CacheStates<'_, P> {
+        CacheStates { v: &self.variant }
     }
 
     /// States held by unlocked nodes (SGLang's `mamba_evictable_size`).
@@ -743,23 +976,23 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         r
     }
 
-    fn check_state(w: &Writer<'_, A, Mamba<P>>, state: u32) -> Result<(), CacheError> {
-        let owned = state != 0
-            && (state as usize) < w.s.ext.owner.len()
-            && w.s.ext.owner[state as usize] == NIL
-            && w.c.variant.pool.is_allocated(state);
-        if owned {
+    /// Check that `state` is the caller's to give (not the tree's already, allocated)
+    /// and take it: from here the caller can no longer free it. A refused request gives
+    /// it back ([`Mamba::give_back`]).
+    fn take_state(w: &Writer<'_, A, Mamba<P>>, state: u32) -> Result<(), CacheError> {
+        let free_of_tree = state != 0 && (state as usize) < w.s.ext.owner.len() && w.s.ext.owner[state as usize] == NIL;
+        if free_of_tree && w.c.variant.take(state) {
             Ok(())
         } else {
             Err(CacheError::StateNotOwned { state })
         }
     }
 
-    /// Give `state` to node `end` if it has none; otherwise free it. Returns whether it
-    /// was kept.
+    /// Give the state taken by `take_state` to node `end` if it has none; otherwise
+    /// free it. Returns whether it was kept.
     fn adopt_state(w: &mut Writer<'_, A, Mamba<P>>, end: u32, state: u32) -> bool {
         if end == ROOT || w.s.meta[end as usize].ext.state != NIL {
-            let r = w.c.variant.pool.free(&[state]);
+            let r = w.c.variant.free_state(state);
             debug_assert!(r.is_ok(), "a checked state failed to free: {r:?}");
             return false;
         }
@@ -769,6 +1002,20 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         w.touch(end);
         states(w).push(end);
         true
+    }
+
+    /// A request helper's `check` that takes `state` and notes it in `taken`, so that
+    /// [`untake`](Self::untake) gives it back if the request is refused later.
+    fn take_into(w: &Writer<'_, A, Mamba<P>>, state: u32, taken: &core::cell::Cell<bool>) -> Result<(), CacheError> {
+        Self::take_state(w, state)?;
+        taken.set(true);
+        Ok(())
+    }
+
+    fn untake(&self, state: u32, taken: &core::cell::Cell<bool>) {
+        if taken.get() {
+            self.variant.give_back(state);
+        }
     }
 
     /// Insert `key -> slots` with the state after the key's last token (SGLang's
@@ -782,9 +1029,14 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// out of range, or held by the tree already). Nothing changes on error.
     pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], state: u32) -> Result<StateInsert, CacheError> {
         let r = self.write(|w| {
-            Self::check_state(w, state)?;
-            let (cached, end) = w.insert(namespace, key, slots, 0)?;
-            Ok(StateInsert { cached, state_kept: Self::adopt_state(w, end, state) })
+            Self::take_state(w, state)?;
+            match w.insert(namespace, key, slots, 0) {
+                Ok((cached, end)) => Ok(StateInsert { cached, state_kept: Self::adopt_state(w, end, state) }),
+                Err(e) => {
+                    w.c.variant.give_back(state);
+                    Err(e)
+                }
+            }
         });
         crate::debug_check(self);
         r
@@ -807,6 +1059,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         lease: Lease<'c, A, Mamba<P>>,
         state: u32,
     ) -> Result<StateInsert, Unfinished<'c, A, Mamba<P>>> {
+        let taken = core::cell::Cell::new(false);
         self.finish_with(
             namespace,
             token_ids,
@@ -814,10 +1067,11 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             lease,
             0,
             usize::MAX,
-            |w| Self::check_state(w, state),
+            |w| Self::take_into(w, state, &taken),
             |w, ins| Self::adopt_state(w, ins.end, state),
         )
         .map(|(cached, state_kept)| StateInsert { cached, state_kept })
+        .inspect_err(|_| self.untake(state, &taken))
     }
 
     /// SGLang's `cache_unfinished_req` for hybrid models (chunked prefill): as the plain
@@ -837,6 +1091,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         lease: &mut Lease<'_, A, Mamba<P>>,
         state: u32,
     ) -> Result<bool, CacheError> {
+        let taken = core::cell::Cell::new(false);
         self.unfinished_with(
             &self.req_pool,
             namespace,
@@ -845,9 +1100,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
             lease,
             0,
             usize::MAX,
-            |w| Self::check_state(w, state),
+            |w| Self::take_into(w, state, &taken),
             |w, ins| Self::adopt_state(w, ins.end, state),
         )
+        .inspect_err(|_| self.untake(state, &taken))
     }
 }
 
@@ -863,7 +1119,10 @@ impl StatePool for crate::mamba::MambaPool {
         crate::mamba::MambaPool::available(self)
     }
     fn alloc_one(&self) -> Result<u32, OutOfMemory> {
-        self.alloc().map(|slot| self.cache(slot))
+        let slot = self.alloc()?;
+        let index = slot.index();
+        // Our own fresh handle: caching it cannot fail.
+        Ok(self.cache(slot).unwrap_or(index))
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         crate::mamba::MambaPool::free(self, slots)
@@ -919,7 +1178,11 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
     /// Cache the handle in `held` by number and give it to node `end` (see
     /// [`adopt_state`](Self::adopt_state)); `held` is empty afterwards.
     fn adopt_handle(w: &mut Writer<'_, A, Mamba<Arc<MambaPool>>>, end: u32, held: &mut Option<MambaSlot>) -> bool {
-        let slot = w.c.variant.pool.cache(held.take().expect("the state is handed over once"));
+        let Some(handle) = held.take() else { return false };
+        // `check_hybrid` checked the handle is the pool's, so this cannot fail.
+        let Ok(slot) = w.c.variant.pool.cache_for_tree(handle) else { return false };
+        let (i, b) = Mamba::<Arc<MambaPool>>::bit(slot);
+        w.c.variant.held[i].fetch_or(b, Ordering::Release);
         Self::adopt_state(w, end, slot)
     }
 

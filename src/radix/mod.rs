@@ -194,7 +194,7 @@ pub use hi::{
     Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, Transfer, TransferError, TransferKind, WritePolicy,
     DEFAULT_LOAD_BACK_THRESHOLD,
 };
-pub use mamba::{CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
+pub use mamba::{CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
 pub use variant::{Plain, Variant};
@@ -772,7 +772,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     }
 
     /// The KV allocator itself, for kvpool's own drivers (the replay).
-    #[cfg(feature = "replay")]
+    #[cfg(all(feature = "replay", not(loom)))]
     pub(crate) fn raw_allocator(&self) -> &A {
         &self.alloc
     }

@@ -374,7 +374,7 @@ fn over_a_mamba_pool_fork_copies_the_nodes_state() {
     for (i, x) in pool.component_mut::<f32>(&mut mine, 1, Component::Temporal).unwrap().iter_mut().enumerate() {
         *x = i as f32 + 0.5;
     }
-    let checkpoint = pool.cache(mine);
+    let checkpoint = pool.cache(mine).unwrap();
     let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
     let kv_slots = kv(&c, 8);
     assert!(c.insert(0, &tokens, &kv_slots, checkpoint).unwrap().state_kept);
@@ -453,6 +453,13 @@ fn hybrid_rows_hand_everything_back_on_refusal() {
     assert_eq!(states.available(), 4);
     assert_eq!(rows.available_size(), 2);
     c.check_invariants().unwrap();
+    // Both are the tree's: no `free` by number reaches them (`tests/mamba_misuse.rs`
+    // checks the cache's drop gives them back).
+    let held: Vec<u32> = (1..=6).filter(|&s| states.is_tree_held(s)).collect();
+    assert_eq!(held.len(), 2);
+    assert!(held.iter().all(|&s| c.states().is_held(s)));
+    assert_eq!(states.free(&held).unwrap_err().kind, crate::error::FreeErrorKind::Cached);
+    states.check_invariants().unwrap();
 }
 
 /// The cached slots of `key` (a lookup).
