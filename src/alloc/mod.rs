@@ -30,6 +30,7 @@ use crate::error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, Unit,
 };
 use crate::slots::{FreeGroup, Reservation, SlotPool};
+use core::mem::MaybeUninit;
 
 /// What the prefix cache (and a scheduler) needs from a KV allocator; implemented by
 /// [`TokenAllocator`] and [`PagedAllocator`].
@@ -152,6 +153,12 @@ pub trait KvAllocator: Send + Sync {
 /// output length the batch needs. Callers that evict before allocating (the prefix
 /// cache) run this first, so a malformed batch evicts nothing.
 ///
+/// One pass over the requests reads each `(prefix, seq, last_loc)` once: it checks the
+/// `last_loc` and puts the page it continues into a hash table on the stack, where a
+/// repeat shows (see [`scan_hashed`]). The errors are those of two passes: a bad
+/// `last_loc` anywhere in the batch first, else the first request continuing a page an
+/// earlier one continues.
+///
 /// # Errors
 ///
 /// [`InvalidInput`] naming the first problem.
@@ -177,45 +184,117 @@ where
     if ps <= 1 {
         return Ok(());
     }
-    // `x & mask` is `x % ps` only for powers of two (the common case, no division).
-    let rem = |x: u32| if ps.is_power_of_two() { x & (ps - 1) } else { x % ps };
-    for (request, &last_loc) in last_locs.iter().enumerate() {
-        let (prefix, seq) = req(request);
-        // Part 1 reads last_loc when the prefix ends inside a page and grows.
-        if rem(prefix) != 0 && seq > prefix {
-            let ok = rem(last_loc) == rem(prefix - 1) && alloc.is_allocated(last_loc);
-            if !ok {
-                return Err(InvalidInput::BadLastLoc { request, last_loc });
-            }
-        }
-    }
-    if batch < 2 {
-        return Ok(());
-    }
-    // Every continued page is allocated (checked above); no two requests may continue
-    // the same one. (`NO_PAGE`: with page size >= 2 a page is at most `u32::MAX / 2`.)
-    let shift = ps.is_power_of_two().then(|| ps.trailing_zeros());
-    let page_at = |request: usize| {
-        let (prefix, seq) = req(request);
-        if rem(prefix) == 0 || seq <= prefix {
-            return NO_PAGE;
-        }
-        let last_loc = last_locs[request];
-        shift.map_or(last_loc / ps, |s| last_loc >> s)
-    };
-    let repeat = if batch <= PAIRWISE_MAX {
-        first_repeat_pairwise(batch, page_at)
-    } else if batch <= SMALL_TABLE / 2 {
-        first_repeat_hashed::<SMALL_TABLE>(batch, page_at)
+    // Powers of two (the common case) get a pass of their own, with masks and shifts
+    // for `% ps` and `/ ps` (no division, no test per request).
+    if ps.is_power_of_two() {
+        scan(Requests::<_, _, true>::new(alloc, ps, last_locs, req))
     } else {
-        first_repeat_hashed::<LARGE_TABLE>(batch, page_at)
+        scan(Requests::<_, _, false>::new(alloc, ps, last_locs, req))
+    }
+}
+
+/// [`check_batch_shape`]'s `last_loc` checks, page size >= 2.
+#[inline(always)]
+fn scan<A, F, const POW2: bool>(batch: Requests<'_, A, F, POW2>) -> Result<(), InvalidInput>
+where
+    A: KvAllocator + ?Sized,
+    F: Fn(usize) -> (u32, u32),
+{
+    let last_locs = batch.last_locs;
+    let scan = if last_locs.len() < 2 {
+        match last_locs.len() {
+            1 if batch.page_at(0) == BAD_LAST_LOC => Scan::BadLastLoc(0),
+            _ => Scan::Clean,
+        }
+    } else {
+        scan_hashed(&batch)
     };
-    match repeat {
-        None => Ok(()),
-        Some(request) => {
-            let page = page_at(request);
-            let earlier = (0..request).find(|&i| page_at(i) == page).unwrap_or(0);
+    match scan {
+        Scan::Clean => Ok(()),
+        Scan::BadLastLoc(request) => Err(InvalidInput::BadLastLoc { request, last_loc: last_locs[request] }),
+        Scan::Repeat(request) => {
+            // Every last_loc is good then: `page` reads them unchecked.
+            let page = batch.page(request);
+            let earlier = (0..request).find(|&i| batch.page(i) == page).unwrap_or(0);
             Err(InvalidInput::SamePartialPage { earlier, request, last_loc: last_locs[request] })
+        }
+    }
+}
+
+/// A batch as the shape check reads it: [`page_at`](Self::page_at) reads a request's
+/// `(prefix, seq, last_loc)` once, checking the `last_loc` part 1 will read and giving
+/// the page it continues. `POW2`: the page size is a power of two.
+struct Requests<'a, A: ?Sized, F, const POW2: bool> {
+    alloc: &'a A,
+    last_locs: &'a [u32],
+    req: F,
+    ps: u32,
+    /// `ps - 1` and `log2(ps)`, used when `POW2` (no division).
+    mask: u32,
+    shift: u32,
+}
+
+impl<'a, A: KvAllocator + ?Sized, F: Fn(usize) -> (u32, u32), const POW2: bool> Requests<'a, A, F, POW2> {
+    fn new(alloc: &'a A, ps: u32, last_locs: &'a [u32], req: F) -> Self {
+        Requests { alloc, last_locs, req, ps, mask: ps - 1, shift: ps.trailing_zeros() }
+    }
+
+    fn len(&self) -> usize {
+        self.last_locs.len()
+    }
+
+    #[inline(always)]
+    fn rem(&self, x: u32) -> u32 {
+        if POW2 {
+            x & self.mask
+        } else {
+            x % self.ps
+        }
+    }
+
+    /// Whether request `i` continues a page: its prefix ends inside one and it grows
+    /// (part 1 reads its `last_loc` then, and only then).
+    #[inline(always)]
+    fn continues(&self, i: usize) -> Option<u32> {
+        let (prefix, seq) = (self.req)(i);
+        (self.rem(prefix) != 0 && seq > prefix).then_some(prefix)
+    }
+
+    #[inline(always)]
+    fn page_of(&self, last_loc: u32) -> u32 {
+        if POW2 {
+            last_loc >> self.shift
+        } else {
+            last_loc / self.ps
+        }
+    }
+
+    /// The page request `i` continues, after checking its `last_loc` (an allocated slot
+    /// at the matching position): `NO_PAGE` if it continues none, `BAD_LAST_LOC` for a
+    /// bad `last_loc`. With page size >= 2 a page is at most `u32::MAX / 2`, below both.
+    #[inline(always)]
+    fn page_at(&self, i: usize) -> u32 {
+        let Some(prefix) = self.continues(i) else { return NO_PAGE };
+        let last_loc = self.last_locs[i];
+        if !self.good_last_loc(prefix, last_loc) {
+            return BAD_LAST_LOC;
+        }
+        self.page_of(last_loc)
+    }
+
+    /// Whether `last_loc` can end a prefix of `prefix` tokens: an allocated slot at the
+    /// matching position of its page.
+    #[inline(always)]
+    fn good_last_loc(&self, prefix: u32, last_loc: u32) -> bool {
+        self.rem(last_loc) == self.rem(prefix - 1) && self.alloc.is_allocated(last_loc)
+    }
+
+    /// [`page_at`](Self::page_at) for a request whose `last_loc` was checked already.
+    #[inline(always)]
+    fn page(&self, i: usize) -> u32 {
+        match self.continues(i) {
+            Some(_) => self.page_of(self.last_locs[i]),
+            None => NO_PAGE,
         }
     }
 }
@@ -223,81 +302,198 @@ where
 /// No page: what `page_at` gives for a request that continues none.
 const NO_PAGE: u32 = u32::MAX;
 
-/// Batches up to this size are checked for a repeated page pair by pair (at most 120
-/// comparisons, on a stack array): cheaper than any table.
-const PAIRWISE_MAX: usize = 16;
+/// What `page_at` gives for a request whose `last_loc` is bad.
+const BAD_LAST_LOC: u32 = u32::MAX - 1;
 
-/// Entries of the stack hash table for batches up to half of it (1 KiB, zeroed per call).
-const SMALL_TABLE: usize = 256;
-
-/// Entries of the stack hash table for larger batches (16 KiB); a batch with more than
+/// Entries of the largest [`PageTable`] (16 KiB, on the stack); a batch with more than
 /// half as many continued pages is checked in chunks of that many.
 const LARGE_TABLE: usize = 4096;
 
-/// The first request `j` of `0..batch` with `page_at(j) != NO_PAGE` equal to
-/// `page_at(i)` for some `i < j`, pair by pair (`batch <= PAIRWISE_MAX`).
-#[inline]
-fn first_repeat_pairwise(batch: usize, page_at: impl Fn(usize) -> u32) -> Option<usize> {
-    let mut pages = [NO_PAGE; PAIRWISE_MAX];
-    for (j, slot) in pages[..batch].iter_mut().enumerate() {
-        *slot = page_at(j);
-    }
-    (1..batch).find(|&j| pages[j] != NO_PAGE && pages[..j].contains(&pages[j]))
+/// What a batch's scan found first: a bad `last_loc` anywhere wins over a repeat.
+enum Scan {
+    Clean,
+    BadLastLoc(usize),
+    /// The first request whose page an earlier request continues.
+    Repeat(usize),
 }
 
-/// As [`first_repeat_pairwise`], for any batch, through an open-addressing hash table
-/// of `SLOTS` entries on the stack (`page + 1`, 0 for empty; linear probing, load at
-/// most one half), so no allocation: O(batch) expected. A batch with more than
-/// `SLOTS / 2` continued pages goes in chunks: each chunk's pages are inserted (a
-/// repeat inside the chunk is found then) and the rest of the batch is looked up in
-/// them; a repeat found by a lookup limits the later chunks to the requests before it,
-/// so the answer is the first repeat whatever the chunking.
-#[inline(never)]
-fn first_repeat_hashed<const SLOTS: usize>(batch: usize, page_at: impl Fn(usize) -> u32) -> Option<usize> {
-    let bits = SLOTS.trailing_zeros();
-    // Fibonacci hashing: pages of one batch are often close together.
-    let home = |page: u32| (page.wrapping_mul(0x9E37_79B9) >> (32 - bits)) as usize;
-    let mut table = [0u32; SLOTS];
-    let (mut start, mut end, mut found) = (0, batch, None);
-    while start < end {
-        if start > 0 {
-            table.fill(0);
+/// Entries of the smallest [`PageTable`] (batches of up to 16 requests).
+const SMALL_TABLE: usize = 32;
+
+/// A set of pages: an open-addressing hash table (`page + 1`, 0 for empty; linear
+/// probing) of a power-of-two number of entries, on the caller's stack. Its size follows
+/// the batch, and only the entries it uses are zeroed (the previous check zeroed a
+/// fixed 16 KiB table for every batch of more than 128 requests).
+struct PageTable<'t> {
+    slots: &'t mut [u32],
+    /// `32 - log2(slots.len())`: Fibonacci hashing keeps the product's top bits.
+    shift: u32,
+}
+
+impl<'t> PageTable<'t> {
+    /// A table of `len` entries (a power of two, at most `LARGE_TABLE`) at the start of
+    /// `storage`; only those entries are zeroed.
+    fn new(storage: &'t mut MaybeUninit<[u32; LARGE_TABLE]>, len: usize) -> Self {
+        let len = len.min(LARGE_TABLE);
+        debug_assert!(len.is_power_of_two());
+        let first = storage.as_mut_ptr().cast::<u32>();
+        // SAFETY: `first` points to `LARGE_TABLE >= len` entries of `storage`, which
+        // the slice borrows exclusively for `'t`; its `len` entries are initialised
+        // (zeroed) before the slice is made of them, and the rest is never read.
+        let slots = unsafe {
+            first.write_bytes(0, len);
+            core::slice::from_raw_parts_mut(first, len)
+        };
+        PageTable { slots, shift: 32 - len.trailing_zeros() }
+    }
+
+    fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn clear(&mut self) {
+        self.slots.fill(0);
+    }
+
+    /// Fibonacci hashing: pages of one batch are often close together.
+    #[inline(always)]
+    fn home(&self, page: u32) -> usize {
+        (page.wrapping_mul(0x9E37_79B9) >> self.shift) as usize
+    }
+
+    /// Insert `page`; `false` if it is there already.
+    #[inline(always)]
+    fn insert(&mut self, page: u32) -> bool {
+        let (key, mut at, mask) = (page + 1, self.home(page), self.slots.len() - 1);
+        loop {
+            match self.slots[at] {
+                0 => {
+                    self.slots[at] = key;
+                    return true;
+                }
+                e if e == key => return false,
+                _ => at = (at + 1) & mask,
+            }
         }
+    }
+
+    /// Whether `page` is in the table.
+    #[inline(always)]
+    fn contains(&self, page: u32) -> bool {
+        let (key, mut at, mask) = (page + 1, self.home(page), self.slots.len() - 1);
+        loop {
+            match self.slots[at] {
+                0 => return false,
+                e if e == key => return true,
+                _ => at = (at + 1) & mask,
+            }
+        }
+    }
+}
+
+/// The scan of a batch of two or more requests, through a [`PageTable`] on the stack
+/// of at least twice as many entries as the batch has requests (a power of two, from
+/// `SMALL_TABLE` to `LARGE_TABLE`; load at most one half), so no allocation: O(batch) expected, in one pass over the
+/// requests, which checks each `last_loc` as it reads it ([`Requests::page_at`]). The
+/// continued pages are inserted as the pass meets them (a repeat is found then) until
+/// the table is half full; the rest of the batch (past `LARGE_TABLE / 2` continued
+/// pages) is looked up in them in the same pass. Only such a batch goes on in chunks
+/// ([`first_repeat_chunked`]), over the requests before the first repeat found so far.
+///
+/// A repeat ends the pass early, but a bad `last_loc` anywhere in the batch still wins
+/// (`first_bad` reads the rest).
+#[inline(never)]
+fn scan_hashed<A, F, const POW2: bool>(b: &Requests<'_, A, F, POW2>) -> Scan
+where
+    A: KvAllocator + ?Sized,
+    F: Fn(usize) -> (u32, u32),
+{
+    let batch = b.len();
+    let first_bad = |from: usize| (from..batch).find(|&i| b.page_at(i) == BAD_LAST_LOC);
+    let mut storage = MaybeUninit::uninit();
+    let mut table = PageTable::new(&mut storage, (2 * batch).next_power_of_two().max(SMALL_TABLE));
+    let (mut i, mut room) = (0, table.len() / 2);
+    while i < batch {
+        let page = b.page_at(i);
+        i += 1;
+        if page < BAD_LAST_LOC {
+            if !table.insert(page) {
+                return first_bad(i).map_or(Scan::Repeat(i - 1), Scan::BadLastLoc);
+            }
+            room -= 1;
+            if room == 0 {
+                break;
+            }
+        } else if page == BAD_LAST_LOC {
+            return Scan::BadLastLoc(i - 1);
+        }
+    }
+    if i == batch {
+        return Scan::Clean;
+    }
+    // The table is half full: look the rest up in it.
+    let chunk_end = i;
+    let mut end = batch;
+    while i < batch {
+        let page = b.page_at(i);
+        if page < BAD_LAST_LOC {
+            if table.contains(page) {
+                end = i;
+                break;
+            }
+        } else if page == BAD_LAST_LOC {
+            return Scan::BadLastLoc(i);
+        }
+        i += 1;
+    }
+    if end < batch {
+        if let Some(bad) = first_bad(end + 1) {
+            return Scan::BadLastLoc(bad);
+        }
+    }
+    // Every last_loc is good; an earlier repeat can only lie among the later chunks.
+    match first_repeat_chunked(&mut table, chunk_end, end, |i| b.page(i)) {
+        Some(j) => Scan::Repeat(j),
+        None if end < batch => Scan::Repeat(end),
+        None => Scan::Clean,
+    }
+}
+
+/// The first request `j` of `start..end` whose page (`page(j)`, `NO_PAGE` for none)
+/// equals `page(i)` for some `i` in `start..j`, through `table` (cleared first): each
+/// chunk of half a table of continued pages is inserted (a repeat inside the chunk is
+/// found then) and the rest of the range is looked up in them; a repeat found by a
+/// lookup limits the later chunks to the requests before it, so the answer is the first
+/// repeat whatever the chunking. Cold: only batches with more than `LARGE_TABLE / 2`
+/// continued pages come here (the hint keeps the common path's layout; 0.2% fewer
+/// instructions per decode batch of 1,024 requests, 0.2% more at 4,096).
+#[cold]
+#[inline(never)]
+fn first_repeat_chunked(
+    table: &mut PageTable<'_>,
+    mut start: usize,
+    mut end: usize,
+    page: impl Fn(usize) -> u32,
+) -> Option<usize> {
+    let mut found = None;
+    while start < end {
+        table.clear();
         // Insert the chunk's pages.
         let (mut i, mut held) = (start, 0);
-        while i < end && held < SLOTS / 2 {
-            let page = page_at(i);
-            if page != NO_PAGE {
-                let key = page + 1;
-                let mut at = home(page);
-                loop {
-                    match table[at] {
-                        0 => {
-                            table[at] = key;
-                            held += 1;
-                            break;
-                        }
-                        e if e == key => return Some(i),
-                        _ => at = (at + 1) & (SLOTS - 1),
-                    }
+        while i < end && held < table.len() / 2 {
+            let p = page(i);
+            if p != NO_PAGE {
+                if !table.insert(p) {
+                    return Some(i);
                 }
+                held += 1;
             }
             i += 1;
         }
         // Look the rest up in them.
         let hit = (i..end).find(|&j| {
-            let page = page_at(j);
-            if page == NO_PAGE {
-                return false;
-            }
-            let (key, mut at) = (page + 1, home(page));
-            loop {
-                match table[at] {
-                    0 => return false,
-                    e if e == key => return true,
-                    _ => at = (at + 1) & (SLOTS - 1),
-                }
-            }
+            let p = page(j);
+            p != NO_PAGE && table.contains(p)
         });
         if let Some(j) = hit {
             (end, found) = (j, Some(j));
