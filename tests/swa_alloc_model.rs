@@ -52,7 +52,8 @@ proptest! {
         let (full_size, window_size) = (4096 * ps, 5000 * ps);
         let swa = SwaAllocator::new(full_size, window_size, page_size).unwrap();
         let full = kvpool::PagedAllocator::new(full_size, page_size).unwrap();
-        let window = kvpool::PagedAllocator::new(window_size, page_size).unwrap();
+        // The window pool never parks blocks (a plain one does at page size 1).
+        let window = kvpool::models::swa_alloc::window_twin(window_size, page_size).unwrap();
         // Fragment all three alike: fill with blocks (sizes cycle), free those not kept.
         let mut held = Vec::new();
         for &(pages, keep) in blocks.iter().cycle() {
@@ -75,6 +76,10 @@ proptest! {
                 window.free(w).unwrap();
             }
         }
+        // Window slots mapped to live full pages: those of the held blocks, then each
+        // batch's.
+        let mut window_used: std::collections::HashSet<u32> =
+            held.iter().filter(|h| h.2).flat_map(|h| h.1.iter().copied()).collect();
         for batch in &batches {
             // Prefixes of whole pages only (no held partial page to continue).
             let prefixes: Vec<u32> = batch.iter().map(|&(p, _)| p / page_size * page_size).collect();
@@ -108,9 +113,21 @@ proptest! {
             let mut want = vec![0u32; n];
             expand_extend(page_size, &prefixes, &seqs, &last_locs, &pages, &mut want).unwrap();
             prop_assert_eq!(&got, &want);
-            for (&p, &w) in pages.iter().zip(&wpages) {
+            // The first claim (up to 256 stretches) is one reservation in both: its pages
+            // match the twin's one for one. A longer batch claims the rest of its one
+            // reservation in further parts, which may start where the last part ended
+            // while the twin's fresh reservations restart at the pool's hint: past the
+            // first claim the pages need only be fresh and distinct, and as many.
+            let first_claim = starts.get(256).copied().unwrap_or(pages.len());
+            for (&p, &w) in pages[..first_claim].iter().zip(&wpages) {
                 prop_assert_eq!(swa.window_slot(p * page_size), Some(w * page_size), "full page {}", p);
             }
+            for &p in &pages {
+                let w = swa.window_slot(p * page_size);
+                prop_assert!(w.is_some(), "full page {} has no window page", p);
+                prop_assert!(window_used.insert(w.unwrap()), "window slot {:?} mapped twice", w);
+            }
+            prop_assert_eq!(swa.window().available_size(), window.available_size());
             if batch.len() == 1 {
                 let breaks: Vec<usize> = (1..got.len()).filter(|&i| got[i] != got[i - 1].wrapping_add(1)).collect();
                 prop_assert_eq!(&reported, &breaks);

@@ -986,3 +986,15 @@ fn check_state(a: &SwaAllocator, group: Option<&KvFreeGroup<'_>>, model: &SwaMod
     }
     Ok(())
 }
+
+/// A [`PagedAllocator`](crate::PagedAllocator) built as [`SwaAllocator`]'s window pool
+/// is: one that never parks blocks (at page size 1 a plain `PagedAllocator` parks free
+/// 512-slot blocks, which changes where its claims land). For tests that replay the
+/// window pool's claims on a twin.
+///
+/// # Errors
+///
+/// As [`PagedAllocator::new`](crate::PagedAllocator::new).
+pub fn window_twin(size: usize, page_size: u32) -> Result<crate::PagedAllocator, crate::ConfigError> {
+    crate::PagedAllocator::without_parking(size, page_size)
+}
