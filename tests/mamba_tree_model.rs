@@ -36,6 +36,7 @@ fn op() -> impl Strategy<Value = MambaOp> {
         2 => any::<u8>().prop_map(|n| MambaOp::EvictMamba { n }),
         1 => Just(MambaOp::HoldState),
         1 => any::<u8>().prop_map(|which| MambaOp::DropState { which }),
+        1 => any::<u8>().prop_map(|which| MambaOp::FreeTreeState { which }),
     ]
 }
 

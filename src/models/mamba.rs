@@ -137,6 +137,12 @@ pub enum MambaOp {
         /// Which held state.
         which: u8,
     },
+    /// Try to free one of the tree's own states by number through the cache's
+    /// `states()`: refused (`FreeErrorKind::Cached`), nothing changes.
+    FreeTreeState {
+        /// Which of the tree's states.
+        which: u8,
+    },
 }
 
 type Cache = MambaRadixCache<PagedAllocator, SlotPool>;
@@ -553,6 +559,12 @@ fn apply<'c>(
             let s = held.states.swap_remove(i);
             cache.states().free(&[s]).map_err(|e| e.to_string())?;
             model.states().free(&[s]).map_err(|e| e.to_string())?;
+        }
+        MambaOp::FreeTreeState { which } => {
+            let tree = model.held_states();
+            let Some(i) = pick(*which, tree.len()) else { return Ok(()) };
+            let got = cache.states().free(&[tree[i]]).map_err(|e| (e.index, e.kind));
+            check("free of a tree's state", step, got, Err((tree[i], crate::error::FreeErrorKind::Cached)))?;
         }
     }
     Ok(())
