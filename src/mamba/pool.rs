@@ -372,12 +372,26 @@ impl MambaPool {
     /// [`SlotRefused`] with [`MambaError::ForeignSlot`] for another pool's handle,
     /// which comes back in the error (nothing changed).
     pub fn cache(&self, slot: MambaSlot) -> Result<u32, SlotRefused> {
+        self.cache_as(slot, CACHED)
+    }
+
+    /// [`cache`](Self::cache) into state word `word` (`CACHED`, or `TREE | CACHED`).
+    fn cache_as(&self, slot: MambaSlot, word: u32) -> Result<u32, SlotRefused> {
         if let Err(error) = self.own(&slot) {
             return Err(SlotRefused { error, slot });
         }
         // Release: the holder's writes happen before any reader's pin (Acquire).
-        self.states[slot.slot as usize].store(CACHED, Ordering::Release);
+        self.states[slot.slot as usize].store(word, Ordering::Release);
         Ok(slot.slot)
+    }
+
+    /// A zeroed slot, cached by number at once (a tree's `alloc_state`).
+    pub(crate) fn alloc_cached(&self) -> Result<u32, OutOfMemory> {
+        let mut one = [0u32];
+        self.alloc_raw(&mut one, true)?;
+        // Release: the zeroing happens before any reader's pin (Acquire).
+        self.states[one[0] as usize].store(CACHED, Ordering::Release);
+        Ok(one[0])
     }
 
     /// Free cached states by number, all or nothing: states the caller cached with
@@ -462,11 +476,8 @@ impl MambaPool {
     /// Cache held slot `slot` straight into a tree's hands (a request's checkpoint
     /// handed over): [`cache`](Self::cache) and [`hold_for_tree`](Self::hold_for_tree)
     /// in one store.
-    pub(crate) fn cache_for_tree(&self, slot: MambaSlot) -> Result<u32, MambaError> {
-        self.own(&slot)?;
-        // Release: the holder's writes happen before any reader's pin (Acquire).
-        self.states[slot.slot as usize].store(TREE | CACHED, Ordering::Release);
-        Ok(slot.slot)
+    pub(crate) fn cache_for_tree(&self, slot: MambaSlot) -> Result<u32, SlotRefused> {
+        self.cache_as(slot, TREE | CACHED)
     }
 
     /// Free a state a tree holds (its eviction). A state a reader pins at this instant
@@ -487,16 +498,12 @@ impl MambaPool {
                 return not_held(FreeErrorKind::NotAllocated);
             }
             if cur == TREE | CACHED {
-                // No reader: retire it and free it now (as `free`). Acquire: the readers'
-                // unpins (Release) happen before the slot is handed on.
-                match word.compare_exchange_weak(cur, RETIRING, Ordering::Acquire, Ordering::Relaxed) {
-                    Ok(_) => {
-                        word.store(FREE, Ordering::Relaxed);
-                        // Cached, so allocated, and retired by us: this cannot fail.
-                        return self.slots.free(&[slot]);
-                    }
-                    Err(actual) => cur = actual,
+                // No reader: free it now. A pin taken meanwhile makes that fail: look
+                // again (and doom it).
+                if self.free_from(&[slot], TREE | CACHED).is_ok() {
+                    return Ok(());
                 }
+                cur = word.load(Ordering::Relaxed);
                 continue;
             }
             // Pinned: doom it. Release: the tree's earlier accesses happen before the

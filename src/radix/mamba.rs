@@ -183,7 +183,7 @@ impl sealed::SharedPool for SlotPool {
 }
 
 /// A [`MambaPool`] marks the states a tree holds in their state words, so its own
-/// [`free`](MambaPool::free) refuses them whoever calls it.
+/// [`free`](MambaPool::free) refuses them whoever calls it (also through an `Arc`).
 impl sealed::SharedPool for MambaPool {
     fn shared_at(&self) -> Option<usize> {
         None
@@ -202,21 +202,22 @@ impl sealed::SharedPool for MambaPool {
     }
 }
 
-impl sealed::SharedPool for Arc<MambaPool> {
+/// The pool behind the `Arc`, shared (only `Arc<MambaPool>` is a [`StatePool`]).
+impl<P: sealed::SharedPool> sealed::SharedPool for Arc<P> {
     fn shared_at(&self) -> Option<usize> {
         Some(Arc::as_ptr(self) as *const () as usize)
     }
     fn hold(&self, slot: u32) -> bool {
-        self.hold_for_tree(slot)
+        (**self).hold(slot)
     }
     fn release(&self, slot: u32) {
-        self.release_from_tree(slot);
+        (**self).release(slot);
     }
     fn free_held(&self, slot: u32) -> Result<(), FreeError> {
-        self.free_tree_held(slot)
+        (**self).free_held(slot)
     }
     fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
-        self.check_invariants()
+        (**self).check_pool()
     }
 }
 
@@ -385,28 +386,35 @@ impl<P: StatePool> Mamba<P> {
         self.held.get(w).is_some_and(|x| x.load(Ordering::Acquire) & b != 0)
     }
 
+    /// Set (`true`) or clear `state`'s bit in `held`.
+    fn mark(&self, state: u32, held: bool) {
+        let (w, b) = Self::bit(state);
+        if held {
+            self.held[w].fetch_or(b, Ordering::Release);
+        } else {
+            self.held[w].fetch_and(!b, Ordering::Release);
+        }
+    }
+
     /// The tree takes `state` from its caller (the writer, with the tree's own record
     /// of it checked). `false`, nothing changed, when it is not the caller's to give.
     fn take(&self, state: u32) -> bool {
-        if !self.pool.hold(state) {
-            return false;
+        let taken = self.pool.hold(state);
+        if taken {
+            self.mark(state, true);
         }
-        let (w, b) = Self::bit(state);
-        self.held[w].fetch_or(b, Ordering::Release);
-        true
+        taken
     }
 
     /// Undo [`take`](Self::take).
     fn give_back(&self, state: u32) {
-        let (w, b) = Self::bit(state);
-        self.held[w].fetch_and(!b, Ordering::Release);
+        self.mark(state, false);
         self.pool.release(state);
     }
 
     /// Free a state the tree took.
     fn free_state(&self, state: u32) -> Result<(), FreeError> {
-        let (w, b) = Self::bit(state);
-        self.held[w].fetch_and(!b, Ordering::Release);
+        self.mark(state, false);
         self.pool.free_held(state)
     }
 }
@@ -1119,10 +1127,7 @@ impl StatePool for crate::mamba::MambaPool {
         crate::mamba::MambaPool::available(self)
     }
     fn alloc_one(&self) -> Result<u32, OutOfMemory> {
-        let slot = self.alloc()?;
-        let index = slot.index();
-        // Our own fresh handle: caching it cannot fail.
-        Ok(self.cache(slot).unwrap_or(index))
+        self.alloc_cached()
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         crate::mamba::MambaPool::free(self, slots)
@@ -1181,8 +1186,7 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
         let Some(handle) = held.take() else { return false };
         // `check_hybrid` checked the handle is the pool's, so this cannot fail.
         let Ok(slot) = w.c.variant.pool.cache_for_tree(handle) else { return false };
-        let (i, b) = Mamba::<Arc<MambaPool>>::bit(slot);
-        w.c.variant.held[i].fetch_or(b, Ordering::Release);
+        w.c.variant.mark(slot, true);
         Self::adopt_state(w, end, slot)
     }
 
