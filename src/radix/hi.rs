@@ -74,9 +74,12 @@
 //!
 //! A transfer names pages, not nodes, so splits while it is in flight change nothing;
 //! there is a transfer slot per host page, so starting one never fails.
-//! [`reset`](RadixCache::reset) drops the transfers in flight with everything else
-//! (their handles are refused afterwards): wait for their copies before resetting. The tree
-//! records what moved in [`HiCounters`] when a copy starts.
+//! [`reset`](RadixCache::reset) drops the transfers not yet taken (no copy of theirs
+//! can have started; their handles are refused afterwards). A transfer already taken
+//! outlives the reset, since its copy may still be running: its host pages, and the
+//! device pages a backup reads or a load writes, stay allocated, out of the tree, until
+//! it [`complete`](RadixCache::complete)s, so no page a copy touches is handed out
+//! again meanwhile. The tree records what moved in [`HiCounters`] when a copy starts.
 //!
 //! A cache built over a caller's [`HostKvPool`]
 //! ([`with_host_pool`](RadixCache::with_host_pool)) owns it while it lives and gives
@@ -271,7 +274,8 @@ impl Transfer {
 /// A [`Transfer`] the cache refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransferError {
-    /// Not in flight: completed already, dropped by a reset, or never this cache's.
+    /// Not in flight: completed already, dropped by a reset before it was taken, or
+    /// never this cache's.
     Unknown,
     /// Started by another cache.
     ForeignCache,
@@ -287,7 +291,9 @@ pub enum TransferError {
 impl fmt::Display for TransferError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            TransferError::Unknown => f.write_str("the transfer is not in flight (completed already, or reset)"),
+            TransferError::Unknown => {
+                f.write_str("the transfer is not in flight (completed already, or dropped by a reset)")
+            }
             TransferError::ForeignCache => f.write_str("the transfer belongs to another cache"),
             TransferError::BufferTooShort { need, got } => {
                 write!(f, "the transfer has {need} pages, a page buffer holds {got}")
@@ -478,11 +484,27 @@ struct Entry {
     count: u32,
     /// The locked node's last page (device), 0 for none.
     lock_page: u32,
+    /// Handed to the caller ([`take_transfers`](RadixCache::take_transfers)): its copy
+    /// may have started.
+    taken: bool,
+    /// Outlived a reset with device pages the copy touches: those pages (paired with its
+    /// host pages) are out of the tree and the transfer's to free when it completes.
+    keeps_device: bool,
 }
 
 impl Default for Entry {
     fn default() -> Self {
-        Entry { gen: 0, live: false, kind: TransferKind::Backup, host_first: 0, host_run: 0, count: 0, lock_page: 0 }
+        Entry {
+            gen: 0,
+            live: false,
+            kind: TransferKind::Backup,
+            host_first: 0,
+            host_run: 0,
+            count: 0,
+            lock_page: 0,
+            taken: false,
+            keeps_device: false,
+        }
     }
 }
 
@@ -693,7 +715,17 @@ fn start<A: KvAllocator>(
     // per host page.
     let slot = w.s.ext.free_entries.pop().expect("a transfer slot per host page");
     let e = &mut w.s.ext.entries[slot as usize];
-    *e = Entry { gen: e.gen, live: true, kind, host_first, host_run, count, lock_page };
+    *e = Entry {
+        gen: e.gen,
+        live: true,
+        kind,
+        host_first,
+        host_run,
+        count,
+        lock_page,
+        taken: false,
+        keeps_device: false,
+    };
     let st = &mut w.s.ext;
     let at = (st.queue_head + st.queue_len) % st.queue.len();
     st.queue[at] = slot;
@@ -745,6 +777,17 @@ fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
     w.s.ext.in_flight_pages -= e.count as usize;
     if e.lock_page != 0 {
         w.dec_lock(e.lock_page, 0);
+    }
+    if e.keeps_device {
+        let ps = w.c.ps as u32;
+        let mut group = w.c.alloc.free_group();
+        for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+            for h in start - base..start - base + len {
+                let r = group.free(&[w.s.ext.dev_of_host[h as usize] * ps]);
+                debug_assert!(r.is_ok(), "a device page a reset left to its transfer is held: {r:?}");
+            }
+        }
+        group.end();
     }
     let x = &mut w.s.ext.entries[slot as usize];
     (x.live, x.gen) = (false, x.gen.wrapping_add(1));
@@ -1120,14 +1163,45 @@ impl Variant for Hi {
         order(w).update(id);
     }
 
+    fn kept_at_reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) -> Vec<u64> {
+        // A transfer the caller took may be copying: the device pages its copy reads
+        // (a backup) or writes (a load) stay allocated until it completes. A
+        // write-back's are free already; a prefetch has none.
+        let base = w.c.num_pages;
+        let mut kept = Vec::new();
+        for slot in 0..w.s.ext.entries.len() {
+            let e = w.s.ext.entries[slot];
+            if !e.live || !e.taken || !matches!(e.kind, TransferKind::Backup | TransferKind::Load) {
+                continue;
+            }
+            if kept.is_empty() {
+                kept = vec![0u64; (w.c.num_pages as usize + 1).div_ceil(64)];
+            }
+            for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
+                for h in start - base..start - base + len {
+                    let d = w.s.ext.dev_of_host[h as usize] as usize;
+                    debug_assert!(kept[d / 64] >> (d % 64) & 1 == 0, "device page {d} in two transfers");
+                    kept[d / 64] |= 1 << (d % 64);
+                }
+            }
+            w.s.ext.entries[slot].keeps_device = true;
+        }
+        kept
+    }
+
     fn reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) {
         w.s.ext.order.clear();
-        // Transfers in flight are dropped: their locks go with the tree, their pages
-        // (out of the tree now) back to the host pool.
+        // Transfers in flight lose their locks with the tree. Those not taken yet are
+        // dropped (no copy can have started): their pages, out of the tree now, go
+        // back to the host pool. Those taken stay in flight, their host pages held
+        // and their device pages kept (`kept_at_reset`), until they complete.
         for slot in 0..w.s.ext.entries.len() as u32 {
-            if w.s.ext.entries[slot as usize].live {
-                w.s.ext.entries[slot as usize].lock_page = 0;
-                finish_transfer(w, slot);
+            let e = &mut w.s.ext.entries[slot as usize];
+            if e.live {
+                e.lock_page = 0;
+                if !e.taken {
+                    finish_transfer(w, slot);
+                }
             }
         }
         (w.s.ext.queue_head, w.s.ext.queue_len) = (0, 0);
@@ -1686,6 +1760,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
                 st.queue_len -= 1;
                 let e = w.s.ext.entries[slot as usize];
                 if e.live {
+                    w.s.ext.entries[slot as usize].taken = true;
                     out[n] = ticket(w, slot);
                     n += 1;
                     if !w.s.ext.handed_out.is_empty() {
@@ -1728,12 +1803,15 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     }
 
     /// Report transfer `t` done (its copy has finished on the device): what the tree
-    /// held for it is released (see [`TransferKind`]).
+    /// held for it is released (see [`TransferKind`]). For a transfer that outlived a
+    /// [`reset`](Self::reset), that is its pages: host pages back to the host pool, a
+    /// backup's or a load's device pages back to the allocator.
     ///
     /// # Errors
     ///
     /// [`TransferError::Unknown`] when it is not in flight (completed twice, or
-    /// dropped by a reset), [`TransferError::ForeignCache`]; nothing changes then.
+    /// dropped by a reset before it was taken), [`TransferError::ForeignCache`];
+    /// nothing changes then.
     pub fn complete(&self, t: Transfer) -> Result<(), TransferError> {
         let r = self.write(|w| {
             entry_of(w, &t)?;

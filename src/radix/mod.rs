@@ -258,6 +258,13 @@ pub enum CacheError {
     },
     /// Hybrid request rows (or a state handle) of another Mamba pool than the cache's.
     ForeignRows,
+    /// [`reset`](RadixCache::reset) while leases are outstanding (detached ones: a
+    /// [`Lease`] borrows the cache). Their requests are still using the slots the
+    /// tree would free.
+    Leased {
+        /// Leases outstanding.
+        leases: usize,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -274,6 +281,9 @@ impl fmt::Display for CacheError {
             }
             CacheError::ForeignRows => {
                 f.write_str("the hybrid request rows or the state belong to another Mamba pool than the cache's")
+            }
+            CacheError::Leased { leases } => {
+                write!(f, "the cache cannot be reset: {leases} leases are outstanding, their requests use its slots")
             }
             CacheError::StateNotOwned { state } => write!(
                 f,
@@ -483,6 +493,8 @@ struct Inner<V: Variant> {
     hint_expiry: hints::Expiry,
     /// The runs of consecutive pages of the row the current change checked.
     row_runs: writer::RowRuns,
+    /// Leases that lock a node (a match of at least a page), live or detached.
+    leases: usize,
 }
 
 /// A fixed-capacity, concurrent radix prefix cache (see the [module docs](self)).
@@ -736,6 +748,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             ext: variant.new_state(nrec)?,
             hint_expiry: hints::Expiry::new(nrec)?,
             row_runs: writer::RowRuns::default(),
+            leases: 0,
         };
         let cache = RadixCache {
             alloc,
@@ -1224,7 +1237,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             if !w.is_node_end(lease.last_page, lease.epoch) || w.node_of(lease.last_page).lock_ref == 0 {
                 return Err(CacheError::StaleMatch);
             }
-            w.dec_lock(lease.last_page, lease.aux);
+            w.unlock_lease(&lease);
             Ok(())
         });
         crate::debug_check(self);
@@ -1384,10 +1397,45 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     }
 
     /// Drop the whole tree: cached slots go back to the allocator, sizes go to 0, an
-    /// `AllBlocksCleared` event is sent. Exclusive access, so no lease is outstanding
-    /// (detached leases become stale).
-    pub fn reset(&mut self) {
-        self.write(|w| w.reset());
+    /// `AllBlocksCleared` event is sent. A host tier's transfers taken and not completed
+    /// keep the pages their copies touch until they complete (see
+    /// [`HiRadixCache`](hi::HiRadixCache)'s module docs).
+    ///
+    /// As SGLang's `flush_cache`, only between requests: a detached lease
+    /// ([`RawLease`]) means a request still reads the slots its match locked, which the
+    /// reset would hand out again.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Leased`] while detached leases are outstanding (release them, or
+    /// finish their requests, first); nothing changes then.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::radix::{CacheError, RadixCache, RadixConfig};
+    /// use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+    ///
+    /// let mut cache = RadixCache::new(PagedAllocator::new(16, 1)?, ReqToTokenPool::new(2, 16)?, RadixConfig::default())?;
+    /// let mut s = [0u32; 4];
+    /// cache.allocator().alloc(&mut s)?;
+    /// cache.insert(0, &[1, 2, 3, 4], &s, 0)?;
+    /// let mut hit = [0u32; 4];
+    /// let lease = cache.match_and_lock(0, &[1, 2, 3, 4], &mut hit).detach();
+    /// assert_eq!(cache.reset(), Err(CacheError::Leased { leases: 1 }));
+    /// cache.release(lease)?;
+    /// cache.reset()?;
+    /// assert_eq!((cache.total_size(), cache.allocator().available_size()), (0, 16));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn reset(&mut self) -> Result<(), CacheError> {
+        self.write(|w| match w.s.leases {
+            0 => {
+                w.reset();
+                Ok(())
+            }
+            leases => Err(CacheError::Leased { leases }),
+        })
     }
 
     /// A readable dump of the tree: one line per node, indented by depth, with its
@@ -1575,7 +1623,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let freed = group.free(&kv[p.protected..p.cached]).and_then(|()| group.free(&kv[aligned..]));
             debug_assert!(freed.is_ok(), "checked request slots failed to free: {freed:?}");
             drop(group);
-            w.dec_lock(lease.key.last_page, lease.key.aux);
+            w.unlock_lease(&lease.key);
             Ok((p.cached, r))
         });
         crate::debug_check(self);
@@ -1621,7 +1669,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let (.., at) = w.match_path(namespace, key, &mut kv[..aligned]);
             debug_assert_eq!(at.len, aligned, "an inserted key matches whole");
             let new = w.lease_of(&at);
-            w.dec_lock(lease.key.last_page, lease.key.aux);
+            w.unlock_lease(&lease.key);
             Ok::<_, CacheError>((new, r))
         })?;
         lease.key = key;

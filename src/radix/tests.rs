@@ -289,7 +289,7 @@ fn reset_returns_everything() {
     let mut c = token_cache(32, EvictionPolicy::Lru);
     let s = alloc_slots(&c, 5);
     c.insert(0, &[1, 2, 3, 4, 5], &s, 0).unwrap();
-    c.reset();
+    c.reset().unwrap();
     assert_eq!((c.total_size(), c.allocator().available_size()), (0, 32));
     let mut out = [0u32; 5];
     assert_eq!(c.peek_prefix(0, &[1, 2, 3, 4, 5], &mut out), 0);
@@ -871,38 +871,48 @@ fn a_match_into_the_row_is_trusted_only_for_its_own_lease_and_until_overwritten(
 // ---- misuse: each of these once handed a slot to two owners or changed state on a
 // failed call (found by an audit of the public API) ----
 
-/// A lease detached before `reset` names a node of the old tree. Once the same tokens
-/// are cached again in the same slots, its page ends a node again in the same
-/// incarnation; it must still be refused everywhere, or its never-taken lock would be
-/// released on the new node (another request's lock, whose slots eviction then frees).
+/// A lease detached before `reset` used to outlive it: its request still read the
+/// slots its match locked, which the reset gave back to the allocator (here the same
+/// slots went to a new insert, so two owners shared them), and its lease named a node
+/// of the old tree. The reset is refused while a lease is outstanding now, as SGLang
+/// refuses to flush its cache with requests running; nothing changes then.
 #[test]
-fn a_lease_from_before_reset_is_refused() {
+fn a_reset_is_refused_while_a_lease_is_outstanding() {
     let mut c = token_cache(16, EvictionPolicy::Lru);
     let t = [10u32, 11, 12, 13];
     let s = alloc_slots(&c, 4);
     c.insert(0, &t, &s, 0).unwrap();
     let mut row = c.req_pool().alloc().unwrap();
     let raw = c.match_and_lock_row(0, &t, &mut row).unwrap().detach();
-    c.reset();
-    let s2 = alloc_slots(&c, 4);
-    assert_eq!(s2, s, "the allocator hands back the same slots");
-    c.insert(0, &t, &s2, 0).unwrap();
     let mut hit = [0u32; 4];
-    let live = c.match_and_lock(0, &t, &mut hit);
-    assert_eq!((live.len(), c.protected_size()), (4, 4));
-    let before = (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size());
-    let e = c.cache_finished_req(0, &t, row, c.attach(raw).unwrap(), 0).unwrap_err();
-    assert!(matches!(e.error, CacheError::StaleMatch), "{:?}", e.error);
-    assert_eq!(before, (c.total_size(), c.evictable_size(), c.protected_size(), c.allocator().available_size()));
-    let super::Unfinished { mut row, lease, .. } = e;
-    let mut lease = lease;
-    assert!(matches!(c.cache_unfinished_req(0, &t, &mut row, &mut lease, 0), Err(CacheError::StaleMatch)));
-    assert!(matches!(c.release(lease.detach()), Err(CacheError::StaleMatch)), "release");
-    // The live lease still protects its slots.
-    assert_eq!(c.evict(4), 0);
-    assert!(hit.iter().all(|&x| c.allocator().is_allocated(x)));
-    drop(live);
+    let second = c.match_and_lock(0, &t[..2], &mut hit).detach();
+    let empty = c.match_and_lock(0, &[99], &mut hit).detach(); // locks nothing
+    let before = (c.total_size(), c.protected_size(), c.allocator().available_size(), c.node_count());
+    assert_eq!(c.reset(), Err(CacheError::Leased { leases: 2 }));
+    assert_eq!(before, (c.total_size(), c.protected_size(), c.allocator().available_size(), c.node_count()));
+    assert!(s.iter().all(|&x| c.allocator().is_allocated(x)));
+    c.check_invariants().unwrap();
+    c.release(second).unwrap();
+    assert_eq!(c.reset(), Err(CacheError::Leased { leases: 1 }));
+    // The request finishes: its lease goes with it.
+    c.cache_finished_req(0, &t, row, c.attach(raw).unwrap(), 0).unwrap();
+    c.release(empty).unwrap();
+    c.reset().unwrap();
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, 16));
+    // Leases that moved (an unfinished request's) and dropped ones count right.
+    let s = alloc_slots(&c, 4);
+    c.insert(0, &t, &s, 0).unwrap();
+    let mut row = c.req_pool().alloc().unwrap();
+    let mut lease = c.match_and_lock_row(0, &t, &mut row).unwrap();
+    c.cache_unfinished_req(0, &t, &mut row, &mut lease, 0).unwrap();
+    let raw = lease.detach();
+    assert_eq!(c.reset(), Err(CacheError::Leased { leases: 1 }));
+    drop(c.attach(raw).unwrap());
+    let row_slots = c.req_pool().read(&row, 0..4).unwrap().to_vec();
+    assert_eq!(row_slots, s);
     c.req_pool().free(row).unwrap();
+    c.reset().unwrap();
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, 16));
     c.check_invariants().unwrap();
 }
 

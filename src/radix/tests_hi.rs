@@ -136,7 +136,7 @@ fn write_back_copies_on_eviction_and_a_full_host_refuses() {
     c.insert(0, &[1, 2, 3, 4], &again).unwrap();
     c.evict(4);
     assert_eq!((c.host_size(), c.node_count()), (4, 1));
-    c.reset();
+    c.reset().unwrap();
     assert_eq!((c.host_size(), c.node_count(), c.allocator().available_size()), (0, 0, 16));
 }
 
@@ -255,14 +255,117 @@ fn host_pages_in_flight_outlive_their_node() {
 }
 
 #[test]
-fn reset_drops_transfers_in_flight() {
+fn reset_drops_transfers_not_taken() {
+    let mut c = cache(16, 8, WritePolicy::WriteThrough);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    assert_eq!(c.transfers_in_flight(), 1);
+    c.reset().unwrap();
+    assert_eq!(c.take_transfers(&mut [Transfer::default(); 2]), 0, "a dropped transfer is not reported");
+    assert_eq!((c.transfers_in_flight(), c.host_size(), c.host_available()), (0, 0, 16));
+    assert_eq!(c.allocator().available_size(), 16);
+    c.check_invariants().unwrap();
+}
+
+/// Every device page the allocator can give, allocated and returned: none of them may
+/// be one of `held`.
+fn assert_not_handed_out(c: &HiRadixCache<PagedAllocator>, held: &[u32]) {
+    let n = c.allocator().available_size();
+    let got = slots(c, n);
+    for s in &got {
+        assert!(!held.contains(s), "slot {s} of a copy in flight was handed out again");
+    }
+    c.allocator().free(&got).unwrap();
+}
+
+#[test]
+fn a_backup_taken_before_a_reset_keeps_its_pages_until_it_completes() {
     let mut c = cache(16, 8, WritePolicy::WriteThrough);
     let a = slots(&c, 4);
     c.insert(0, &[1, 2, 3, 4], &a).unwrap();
     let t = take_one(&c);
-    c.reset();
+    assert_eq!((t.kind(), t.pages()), (TransferKind::Backup, 2));
+    let (mut device, mut host) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut device, &mut host).unwrap();
+    // The copy is running when the tree is reset: the device pages it reads and the
+    // host pages it writes stay allocated, out of the tree.
+    c.reset().unwrap();
+    assert_eq!((c.total_size(), c.node_count(), c.transfers_in_flight()), (0, 0, 1));
+    // Host sizes are in tokens: the transfer holds 2 of the 8 host pages.
+    assert_eq!((c.host_size(), c.host_available()), (4, 12));
+    assert_eq!(c.allocator().available_size(), 12);
+    c.check_invariants().unwrap();
+    assert_not_handed_out(&c, &a);
+    // The caller can still ask for its pages.
+    let (mut d2, mut h2) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(t, &mut d2, &mut h2).unwrap();
+    assert_eq!((d2, h2), (device, host));
+    // The tree goes on working beside it.
+    let b = slots(&c, 4);
+    c.insert(0, &[5, 6, 7, 8], &b).unwrap();
+    let u = take_one(&c);
+    let (mut d3, mut h3) = ([0u32; 2], [0u32; 2]);
+    c.transfer_pages(u, &mut d3, &mut h3).unwrap();
+    assert!(h3.iter().all(|h| !host.contains(h)), "a host page in flight was given to a new backup");
+    c.complete(u).unwrap();
+    c.check_invariants().unwrap();
+    // Complete: everything comes back, once.
+    c.complete(t).unwrap();
     assert_eq!(c.complete(t), Err(TransferError::Unknown));
-    assert_eq!((c.transfers_in_flight(), c.host_size(), c.allocator().available_size()), (0, 0, 16));
+    assert_eq!(c.transfers_in_flight(), 0);
+    assert_eq!((c.host_size(), c.host_available()), (4, 12)); // the second backup's copy
+    assert_eq!(c.allocator().available_size() + c.total_size(), 16);
+    c.check_invariants().unwrap();
+    c.reset().unwrap();
+    assert_eq!((c.host_available(), c.allocator().available_size()), (16, 16));
+}
+
+#[test]
+fn a_load_taken_before_a_reset_keeps_the_device_pages_it_writes() {
+    let mut c = cache(16, 8, WritePolicy::WriteThrough);
+    let a = slots(&c, 6);
+    c.insert(0, &[1, 2, 3, 4, 5, 6], &a).unwrap();
+    settle(&c);
+    assert_eq!(c.evict(6), 6);
+    let mut out = [0u32; 6];
+    let (lease, hit) = c.match_and_load(0, &[1, 2, 3, 4, 5, 6], &mut out, None);
+    assert_eq!(hit.loaded, 6);
+    drop(lease);
+    let t = take_one(&c);
+    assert_eq!((t.kind(), t.pages()), (TransferKind::Load, 3));
+    let (mut device, mut host) = ([0u32; 3], [0u32; 3]);
+    c.transfer_pages(t, &mut device, &mut host).unwrap();
+    assert_eq!(device.iter().map(|&p| p * 2).collect::<Vec<_>>(), out.iter().step_by(2).copied().collect::<Vec<_>>());
+    c.reset().unwrap();
+    // The load's copy may still be writing the loaded slots: they are not handed out.
+    assert_eq!((c.transfers_in_flight(), c.allocator().available_size()), (1, 10));
+    assert_eq!(c.host_available(), 10);
+    c.check_invariants().unwrap();
+    assert_not_handed_out(&c, &out);
+    c.complete(t).unwrap();
+    assert_eq!((c.transfers_in_flight(), c.allocator().available_size(), c.host_available()), (0, 16, 16));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_write_back_and_a_prefetch_taken_before_a_reset_keep_their_host_pages() {
+    let mut c = cache(16, 8, WritePolicy::WriteBack);
+    let a = slots(&c, 4);
+    c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+    assert_eq!(c.evict(4), 4);
+    let mut out = [0u32; 4];
+    assert_eq!(c.insert_host(0, &[9, 9, 9, 9], &mut out), 4);
+    let mut t = [Transfer::default(); 4];
+    assert_eq!(c.take_transfers(&mut t), 2);
+    assert_eq!((t[0].kind(), t[1].kind()), (TransferKind::WriteBack, TransferKind::Prefetch));
+    c.reset().unwrap();
+    // The write-back's device pages were free before the reset (see `TransferKind`);
+    // the host pages of both stay held.
+    assert_eq!((c.transfers_in_flight(), c.host_available(), c.allocator().available_size()), (2, 8, 16));
+    c.check_invariants().unwrap();
+    c.complete(t[1]).unwrap();
+    c.complete(t[0]).unwrap();
+    assert_eq!((c.transfers_in_flight(), c.host_available(), c.allocator().available_size()), (0, 16, 16));
     c.check_invariants().unwrap();
 }
 
@@ -518,6 +621,33 @@ fn dropping_the_cache_gives_the_host_pool_back() {
     p.free_pages(&taken).unwrap();
     assert_eq!(p.available_pages(), 8);
     on_pool(&p).unwrap().check_invariants().unwrap();
+
+    // A transfer taken before a reset is still in flight after it: completed, its pages
+    // come back; dropped with the cache before that, they stay for the caller.
+    for complete in [true, false] {
+        let host = {
+            let mut c = on_pool(&p).unwrap();
+            let a = slots(&c, 4);
+            c.insert(0, &[1, 2, 3, 4], &a).unwrap();
+            let t = take_one(&c);
+            let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
+            c.transfer_pages(t, &mut dev, &mut host).unwrap();
+            c.reset().unwrap();
+            assert_eq!((c.transfers_in_flight(), p.available_pages()), (1, 6));
+            c.check_invariants().unwrap();
+            if complete {
+                c.complete(t).unwrap();
+                assert_eq!(p.available_pages(), 8);
+            }
+            host
+        };
+        assert!(!p.is_owned());
+        if !complete {
+            assert_eq!(p.available_pages(), 6);
+            p.free_pages(&host).unwrap();
+        }
+        assert_eq!(p.available_pages(), 8);
+    }
 }
 
 /// `match_and_load` evicted device nodes for a load-back before knowing whether its

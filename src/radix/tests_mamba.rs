@@ -252,7 +252,7 @@ fn reset_frees_every_state() {
     let mut c = cache(64, 4);
     put(&c, &[1, 2, 3]);
     put(&c, &[1, 2, 4]);
-    c.reset();
+    c.reset().unwrap();
     assert_eq!((c.states().available(), c.allocator().available_size(), c.mamba_evictable_size()), (4, 64, 0));
     c.check_invariants().unwrap();
 }

@@ -188,6 +188,16 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn touched<A: KvAllocator>(_w: &mut Writer<'_, A, Self>, _id: u32) {}
 
+    /// The tree is about to be cleared: the device pages of its nodes that must stay
+    /// allocated past the reset (a copy the caller started may still touch them), as a
+    /// bit per allocator page (bit `p`, page `p`); empty for none. Those pages are the
+    /// variant's to free afterwards.
+    #[inline(always)]
+    #[doc(hidden)]
+    fn kept_at_reset<A: KvAllocator>(_w: &mut Writer<'_, A, Self>) -> Vec<u64> {
+        Vec::new()
+    }
+
     /// The tree was cleared (every node's payload went through [`removing`](Self::removing)).
     #[inline(always)]
     #[doc(hidden)]

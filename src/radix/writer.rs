@@ -1140,7 +1140,14 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// Lock the path ending at `m`'s node: a lease's key.
     pub(super) fn lease_of(&mut self, m: &MatchResult) -> super::LeaseKey {
         let aux = self.inc_lock(m.last_page);
+        self.s.leases += usize::from(m.last_page != 0);
         super::LeaseKey { last_page: m.last_page, epoch: m.epoch, len: m.len, aux, cache_id: self.c.id }
+    }
+
+    /// Release the lock of a lease from [`lease_of`](Self::lease_of).
+    pub(super) fn unlock_lease(&mut self, key: &super::LeaseKey) {
+        self.s.leases -= usize::from(key.last_page != 0);
+        self.dec_lock(key.last_page, key.aux);
     }
 
     /// Lock the path ending at the node whose last page is `last_page`; returns the
@@ -1257,14 +1264,17 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     pub(super) fn reset(&mut self) {
         let ps = self.c.ps;
+        let kept = V::kept_at_reset(self);
+        let keep = |p: u32| kept.get(p as usize / 64).is_some_and(|w| w >> (p % 64) & 1 != 0);
         let mut group = self.c.alloc.free_group();
         for id in 1..self.s.meta.len() as u32 {
             if !self.s.meta[id as usize].alive {
                 continue;
             }
             V::removing(self, id);
-            // The variant's own pages (past the allocator's) are its to free.
-            for page in self.pages(id).filter(|&p| p <= self.c.num_pages) {
+            // The variant's own pages (past the allocator's) are its to free, and so
+            // are the device pages it keeps.
+            for page in self.pages(id).filter(|&p| p <= self.c.num_pages && !keep(p)) {
                 let r = group.free(&[page * ps as u32]);
                 debug_assert!(r.is_ok());
             }
