@@ -18,6 +18,7 @@ fn op() -> impl Strategy<Value = HiOp> {
         1 => (0u8..24).prop_map(HiOp::EvictHost),
         3 => any::<u8>().prop_map(HiOp::Complete),
         1 => prop::collection::vec(0u8..2, 0..MAX_KEY + 1).prop_map(|key| HiOp::InsertHost { key }),
+        1 => Just(HiOp::Reset),
     ]
 }
 
@@ -51,6 +52,9 @@ fn every_policy_on_a_busy_sequence() {
         }
         if i % 3 == 1 {
             ops.push(HiOp::Complete((i % 5) as u8));
+        }
+        if i % 29 == 5 {
+            ops.push(HiOp::Reset);
         }
         if i % 7 == 2 {
             let key: Vec<u8> = (0..(6 + i % 15)).map(|k| ((i * 3 + k * 5) % 7 % 2) as u8).collect();

@@ -61,10 +61,13 @@ pub struct RefTransfer {
     pub id: u64,
     /// Which way and what it holds.
     pub kind: TransferKind,
-    /// The node whose path it locks (backups and loads).
-    node: usize,
+    /// The node whose path it locks (backups and loads); `None` once a reset dropped
+    /// the tree under it.
+    node: Option<usize>,
     /// Its host pages.
     pub pages: Vec<u32>,
+    /// The device slots the copy reads (a backup) or writes (a load); empty otherwise.
+    device: Vec<u32>,
 }
 
 /// A host page pool model: pages `1..=pages`, handed out lowest first (with the slot
@@ -609,12 +612,14 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
         for &p in &pages {
             assert!(self.in_flight.insert(p), "host page {p} in two transfers");
         }
+        let mut device = Vec::new();
         if matches!(kind, TransferKind::Backup | TransferKind::Load) {
             self.inc_lock_ref(HiNodeId(node));
+            device = self.nodes[node].value.clone().expect("a backup or load has device slots");
         }
         let id = self.next_transfer;
         self.next_transfer += 1;
-        self.transfers.push(RefTransfer { id, kind, node, pages });
+        self.transfers.push(RefTransfer { id, kind, node: Some(node), pages, device });
         self.queue.push_back(id);
     }
 
@@ -640,10 +645,63 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
                 self.host.free(&[*p]);
             }
         }
-        if matches!(t.kind, TransferKind::Backup | TransferKind::Load) {
-            self.dec_lock_ref(HiNodeId(t.node));
+        match t.node {
+            Some(node) if matches!(t.kind, TransferKind::Backup | TransferKind::Load) => {
+                self.dec_lock_ref(HiNodeId(node));
+            }
+            // Outlived a reset: its device slots were kept for it.
+            None => self.alloc.free(&t.device).expect("a reset kept these slots"),
+            Some(_) => {}
         }
         true
+    }
+
+    /// kvpool's `reset` (SGLang's `reset` under `flush_cache`, which runs only with no
+    /// request in flight): the tree is dropped, its device slots and host pages freed.
+    /// Transfers not yet taken are dropped with it; those taken outlive it (their copies
+    /// may be running): their host pages stay held, a backup's or load's device slots
+    /// stay allocated, until they complete. The caller holds no lock on the tree.
+    pub fn reset(&mut self) {
+        let queued: BTreeSet<u64> = self.queue.drain(..).collect();
+        let mut kept = BTreeSet::new();
+        let mut i = 0;
+        while i < self.transfers.len() {
+            if queued.contains(&self.transfers[i].id) {
+                let t = self.transfers.remove(i);
+                for p in &t.pages {
+                    self.in_flight.remove(p);
+                    if self.orphans.remove(p) {
+                        self.host.free(&[*p]);
+                    }
+                }
+                continue;
+            }
+            let t = &mut self.transfers[i];
+            t.node = None;
+            if !matches!(t.kind, TransferKind::Backup | TransferKind::Load) {
+                t.device.clear();
+            }
+            kept.extend(t.device.iter().copied());
+            i += 1;
+        }
+        for n in 1..self.nodes.len() {
+            if !self.nodes[n].alive {
+                continue;
+            }
+            if let Some(v) = self.nodes[n].value.take() {
+                let v: Vec<u32> = v.into_iter().filter(|x| !kept.contains(x)).collect();
+                self.alloc.free(&v).expect("the cache frees slots it owns");
+            }
+            for p in self.nodes[n].host.take().unwrap_or_default() {
+                if self.in_flight.contains(&p) {
+                    self.orphans.insert(p);
+                } else {
+                    self.host.free(&[p]);
+                }
+            }
+        }
+        self.nodes = vec![root()];
+        (self.evictable, self.protected) = (0, 0);
     }
 
     /// SGLang has no such call (its storage prefetch lives in the cache controller):

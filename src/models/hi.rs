@@ -19,13 +19,18 @@
 //! as SGLang's with copies that take no time) or leaves them in flight until a
 //! [`HiOp::Complete`] picks one, so evictions, loads and host evictions meet nodes
 //! whose copies have not landed. A completed transfer completed again must be refused.
+//!
+//! [`HiOp::Reset`] must be refused (nothing changed) exactly while an open request holds
+//! a lease on the tree (a match of at least a page); otherwise both sides drop their
+//! trees, and the transfers in flight (all taken by then) outlive the reset on both,
+//! holding their pages until a later `Complete`.
 
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::baseline::hicache_ref::RefTransfer;
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache};
 use crate::radix::{
-    EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, Transfer, TransferError, WritePolicy,
+    CacheError, EvictionPolicy, HiRadixCache, HostTier, RadixConfig, RawLease, Transfer, TransferError, WritePolicy,
 };
 use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
 
@@ -66,6 +71,9 @@ pub enum HiOp {
         /// Its tokens.
         key: Vec<u8>,
     },
+    /// `reset`: refused while an open request holds a lease on the tree; otherwise the
+    /// tree goes and the transfers in flight (all taken) outlive it.
+    Reset,
 }
 
 /// A run's shape.
@@ -230,7 +238,7 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
     let config = RadixConfig { policy: shape.policy, ..RadixConfig::default() };
     let rows = ReqToTokenPool::new(MAX_REQS as u32 + 1, MAX_KEY + ps).map_err(|e| e.to_string())?;
     let alloc = PagedAllocator::new(device, shape.page_size).map_err(|e| e.to_string())?;
-    let c = HiRadixCache::with_host_tier(alloc, rows, config, tier).map_err(|e| e.to_string())?;
+    let mut c = HiRadixCache::with_host_tier(alloc, rows, config, tier).map_err(|e| e.to_string())?;
     let ref_alloc = PagedAllocator::new(device, shape.page_size).map_err(|e| e.to_string())?;
     let mut r = ReferenceHiCache::new(ref_alloc, shape.host_pages, shape.policy, shape.write_policy, shape.threshold)
         .map_err(|e| e.to_string())?;
@@ -323,6 +331,30 @@ pub fn run(shape: Shape, ops: &[HiOp]) -> Result<(), String> {
                 ensure(ours == theirs, || format!("step {step}: insert_host added {ours}, reference {theirs}"))?;
                 let (ours, theirs) = (c.host_backed_len(0, &key), r.host_backed_len(0, &key));
                 ensure(ours == theirs, || format!("step {step}: host_backed_len {ours}, reference {theirs}"))?;
+            }
+            HiOp::Reset => {
+                let leases = open.iter().filter(|o| o.protected > 0).count();
+                let before = (c.total_size(), c.host_size(), c.node_count(), c.allocator().available_size());
+                match c.reset() {
+                    Err(CacheError::Leased { leases: n }) if leases > 0 => {
+                        ensure(n == leases, || format!("step {step}: reset refused for {n} leases, {leases} open"))?;
+                        let after = (c.total_size(), c.host_size(), c.node_count(), c.allocator().available_size());
+                        ensure(after == before, || {
+                            format!("step {step}: a refused reset changed {before:?} to {after:?}")
+                        })?;
+                    }
+                    Ok(()) if leases == 0 => {
+                        r.reset();
+                        ensure(c.transfers_in_flight() == flight.len(), || {
+                            format!(
+                                "step {step}: {} transfers in flight after a reset, {} taken",
+                                c.transfers_in_flight(),
+                                flight.len()
+                            )
+                        })?;
+                    }
+                    other => return Err(format!("step {step}: reset with {leases} leases open gave {other:?}")),
+                }
             }
             HiOp::Complete(i) => {
                 take(&c, &mut r, &mut flight).map_err(|e| format!("step {step}: {e}"))?;
