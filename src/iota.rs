@@ -249,8 +249,10 @@ mod x86 {
     }
 
     /// [`fill_ascending`](super::fill_ascending) with aligned 64-byte stores, two per
-    /// round, each a whole cache line: the values before the first 64-byte boundary are
-    /// written one by one.
+    /// round, each a whole cache line. The values before the first 64-byte boundary
+    /// and the at most 31 after the last whole pair of lines are written by masked
+    /// stores (one for the head, at most two for the tail), so a fill costs a few
+    /// stores more than its lines, whatever its length and alignment.
     ///
     /// # Safety
     ///
@@ -259,21 +261,26 @@ mod x86 {
     #[clippy::msrv = "1.89"] // built only by 1.89 and later (`cfg(kvpool_avx512)`, build.rs)
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn fill_avx512(out: &mut [u32], base: u32) {
-        use std::arch::x86_64::{_mm512_add_epi32, _mm512_set1_epi32, _mm512_setr_epi32};
+        use std::arch::x86_64::{_mm512_add_epi32, _mm512_mask_storeu_epi32, _mm512_set1_epi32, _mm512_setr_epi32};
+        /// The mask of the first `k` lanes (`k <= 16`).
+        #[inline(always)]
+        fn first(k: usize) -> u16 {
+            ((1u32 << k) - 1) as u16
+        }
         let n = out.len();
+        let p = out.as_mut_ptr();
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         // Values up to the first 64-byte boundary (`out` is 4-byte aligned: 0..=15).
         let head = (out.as_ptr().align_offset(64)).min(n);
-        for (k, o) in out[..head].iter_mut().enumerate() {
-            *o = base.wrapping_add(k as u32);
+        if head > 0 {
+            let v = _mm512_add_epi32(_mm512_set1_epi32(base as i32), lanes);
+            // SAFETY: the mask selects lanes `0..head`, `head <= n`: only `out[..head]`
+            // is written (masked-off lanes are neither written nor faulted on).
+            unsafe { _mm512_mask_storeu_epi32(p.cast::<i32>(), first(head), v) };
         }
-        let p = out.as_mut_ptr();
         // Lanes base + i + 0..16 and + 16..32; 32-bit lane adds wrap, as `wrapping_add`.
-        let first = base.wrapping_add(head as u32) as i32;
-        let lo = _mm512_add_epi32(
-            _mm512_set1_epi32(first),
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        );
-        let hi = _mm512_add_epi32(lo, _mm512_set1_epi32(16));
+        let mut lo = _mm512_add_epi32(_mm512_set1_epi32(base.wrapping_add(head as u32) as i32), lanes);
+        let mut hi = _mm512_add_epi32(lo, _mm512_set1_epi32(16));
         let step = _mm512_set1_epi32(32);
         let mut i = head;
         if i + 32 <= n {
@@ -302,16 +309,26 @@ mod x86 {
                     i = inout(reg) i,
                     n = in(reg) n,
                     t = out(reg) _,
-                    lo = inout(zmm_reg) lo => _,
-                    hi = inout(zmm_reg) hi => _,
+                    lo = inout(zmm_reg) lo,
+                    hi = inout(zmm_reg) hi,
                     step = in(zmm_reg) step,
                     options(nostack),
                 );
             }
         }
-        // At most 31 values left.
-        for (k, o) in out.iter_mut().enumerate().skip(i) {
-            *o = base.wrapping_add(k as u32);
+        // At most 31 values left, from `p + i` (64-byte aligned when `i < n`): `lo` and
+        // `hi` hold their values.
+        let left = n - i;
+        if left > 0 {
+            // SAFETY: the masks select lanes `0..left.min(16)` at `p + i` and
+            // `0..left - 16` at `p + i + 16`: exactly `out[i..n]`. The second pointer is
+            // formed only when `i + 16 < n`, so it lies inside `out`.
+            unsafe {
+                _mm512_mask_storeu_epi32(p.add(i).cast::<i32>(), first(left.min(16)), lo);
+                if left > 16 {
+                    _mm512_mask_storeu_epi32(p.add(i + 16).cast::<i32>(), first(left - 16), hi);
+                }
+            }
         }
     }
 
