@@ -1302,6 +1302,13 @@ impl Variant for Hi {
                     if !w.in_tree(p) {
                         held += 1;
                     }
+                    if e.keeps_device {
+                        // Outlived a reset: its device page is out of the tree, held.
+                        let d = w.s.ext.dev_of_host[h as usize];
+                        if e.lock_page != 0 || d == 0 || w.in_tree(d) || !w.c.alloc.is_allocated(d * w.c.ps as u32) {
+                            return Err(format!("transfer {slot} kept device page {d} across a reset, not held apart"));
+                        }
+                    }
                 }
             }
             if e.lock_page != 0 && w.s.meta[w.s.page_owner[e.lock_page as usize] as usize].lock_ref == 0 {
