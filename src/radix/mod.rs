@@ -1399,7 +1399,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// Drop the whole tree: cached slots go back to the allocator, sizes go to 0, an
     /// `AllBlocksCleared` event is sent. A host tier's transfers taken and not completed
     /// keep the pages their copies touch until they complete (see
-    /// [`HiRadixCache`](hi::HiRadixCache)'s module docs).
+    /// [the host tier's module docs](hi)).
     ///
     /// As SGLang's `flush_cache`, only between requests: a detached lease
     /// ([`RawLease`]) means a request still reads the slots its match locked, which the
