@@ -1146,7 +1146,8 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// Release the lock of a lease from [`lease_of`](Self::lease_of).
     pub(super) fn unlock_lease(&mut self, key: &super::LeaseKey) {
-        self.s.leases -= usize::from(key.last_page != 0);
+        debug_assert!(self.s.leases > 0 || key.last_page == 0, "a lease released twice");
+        self.s.leases = self.s.leases.saturating_sub(usize::from(key.last_page != 0));
         self.dec_lock(key.last_page, key.aux);
     }
 
