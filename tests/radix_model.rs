@@ -19,6 +19,7 @@ fn op() -> impl Strategy<Value = RadixOp> {
         2 => (key(), any::<bool>()).prop_map(|(key, ns)| RadixOp::Match { key, ns }),
         2 => (key(), any::<bool>()).prop_map(|(key, ns)| RadixOp::Peek { key, ns }),
         1 => any::<u8>().prop_map(|n| RadixOp::Evict { n }),
+        1 => Just(RadixOp::Reset),
     ]
 }
 

@@ -7,6 +7,11 @@
 //! `check_invariants()`, and checks that every page is owned exactly once: by the tree,
 //! by an open request, or by the free pool.
 //!
+//! Open requests keep their leases detached between operations, so that
+//! [`RadixOp::Reset`] can take the cache by `&mut`: it must be refused with exactly as
+//! many leases as open requests hold a matched prefix (nothing changing), and otherwise
+//! empty both trees.
+//!
 //! [`run_with`] lets the fuzz target do the O(tree) part of that comparison (leaf
 //! paths, invariants, page owners) only every few steps and after the last one; the
 //! O(1) part (sizes, free space, node count) and each operation's own result are still
@@ -15,7 +20,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::baseline::{RefNodeId, ReferenceRadixCache};
-use crate::radix::{EvictionPolicy, Lease, RadixCache, RadixConfig};
+use crate::radix::{CacheError, EvictionPolicy, RadixCache, RadixConfig, RawLease};
 use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
 
 /// Tokens come from a tiny alphabet so keys share prefixes often.
@@ -88,13 +93,18 @@ pub enum RadixOp {
         /// Tokens to free.
         n: u8,
     },
+    /// `reset`: refused while an open request's lease locks a node (nothing changes);
+    /// otherwise both trees are dropped (the open requests, whose matches were empty,
+    /// keep their own slots).
+    Reset,
 }
 
-struct Req<'c> {
+struct Req {
     ns: u64,
     tokens: Vec<u32>,
     row: ReqRow,
-    lease: Lease<'c, PagedAllocator>,
+    /// Detached between ops, so that a reset can take the cache by `&mut`.
+    lease: RawLease,
     ref_kv: Vec<u32>,
     ref_node: RefNodeId,
     ref_protected: usize,
@@ -169,12 +179,23 @@ pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_ever
     let policy = EvictionPolicy::ALL[policy as usize % EvictionPolicy::ALL.len()];
     let make = || PagedAllocator::new(pages * ps, ps as u32).expect("small allocator");
     let config = RadixConfig { policy, event_capacity: None };
-    let cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
+    let mut cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
         .map_err(|e| e.to_string())?;
     let mut reference = ReferenceRadixCache::new(make(), policy).map_err(|e| e.to_string())?;
-    let mut reqs: Vec<Req<'_>> = Vec::new();
+    let mut reqs: Vec<Req> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
-        apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
+        if let RadixOp::Reset = op {
+            let leases = reqs.iter().filter(|r| r.lease.len() > 0).count();
+            match cache.reset() {
+                Err(CacheError::Leased { leases: n }) if leases > 0 => {
+                    check("reset refused for leases", step, n, leases)?;
+                }
+                Ok(()) if leases == 0 => reference.reset(),
+                other => return Err(format!("step {step}: reset with {leases} leases open gave {other:?}")),
+            }
+        } else {
+            apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
+        }
         if (step + 1) % full_every == 0 || step + 1 == ops.len() {
             compare(&cache, &reference, &reqs, ps, pages, step)?;
         } else {
@@ -191,25 +212,20 @@ pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_ever
     check("free tokens at the end", ops.len(), cache.allocator().available_size(), pages * ps)
 }
 
-fn abort(
-    cache: &RadixCache<PagedAllocator>,
-    reference: &mut ReferenceRadixCache<PagedAllocator>,
-    r: Req<'_>,
-    ps: usize,
-) {
+fn abort(cache: &RadixCache<PagedAllocator>, reference: &mut ReferenceRadixCache<PagedAllocator>, r: Req, ps: usize) {
     let own = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap()[r.lease.len()..].to_vec();
     let _ = ps;
     cache.allocator().free(&own).expect("a request owns its slots");
-    drop(r.lease);
+    cache.release(r.lease).expect("a request's lease is live");
     cache.req_pool().free(r.row).unwrap();
     reference.allocator().free(&r.ref_kv[r.ref_protected..]).expect("reference request owns its slots");
     reference.dec_lock_ref(r.ref_node);
 }
 
-fn apply<'c>(
-    cache: &'c RadixCache<PagedAllocator>,
+fn apply(
+    cache: &RadixCache<PagedAllocator>,
     reference: &mut ReferenceRadixCache<PagedAllocator>,
-    reqs: &mut Vec<Req<'c>>,
+    reqs: &mut Vec<Req>,
     op: &RadixOp,
     ps: usize,
     step: usize,
@@ -271,15 +287,17 @@ fn apply<'c>(
             }
             let mut ref_kv = ref_hit;
             ref_kv.extend_from_slice(&ref_new);
-            reqs.push(Req { ns, tokens: t, row, lease, ref_kv, ref_node, ref_protected: h });
+            reqs.push(Req { ns, tokens: t, row, lease: lease.detach(), ref_kv, ref_node, ref_protected: h });
         }
         RadixOp::Finish { req, prio } => {
             if reqs.is_empty() {
                 return Ok(());
             }
             let r = reqs.remove(*req as usize % reqs.len());
+            let lease =
+                cache.attach(r.lease).map_err(|_| format!("step {step}: a request's lease of another cache"))?;
             let got =
-                cache.cache_finished_req(r.ns, &r.tokens, r.row, r.lease, *prio as i64).map_err(|e| e.to_string())?;
+                cache.cache_finished_req(r.ns, &r.tokens, r.row, lease, *prio as i64).map_err(|e| e.to_string())?;
             let want =
                 reference.cache_finished_req(r.ns, &r.tokens, &r.ref_kv, r.ref_protected, r.ref_node, *prio as i64);
             check("finish: cached prefix", step, got, want)?;
@@ -289,14 +307,15 @@ fn apply<'c>(
                 return Ok(());
             }
             let i = *req as usize % reqs.len();
-            let r = &mut reqs[i];
-            cache.cache_unfinished_req(r.ns, &r.tokens, &mut r.row, &mut r.lease, 0).map_err(|e| e.to_string())?;
-            let (p, n) = reference.cache_unfinished_req(r.ns, &r.tokens, &mut r.ref_kv, r.ref_protected, r.ref_node, 0);
-            r.ref_protected = p;
-            r.ref_node = n;
-            check("chunk: protected", step, r.lease.len(), p)?;
-            let row = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap();
-            check("chunk: row", step, row, &r.ref_kv[..])?;
+            let Req { ns, tokens, mut row, lease, mut ref_kv, ref_node, ref_protected } = reqs.remove(i);
+            let mut lease =
+                cache.attach(lease).map_err(|_| format!("step {step}: a request's lease of another cache"))?;
+            cache.cache_unfinished_req(ns, &tokens, &mut row, &mut lease, 0).map_err(|e| e.to_string())?;
+            let (p, n) = reference.cache_unfinished_req(ns, &tokens, &mut ref_kv, ref_protected, ref_node, 0);
+            check("chunk: protected", step, lease.len(), p)?;
+            check("chunk: row", step, cache.req_pool().read(&row, 0..tokens.len()).unwrap(), &ref_kv[..])?;
+            let lease = lease.detach();
+            reqs.insert(i, Req { ns, tokens, row, lease, ref_kv, ref_node: n, ref_protected: p });
         }
         RadixOp::Abort { req } => {
             if reqs.is_empty() {
@@ -305,6 +324,8 @@ fn apply<'c>(
             let r = reqs.remove(*req as usize % reqs.len());
             abort(cache, reference, r, ps);
         }
+        // `run_with` resets: it holds the cache by `&mut`.
+        RadixOp::Reset => return Err(format!("step {step}: a reset reached apply")),
         RadixOp::Insert { key, ns, prio } => {
             let t = tokens(key, ps);
             let t = &t[..t.len() / ps * ps];
@@ -373,7 +394,7 @@ fn compare_sizes(
 fn compare(
     cache: &RadixCache<PagedAllocator>,
     reference: &ReferenceRadixCache<PagedAllocator>,
-    reqs: &[Req<'_>],
+    reqs: &[Req],
     ps: usize,
     pages: usize,
     step: usize,
