@@ -185,7 +185,7 @@ pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_ever
     let mut reqs: Vec<Req> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         if let RadixOp::Reset = op {
-            let leases = reqs.iter().filter(|r| r.lease.len() > 0).count();
+            let leases = reqs.iter().filter(|r| !r.lease.is_empty()).count();
             match cache.reset() {
                 Err(CacheError::Leased { leases: n }) if leases > 0 => {
                     check("reset refused for leases", step, n, leases)?;
