@@ -676,11 +676,9 @@ impl<A: KvAllocator> ReferenceHiCache<A> {
                 }
                 continue;
             }
+            // Only a backup's or load's `device` is not empty.
             let t = &mut self.transfers[i];
             t.node = None;
-            if !matches!(t.kind, TransferKind::Backup | TransferKind::Load) {
-                t.device.clear();
-            }
             kept.extend(t.device.iter().copied());
             i += 1;
         }

@@ -487,9 +487,17 @@ struct Entry {
     /// Handed to the caller ([`take_transfers`](RadixCache::take_transfers)): its copy
     /// may have started.
     taken: bool,
-    /// Outlived a reset with device pages the copy touches: those pages (paired with its
-    /// host pages) are out of the tree and the transfer's to free when it completes.
-    keeps_device: bool,
+}
+
+impl Entry {
+    /// Outlived a reset with device pages its copy touches: a backup or load locks its
+    /// node (`lock_page`, never 0 for them) until a reset drops the tree, which keeps
+    /// the device pages of those taken (the others it drops). Those pages (paired with
+    /// its host pages) are then out of the tree, the transfer's to free when it
+    /// completes.
+    fn keeps_device(&self) -> bool {
+        self.live && self.taken && self.lock_page == 0 && matches!(self.kind, TransferKind::Backup | TransferKind::Load)
+    }
 }
 
 impl Default for Entry {
@@ -503,7 +511,6 @@ impl Default for Entry {
             count: 0,
             lock_page: 0,
             taken: false,
-            keeps_device: false,
         }
     }
 }
@@ -715,17 +722,8 @@ fn start<A: KvAllocator>(
     // per host page.
     let slot = w.s.ext.free_entries.pop().expect("a transfer slot per host page");
     let e = &mut w.s.ext.entries[slot as usize];
-    *e = Entry {
-        gen: e.gen,
-        live: true,
-        kind,
-        host_first,
-        host_run,
-        count,
-        lock_page,
-        taken: false,
-        keeps_device: false,
-    };
+    debug_assert!(lock_page != 0 || !matches!(kind, TransferKind::Backup | TransferKind::Load));
+    *e = Entry { gen: e.gen, live: true, kind, host_first, host_run, count, lock_page, taken: false };
     let st = &mut w.s.ext;
     let at = (st.queue_head + st.queue_len) % st.queue.len();
     st.queue[at] = slot;
@@ -778,7 +776,7 @@ fn finish_transfer<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, slot: u32) {
     if e.lock_page != 0 {
         w.dec_lock(e.lock_page, 0);
     }
-    if e.keeps_device {
+    if e.keeps_device() {
         let ps = w.c.ps as u32;
         let mut group = w.c.alloc.free_group();
         for (start, len) in w.chain(e.host_first, e.host_run, e.count) {
@@ -1163,14 +1161,13 @@ impl Variant for Hi {
         order(w).update(id);
     }
 
-    fn kept_at_reset<A: KvAllocator>(w: &mut Writer<'_, A, Self>) -> Vec<u64> {
+    fn kept_at_reset<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Vec<u64> {
         // A transfer the caller took may be copying: the device pages its copy reads
         // (a backup) or writes (a load) stay allocated until it completes. A
         // write-back's are free already; a prefetch has none.
         let base = w.c.num_pages;
         let mut kept = Vec::new();
-        for slot in 0..w.s.ext.entries.len() {
-            let e = w.s.ext.entries[slot];
+        for e in &w.s.ext.entries {
             if !e.live || !e.taken || !matches!(e.kind, TransferKind::Backup | TransferKind::Load) {
                 continue;
             }
@@ -1184,7 +1181,6 @@ impl Variant for Hi {
                     kept[d / 64] |= 1 << (d % 64);
                 }
             }
-            w.s.ext.entries[slot].keeps_device = true;
         }
         kept
     }
@@ -1194,7 +1190,8 @@ impl Variant for Hi {
         // Transfers in flight lose their locks with the tree. Those not taken yet are
         // dropped (no copy can have started): their pages, out of the tree now, go
         // back to the host pool. Those taken stay in flight, their host pages held
-        // and their device pages kept (`kept_at_reset`), until they complete.
+        // and their device pages kept (`kept_at_reset`; `Entry::keeps_device` from
+        // now on), until they complete.
         for slot in 0..w.s.ext.entries.len() as u32 {
             let e = &mut w.s.ext.entries[slot as usize];
             if e.live {
@@ -1302,10 +1299,10 @@ impl Variant for Hi {
                     if !w.in_tree(p) {
                         held += 1;
                     }
-                    if e.keeps_device {
+                    if e.keeps_device() {
                         // Outlived a reset: its device page is out of the tree, held.
                         let d = w.s.ext.dev_of_host[h as usize];
-                        if e.lock_page != 0 || d == 0 || w.in_tree(d) || !w.c.alloc.is_allocated(d * w.c.ps as u32) {
+                        if d == 0 || w.in_tree(d) || !w.c.alloc.is_allocated(d * w.c.ps as u32) {
                             return Err(format!("transfer {slot} kept device page {d} across a reset, not held apart"));
                         }
                     }

@@ -194,7 +194,7 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// variant's to free afterwards.
     #[inline(always)]
     #[doc(hidden)]
-    fn kept_at_reset<A: KvAllocator>(_w: &mut Writer<'_, A, Self>) -> Vec<u64> {
+    fn kept_at_reset<A: KvAllocator>(_w: &Writer<'_, A, Self>) -> Vec<u64> {
         Vec::new()
     }
 
