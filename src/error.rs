@@ -98,15 +98,16 @@ pub enum FreeErrorKind {
 
 /// A free named an index that it may not free.
 ///
-/// Out-of-range and already-free indices are found before anything changes: the whole
-/// batch is refused (`rest_freed: false`). The one case found later is an index freed
-/// by two threads at once, or, by a bare [`SlotPool`](crate::SlotPool) (and its
-/// [`FreeGroup`](crate::slots::FreeGroup)), an index named twice in one batch: the
-/// index is freed once, the error names it, and the rest of the batch is freed
-/// (`rest_freed: true`). The KV allocators ([`KvAllocator::free`](crate::KvAllocator::free))
-/// free the distinct pages a batch of slots lies in, so a repeat there is no error at
-/// any page size, and they refuse a batch all or nothing. In every case the pool's
-/// counts stay exact.
+/// Out-of-range and already-free indices, and (by a bare [`SlotPool`](crate::SlotPool)
+/// and its [`FreeGroup`](crate::slots::FreeGroup)) an index named twice in one batch,
+/// are found before anything changes: the whole batch is refused (`rest_freed:
+/// false`; a repeat is reported as [`FreeErrorKind::NotAllocated`], naming the
+/// repeated index). The one case found later is an index freed by two threads at
+/// once: the index is freed once, the error names it, and the rest of the batch is
+/// freed (`rest_freed: true`). The KV allocators
+/// ([`KvAllocator::free`](crate::KvAllocator::free)) free the distinct pages a batch of
+/// slots lies in, so a repeat there is no error at any page size, and they refuse a
+/// batch all or nothing. In every case the pool's counts stay exact.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FreeError {
     /// The offending index (a slot, page or row number, as the caller passed it).

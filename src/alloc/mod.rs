@@ -576,11 +576,7 @@ impl PagedAllocator {
             // of 512-slot blocks, freed and taken with one read-modify-write each
             // instead of eight, in the same order (BENCHMARKS, issue 8, thirteenth
             // round). Larger pages gain nothing measurable from them.
-            pages: if parking {
-                SlotPool::with_parking(num_pages as u32)
-            } else {
-                SlotPool::without_magazines(num_pages as u32)
-            },
+            pages: SlotPool::for_pages(num_pages as u32, parking),
             page_size,
             shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
         })

@@ -681,8 +681,8 @@ impl HostKvPool {
     /// # Errors
     ///
     /// [`FreeError`] for a page that is out of range or not allocated (a double free):
-    /// the whole batch is refused and nothing changes. A page named twice in one batch
-    /// is freed once and reported with `rest_freed` set, as [`SlotPool::free`] does.
+    /// the whole batch is refused and nothing changes; so is a batch that names a page
+    /// twice, as [`SlotPool::free`] does.
     /// While a host tier owns the pool ([`is_owned`](Self::is_owned)) every allocated
     /// page is its cache's, so a non-empty batch is refused whole: its first page is
     /// reported ([`FreeErrorKind::Cached`] when it is allocated).

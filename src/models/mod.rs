@@ -596,6 +596,8 @@ pub struct AllocModel {
     /// Pages freed inside the open group: in `free`, but not yet available.
     pending: usize,
     group_open: bool,
+    /// Whether the last [`free`](Self::free) was refused for an index named twice.
+    refused_repeat: bool,
     /// A `SlotPool`'s magazine (single-threaded: one), entries bottom first; they are
     /// in `free` too. `mag_cap` is 0 without magazines.
     mag: Vec<u32>,
@@ -647,6 +649,7 @@ impl AllocModel {
             seen: vec![0; words],
             pending: 0,
             group_open: false,
+            refused_repeat: false,
             mag: Vec::new(),
             mag_cap,
         };
@@ -868,12 +871,14 @@ impl AllocModel {
     /// distinct pages. A KV allocator's model merges repeats at every page size (at
     /// page size 1 a slot named twice is freed once, with no error), so a batch is
     /// freed all or nothing. A `SlotPool`'s model is strict about an index named twice
-    /// in the batch (freed once, reported with `rest_freed`).
+    /// in the batch: once every index is in range and allocated, a repeat refuses the
+    /// batch whole, naming a repeated index.
     ///
     /// # Errors
     ///
     /// What the real free must report.
     pub fn free(&mut self, slots: &[u32]) -> Result<(), ExpectedFreeError> {
+        self.refused_repeat = false;
         let ps = self.page_size;
         // The batch's distinct pages are marked in `seen` (cleared again before
         // returning); `pages` lists them.
@@ -906,6 +911,13 @@ impl AllocModel {
         if let Some(e) = refused {
             return Err(e);
         }
+        self.refused_repeat = self.unit == Unit::Indices && !repeated.is_empty();
+        if self.refused_repeat {
+            repeated.sort_unstable();
+            repeated.dedup();
+            let kind = FreeErrorKind::NotAllocated;
+            return Err(ExpectedFreeError { kind, rest_freed: false, index_any_of: repeated });
+        }
         if self.group_open {
             self.pending += pages.len();
         } else if !slots.is_empty() && slots.len() <= self.mag_cap {
@@ -922,12 +934,6 @@ impl AllocModel {
             self.free[page as usize / 64] |= 1 << (page % 64);
         }
         self.free_count += pages.len();
-        if self.unit == Unit::Indices && !repeated.is_empty() {
-            repeated.sort_unstable();
-            repeated.dedup();
-            let kind = FreeErrorKind::NotAllocated;
-            return Err(ExpectedFreeError { kind, rest_freed: true, index_any_of: repeated });
-        }
         Ok(())
     }
 
@@ -1175,9 +1181,12 @@ fn alloc_outcome(r: &Result<Allocated, AllocError>) -> &'static str {
 
 /// The outcome of a free of `slots` for the stats: [`free_outcome`], but a batch that
 /// names one slot twice and is freed is "ok, slot repeated" (repeats merge).
-pub(crate) fn free_batch_outcome(slots: &[u32], r: &Result<(), ExpectedFreeError>) -> &'static str {
+pub(crate) fn free_batch_outcome(slots: &[u32], r: &Result<(), ExpectedFreeError>, model: &AllocModel) -> &'static str {
     if r.is_ok() && slots.iter().enumerate().any(|(i, s)| slots[..i].contains(s)) {
         return "ok, slot repeated";
+    }
+    if model.refused_repeat {
+        return "duplicate in batch";
     }
     free_outcome(r)
 }
@@ -1186,7 +1195,6 @@ fn free_outcome(r: &Result<(), ExpectedFreeError>) -> &'static str {
     match r {
         Ok(()) => "ok",
         Err(e) if matches!(e.kind, FreeErrorKind::OutOfRange { .. }) => "out of range",
-        Err(e) if e.rest_freed => "duplicate in batch",
         Err(_) => "not allocated",
     }
 }
@@ -1628,7 +1636,7 @@ fn step<'s, S: Subject>(
             prev = page;
         }
         let stats = &mut runner.stats;
-        stats.record(if group.is_some() { "group free" } else { "free" }, free_batch_outcome(slots, &want));
+        stats.record(if group.is_some() { "group free" } else { "free" }, free_batch_outcome(slots, &want, model));
         let refused = matches!(want, Err(ExpectedFreeError { rest_freed: false, .. }));
         match (&got, &want) {
             (Ok(()), Ok(())) => Ok(refused),

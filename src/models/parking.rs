@@ -18,8 +18,7 @@
 //! * a range free of allocated indices succeeds and frees them all; one that names a
 //!   free or out-of-range index fails, freeing nothing (`free_range`) or, through
 //!   `free_ranges`, the whole words below the first bad index;
-//! * a slice free with a bad index fails; a repeat inside the batch frees the rest
-//!   (`rest_freed`), anything else nothing;
+//! * a slice free with a bad index or a repeat fails, freeing nothing;
 //! * after every step: `available()` of both pools equals the model's free count,
 //!   `is_allocated` agrees for every index (0 and one past the end included), and
 //!   `check_invariants()` passes.
@@ -185,12 +184,9 @@ pub fn run_parking(ops: &[ParkOp]) -> Result<(), String> {
                         ensure!(step, !bad, "freeing {indices:?} succeeded");
                         indices.iter().for_each(|&i| free[i as usize] = true);
                     }
-                    // A repeat inside the batch frees the rest; anything else, nothing.
+                    // A bad index or a repeat: nothing freed.
                     Err(e) => {
-                        ensure!(step, bad, "freeing {indices:?}: {e:?}");
-                        if e.rest_freed {
-                            indices.iter().for_each(|&i| free[i as usize] = true);
-                        }
+                        ensure!(step, bad && !e.rest_freed, "freeing {indices:?}: {e:?}");
                     }
                 }
             }

@@ -666,7 +666,10 @@ fn step<'s>(
             None => a.free(slots),
         };
         let want = model.free(slots);
-        runner.stats.record(if group.is_some() { "group free" } else { "free" }, free_batch_outcome(slots, &want));
+        runner.stats.record(
+            if group.is_some() { "group free" } else { "free" },
+            free_batch_outcome(slots, &want, model.full()),
+        );
         let refused = matches!(want, Err(ExpectedFreeError { rest_freed: false, .. }));
         match (&got, &want) {
             (Ok(()), Ok(())) => Ok(refused),

@@ -147,9 +147,19 @@
 //!   validate every index (in range, held bit 1) before changing anything; if the
 //!   batch does not fit on top, *flush* the magazine first (below); then per run
 //!   (indices in one word) clear the held bits with one `fetch_and` and push, in batch
-//!   order, the indices whose bit this `fetch_and` cleared (the others were freed
-//!   twice in the batch or by a racing free: reported as today, `rest_freed`). A run
-//!   of consecutive indices is pushed with one copy.
+//!   order, the indices whose bit this `fetch_and` cleared (the others were freed by
+//!   a racing free since validation: reported with `rest_freed`). A run of
+//!   consecutive indices is pushed with one copy. An index named twice in the batch
+//!   is found by the validation (see "Repeats" below), so it refuses the batch whole.
+//! * **Repeats.** A strict free (`SlotPool::free`, `FreeGroup::free`) refuses a batch
+//!   that names an index twice before it changes anything. The validation cuts the
+//!   batch into runs (indices in one word) anyway: a repeat inside a run shows in the
+//!   run's mask; a run that comes back to a word at or below the highest word before
+//!   it is compared with the earlier runs kept on the stack (up to 64). Past that
+//!   buffer, such a batch (in no order) marks its runs in `freeing`, a bitmap that is
+//!   all 0 at rest, with one `fetch_or` per run, and unmarks them again: O(runs), no
+//!   allocation. Ascending batches (what allocation hands out) pay one comparison per
+//!   run.
 //! * **Alloc** of `n <= mag_cap`: take the magazine; if it holds `n`, copy the top `n`
 //!   entries out (in push order, so a batch freed as a run comes back as the same
 //!   run), lower `len`, give the magazine back, then set the held bits (one
@@ -461,6 +471,12 @@ pub struct SlotPool {
     /// whose bitmap bit is 0 too. Empty in a pool without magazines, where
     /// "handed out" is simply "bit 0 in `words`".
     held: Box<[AtomicU64]>,
+    /// One bit per index, set only while a strict free checks a batch for an index
+    /// named twice, in the one case its validation cannot settle from the runs alone:
+    /// more runs than the stack buffer, out of word order (see
+    /// [`repeat_by_marks`](Self::repeat_by_marks)). All 0 at rest. Empty in the KV
+    /// allocators' page pools, whose frees merge repeats.
+    freeing: Box<[untracked::AtomicU64]>,
     /// One magazine per shard (`thread_slot % SHARDS`); empty without magazines.
     mags: Box<[CachePadded<Magazine>]>,
     /// Entries each magazine holds at most: `min(MAGAZINE, capacity)`, 0 without
@@ -758,7 +774,18 @@ impl SlotPool {
         Self::build(capacity, entries.min(capacity as usize), false)
     }
 
+    /// The KV allocators' page pool: as [`with_parking`](Self::with_parking) or
+    /// [`without_magazines`](Self::without_magazines), without the bitmap a strict
+    /// free's repeat check may need (their frees merge repeats).
+    pub(crate) fn for_pages(capacity: u32, parking: bool) -> Self {
+        Self::build_with(capacity, 0, parking, false)
+    }
+
     fn build(capacity: u32, mag_cap: usize, parking: bool) -> Self {
+        Self::build_with(capacity, mag_cap, parking, true)
+    }
+
+    fn build_with(capacity: u32, mag_cap: usize, parking: bool, strict: bool) -> Self {
         crate::iota::prepare();
         let nwords = (capacity as usize).div_ceil(BITS);
         let words: Box<[AtomicU64]> = (0..nwords).map(|_| AtomicU64::new(0)).collect();
@@ -785,6 +812,7 @@ impl SlotPool {
             hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
             unpublished: AtomicUsize::new(0),
             held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
+            freeing: (0..if strict { nwords } else { 0 }).map(|_| untracked::AtomicU64::new(0)).collect(),
             mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
             mag_cap,
             park: Box::new(park::Park::new(nblocks)),
@@ -1467,14 +1495,17 @@ impl SlotPool {
     ///
     /// # Errors
     ///
-    /// [`FreeError`] naming the first index that is out of range or not allocated; see
-    /// that type for what was changed (normally nothing).
+    /// [`FreeError`] naming the first index that is out of range or not allocated, or
+    /// else an index the batch names twice; nothing is freed then. See that type for
+    /// the one exception (two threads freeing the same index at once).
     ///
     /// # Examples
     ///
     /// ```
     /// let pool = kvpool::SlotPool::new(4);
     /// let a = [pool.alloc_one()?, pool.alloc_one()?];
+    /// assert!(pool.free(&[a[0], a[1], a[0]]).is_err()); // a repeat: nothing freed
+    /// assert_eq!(pool.available(), 2);
     /// pool.free(&a)?;
     /// pool.free(&[])?;                       // freeing nothing is fine
     /// assert!(pool.free(&[9]).is_err());     // out of range
@@ -1510,7 +1541,8 @@ impl SlotPool {
         // that applying them does not cut the batch into runs a second time.
         let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
         let mut buffered = 0;
-        let mut simple = true; // no index twice in a run, and every run buffered
+        let mut simple = true; // every run buffered
+        let mut repeats = RepeatCheck::default();
         let mut pos = 0;
         while pos < indices.len() {
             let run = self.next_run(indices, pos)?;
@@ -1523,13 +1555,18 @@ impl SlotPool {
                     .unwrap_or(indices[pos]);
                 return Err(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false });
             }
-            if run.dup.is_some() || buffered == RUN_BUF {
+            repeats.run(&run, indices, pos, simple.then_some(&runs[..buffered]));
+            if buffered == RUN_BUF {
                 simple = false;
             } else {
                 runs[buffered].write((run.word, run.mask));
                 buffered += 1;
             }
             pos = run.end;
+        }
+        if let Some(index) = repeats.finish(self, indices) {
+            // An index named twice: refused whole, as a double free.
+            return Err(FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false });
         }
         // 2. Room: a full magazine goes back to the bitmap whole (the depot).
         let mut len = guard.len();
@@ -1538,8 +1575,8 @@ impl SlotPool {
             len = 0;
         }
         // 3. Apply: clear the held bits run by run (Relaxed: see `set_held`). Bits that
-        // are already 0 were freed by a racing free since we validated (or earlier in
-        // this batch): not ours to push.
+        // are already 0 were freed by a racing free since we validated: not ours to
+        // push.
         let mut first_dup = None;
         if simple {
             let mut lost = false;
@@ -1576,7 +1613,7 @@ impl SlotPool {
                 }
             });
         } else {
-            // Repeats inside a run, or more runs than the buffer: cut the batch again.
+            // More runs than the buffer: cut the batch again.
             guard.with_slots(|slots| {
                 let mut pos = 0;
                 while pos < indices.len() {
@@ -1655,7 +1692,7 @@ impl SlotPool {
         let mut runs = [MaybeUninit::<(usize, u64)>::uninit(); RUN_BUF];
         let mut buffered = 0;
         let mut unbuffered_from = None;
-        let mut first_dup = None;
+        let mut repeats = RepeatCheck::default();
         let mut pos = 0;
         while pos < indices.len() {
             let run = self.next_run(indices, pos).map_err(|e| (0, e))?;
@@ -1670,7 +1707,8 @@ impl SlotPool {
                 return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
             }
             if dup == Dup::Strict {
-                first_dup = first_dup.or(run.dup);
+                let earlier = unbuffered_from.is_none().then_some(&runs[..buffered]);
+                repeats.run(&run, indices, pos, earlier);
             }
             if buffered < RUN_BUF {
                 runs[buffered].write((run.word, run.mask));
@@ -1680,9 +1718,14 @@ impl SlotPool {
             }
             pos = run.end;
         }
+        if let Some(index) = repeats.finish(self, indices) {
+            // An index named twice: refused whole, as a double free.
+            return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
+        }
         validated();
-        // 2. Apply: one fetch_or per run.
-        let mut acc = Applied::new(first_dup);
+        // 2. Apply: one fetch_or per run. A bit found set again now was freed by a
+        // racing free since we validated.
+        let mut acc = Applied::new(None);
         for run in &runs[..buffered] {
             // SAFETY: the validation loop wrote entries `..buffered` (it counts up
             // `buffered` only right after writing `runs[buffered]`).
@@ -1749,6 +1792,49 @@ impl SlotPool {
             end += 1;
         }
         Ok(Run { word, mask, end, dup })
+    }
+
+    /// A strict free's check for an index named twice, for a batch with more runs
+    /// than the stack buffer that comes back to words it passed (a batch in no order):
+    /// mark each run's bits in `freeing` with one `fetch_or`, stop at the first run
+    /// that finds one of its bits marked already, and unmark what this call marked.
+    /// O(runs), and nothing else changes. `indices` passed validation (every run is
+    /// in range). Returns the first index (in batch order) of the first run that
+    /// clashed.
+    ///
+    /// Two frees that race on the same index may see each other's marks: the batch
+    /// that does is refused as a repeat, which it is across the two (a double free).
+    /// Frees of different indices touch different bits and never interfere.
+    #[cold]
+    fn repeat_by_marks(&self, indices: &[u32]) -> Option<u32> {
+        if self.freeing.is_empty() {
+            // A KV allocator's page pool, whose frees merge repeats: never reached;
+            // still exact.
+            debug_assert!(false, "a strict free of a page pool");
+            return indices.iter().enumerate().find(|(i, x)| indices[..*i].contains(x)).map(|(_, &x)| x);
+        }
+        let mut found = None;
+        let mut end = 0;
+        while end < indices.len() {
+            let Ok(run) = self.next_run(indices, end) else { break };
+            // Relaxed: the marks order nothing; each bit is one free's until it unmarks.
+            let old = self.freeing[run.word].fetch_or(run.mask, untracked::Ordering::Relaxed);
+            let clash = old & run.mask;
+            if clash != 0 {
+                // Unmark this run's own bits; the runs before it are unmarked below.
+                self.freeing[run.word].fetch_and(!(run.mask & !old), untracked::Ordering::Relaxed);
+                found = indices[end..run.end].iter().copied().find(|&i| Self::locate(i).1 & clash != 0);
+                break;
+            }
+            end = run.end;
+        }
+        let mut pos = 0;
+        while pos < end {
+            let Ok(run) = self.next_run(indices, pos) else { break };
+            self.freeing[run.word].fetch_and(!run.mask, untracked::Ordering::Relaxed);
+            pos = run.end;
+        }
+        found
     }
 
     /// Set the bits of `mask` in word `w`; count them and note double frees in `acc`.
@@ -1826,7 +1912,9 @@ impl SlotPool {
     /// Validate then set the bits of `indices` (without publishing), for any iterator
     /// of indices (pages of token slots: repeats are the norm there, see [`Dup`]).
     /// `validated` runs as in [`release_slice_then`](Self::release_slice_then).
-    /// Returns how many bits went 0 -> 1, and on error also that count.
+    /// Returns how many bits went 0 -> 1, and on error also that count. Its callers
+    /// merge repeats: with [`Dup::Strict`] it would report a repeat only after freeing
+    /// the rest (`rest_freed`), unlike `release_slice_then`.
     pub(crate) fn release<I>(&self, indices: I, dup: Dup, validated: impl FnOnce()) -> Result<usize, (usize, FreeError)>
     where
         I: Iterator<Item = u32> + Clone,
@@ -1914,6 +2002,9 @@ impl SlotPool {
     /// frees, or bits past the capacity are set. Either is a kvpool bug.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let cap = self.capacity as usize;
+        if let Some(w) = self.freeing.iter().position(|m| m.load(untracked::Ordering::Relaxed) != 0) {
+            return Err(InvariantViolation(format!("word {w} of a free's repeat marks was left set")));
+        }
         let mut ones = 0usize;
         for (w, word) in self.words.iter().enumerate() {
             let v = word.load(Ordering::Acquire);
@@ -2014,6 +2105,67 @@ struct Run {
     end: usize,
     /// The first index repeated inside the run.
     dup: Option<u32>,
+}
+
+/// A strict free's check for an index named twice in its batch, run by run while the
+/// batch is validated, so that a repeat refuses the whole batch before anything
+/// changes. A repeat inside one run is the run's own `dup`. One across runs needs a
+/// run that comes back to a word at or below the highest word before it: checked
+/// against the runs buffered on the stack, or, past the buffer, by
+/// [`SlotPool::repeat_by_marks`] once the loop is done.
+#[derive(Default)]
+struct RepeatCheck {
+    /// One past the highest word of the runs so far (0 before the first run).
+    top: usize,
+    /// A run came back below `top` past the buffered runs.
+    deferred: bool,
+    /// The repeated index found.
+    found: Option<u32>,
+}
+
+impl RepeatCheck {
+    /// Note `run` (`indices[pos..run.end]`); `earlier` holds every run before it, or
+    /// is `None` when some were not buffered.
+    #[inline]
+    fn run(&mut self, run: &Run, indices: &[u32], pos: usize, earlier: Option<&[MaybeUninit<(usize, u64)>]>) {
+        if self.found.is_some() {
+            return;
+        }
+        if run.dup.is_some() {
+            self.found = run.dup;
+            return;
+        }
+        let back = run.word < self.top;
+        self.top = self.top.max(run.word + 1);
+        if !back {
+            return;
+        }
+        let Some(earlier) = earlier else {
+            self.deferred = true;
+            return;
+        };
+        let clash = earlier.iter().fold(0u64, |acc, r| {
+            // SAFETY: the callers pass only the entries their validation loop wrote
+            // (`runs[..buffered]`, counted up right after each write).
+            let (w, m) = unsafe { r.assume_init() };
+            if w == run.word {
+                acc | (m & run.mask)
+            } else {
+                acc
+            }
+        });
+        if clash != 0 {
+            self.found = indices[pos..run.end].iter().copied().find(|&i| SlotPool::locate(i).1 & clash != 0);
+        }
+    }
+
+    /// After the loop: the repeated index, if any.
+    fn finish(self, pool: &SlotPool, indices: &[u32]) -> Option<u32> {
+        match self.found {
+            None if self.deferred => pool.repeat_by_marks(indices),
+            found => found,
+        }
+    }
 }
 
 /// What applying a free batch did so far.

@@ -148,18 +148,65 @@ fn free_errors_change_nothing() {
     pool.free(&[]).unwrap();
 }
 
+/// A batch that names an index twice is refused whole, whichever way the repeat lies:
+/// inside one run, in a later run after another word (checked against the runs on
+/// the stack), or past the stack's 64 runs in a batch in no order (checked with the
+/// repeat marks); through a magazine, the bitmap (a batch larger than a magazine), a
+/// pool without magazines and a free group.
 #[test]
-fn duplicate_in_batch_frees_once_and_reports() {
-    let pool = SlotPool::new(200);
-    let mut a = [0u32; 200];
-    pool.alloc(&mut a).unwrap();
-    // adjacent duplicate (same run) and a distant one (another run)
-    let e = pool.free(&[3, 3]).unwrap_err();
-    assert_eq!((e.index, e.rest_freed), (3, true));
-    let e = pool.free(&[7, 150, 7]).unwrap_err();
-    assert_eq!((e.index, e.rest_freed), (7, true));
-    assert_eq!(pool.available(), 3);
-    pool.check_invariants().unwrap();
+fn a_repeat_in_a_batch_refuses_it_whole() {
+    // 100 runs alternating between words 0 and 1, then `extra`.
+    let alternating = |extra: &[u32]| -> Vec<u32> {
+        let mut b: Vec<u32> = (1..=50u32).flat_map(|k| [k, 64 + k]).collect();
+        b.extend_from_slice(extra);
+        b
+    };
+    let cases: Vec<(Vec<u32>, u32)> = vec![
+        (vec![3, 3], 3),
+        (vec![5, 6, 5], 5),
+        (vec![7, 150, 7], 7),
+        (vec![150, 7, 150], 150),
+        (alternating(&[3]), 3),
+        (alternating(&[200, 64 + 50]), 114),
+        ((1..=300u32).rev().chain([17]).collect(), 17),
+        ((1..=1200u32).chain([600]).collect(), 600),
+    ];
+    for (name, make) in [
+        ("magazines", SlotPool::new as fn(u32) -> SlotPool),
+        ("small magazines", |c| SlotPool::with_magazines(c, 8)),
+        ("no magazines", SlotPool::without_magazines),
+    ] {
+        for (batch, repeated) in &cases {
+            for grouped in [false, true] {
+                let pool = make(2000);
+                let mut all = vec![0u32; 2000];
+                pool.alloc(&mut all).unwrap();
+                let e = if grouped {
+                    let mut g = pool.free_group();
+                    let e = g.free(batch).unwrap_err();
+                    assert_eq!(g.end(), 0, "{name}: {batch:?}");
+                    e
+                } else {
+                    pool.free(batch).unwrap_err()
+                };
+                let what = format!("{name}, grouped {grouped}: {e:?} for {batch:?}");
+                assert_eq!((e.index, e.kind, e.rest_freed), (*repeated, FreeErrorKind::NotAllocated, false), "{what}");
+                assert_eq!(pool.available(), 0, "{what}");
+                assert!(batch.iter().all(|&i| pool.is_allocated(i)), "{what}");
+                pool.check_invariants().unwrap();
+                // The same batch without its repeats frees.
+                let mut distinct = Vec::new();
+                for &i in batch {
+                    if !distinct.contains(&i) {
+                        distinct.push(i);
+                    }
+                }
+                pool.free(&distinct).unwrap();
+                assert_eq!(pool.available(), distinct.len(), "{what}");
+                pool.check_invariants().unwrap();
+            }
+        }
+    }
 }
 
 #[test]
@@ -277,6 +324,13 @@ fn free_paths_match_a_sequential_model() {
                         }
                         batch.sort_unstable();
                         batch.dedup();
+                        if rng.below(2) == 0 {
+                            // In no order: runs come back to earlier words (past the
+                            // stack buffer's 64 runs too).
+                            for i in (1..batch.len()).rev() {
+                                batch.swap(i, rng.below(i as u64 + 1) as usize);
+                            }
+                        }
                     }
                 }
                 let bad = match rng.below(8) {
@@ -310,13 +364,10 @@ fn free_paths_match_a_sequential_model() {
                         assert_eq!(pool.available(), before, "a refused free changed the count");
                     }
                     (Err(e), None) => {
-                        // Every index valid, one repeated: freed once each, reported.
-                        assert!(e.rest_freed && e.kind == FreeErrorKind::NotAllocated);
+                        // Every index valid, one repeated: refused whole, the repeat named.
+                        assert_eq!((e.kind, e.rest_freed), (FreeErrorKind::NotAllocated, false), "{batch:?}");
                         assert!(batch.iter().filter(|&&i| i == e.index).count() > 1, "{e:?} {batch:?}");
-                        for i in &batch {
-                            free.insert(*i);
-                        }
-                        held.retain(|i| !free.contains(i));
+                        assert_eq!(pool.available(), before, "a refused free changed the count");
                     }
                     (Ok(()), Some(i)) => panic!("seed {seed} step {step}: freed {batch:?} despite {i}"),
                 }
@@ -412,8 +463,9 @@ fn magazine_free_with_many_runs() {
     let mut with_repeat = batch.clone();
     with_repeat.push(3);
     let e = pool.free(&with_repeat).unwrap_err();
-    assert_eq!((e.index, e.kind, e.rest_freed), (3, FreeErrorKind::NotAllocated, true));
-    assert_eq!(pool.available(), 100);
+    assert_eq!((e.index, e.kind, e.rest_freed), (3, FreeErrorKind::NotAllocated, false));
+    assert_eq!(pool.available(), 0, "refused whole");
+    pool.free(&batch).unwrap();
     pool.alloc(&mut got).unwrap();
     assert_eq!(got, batch, "each index pushed once");
     pool.check_invariants().unwrap();
