@@ -587,3 +587,30 @@ impl From<OutOfMemory> for SlotsError {
         SlotsError::OutOfMemory(e)
     }
 }
+
+/// The `Display` and `Error` impls of an error that hands a handle back (a field
+/// `error` with the reason, beside the handle): it reads as its reason. With `=>
+/// Reason`, also `From<Type> for Reason`, which keeps the reason and drops the handle.
+macro_rules! hands_back {
+    ($ty:ty) => {
+        impl core::fmt::Display for $ty {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                self.error.fmt(f)
+            }
+        }
+
+        impl std::error::Error for $ty {}
+    };
+    ($ty:ty => $reason:ty) => {
+        $crate::error::hands_back!($ty);
+
+        /// The reason alone (the handle is dropped: take it from the error first if it
+        /// is to be freed elsewhere).
+        impl From<$ty> for $reason {
+            fn from(e: $ty) -> Self {
+                e.error
+            }
+        }
+    };
+}
+pub(crate) use hands_back;

@@ -57,21 +57,7 @@ pub struct RowFreeError {
     pub row: ReqRow,
 }
 
-impl core::fmt::Display for RowFreeError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl std::error::Error for RowFreeError {}
-
-/// The reason alone (the handle is dropped: keep it from the error first if it is to
-/// be freed elsewhere).
-impl From<RowFreeError> for RowError {
-    fn from(e: RowFreeError) -> Self {
-        e.error
-    }
-}
+crate::error::hands_back!(RowFreeError => RowError);
 
 impl ReqRow {
     /// The row number, `0..size` (SGLang's `req_pool_idx`).

@@ -85,21 +85,7 @@ pub struct SlotRefused {
     pub slot: MambaSlot,
 }
 
-impl core::fmt::Display for SlotRefused {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl std::error::Error for SlotRefused {}
-
-/// The reason alone (the handle is dropped: take it from the error first if it is to
-/// be freed elsewhere).
-impl From<SlotRefused> for MambaError {
-    fn from(e: SlotRefused) -> Self {
-        e.error
-    }
-}
+crate::error::hands_back!(SlotRefused => MambaError);
 
 /// What holds a Mamba state the caller may read and write: a [`MambaSlot`], or a
 /// [`HybridRow`](super::HybridRow) (its working state). The pool's state accessors

@@ -133,13 +133,7 @@ pub struct HybridAllocError {
     pub returned: Option<MambaSlot>,
 }
 
-impl core::fmt::Display for HybridAllocError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl std::error::Error for HybridAllocError {}
+crate::error::hands_back!(HybridAllocError);
 
 /// Why [`HybridReqToTokenPool::free`] refused a row: nothing was freed, and the row
 /// comes back whole (with every state it owns) in `row`.
@@ -152,13 +146,7 @@ pub struct HybridFreeError {
     pub row: HybridRow,
 }
 
-impl core::fmt::Display for HybridFreeError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl std::error::Error for HybridFreeError {}
+crate::error::hands_back!(HybridFreeError);
 
 /// SGLang's `HybridReqToTokenPool`: a [`ReqToTokenPool`] whose rows also own a Mamba
 /// slot (`req_index_to_mamba_index`) and `track_buffers` ping-pong track buffers
