@@ -209,6 +209,45 @@ fn a_repeat_in_a_batch_refuses_it_whole() {
     }
 }
 
+/// Threads free batches in no order (past the stack's 64 runs, so the repeat marks do
+/// the check) into words the other threads' batches share, some with a repeat. Each
+/// refused batch must leave every one of its indices allocated (another thread's marks
+/// in the same words must neither refuse it nor be cleared by it); each accepted one
+/// frees exactly its indices; at the end every index is free and no mark is left.
+#[test]
+fn concurrent_frees_in_no_order_keep_the_repeat_check_exact() {
+    const THREADS: usize = 4;
+    const BATCH: usize = 160;
+    for pool in [SlotPool::new(4096), SlotPool::without_magazines(4096)] {
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let pool = &pool;
+                s.spawn(move || {
+                    let mut rng = Rng(0x5EED_0000 + t as u64);
+                    let mut batch = vec![0u32; BATCH];
+                    for round in 0..300 {
+                        pool.alloc(&mut batch).unwrap();
+                        for i in (1..BATCH).rev() {
+                            batch.swap(i, rng.below(i as u64 + 1) as usize);
+                        }
+                        if round % 3 == 0 {
+                            let mut repeated = batch.clone();
+                            let at = rng.below(BATCH as u64) as usize;
+                            repeated.push(batch[at]);
+                            let e = pool.free(&repeated).unwrap_err();
+                            assert_eq!((e.index, e.rest_freed), (batch[at], false), "thread {t} round {round}");
+                            assert!(batch.iter().all(|&i| pool.is_allocated(i)), "thread {t} round {round}");
+                        }
+                        pool.free(&batch).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.available(), 4096);
+        pool.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn free_group_publishes_at_end() {
     let pool = SlotPool::new(8);
