@@ -1725,7 +1725,7 @@ impl SlotPool {
         validated();
         // 2. Apply: one fetch_or per run. A bit found set again now was freed by a
         // racing free since we validated.
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         for run in &runs[..buffered] {
             // SAFETY: the validation loop wrote entries `..buffered` (it counts up
             // `buffered` only right after writing `runs[buffered]`).
@@ -1941,7 +1941,7 @@ impl SlotPool {
         validated();
         // 2. Apply, one fetch_or per run of indices in the same word. Merging, an index
         // equal to the one before it adds nothing (strict, it is a double free).
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         let mut run_word = usize::MAX;
         let mut run_mask = 0u64;
         let mut prev = u64::MAX;
@@ -2171,6 +2171,8 @@ impl RepeatCheck {
 /// What applying a free batch did so far.
 struct Applied {
     freed: usize,
+    /// The first index found free again while applying: freed by a racing free since
+    /// the validation (or, in a strict [`SlotPool::release`], named twice).
     first_dup: Option<u32>,
     min_word: usize,
     /// Words set so far whose summary bits are still to be set, with one summary
@@ -2186,10 +2188,10 @@ struct Applied {
 }
 
 impl Applied {
-    fn new(first_dup: Option<u32>) -> Self {
+    fn new() -> Self {
         Applied {
             freed: 0,
-            first_dup,
+            first_dup: None,
             min_word: usize::MAX,
             marks: SummaryBits::default(),
             blk: usize::MAX,

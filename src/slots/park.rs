@@ -412,7 +412,7 @@ impl SlotPool {
             return take;
         }
         // The remainder: the rest of a partly taken word, then whole words.
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         let mut w = w0 + full;
         if part > 0 {
             let low = (1u64 << part) - 1;
@@ -595,7 +595,7 @@ mod tests {
     fn a_word_free_that_finds_its_block_parked_withdraws() {
         let pool = full(1024);
         // Replay the race by hand: the word free sets its bit...
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         pool.set_bits(0, 1 << 4, crate::slots::Dup::Strict, &mut acc);
         // ...a block free that loaded the words before that bit parks the block...
         pool.park.blocks[0].fetch_or(PARKED, Ordering::SeqCst);

@@ -150,7 +150,7 @@ impl SlotPool {
                 return Err((0, FreeError { index, kind: FreeErrorKind::NotAllocated, rest_freed: false }));
             }
         }
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         let mut words = words_of(first, count);
         while let Some((w, mask)) = words.next() {
             if self.parks && starts_whole_block(w, first, count) {
@@ -215,7 +215,7 @@ impl FreeGroup<'_> {
     /// eviction), where an error is a bug.
     pub(crate) fn free_ranges(&mut self, ranges: impl IntoIterator<Item = (u32, u32)>) -> Result<(), FreeError> {
         let pool = self.pool;
-        let mut acc = Applied::new(None);
+        let mut acc = Applied::new();
         let mut error = None;
         // The word being gathered (`usize::MAX`: none yet) and its bits.
         let (mut word, mut bits) = (usize::MAX, 0u64);
