@@ -28,6 +28,7 @@
 //! | `claim_racing_a_group_that_parks`       | a claim that needs more than the words hold racing a free group that parks a block: refused until the group ends, then served lowest first from words and block; counts come back |
 //! | `owned_batches_racing_a_flush_and_a_bare_free` | owned batches (`Slots`): the main thread's runs magazine holds [1, 2]; a thread sharing it fills a batch from it (or the bitmap) and tries a bare free of what it owns (always refused), while a thread that needs 3 flushes that magazine or is refused; all three outcomes reached, one owner per index, counts come back |
 //! | `a_private_magazine_racing_a_claim_for_what_it_holds` | `SlotCache`: a cache of 2 draws its stock (2, or 1 when the pool is short) and hands a batch out of it and back while another thread claims 3 of the 4: the claim is served or refused by what the stock holds, never both handed the same index; the cache's drop returns the stock; all three outcomes reached, counts come back |
+//! | `repeat_checks_by_marks_racing_in_shared_words` | two strict frees whose batches come back to words they passed, past the run buffer (2 runs under loom), so both check for repeats with the `freeing` marks in the same words: the distinct batch is freed whole, the one naming an index twice is refused whole; no mark is left, counts exact |
 //! | `large_claim_placement_racing_small_claim` | a claim of 64 that passes over a sparse word first (placement) and takes it in its second pass, racing a one-index claim of that word's lowest bit: one owner per index, all 65 free handed out, both orders reached |
 //!
 //! Under loom a magazine holds 2 indices and there are 2 shards: loom threads 0 and 2
@@ -937,4 +938,36 @@ fn a_private_magazine_racing_a_claim_for_what_it_holds() {
         "a_private_magazine_racing_a_claim_for_what_it_holds",
         &["claim_served", "claim_refused", "draw_cut_short"],
     );
+}
+
+/// Two strict frees in a pool without magazines, each of a batch that comes back to a
+/// word it passed after more runs than the stack buffer holds (two under loom), so
+/// both look for repeats with the pool's `freeing` marks, in the same three words.
+/// One batch is distinct: it is freed whole, whatever the other's marks do meanwhile.
+/// The other names index 3 twice: it is refused whole (`rest_freed: false`), its
+/// indices still allocated, whatever the first's marks do. At the end no mark is left
+/// (`check_invariants`) and the counts are exact.
+#[test]
+fn repeat_checks_by_marks_racing_in_shared_words() {
+    loom_common::model("repeat_checks_by_marks_racing_in_shared_words", || {
+        const CAP: u32 = 192; // three words
+        let pool = Arc::new(SlotPool::without_magazines(CAP));
+        let mut all = vec![0u32; CAP as usize];
+        pool.alloc(&mut all).unwrap();
+        // Words 0, 1, 2, then back to 0.
+        let distinct = [1u32, 65, 129, 2];
+        let repeated = [3u32, 66, 130, 3];
+        let a = {
+            let pool = Arc::clone(&pool);
+            thread::spawn(move || pool.free(&distinct))
+        };
+        let r = pool.free(&repeated);
+        a.join().unwrap().expect("a distinct batch frees whole");
+        let e = r.expect_err("a batch naming 3 twice is refused");
+        assert_eq!((e.index, e.kind, e.rest_freed), (3, FreeErrorKind::NotAllocated, false));
+        assert!([3, 66, 130].iter().all(|&i| pool.is_allocated(i)), "a refused batch freed something");
+        assert!(distinct.iter().all(|&i| !pool.is_allocated(i)));
+        assert_eq!(pool.available(), distinct.len());
+        pool.check_invariants().unwrap();
+    });
 }

@@ -476,7 +476,7 @@ pub struct SlotPool {
     /// more runs than the stack buffer, out of word order (see
     /// [`repeat_by_marks`](Self::repeat_by_marks)). All 0 at rest. Empty in the KV
     /// allocators' page pools, whose frees merge repeats.
-    freeing: Box<[untracked::AtomicU64]>,
+    freeing: Box<[AtomicU64]>,
     /// One magazine per shard (`thread_slot % SHARDS`); empty without magazines.
     mags: Box<[CachePadded<Magazine>]>,
     /// Entries each magazine holds at most: `min(MAGAZINE, capacity)`, 0 without
@@ -674,7 +674,12 @@ const WORDS_PER_LINE: usize = 8;
 
 /// Runs (word, mask) of a free batch kept on the stack between validating and
 /// applying; a batch with more runs rebuilds the rest (1 KiB of stack).
+#[cfg(not(loom))]
 const RUN_BUF: usize = 64;
+/// Two runs let loom reach what lies past the buffer (the rebuilt runs, a repeat
+/// check by marks) with batches of three or four runs.
+#[cfg(loom)]
+const RUN_BUF: usize = 2;
 
 /// How `release` treats an index whose bit it finds already set while applying.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -812,7 +817,7 @@ impl SlotPool {
             hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
             unpublished: AtomicUsize::new(0),
             held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
-            freeing: (0..if strict { nwords } else { 0 }).map(|_| untracked::AtomicU64::new(0)).collect(),
+            freeing: (0..if strict { nwords } else { 0 }).map(|_| AtomicU64::new(0)).collect(),
             mags: (0..nmags).map(|_| CachePadded::new(Magazine::new(mag_cap))).collect(),
             mag_cap,
             park: Box::new(park::Park::new(nblocks)),
@@ -1818,11 +1823,11 @@ impl SlotPool {
         while end < indices.len() {
             let Ok(run) = self.next_run(indices, end) else { break };
             // Relaxed: the marks order nothing; each bit is one free's until it unmarks.
-            let old = self.freeing[run.word].fetch_or(run.mask, untracked::Ordering::Relaxed);
+            let old = self.freeing[run.word].fetch_or(run.mask, Ordering::Relaxed);
             let clash = old & run.mask;
             if clash != 0 {
                 // Unmark this run's own bits; the runs before it are unmarked below.
-                self.freeing[run.word].fetch_and(!(run.mask & !old), untracked::Ordering::Relaxed);
+                self.freeing[run.word].fetch_and(!(run.mask & !old), Ordering::Relaxed);
                 found = indices[end..run.end].iter().copied().find(|&i| Self::locate(i).1 & clash != 0);
                 break;
             }
@@ -1831,7 +1836,7 @@ impl SlotPool {
         let mut pos = 0;
         while pos < end {
             let Ok(run) = self.next_run(indices, pos) else { break };
-            self.freeing[run.word].fetch_and(!run.mask, untracked::Ordering::Relaxed);
+            self.freeing[run.word].fetch_and(!run.mask, Ordering::Relaxed);
             pos = run.end;
         }
         found
@@ -2002,7 +2007,7 @@ impl SlotPool {
     /// frees, or bits past the capacity are set. Either is a kvpool bug.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let cap = self.capacity as usize;
-        if let Some(w) = self.freeing.iter().position(|m| m.load(untracked::Ordering::Relaxed) != 0) {
+        if let Some(w) = self.freeing.iter().position(|m| m.load(Ordering::Relaxed) != 0) {
             return Err(InvariantViolation(format!("word {w} of a free's repeat marks was left set")));
         }
         let mut ones = 0usize;
