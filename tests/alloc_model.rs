@@ -541,6 +541,10 @@ fn op_mix_reaches_every_outcome() {
         ];
         // a slot named twice: merged at every page size
         want.push("free: ok, slot repeated");
+        if ps == 1 {
+            // The decode placement at page size 1 (`AllocModel::alloc_decode`).
+            want.extend(["alloc_decode: ok, continued a run", "alloc_decode: ok, started a run"]);
+        }
         if ps > 1 {
             want.extend([
                 "alloc: not page aligned",

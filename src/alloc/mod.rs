@@ -743,12 +743,47 @@ impl PagedAllocator {
     /// Allocate one slot per request of a decode batch; `seq_lens[i]` counts the new
     /// token, so request `i` needs a fresh page exactly when its new token starts one.
     ///
+    /// At page size 1 every request takes a fresh slot, and which one is the
+    /// allocator's choice. It keeps each request's slots consecutive where it can: a
+    /// request gets `last_locs[i] + 1` when that slot is free (as a larger page size
+    /// continues the request's last page), and a request whose next slot is taken
+    /// starts a new run at the start of a long free stretch, away from where prompts
+    /// are placed ("Runs that continue" in [`SlotPool`]'s docs). So a decode batch
+    /// does not interleave its requests' slots, and a finished request's slots form
+    /// a few long runs instead of one run per token: the radix cache's work per
+    /// request follows its runs. `last_locs` is only a hint at page size 1 (any
+    /// value is accepted); the count, the all-or-nothing refusal and the errors are
+    /// the same as at any page size.
+    ///
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvpool::{KvAllocator, TokenAllocator};
+    ///
+    /// let alloc = TokenAllocator::new(1024)?;
+    /// let mut prompts = [0u32; 8];
+    /// alloc.alloc(&mut prompts)?; // two requests' prompts: 1..=4 and 5..=8
+    /// alloc.free(&prompts[4..])?; // the second one finished
+    /// let mut step = [0u32; 2];
+    /// // The first request continues its run; so does one ending at slot 100.
+    /// alloc.alloc_decode(&[5, 7], &[4, 100], &mut step)?;
+    /// assert_eq!(step, [5, 101]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let plan = plan_decode(self.page_size, seq_lens)?;
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
+        if self.page_size == 1 {
+            // Slot = page: each request's slot is chosen (see above).
+            let r = self.pages.reserve(out.len(), Unit::Pages).map_err(|e| self.oom(e))?;
+            self.pages.claim_following(r, out, |i| last_locs[i]);
+            crate::debug_check(self);
+            return Ok(());
+        }
         let req = |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]);
         // One token per request, at most one page: no stretches to fill; the pages go
         // into the front of `out` and are expanded in place (cheaper per request).

@@ -602,6 +602,10 @@ pub struct AllocModel {
     /// in `free` too. `mag_cap` is 0 without magazines.
     mag: Vec<u32>,
     mag_cap: usize,
+    /// Where a page-size-1 decode's new runs are looked for next (a word of the
+    /// pool's bitmap, going down; `usize::MAX`: the top word). See
+    /// [`alloc_decode`](Self::alloc_decode).
+    follow_cursor: usize,
 }
 
 impl AllocModel {
@@ -652,6 +656,7 @@ impl AllocModel {
             refused_repeat: false,
             mag: Vec::new(),
             mag_cap,
+            follow_cursor: usize::MAX,
         };
         m.fill();
         m
@@ -753,6 +758,68 @@ impl AllocModel {
         Ok(pages)
     }
 
+    /// A page-size-1 decode's slots, one per request (see
+    /// [`alloc_decode`](Self::alloc_decode)), in request order.
+    fn take_following(&mut self, last_locs: &[u32]) -> Result<Vec<u32>, AllocError> {
+        let n = last_locs.len();
+        if n > self.free_count - self.pending {
+            return Err(self.oom(n));
+        }
+        let mut out = vec![0u32; n];
+        let take = |m: &mut Self, page: u32| {
+            m.free[page as usize / 64] &= !(1u64 << (page % 64));
+            m.free_count -= 1;
+        };
+        for (o, &last) in out.iter_mut().zip(last_locs) {
+            let want = last.wrapping_add(1);
+            if want >= 1 && want <= self.num_pages && self.is_free(want) {
+                take(self, want);
+                *o = want;
+            }
+        }
+        let mut missing: Vec<usize> = (0..n).filter(|&i| out[i] == 0).collect::<Vec<_>>();
+        missing.reverse(); // popped in request order
+        let nwords = (self.num_pages as usize).div_ceil(64);
+        if nwords > 0 {
+            let start = self.follow_cursor.min(nwords - 1);
+            let order = (0..=start).rev().chain((start + 1..nwords).rev());
+            for w in order {
+                if missing.is_empty() {
+                    break;
+                }
+                // The free slots w*64+1 ..= w*64+64 as the pool's word: bit b is slot w*64+b+1.
+                let pages = (1..=64u32).map(|b| w as u32 * 64 + b).filter(|&p| p <= self.num_pages);
+                let mut run: Option<(u32, u32)> = None; // (first, len) of the longest
+                let mut cur: Option<(u32, u32)> = None;
+                for p in pages {
+                    if self.is_free(p) {
+                        let c = cur.map_or((p, 1), |(f, l)| (f, l + 1));
+                        cur = Some(c);
+                        if run.map_or(true, |(_, l)| c.1 > l) {
+                            run = Some(c);
+                        }
+                    } else {
+                        cur = None;
+                    }
+                }
+                if let Some((first, _)) = run {
+                    take(self, first);
+                    out[missing.pop().expect("checked non-empty")] = first;
+                    self.follow_cursor = if w == 0 { nwords - 1 } else { w - 1 };
+                }
+            }
+        }
+        if !missing.is_empty() {
+            let free = (1..=self.num_pages).filter(|&p| self.is_free(p)).collect::<Vec<_>>();
+            let rest = crate::slots::placement(free, missing.len());
+            for page in rest {
+                take(self, page);
+                out[missing.pop().expect("as many as missing")] = page;
+            }
+        }
+        Ok(out)
+    }
+
     /// `alloc` of `n` tokens: the lowest free pages, ascending, expanded into slots.
     ///
     /// # Errors
@@ -799,10 +866,19 @@ impl AllocModel {
                 return Err(InvalidInput::PrefixLongerThanSeq { request, prefix_len, seq_len }.into());
             }
         }
-        self.grow(prefix_lens, seq_lens, last_locs, out_len)
+        self.grow(prefix_lens, seq_lens, last_locs, out_len, false)
     }
 
     /// `alloc_decode` with an output buffer of `out_len` slots.
+    ///
+    /// At page size 1 (a KV allocator's model) the slots are placed as the allocator
+    /// documents: first, in request order, each request whose `last_loc + 1` is a free
+    /// slot gets it; then the others, in request order, one slot from each bitmap word
+    /// (slots `64w + 1 ..= 64w + 64`) that has free slots, going down from the word
+    /// below the last one this placement took from (the top word at first) and wrapping
+    /// around once, each the lowest slot of its word's longest stretch of free slots
+    /// (the lowest such stretch on a tie); any still without a slot then get the
+    /// lowest-first placement of a plain allocation.
     ///
     /// # Errors
     ///
@@ -818,7 +894,7 @@ impl AllocModel {
             return Err(InvalidInput::EmptyDecode { request }.into());
         }
         let prefix_lens: Vec<u32> = seq_lens.iter().map(|&s| s - 1).collect();
-        self.grow(&prefix_lens, seq_lens, last_locs, out_len)
+        self.grow(&prefix_lens, seq_lens, last_locs, out_len, true)
     }
 
     fn grow(
@@ -827,6 +903,7 @@ impl AllocModel {
         seq_lens: &[u32],
         last_locs: &[u32],
         out_len: usize,
+        decode: bool,
     ) -> Result<Allocated, AllocError> {
         let batch = seq_lens.len();
         if last_locs.len() != batch {
@@ -862,8 +939,14 @@ impl AllocModel {
         }
         let pages_of = |len: u32| (len as u64).div_ceil(ps as u64);
         let need: u64 = prefix_lens.iter().zip(seq_lens).map(|(&p, &s)| pages_of(s) - pages_of(p)).sum();
-        let pages = self.take_pages(need as usize)?;
+        let pages = if decode && ps == 1 && self.unit != Unit::Indices {
+            self.take_following(last_locs)?
+        } else {
+            self.take_pages(need as usize)?
+        };
         let slots = expand_forward(ps, prefix_lens, seq_lens, last_locs, &pages);
+        let mut pages = pages;
+        pages.sort_unstable();
         Ok(Allocated { slots, pages })
     }
 
@@ -956,6 +1039,7 @@ impl AllocModel {
         self.pending = 0;
         self.group_open = false;
         self.mag.clear();
+        self.follow_cursor = usize::MAX;
     }
 }
 
@@ -1732,7 +1816,18 @@ fn step<'s, S: Subject>(
             let mut out = vec![SENTINEL; out_len];
             let got = s.alloc_decode(&seq, &last, &mut out);
             let want = model.alloc_decode(&seq, &last, out_len);
+            let ok = want.is_ok();
             runner.compare_alloc("alloc_decode", got, want, &out, ps)?;
+            if ok && ps == 1 {
+                // Which requests went on after their `last_loc` (see `AllocModel::alloc_decode`).
+                let continued = out.iter().zip(&last).filter(|&(&o, &l)| o == l.wrapping_add(1)).count();
+                if continued > 0 {
+                    runner.stats.record("alloc_decode", "ok, continued a run");
+                }
+                if continued < out.len() {
+                    runner.stats.record("alloc_decode", "ok, started a run");
+                }
+            }
         }
         Op::FreeLive { handle } => {
             let h = match runner.pick(*handle) {
@@ -1777,7 +1872,16 @@ fn last_loc(choice: LastLoc, prefix_len: u32, runner: &Runner, model: &AllocMode
             return repeat;
         }
         let untaken = |p: &u32| !taken.iter().any(|&t| t / ps == *p);
-        let held = || runner.live.iter().map(|h| h[0] / ps).filter(|&p| model.is_page_allocated(p));
+        // At page size 1 any allocated slot is a correct `last_loc`: a handle's last,
+        // as a request's last token is (the slot after it may be free, and the
+        // allocator continues there).
+        let held = || {
+            runner
+                .live
+                .iter()
+                .map(|h| if ps == 1 { h[h.len() - 1] } else { h[0] / ps })
+                .filter(|&p| model.is_page_allocated(p))
+        };
         let any = || (1..=model.num_pages()).filter(|&p| model.is_page_allocated(p));
         pick(k, || held().filter(untaken))
             .or_else(|| pick(k, || any().filter(untaken)))

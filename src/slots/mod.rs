@@ -464,6 +464,10 @@ pub struct SlotPool {
     /// its thread slot in the high 32 bits and a count of its claims in the low 32, or
     /// [`NO_OWNER`].
     hint_owner: CachePadded<untracked::AtomicU64>,
+    /// Where the next claim that follows runs looks for a word to start a run in, going
+    /// down ([`claim_following`](Self::claim_following), "Runs that continue");
+    /// `usize::MAX`: the top word. A hint only.
+    follow_cursor: untracked::AtomicUsize,
     /// Bits set by open free groups but not yet added to `available`.
     unpublished: AtomicUsize,
     /// One bit per index, **1 while the index is handed out** (see "Magazines"):
@@ -815,6 +819,7 @@ impl SlotPool {
                 .collect(),
             hint: CachePadded::new(AtomicUsize::new(0)),
             hint_owner: CachePadded::new(untracked::AtomicU64::new(NO_OWNER)),
+            follow_cursor: untracked::AtomicUsize::new(usize::MAX),
             unpublished: AtomicUsize::new(0),
             held: (0..held_words).map(|_| AtomicU64::new(0)).collect(),
             freeing: (0..if strict { nwords } else { 0 }).map(|_| AtomicU64::new(0)).collect(),
@@ -851,6 +856,7 @@ impl SlotPool {
             shard.cursor.store(NO_CURSOR, untracked::Ordering::Relaxed);
         }
         self.hint_owner.store(NO_OWNER, untracked::Ordering::Relaxed);
+        self.follow_cursor.store(usize::MAX, untracked::Ordering::Relaxed);
         self.central.store(cap, Ordering::Release);
         self.hint.store(0, Ordering::Relaxed);
         self.unpublished.store(0, Ordering::Relaxed);
@@ -2664,6 +2670,7 @@ impl core::fmt::Debug for FreeGroup<'_> {
 }
 
 pub mod cache;
+mod follow;
 pub mod owned;
 mod park;
 mod range;

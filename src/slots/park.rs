@@ -31,7 +31,7 @@ pub(super) struct Park {
     pub(super) blocks: Box<[AtomicU64]>,
     /// One bit per block: set when the block may be parked. A hint for the search, as
     /// the words' summary is for the words.
-    summary: Box<[AtomicU64]>,
+    pub(super) summary: Box<[AtomicU64]>,
     /// Parked blocks not yet reserved: the blocks' part of `available`, in blocks.
     pub(super) parked: CachePadded<AtomicUsize>,
     /// Where the search for a parked block starts, a heuristic only: the lowest block
@@ -412,12 +412,25 @@ impl SlotPool {
             return take;
         }
         // The remainder: the rest of a partly taken word, then whole words.
-        let mut acc = Applied::new();
-        let mut w = w0 + full;
+        let mut low = 0;
         if part > 0 {
-            let low = (1u64 << part) - 1;
-            each.word(w, low);
-            self.set_bits(w, !low, super::Dup::Strict, &mut acc);
+            low = (1u64 << part) - 1;
+            each.word(w0 + full, low);
+        }
+        let freed = self.block_to_words(b, full, low);
+        self.publish(freed);
+        take
+    }
+
+    /// Free what is left of block `b`, just unparked, back into its words: word `first`
+    /// but its bits `taken`, and every word after it (from the block's start). Returns
+    /// how many, for the caller to publish.
+    fn block_to_words(&self, b: usize, first: usize, taken: u64) -> usize {
+        let w0 = b * BLOCK_WORDS;
+        let mut acc = Applied::new();
+        let mut w = w0 + first;
+        if taken != 0 {
+            self.set_bits(w, !taken, super::Dup::Strict, &mut acc);
             w += 1;
         }
         for w in w..w0 + BLOCK_WORDS {
@@ -427,8 +440,39 @@ impl SlotPool {
         // These indices were ours (unparked, never handed out); only a misuse that
         // parks this block again can take some back (`close_block`), and then
         // `freed` counts what stayed in the words.
-        self.publish(acc.freed);
-        take
+        acc.freed
+    }
+
+    /// Move parked block `b` into its words, every index free and counted there, so
+    /// that a claim can take one index of it ([`claim_following`](Self::claim_following)).
+    /// Whether it did: `false` when the block is not parked, or every parked block's
+    /// count is reserved by claims in flight (they will take it whole).
+    pub(super) fn unpark_to_words(&self, b: usize) -> bool {
+        if take_up_to(&self.park.parked, 1) == 0 {
+            return false;
+        }
+        if !self.try_unpark(b, false) {
+            self.publish_parked(1);
+            return false;
+        }
+        let freed = self.block_to_words(b, 0, 0);
+        self.publish(freed);
+        true
+    }
+
+    /// A reservation with no block part: the blocks `r` holds are moved into their
+    /// words (any parked blocks; `r` holds their counts) and what it does not need of
+    /// them is published. Claims that take chosen indices out of the words work on it.
+    pub(super) fn words_only(&self, r: Reservation) -> Reservation {
+        let mut freed = 0;
+        for _ in 0..r.blocks() {
+            let b = self.unpark_one();
+            freed += self.block_to_words(b, 0, 0);
+        }
+        // What `r` needs of them stays counted as ours; the rest is published.
+        debug_assert!(freed >= r.from_blocks, "a reservation's blocks held too few indices");
+        self.publish(freed.saturating_sub(r.from_blocks));
+        Reservation::words(r.len())
     }
 
     /// Parked blocks and their count, for `check_invariants`: `(parked states, words
