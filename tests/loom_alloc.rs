@@ -10,6 +10,7 @@
 //! |----------------------------------------|---------------------------------------------------------|
 //! | `extend_and_decode_race_with_free`     | page size 4: the pages of racing extend and decode are distinct, their slots follow the three-part formula (and the extend reports exactly where they stop being consecutive), the freed page is reused safely, counts add up |
 //! | `decode_races_alloc_and_group_free`    | page size 3 (not a power of two): a decode batch that fills a partial page and opens a new one, racing a plain alloc and a free group |
+//! | `token_decode_follows_runs_racing_free_and_alloc` | page size 1: a decode batch whose requests continue their runs (`last_loc + 1`) or start new ones, racing the free of a slot one of them wants and a plain alloc; slots have one holder, the freed slot is handed over safely, both outcomes occur |
 
 mod loom_common;
 
@@ -18,6 +19,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::{AllocError, KvAllocator, PagedAllocator};
+use loom_common::Outcomes;
 
 /// One loom-tracked cell per page: the current holder's tag.
 struct PageOwners(Vec<UnsafeCell<usize>>);
@@ -196,4 +198,61 @@ fn decode_races_alloc_and_group_free() {
         assert_eq!(alloc.available_size(), 3 * (2 - taken));
         alloc.check_invariants().unwrap();
     });
+}
+
+/// Page size 1, slots 1..=8. Request A holds 1 and 2, request B 3 and 4. A decoder
+/// steps A and a new request C at once (A's next slot would be 3, C's 5) while a freer
+/// frees B and the main thread allocates one slot. A continues its run exactly when
+/// B's free came first; otherwise it starts a new one. Every slot has one holder at a
+/// time (B's slots are handed over with a happens-before edge), and the counts add up.
+#[test]
+fn token_decode_follows_runs_racing_free_and_alloc() {
+    let outcomes = Outcomes::new(&["continued", "new run"]);
+    let seen = outcomes.clone();
+    loom_common::model("token_decode_follows_runs_racing_free_and_alloc", move || {
+        let alloc = Arc::new(PagedAllocator::new(8, 1).unwrap());
+        let owners = Arc::new(PageOwners::new(8));
+        let (mut a, mut b) = ([0u32; 2], [0u32; 2]);
+        alloc.alloc(&mut a).unwrap();
+        alloc.alloc(&mut b).unwrap();
+        assert_eq!((a, b), ([1, 2], [3, 4]));
+        for (slot, tag) in [(1, 9), (2, 9), (3, 8), (4, 8)] {
+            owners.claim(slot, tag);
+        }
+        let decoder = {
+            let (alloc, owners, seen) = (Arc::clone(&alloc), Arc::clone(&owners), seen.clone());
+            thread::spawn(move || {
+                let mut out = [u32::MAX; 2];
+                // At least three slots are free whatever the others do.
+                alloc.alloc_decode(&[3, 5], &[2, 4], &mut out).unwrap();
+                assert_ne!(out[0], out[1]);
+                seen.hit(if out[0] == 3 { "continued" } else { "new run" });
+                for &s in &out {
+                    owners.claim(s, 1);
+                }
+                out
+            })
+        };
+        let freer = {
+            let (alloc, owners) = (Arc::clone(&alloc), Arc::clone(&owners));
+            thread::spawn(move || {
+                owners.check(3, 8);
+                owners.check(4, 8);
+                alloc.free(&b).unwrap();
+            })
+        };
+        let mut one = [u32::MAX; 1];
+        alloc.alloc(&mut one).unwrap();
+        owners.claim(one[0], 2);
+        freer.join().unwrap();
+        let out = decoder.join().unwrap();
+        for &s in &out {
+            owners.check(s, 1);
+            assert_ne!(s, one[0]);
+        }
+        owners.check(one[0], 2);
+        assert_eq!(alloc.available_size(), 8 - 2 - 2 - 1);
+        alloc.check_invariants().unwrap();
+    });
+    outcomes.expect_seen("token_decode_follows_runs_racing_free_and_alloc", &["continued", "new run"]);
 }

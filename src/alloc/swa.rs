@@ -222,6 +222,12 @@ impl SwaAllocator {
     /// window page.
     fn claim_both(&self, full: Reservation, out: &mut [u32]) {
         self.full.pages.claim(full, out);
+        self.map_to_window(out);
+    }
+
+    /// Map each of the claimed full pages `out` (reserved in the window pool too), in
+    /// order, to a fresh window page.
+    fn map_to_window(&self, out: &[u32]) {
         let map = &self.window.map;
         let mut k = 0;
         // The window pages straight into the mapping, a claimed word at a time.
@@ -618,6 +624,14 @@ impl KvAllocator for SwaAllocator {
     fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let plan = plan_decode(self.full.page_size, seq_lens)?;
         self.full.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
+        if self.full.page_size == 1 {
+            // As `PagedAllocator::alloc_decode`: each request's run goes on where it can.
+            let full = self.reserve_both(out.len())?;
+            self.full.pages.claim_following(full, out, |i| last_locs[i]);
+            self.map_to_window(out);
+            crate::debug_check(self);
+            return Ok(());
+        }
         self.reserve_and_expand(plan, out, |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]), seq_lens.len())
     }
     fn free(&self, slots: &[u32]) -> Result<(), FreeError> {

@@ -559,7 +559,9 @@ impl ExpectedFreeError {
 pub struct Allocated {
     /// The output, as the real call must write it.
     pub slots: Vec<u32>,
-    /// The pages taken from the free set, ascending.
+    /// The pages taken from the free set, in the order the allocator claims them:
+    /// ascending but for the placement's passes over sparse words, and a page-size-1
+    /// decode's in request order.
     pub pages: Vec<u32>,
 }
 
@@ -945,8 +947,6 @@ impl AllocModel {
             self.take_pages(need as usize)?
         };
         let slots = expand_forward(ps, prefix_lens, seq_lens, last_locs, &pages);
-        let mut pages = pages;
-        pages.sort_unstable();
         Ok(Allocated { slots, pages })
     }
 
@@ -1600,8 +1600,9 @@ impl Runner {
                 let handle = if a.slots.len() == a.pages.len() * page_size as usize {
                     a.slots // every slot lies in a fresh page
                 } else {
-                    // `a.pages` is ascending.
-                    let fresh = |slot: &u32| a.pages.binary_search(&(slot / page_size)).is_ok();
+                    let mut fresh_pages = a.pages.clone();
+                    fresh_pages.sort_unstable();
+                    let fresh = |slot: &u32| fresh_pages.binary_search(&(slot / page_size)).is_ok();
                     a.slots.iter().copied().filter(fresh).collect()
                 };
                 if handle.len() < out.len() {
