@@ -571,7 +571,8 @@ impl PagedAllocator {
             // No magazines (yet): the allocator frees through free groups, which bypass
             // magazines, and its page order is part of DESIGN.md's test vectors and
             // the radix tests (lowest free pages first, but for the slot pool's
-            // placement of large claims over scattered free pages). At page size 1,
+            // placement of large claims over scattered free pages, and a page-size-1
+            // decode's runs that continue: `alloc_decode`). At page size 1,
             // parked blocks (`SlotPool::with_parking`): a request's slots span dozens
             // of 512-slot blocks, freed and taken with one read-modify-write each
             // instead of eight, in the same order (BENCHMARKS, issue 8, thirteenth

@@ -17,7 +17,8 @@
 //!   in *symbolic* terms ("free live handle `k`", "a forged slot past the end") so that
 //!   any sequence means something on any pool size and page size;
 //! * [`AllocModel`] — a plain sequential model: a bitmap of free pages (or slots),
-//!   lowest first (a `SlotPool`'s magazine in front of it), all-or-nothing, with the
+//!   lowest first (a `SlotPool`'s magazine in front of it; a page-size-1 decode
+//!   continues each request's run, as the allocator does), all-or-nothing, with the
 //!   slot and page numbering of `DESIGN.md` and
 //!   the validation order and error values the real allocators document;
 //! * [`run`], [`run_allocator`], [`run_slot_pool`] — drive a real structure and the
@@ -567,7 +568,8 @@ pub struct Allocated {
 
 /// The sequential reference model of a [`SlotPool`], [`TokenAllocator`] or
 /// [`PagedAllocator`]: the set of free pages (a slot pool's indices and a token
-/// allocator's slots are pages of one), lowest first.
+/// allocator's slots are pages of one), lowest first (but for a page-size-1 decode,
+/// see [`alloc_decode`](Self::alloc_decode)).
 ///
 /// # Examples
 ///
