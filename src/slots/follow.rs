@@ -40,7 +40,7 @@ impl SlotPool {
         if left == 0 {
             return;
         }
-        // Entries still to place get indices in order; `next` finds the next one.
+        // The entries still to place (0) get the rest in order.
         let mut at = 0;
         let mut place = |index: u32| {
             while out[at] != 0 {
