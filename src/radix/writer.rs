@@ -72,9 +72,11 @@ fn mismatch_from(offset: usize) -> impl Fn(usize, u32) -> CacheError {
 }
 
 /// How many leading elements of `s` are `first, first + 1, ...`: the first few one by
-/// one (short runs are common: a decode step hands each running request one slot, so at
-/// page size 1 a row's decode part is all runs of one slot), then 64 at a time with one
-/// branch-free pass each (it vectorizes), then one by one.
+/// one (short runs are common: a decode step hands each running request one slot, and
+/// where a request's next slot was taken its run ends; kvpool's allocator continues runs
+/// at page size 1, an allocator that hands out the lowest free slots makes every decode
+/// slot a run of one), then 64 at a time with one branch-free pass each (it
+/// vectorizes), then one by one.
 pub(super) fn ascending_len(s: &[u32], first: u32) -> usize {
     const HEAD: usize = 8;
     let mut n = 0;
