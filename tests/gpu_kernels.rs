@@ -195,6 +195,32 @@ fn alloc_decode_matches_the_host_reference() {
     }
 }
 
+/// At page size 1 with the `last_loc`s on the host, the device allocator places a
+/// decode batch as the host allocator does: each request's run goes on where its next
+/// slot is free.
+#[test]
+fn page_size_1_decode_with_host_last_locs_continues_runs() {
+    let Some(dev) = device() else { return };
+    let host = Arc::new(PagedAllocator::new(1024, 1).unwrap());
+    let twin = PagedAllocator::new(1024, 1).unwrap();
+    for a in [&*host, &twin] {
+        let mut prompts = [0u32; 8];
+        a.alloc(&mut prompts).unwrap();
+        a.free(&prompts[4..]).unwrap();
+    }
+    let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 16, 16).unwrap();
+    let out = DeviceBuffer::<u32>::zeroed(3).unwrap();
+    let (seq, last) = ([5u32, 7, 3], [4u32, 100, 1]);
+    dalloc.alloc_decode(&dev, &seq, LastLocs::Host(&last), None, &out).unwrap();
+    dev.synchronize().unwrap();
+    let mut want = [0u32; 3];
+    twin.alloc_decode(&seq, &last, &mut want).unwrap();
+    // 5 and 101 continue their runs; 2 is taken, so the third starts a new one.
+    assert_eq!(want[..2], [5, 101]);
+    assert_eq!(to_host(&out), want);
+    assert_eq!(host.available_size(), twin.available_size());
+}
+
 #[test]
 fn allocation_errors_reserve_nothing() {
     let Some(dev) = device() else { return };

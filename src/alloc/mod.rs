@@ -673,6 +673,23 @@ impl PagedAllocator {
         Ok(())
     }
 
+    /// [`reserve_pages`](Self::reserve_pages) for a page-size-1 decode batch: page `i`
+    /// (request `i`'s slot) continues the run that ends at `last_locs[i]` where it can,
+    /// as [`alloc_decode`](Self::alloc_decode) places them. At larger page sizes the
+    /// same as `reserve_pages`.
+    pub(crate) fn reserve_decode_pages(&self, pages: &mut [u32], last_locs: &[u32]) -> Result<(), AllocError> {
+        if self.page_size != 1 || pages.len() != last_locs.len() {
+            return self.reserve_pages(pages);
+        }
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let r = self.pages.reserve(pages.len(), Unit::Pages).map_err(|e| self.oom(e))?;
+        self.pages.claim_following(r, pages, |i| last_locs[i]);
+        crate::debug_check(self);
+        Ok(())
+    }
+
     /// Allocate the new slots of an extend (prefill) batch, all or nothing.
     ///
     /// Request `i` already holds `prefix_lens[i]` tokens, the last at slot
@@ -780,10 +797,7 @@ impl PagedAllocator {
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
         if self.page_size == 1 {
             // Slot = page: each request's slot is chosen (see above).
-            let r = self.pages.reserve(out.len(), Unit::Pages).map_err(|e| self.oom(e))?;
-            self.pages.claim_following(r, out, |i| last_locs[i]);
-            crate::debug_check(self);
-            return Ok(());
+            return self.reserve_decode_pages(out, last_locs);
         }
         let req = |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]);
         // One token per request, at most one page: no stretches to fill; the pages go

@@ -306,7 +306,12 @@ impl DevicePagedAllocator {
         self.copied.synchronize()?;
         let words = META * batch + plan.new_pages;
         let (meta, pages) = self.staging[..words].split_at_mut(META * batch);
-        self.host.reserve_pages(pages)?;
+        match last_locs {
+            // A page-size-1 decode whose `last_loc`s the host knows: each request's run
+            // goes on where it can, as on the host (`PagedAllocator::alloc_decode`).
+            LastLocs::Host(l) if decode => self.host.reserve_decode_pages(pages, l)?,
+            _ => self.host.reserve_pages(pages)?,
+        }
         let records: &mut [AllocRecord] = bytemuck::cast_slice_mut(meta);
         let (mut page_start, mut out_start) = (0u32, 0u32);
         for (i, rec) in records.iter_mut().enumerate() {
@@ -426,6 +431,11 @@ impl DevicePagedAllocator {
     /// Allocate one slot per request of a decode batch on the device (the new token is
     /// counted in `seq_lens`), writing it to column `seq_len - 1` of each row too when
     /// `rows` is given.
+    ///
+    /// At page size 1 with [`LastLocs::Host`], each request's slot continues its run
+    /// where it can, as [`PagedAllocator::alloc_decode`](crate::PagedAllocator::alloc_decode) places it. With
+    /// [`LastLocs::FromRows`] the host does not know where the runs end, and the
+    /// pages come in claim order.
     ///
     /// # Errors
     ///
