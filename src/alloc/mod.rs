@@ -678,9 +678,10 @@ impl PagedAllocator {
     /// as [`alloc_decode`](Self::alloc_decode) places them. At larger page sizes the
     /// same as `reserve_pages`.
     pub(crate) fn reserve_decode_pages(&self, pages: &mut [u32], last_locs: &[u32]) -> Result<(), AllocError> {
-        if self.page_size != 1 || pages.len() != last_locs.len() {
+        if self.page_size != 1 {
             return self.reserve_pages(pages);
         }
+        debug_assert_eq!(pages.len(), last_locs.len(), "one page per request at page size 1");
         if pages.is_empty() {
             return Ok(());
         }

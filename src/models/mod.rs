@@ -781,7 +781,7 @@ impl AllocModel {
                 *o = want;
             }
         }
-        let mut missing: Vec<usize> = (0..n).filter(|&i| out[i] == 0).collect::<Vec<_>>();
+        let mut missing: Vec<usize> = (0..n).filter(|&i| out[i] == 0).collect();
         missing.reverse(); // popped in request order
         let nwords = (self.num_pages as usize).div_ceil(64);
         if nwords > 0 {
