@@ -15,11 +15,21 @@
 //! frees them with one call (the slots in the held prefix pages are not freed), so the
 //! pool returns to the same state. Throughput counts new tokens.
 //!
+//! `decode_page1` is the host half of a graph decode step at page size 1 (one slot per
+//! request per step) in a steady state: `batch` requests decode, each finishes after
+//! 64 to 1,023 tokens (its slots freed with one call, in position order) and a new one
+//! takes its place. `claim_order` stages with `stage_decode` (the slots in the pool's
+//! claim order, as before), `following` with `stage_decode_after` and each request's
+//! last slot (its run goes on where the next slot is free). The pool holds exactly
+//! the most the requests can hold. Each reports the runs of consecutive slots a
+//! finished request held.
+//!
 //! Run: `cargo bench --bench alloc` (`-- alloc_extend` runs both allocators' extend
 //! groups, one after the other in one process).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvpool::alloc::{plan_extend, SwaAllocator};
+use kvpool::kv::staging::{bucket_for, decode_block_bytes, stage_decode, stage_decode_after, RowLimits};
 use kvpool::{KvAllocator, PagedAllocator};
 
 const PAGE: u32 = 16;
@@ -165,5 +175,87 @@ fn decode(c: &mut Criterion) {
     bench_batches(c, "swa_alloc_decode", true, swa);
 }
 
-criterion_group!(benches, extend, decode);
+/// The steady state of `decode_page1`.
+struct PageOneDecode {
+    host: PagedAllocator,
+    held: Vec<Vec<u32>>,
+    life: Vec<u32>,
+    seq: Vec<u32>,
+    rows: Vec<u32>,
+    block: Vec<u32>,
+    rng: Rng,
+    runs: u64,
+    finished: u64,
+}
+
+const MAX_LIFE: u32 = 1024;
+
+impl PageOneDecode {
+    fn new(batch: usize) -> PageOneDecode {
+        let mut rng = Rng(0x5EED_1000 + batch as u64);
+        PageOneDecode {
+            host: PagedAllocator::new(batch * MAX_LIFE as usize, 1).unwrap(),
+            held: (0..batch).map(|_| Vec::with_capacity(MAX_LIFE as usize)).collect(),
+            life: (0..batch).map(|_| 64 + rng.below(960) as u32).collect(),
+            seq: vec![0; batch],
+            rows: (0..batch as u32).collect(),
+            block: vec![0; decode_block_bytes(bucket_for(batch)) / 4],
+            rng,
+            runs: 0,
+            finished: 0,
+        }
+    }
+
+    fn step(&mut self, follow: bool) {
+        let bucket = bucket_for(self.rows.len());
+        let limits = RowLimits { rows: self.rows.len() as u32, max_context_len: MAX_LIFE };
+        for (s, h) in self.seq.iter_mut().zip(&self.held) {
+            *s = h.len() as u32 + 1;
+        }
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut self.block);
+        let staged = if follow {
+            let held = &self.held;
+            let last = |i: usize| held[i].last().copied().unwrap_or(u32::MAX);
+            stage_decode_after(&self.host, &self.seq, &self.rows, bucket, limits, b, last)
+        } else {
+            stage_decode(&self.host, &self.seq, &self.rows, bucket, limits, b)
+        }
+        .unwrap();
+        let at = 4 * bucket;
+        for (i, &slot) in self.block[at..at + staged.new_pages].iter().enumerate() {
+            let h = &mut self.held[i];
+            h.push(slot);
+            if h.len() as u32 == self.life[i] {
+                self.runs += 1 + h.windows(2).filter(|w| w[1] != w[0] + 1).count() as u64;
+                self.finished += 1;
+                self.host.free(h).unwrap();
+                h.clear();
+                self.life[i] = 64 + self.rng.below(960) as u32;
+            }
+        }
+    }
+}
+
+fn decode_page1(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_page1");
+    for batch in [32usize, 256, 1024] {
+        g.throughput(Throughput::Elements(batch as u64));
+        for (name, follow) in [("claim_order", false), ("following", true)] {
+            let mut d = PageOneDecode::new(batch);
+            // Past the start, where every request begins at once.
+            for _ in 0..2 * MAX_LIFE {
+                d.step(follow);
+            }
+            g.bench_function(BenchmarkId::new(name, batch), |b| b.iter(|| d.step(black_box(follow))));
+            eprintln!(
+                "decode_page1/{name}/{batch}: {:.1} runs per finished request ({} finished)",
+                d.runs as f64 / d.finished.max(1) as f64,
+                d.finished
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, extend, decode, decode_page1);
 criterion_main!(benches);

@@ -132,6 +132,7 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
     let mut free_rows: Vec<u32> = (0..n_rows).rev().collect();
     let (mut decodes, mut extends, mut finished, mut evictions, mut same_pages) = (0, 0, 0, 0, true);
     let mut padded = 0;
+    let (mut continued, mut placed) = (0usize, 0usize);
     let mut g_slots = vec![0u32; 64];
     while decodes + extends < steps {
         let dice = rng.below(100);
@@ -149,7 +150,11 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
                 (Ok(a), Ok(b), Ok(c)) => {
                     same_pages &= a == b;
                     d_same &= c == b;
-                    assert_eq!(delta.join(row, seq).unwrap() as usize, live.len());
+                    let index = delta.join(row, seq).unwrap();
+                    assert_eq!(index as usize, live.len());
+                    // Where the prefill ended: at page size 1 the next slot goes on from there.
+                    graphs.set_last_slot(row, *a.last().unwrap()).unwrap();
+                    delta.set_last_slot(index, *c.last().unwrap()).unwrap();
                     live.push(Request { row, seq });
                     extends += 1;
                 }
@@ -167,6 +172,8 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
                 same_pages &= a == b;
                 d_same &= c == b;
                 delta.set_len(i as u32, seq).unwrap();
+                graphs.set_last_slot(r.row, *a.last().unwrap()).unwrap();
+                delta.set_last_slot(i as u32, *c.last().unwrap()).unwrap();
                 live[i].seq = seq;
                 extends += 1;
             }
@@ -224,10 +231,13 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             assert_eq!(&g_slots[..batch], &want[..], "graph slots, step {decodes}");
             assert!(g_slots[batch..].iter().all(|&s| s == 0), "padding entries get the dummy slot 0");
             padded += step.bucket() - batch;
-            // Eager path.
+            // Eager path. At page size 1 with the last slots from the host (the graphs
+            // and the delta path know them too, so all three continue the same runs);
+            // otherwise read from the rows on the device.
             let out = e.out.index(..batch);
-            let staged =
-                e.eager.alloc_decode(dev, &seq, LastLocs::FromRows, Some((e.table.view(), &rows)), &out).unwrap();
+            let lasts: Vec<u32> = live.iter().map(|r| e.mirror[(r.row * stride + r.seq - 1) as usize]).collect();
+            let last_locs = if ps == 1 { LastLocs::Host(&lasts) } else { LastLocs::FromRows };
+            let staged = e.eager.alloc_decode(dev, &seq, last_locs, Some((e.table.view(), &rows)), &out).unwrap();
             let e_pages = e.eager.pages(&staged).unwrap().to_vec();
             let mut e_want = vec![0u32; batch];
             let rt = RowTable { cells: &mut e.mirror, stride: stride as usize, rows: &rows };
@@ -235,6 +245,12 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             dev.synchronize().unwrap();
             assert_eq!(to_host(&out), e_want, "eager slots, step {decodes}");
             same_pages &= g_pages == e_pages;
+            if ps == 1 {
+                for (&l, &p) in lasts.iter().zip(&e_pages) {
+                    continued += (p == l + 1) as usize;
+                }
+                placed += batch;
+            }
             if same_pages {
                 assert_eq!(g_slots[..batch], e_want[..], "graph and eager disagree on the same pages");
             }
@@ -288,10 +304,14 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
     assert_eq!(e.host.available_size(), whole);
     assert_eq!(d.host.available_size(), whole);
     assert!(d_moves > 0);
+    // The three paths take the same pages from the same pool states, every step: at
+    // page size 1 because each knows where every request's run ends.
+    assert!(same_pages && d_same, "graph {same_pages}, delta {d_same}");
+    assert!(ps != 1 || continued * 2 > placed, "{continued} of {placed} slots continued a run");
     println!(
         "{staging:?} staging, page size {ps}: {decodes} decode and {extends} extend steps, {finished} finished, {evictions} evicted, \
          {padded} padding entries; graph and eager took the same pages: {same_pages}; delta: {d_entries} entries, \
-         {d_moves} moves, same pages as eager: {d_same}"
+         {d_moves} moves, same pages as eager: {d_same}; {continued} of {placed} page-1 slots continued a run"
     );
 }
 

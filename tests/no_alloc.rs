@@ -248,10 +248,11 @@ fn req_to_token_pool_hot_paths() {
 
 /// The host half of a graph decode step (`kvpool::kv::staging::stage_decode`: plan,
 /// reserve pages, write the records into the pinned block) touches no heap, full
-/// bucket or padded, and neither does a refused step.
+/// bucket or padded, and neither does a refused step; nor does `stage_decode_after`,
+/// the page-size-1 step that continues each request's run.
 #[test]
 fn decode_step_staging() {
-    use kvpool::kv::staging::{bucket_for, decode_block_bytes, stage_decode, RowLimits};
+    use kvpool::kv::staging::{bucket_for, decode_block_bytes, stage_decode, stage_decode_after, RowLimits};
     let host = PagedAllocator::new(1 << 20, 16).unwrap();
     let mut block = vec![0u32; decode_block_bytes(1024) / 4];
     let limits = RowLimits { rows: 1024, max_context_len: 4096 };
@@ -269,6 +270,22 @@ fn decode_step_staging() {
         let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
         assert!(stage_decode(&host, &[1, 2, 3], &rows[..3], 2, limits, b).is_err());
     });
+    let one = PagedAllocator::new(1 << 20, 1).unwrap();
+    let mut last = vec![u32::MAX; 1024];
+    assert_no_alloc("stage_decode_after", || {
+        for step in 0..300 {
+            let batch = [1024usize, 1000, 7, 1][step % 4];
+            seq[..batch].iter_mut().for_each(|s| *s += 1);
+            let bucket = bucket_for(batch);
+            let words = decode_block_bytes(bucket) / 4;
+            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..words]);
+            let s = stage_decode_after(&one, &seq[..batch], &rows[..batch], bucket, limits, b, |i| last[i]).unwrap();
+            let at = 4 * bucket;
+            last[..batch].copy_from_slice(&block[at..at + s.new_pages]);
+        }
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
+        assert!(stage_decode_after(&one, &[1, 2, 3], &rows[..3], 2, limits, b, |i| last[i]).is_err());
+    });
 }
 
 /// The host half of a delta decode step (`kvpool::kv::delta::DeltaPlanner`: joins,
@@ -276,11 +293,18 @@ fn decode_step_staging() {
 /// touches no heap, and neither does a refused step.
 #[test]
 fn delta_step_staging() {
+    // Page size 16, and 1 (every request takes a slot every step, continuing its run).
+    for ps in [16, 1] {
+        delta_steps(ps);
+    }
+}
+
+fn delta_steps(ps: u32) {
     use kvpool::kv::delta::{delta_block_words, DeltaPlanner};
     use kvpool::kv::staging::RowLimits;
-    let host = PagedAllocator::new(1 << 20, 16).unwrap();
+    let host = PagedAllocator::new(1 << 22, ps).unwrap();
     let limits = RowLimits { rows: 1024, max_context_len: 4096 };
-    let mut plan = DeltaPlanner::new(16, limits, 1024).unwrap();
+    let mut plan = DeltaPlanner::new(ps, limits, 1024).unwrap();
     let mut block = vec![0u32; delta_block_words(1024)];
     let (mut fresh, mut owners) = (vec![0u32; 1024], vec![0u32; 1024]);
     assert_no_alloc("DeltaPlanner", || {
@@ -294,6 +318,7 @@ fn delta_step_staging() {
                 plan.leave(i).unwrap();
                 plan.join(row, 3).unwrap();
                 plan.set_len(step % 50, 2000).unwrap();
+                plan.set_last_slot(step % 40, 7 * step).unwrap();
             }
             black_box(plan.stage(&host, &mut block, &mut fresh, &mut owners).unwrap());
             plan.commit();

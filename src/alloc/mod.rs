@@ -674,19 +674,23 @@ impl PagedAllocator {
     }
 
     /// [`reserve_pages`](Self::reserve_pages) for a page-size-1 decode batch: page `i`
-    /// (request `i`'s slot) continues the run that ends at `last_locs[i]` where it can,
-    /// as [`alloc_decode`](Self::alloc_decode) places them. At larger page sizes the
-    /// same as `reserve_pages`.
-    pub(crate) fn reserve_decode_pages(&self, pages: &mut [u32], last_locs: &[u32]) -> Result<(), AllocError> {
+    /// (request `i`'s slot) continues the run that ends at slot `after(i)` where it
+    /// can, as [`alloc_decode`](Self::alloc_decode) places them (`u32::MAX`, or any
+    /// slot that is not followed by a free one: no continuation). At larger page sizes
+    /// the same as `reserve_pages`.
+    pub(crate) fn reserve_decode_pages(
+        &self,
+        pages: &mut [u32],
+        after: impl Fn(usize) -> u32,
+    ) -> Result<(), AllocError> {
         if self.page_size != 1 {
             return self.reserve_pages(pages);
         }
-        debug_assert_eq!(pages.len(), last_locs.len(), "one page per request at page size 1");
         if pages.is_empty() {
             return Ok(());
         }
         let r = self.pages.reserve(pages.len(), Unit::Pages).map_err(|e| self.oom(e))?;
-        self.pages.claim_following(r, pages, |i| last_locs[i]);
+        self.pages.claim_following(r, pages, after);
         crate::debug_check(self);
         Ok(())
     }
@@ -798,7 +802,7 @@ impl PagedAllocator {
         self.check_batch(plan, seq_lens.len(), last_locs, out, |i| (seq_lens[i] - 1, seq_lens[i]))?;
         if self.page_size == 1 {
             // Slot = page: each request's slot is chosen (see above).
-            return self.reserve_decode_pages(out, last_locs);
+            return self.reserve_decode_pages(out, |i| last_locs[i]);
         }
         let req = |i| (seq_lens[i] - 1, seq_lens[i], last_locs[i]);
         // One token per request, at most one page: no stretches to fill; the pages go

@@ -309,7 +309,7 @@ impl DevicePagedAllocator {
         match last_locs {
             // A page-size-1 decode whose `last_loc`s the host knows: each request's run
             // goes on where it can, as on the host (`PagedAllocator::alloc_decode`).
-            LastLocs::Host(l) if decode => self.host.reserve_decode_pages(pages, l)?,
+            LastLocs::Host(l) if decode => self.host.reserve_decode_pages(pages, |i| l[i])?,
             _ => self.host.reserve_pages(pages)?,
         }
         let records: &mut [AllocRecord] = bytemuck::cast_slice_mut(meta);

@@ -97,7 +97,11 @@ impl DeltaStep {
 /// Results equal [`DecodeGraphs`](super::DecodeGraphs), the eager
 /// [`DevicePagedAllocator::alloc_decode`](super::DevicePagedAllocator::alloc_decode) and
 /// the host reference for the same batch order: the fresh pages go to page-starting
-/// requests in batch order.
+/// requests in batch order. At page size 1 each request's slot continues its run where
+/// it can, as [`PagedAllocator::alloc_decode`] places it with the request's last slot
+/// as its `last_loc` (the same pages as `DecodeGraphs` and the eager path given the
+/// same last slots): the planner remembers the slot each step gave a request, and
+/// [`set_last_slot`](Self::set_last_slot) says where a prefill or an extend ended.
 ///
 /// # Examples
 ///
@@ -301,6 +305,18 @@ impl<'t> DeltaDecode<'t> {
     /// [`CudaKvError::Kv`] for an index past the batch or `len` past a row.
     pub fn set_len(&mut self, index: u32, len: u32) -> Result<(), CudaKvError> {
         Ok(self.planner.set_len(index, len)?)
+    }
+
+    /// At page size 1: the request at `index` has its last token in `slot` (the end of
+    /// its prefill or extend), so that its next slot continues that run where it can
+    /// (see [`DeltaPlanner::set_last_slot`]; a hint only). At other page sizes it does
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::Kv`] for an index past the batch.
+    pub fn set_last_slot(&mut self, index: u32, slot: u32) -> Result<(), CudaKvError> {
+        Ok(self.planner.set_last_slot(index, slot)?)
     }
 
     /// Requests in the batch.

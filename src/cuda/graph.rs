@@ -36,7 +36,9 @@ use cust::sys::{
 use super::launch::{check, KvKernels, StepArgs};
 use super::stream::RawEvent;
 use super::{CudaKvError, KvDevice, ReqToTokenView, StreamRef};
-use crate::kv::staging::{bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, RowLimits, StagedDecode};
+use crate::kv::staging::{
+    bucket_for, decode_block_bytes, decode_records_bytes, stage_decode, stage_decode_after, RowLimits, StagedDecode,
+};
 use crate::kv::KvError;
 use crate::{KvAllocator, PagedAllocator};
 
@@ -152,9 +154,14 @@ impl DecodeStep {
 /// wait, via an event, when the host runs two steps ahead of it) and never allocates.
 ///
 /// Padding requests of a bucket get the dummy slot 0 and touch no row, as SGLang pads
-/// its captured batch sizes. Results equal the eager
-/// [`DevicePagedAllocator::alloc_decode`](super::DevicePagedAllocator::alloc_decode)
-/// with [`LastLocs::FromRows`](super::LastLocs::FromRows) and the host reference.
+/// its captured batch sizes. The slots written from the same fresh pages equal the
+/// eager [`DevicePagedAllocator::alloc_decode`](super::DevicePagedAllocator::alloc_decode)
+/// with [`LastLocs::FromRows`](super::LastLocs::FromRows) and the host reference. The
+/// pages themselves are the eager path's at page sizes above 1. At page size 1 they
+/// are [`PagedAllocator::alloc_decode`]'s with each row's last slot as its
+/// `last_loc` (each request's run goes on where it can; see [`step`](Self::step)):
+/// the graphs remember the slot they gave each row, and
+/// [`set_last_slot`](Self::set_last_slot) tells them where a prefill ended.
 ///
 /// # Examples
 ///
@@ -188,6 +195,10 @@ pub struct DecodeGraphs<'t> {
     generation: u64,
     /// The step each staging buffer holds.
     held: [Option<DecodeStep>; 2],
+    /// At page size 1: per row, the slot of its last token as far as the host knows
+    /// (the slot the last step gave it, or what [`set_last_slot`](Self::set_last_slot)
+    /// said; `u32::MAX` when not known). Empty at other page sizes.
+    tails: Box<[u32]>,
     _table: PhantomData<&'t ReqToTokenView>,
 }
 
@@ -230,6 +241,7 @@ impl<'t> DecodeGraphs<'t> {
         let meta = DeviceBuffer::<u32>::zeroed(words)?;
         let mapped = [mapped_address(&staging[0])?, mapped_address(&staging[1])?];
         let out = DeviceBuffer::<u32>::zeroed(max_bucket)?;
+        let tails = if host.page_size() == 1 { vec![u32::MAX; table.rows() as usize].into() } else { Box::default() };
         let capture_stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
         let mut graphs = Vec::new();
         let mut bucket = 1;
@@ -258,8 +270,29 @@ impl<'t> DecodeGraphs<'t> {
             next: 0,
             generation: 0,
             held: [None, None],
+            tails,
             _table: PhantomData,
         })
+    }
+
+    /// At page size 1: row `row`'s last token sits in `slot` (the end of its prefill,
+    /// or of an extend), so that its next step's slot continues that run when the slot
+    /// after it is free. The graphs remember the slot each step gives a row by
+    /// themselves; this tells them what happened to the row elsewhere. A hint only:
+    /// without it, or with a stale slot, the row's next slot starts a new run instead
+    /// (see [`step`](Self::step)). At other page sizes it does nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaKvError::Kv`] for a row past the table.
+    pub fn set_last_slot(&mut self, row: u32, slot: u32) -> Result<(), CudaKvError> {
+        if row >= self.limits.rows {
+            return Err(KvError::SlotOutOfRange { slot: row, rows: self.limits.rows as usize }.into());
+        }
+        if let Some(t) = self.tails.get_mut(row as usize) {
+            *t = slot;
+        }
+        Ok(())
     }
 
     /// Queue (here: capture) one step of `bucket` requests whose records come from
@@ -313,6 +346,13 @@ impl<'t> DecodeGraphs<'t> {
     /// Waits only when the staging buffer this step needs is still in use by the step
     /// before the previous one (the host is two steps ahead of the device).
     ///
+    /// At page size 1 each request's slot continues its row's run where it can: the
+    /// slot after the one this row got last step (or was given by
+    /// [`set_last_slot`](Self::set_last_slot)) when it is free, else a new run
+    /// ([`stage_decode_after`]: the rule of
+    /// [`PagedAllocator::alloc_decode`](crate::PagedAllocator::alloc_decode)). At other
+    /// page sizes the fresh pages go to page-starting requests in batch order.
+    ///
     /// # Errors
     ///
     /// [`CudaKvError::Kv`] for a malformed batch (see [`stage_decode`]) or one larger
@@ -337,12 +377,28 @@ impl<'t> DecodeGraphs<'t> {
         self.done[half].synchronize()?;
         let words = decode_block_bytes(bucket) / 4;
         let block = &mut self.staging[half][..words];
-        let staged = stage_decode(&self.host, seq_lens, rows, bucket, self.limits, bytemuck::cast_slice_mut(block))?;
+        let block: &mut [u8] = bytemuck::cast_slice_mut(block);
+        let staged = if self.tails.is_empty() {
+            stage_decode(&self.host, seq_lens, rows, bucket, self.limits, block)?
+        } else {
+            let tails = &self.tails;
+            let last = |i: usize| rows.get(i).and_then(|&r| tails.get(r as usize)).copied().unwrap_or(u32::MAX);
+            stage_decode_after(&self.host, seq_lens, rows, bucket, self.limits, block, last)?
+        };
         let graph = &self.graphs[bucket.trailing_zeros() as usize][half];
         if let Err(e) = graph.launch(stream).and_then(|()| self.done[half].record(stream)) {
             let fresh = 4 * bucket..4 * bucket + staged.new_pages;
             let _ = free_pages(&self.host, &self.staging[half][fresh]);
             return Err(e);
+        }
+        if !self.tails.is_empty() {
+            // Page size 1: every request took a page, its slot, in request order.
+            let at = 4 * bucket;
+            for (&row, &slot) in rows.iter().zip(&self.staging[half][at..at + staged.new_pages]) {
+                if let Some(t) = self.tails.get_mut(row as usize) {
+                    *t = slot;
+                }
+            }
         }
         self.generation += 1;
         self.next ^= 1;

@@ -29,7 +29,7 @@
 //! memory back to the host synchronize it first. See [`guide`] (`docs/GPU.md`). Kernels never write outside their buffers:
 //! lengths are checked on the host, and slots (which live on the device) are checked
 //! by the kernels, which skip an out-of-range slot and raise a flag that
-//! [`DeviceKvCache::take_error`] reports.
+//! [`DeviceKvCache::take_error`](KvCacheView::take_error) reports.
 //!
 //! Building needs `libcuda.so` to link (no toolkit): see `docs/GPU.md` and
 //! `scripts/cuda_stub.sh`.

@@ -14,7 +14,12 @@
 //! token starts a page at the steps `t` with `t ≡ -base (mod page_size)`, its *phase*.
 //! Each phase keeps a bitset of the batch indices in it; a step visits one phase's
 //! bits, in index order (so the fresh pages go to requests in batch order, exactly as
-//! [`PagedAllocator::alloc_decode`] and the eager path hand them out). The longest
+//! [`PagedAllocator::alloc_decode`] and the eager path hand them out at page sizes
+//! above 1). At page size 1 every request takes a fresh page, its slot, every step,
+//! and the planner keeps the slot each batch index got last: the step's slots are
+//! `alloc_decode`'s with those as the `last_loc`s, so each request's run of slots
+//! goes on where the pool allows ([`DeltaPlanner::set_last_slot`] tells it where a
+//! prefill ended). The longest
 //! request (the one that reaches the end of its row first) sits on top of an indexed
 //! max-heap, so the row-end check is one comparison per step.
 //!
@@ -193,6 +198,10 @@ pub struct DeltaPlanner {
     is_dirty: Vec<bool>,
     /// Scratch: the fresh page of a dirty page-starting index, during `stage`.
     page_of: Vec<u32>,
+    /// Page size 1: per batch index, the slot of its last token as far as the host
+    /// knows (`NONE`: not known), and what it becomes when the staged step commits.
+    last: Vec<u32>,
+    pending: Vec<u32>,
     /// Max-heap of live batch indices by `base`; `heap_at[i]` is `i`'s position.
     heap: Vec<u32>,
     heap_at: Vec<u32>,
@@ -230,6 +239,8 @@ impl DeltaPlanner {
             dirty: Vec::with_capacity(capacity),
             is_dirty: vec![false; capacity],
             page_of: vec![0; capacity],
+            last: vec![NONE; if page_size == 1 { capacity } else { 0 }],
+            pending: vec![NONE; if page_size == 1 { capacity } else { 0 }],
             heap: Vec::with_capacity(capacity),
             heap_at: vec![NONE; capacity],
         })
@@ -317,8 +328,34 @@ impl DeltaPlanner {
         let i = self.batch;
         self.batch += 1;
         self.place(i, row, len);
+        self.forget_last(i);
         self.mark(i);
         Ok(i as u32)
+    }
+
+    /// At page size 1: the request at batch index `index` has its last token in slot
+    /// `slot` (the end of its prefill or of an extend, placed elsewhere), so that its
+    /// next step's slot continues that run when the slot after it is free. The planner
+    /// remembers the slot each step gives an index by itself; [`join`](Self::join)
+    /// and [`set_len`](Self::set_len) forget it. A hint only: a stale or unknown slot
+    /// makes the next slot start a new run, nothing else. At other page sizes it does
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::Shape`] for an index past the batch.
+    pub fn set_last_slot(&mut self, index: u32, slot: u32) -> Result<(), KvError> {
+        self.check_index(index)?;
+        if let (Some(l), Some(p)) = (self.last.get_mut(index as usize), self.pending.get_mut(index as usize)) {
+            (*l, *p) = (slot, slot);
+        }
+        Ok(())
+    }
+
+    fn forget_last(&mut self, i: usize) {
+        if let (Some(l), Some(p)) = (self.last.get_mut(i), self.pending.get_mut(i)) {
+            (*l, *p) = (NONE, NONE);
+        }
     }
 
     /// Remove the request at batch index `index`. The last request moves into `index`
@@ -341,6 +378,10 @@ impl DeltaPlanner {
             self.row[i] = self.row[last];
             self.base[i] = self.base[last];
             self.phase[i] = self.phase[last];
+            if self.page_size == 1 {
+                self.last[i] = self.last[last];
+                self.pending[i] = self.pending[last];
+            }
             let at = self.heap_at[last];
             self.heap[at as usize] = i as u32;
             self.heap_at[i] = at;
@@ -351,6 +392,7 @@ impl DeltaPlanner {
             None
         };
         self.row[last] = PAD_ROW;
+        self.forget_last(last);
         self.mark(last);
         self.batch -= 1;
         Ok(moved)
@@ -370,6 +412,7 @@ impl DeltaPlanner {
         self.check_request(row, len)?;
         self.unplace(i);
         self.place(i, row, len);
+        self.forget_last(i);
         self.mark(i);
         Ok(())
     }
@@ -428,7 +471,23 @@ impl DeltaPlanner {
         let (header, rest) = block.split_at_mut(HEAD);
         let (full, rest) = rest.split_at_mut(cap * FULL_WORDS);
         let paged = &mut rest[..cap * PAGE_WORDS];
-        host.reserve_pages(&mut pages[..fresh])?;
+        if self.page_size == 1 {
+            // Every request takes a page, its slot: continue each one's run. The
+            // owners first (the loop below writes them again, the same).
+            let mut j = 0;
+            for (w, &word) in class.iter().enumerate() {
+                let mut m = word;
+                while m != 0 {
+                    owners[j] = (w * 64 + m.trailing_zeros() as usize) as u32;
+                    m &= m - 1;
+                    j += 1;
+                }
+            }
+            let (owners, last) = (&owners[..fresh], &self.last);
+            host.reserve_decode_pages(&mut pages[..fresh], |j| last[owners[j] as usize])?;
+        } else {
+            host.reserve_pages(&mut pages[..fresh])?;
+        }
         let full: &mut [DeltaEntry] = bytemuck::cast_slice_mut(full);
         let paged: &mut [DeltaPage] = bytemuck::cast_slice_mut(paged);
         let mut np = 0;
@@ -441,6 +500,9 @@ impl DeltaPlanner {
                 let page = pages[j];
                 owners[j] = i as u32;
                 j += 1;
+                if let Some(p) = self.pending.get_mut(i) {
+                    *p = page;
+                }
                 if self.is_dirty[i] {
                     self.page_of[i] = page;
                 } else {
@@ -480,6 +542,8 @@ impl DeltaPlanner {
             self.is_dirty[d as usize] = false;
         }
         self.dirty.clear();
+        let n = self.batch.min(self.last.len());
+        self.last[..n].copy_from_slice(&self.pending[..n]);
         self.clock += 1;
     }
 
@@ -583,18 +647,9 @@ impl DeltaPlanner {
 mod tests {
     use super::*;
     use crate::kv::reference::{decode_delta, decode_with_rows, extend_with_rows, RowTable};
-    use crate::kv::staging::{decode_block_bytes, stage_decode};
+    use crate::kv::staging::{decode_block_bytes, stage_decode_after};
 
-    struct Rng(u64);
-
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0 % n
-        }
-    }
+    use crate::kv::staging::tests::Rng;
 
     /// One side of the comparison: an allocator and a table of rows.
     struct Side {
@@ -619,9 +674,11 @@ mod tests {
     }
 
     /// The planner plus the host reference kernel against the model (a `Vec` of
-    /// requests, `swap_remove` order) decoded with `stage_decode` + `decode_with_rows`,
-    /// each on its own allocator in the same state: the same slots, rows and pages
-    /// after every step.
+    /// requests, `swap_remove` order) decoded with `stage_decode_after` +
+    /// `decode_with_rows`, each on its own allocator in the same state: the same slots,
+    /// rows and pages after every step. The model's last slots are read from its rows
+    /// where the planner knows them (told after a join or an extend half the time, and
+    /// after every step); at page size 1 they decide the pages.
     fn walk(ps: u32, steps: usize, seed: u64) {
         let (rows, stride, cap) = (40u32, 300usize, 64usize);
         let limits = RowLimits { rows, max_context_len: stride as u32 };
@@ -634,6 +691,10 @@ mod tests {
         let mut m = Side { host: PagedAllocator::new(1 << 14, ps).unwrap(), cells: vec![0; rows as usize * stride] };
         let whole = d.host.available_size();
         let mut live: Vec<(u32, u32)> = Vec::new();
+        // Per live request: whether the planner knows its last slot.
+        let mut known: Vec<bool> = Vec::new();
+        let (mut told, mut continued, mut one_slot) = (0usize, 0usize, 0usize);
+        let last_of = |cells: &[u32], (row, len): (u32, u32)| cells[row as usize * stride + len as usize - 1];
         let mut free_rows: Vec<u32> = (0..rows).rev().collect();
         let mut mblock = vec![0u32; decode_block_bytes(cap) / 4];
         let (mut decodes, mut entries, mut fresh) = (0usize, 0usize, 0usize);
@@ -646,7 +707,13 @@ mod tests {
                 d.extend(ps, stride, row, 0, len);
                 m.extend(ps, stride, row, 0, len);
                 assert_eq!(plan.join(row, len).unwrap() as usize, live.len());
+                let tell = len > 0 && rng.below(2) == 0;
+                if tell {
+                    plan.set_last_slot(live.len() as u32, last_of(&d.cells, (row, len))).unwrap();
+                    told += 1;
+                }
                 live.push((row, len));
+                known.push(tell);
             } else if dice < 17 && !live.is_empty() {
                 let i = rng.below(live.len() as u64) as usize;
                 let (row, len) = live[i];
@@ -655,10 +722,16 @@ mod tests {
                 m.extend(ps, stride, row, len, to);
                 plan.set_len(i as u32, to).unwrap();
                 live[i].1 = to;
+                known[i] = rng.below(2) == 0;
+                if known[i] {
+                    plan.set_last_slot(i as u32, last_of(&d.cells, live[i])).unwrap();
+                    told += 1;
+                }
                 extends += 1;
             } else if dice < 25 && !live.is_empty() {
                 let i = rng.below(live.len() as u64) as usize;
                 let (row, len) = live.swap_remove(i);
+                known.swap_remove(i);
                 d.finish(stride, row, len);
                 m.finish(stride, row, len);
                 free_rows.push(row);
@@ -671,6 +744,7 @@ mod tests {
                 while i < live.len() {
                     if live[i].1 as usize >= stride {
                         let (row, len) = live.swap_remove(i);
+                        known.swap_remove(i);
                         d.finish(stride, row, len);
                         m.finish(stride, row, len);
                         free_rows.push(row);
@@ -697,7 +771,9 @@ mod tests {
                 let seq: Vec<u32> = live.iter().map(|r| r.1 + 1).collect();
                 let rws: Vec<u32> = live.iter().map(|r| r.0).collect();
                 let b: &mut [u8] = bytemuck::cast_slice_mut(&mut mblock[..decode_block_bytes(staged.bucket) / 4]);
-                let s = stage_decode(&m.host, &seq, &rws, staged.bucket, limits, b).unwrap();
+                let lasts: Vec<u32> =
+                    live.iter().zip(&known).map(|(&r, &k)| if k { last_of(&m.cells, r) } else { u32::MAX }).collect();
+                let s = stage_decode_after(&m.host, &seq, &rws, staged.bucket, limits, b, |i| lasts[i]).unwrap();
                 let at = decode_records_bytes_words(staged.bucket);
                 let mpages = mblock[at..at + s.new_pages].to_vec();
                 assert_eq!(pages, mpages, "pages, step {decodes}");
@@ -709,9 +785,16 @@ mod tests {
                 let starters: Vec<u32> = (0..batch as u32).filter(|&i| live[i as usize].1 % ps == 0).collect();
                 assert_eq!(owners, starters);
                 assert!(d.cells == m.cells, "rows differ after step {decodes}");
+                if ps == 1 {
+                    for (&l, &slot) in lasts.iter().zip(&want) {
+                        continued += (l != u32::MAX && slot == l + 1) as usize;
+                        one_slot += 1;
+                    }
+                }
                 for r in live.iter_mut() {
                     r.1 += 1;
                 }
+                known.iter_mut().for_each(|k| *k = true);
                 for (i, r) in live.iter().enumerate() {
                     assert_eq!(plan.len(i as u32).unwrap(), r.1);
                     assert_eq!(plan.row(i as u32).unwrap(), r.0);
@@ -729,7 +812,15 @@ mod tests {
         }
         assert_eq!(d.host.available_size(), whole);
         assert!(fresh > 0 && entries > 0 && moves > 10 && extends > 10 && widest > 10, "{moves} {extends} {widest}");
-        println!("page size {ps}: {decodes} steps, {entries} entries, {fresh} fresh pages, {moves} moves, {extends} extends, widest batch {widest}");
+        assert!(told > 10, "{told}");
+        if ps == 1 {
+            // Runs go on: most slots follow their request's last one.
+            assert!(continued * 2 > one_slot, "{continued} of {one_slot} slots continued a run");
+        }
+        println!(
+            "page size {ps}: {decodes} steps, {entries} entries, {fresh} fresh pages, {moves} moves, {extends} extends, \
+             widest batch {widest}, last slots told {told}, {continued} of {one_slot} slots continued a run"
+        );
     }
 
     fn decode_records_bytes_words(bucket: usize) -> usize {
@@ -758,6 +849,7 @@ mod tests {
         assert!(matches!(plan.join(2, 0), Err(KvError::Shape { what: "batch (capacity)", .. })));
         assert!(matches!(plan.leave(2), Err(KvError::Shape { .. })));
         assert!(matches!(plan.set_len(0, 11), Err(KvError::Shape { .. })));
+        assert!(matches!(plan.set_last_slot(2, 7), Err(KvError::Shape { .. })));
         assert!(matches!(
             plan.stage(&host, &mut block[1..], &mut p, &mut o),
             Err(KvError::Shape { what: "block", .. })

@@ -10,6 +10,11 @@
 //! the fresh pages, in request order, after the records for the host. It never
 //! allocates and never touches the device: the CUDA layer
 //! (`DecodeGraphs` in the `cuda` module, feature `cuda`) uploads the block and launches the captured graph.
+//!
+//! At page size 1, [`stage_decode_after`] takes each request's last slot as a hint and
+//! places the step's slots as [`PagedAllocator::alloc_decode`] does: each request's run
+//! goes on where the slot after it is free, so its decoded tokens end up in long runs
+//! rather than one slot per step. `DecodeGraphs` keeps those last slots per row.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -145,6 +150,66 @@ pub fn stage_decode(
     limits: RowLimits,
     block: &mut [u8],
 ) -> Result<StagedDecode, KvError> {
+    stage(host, seq_lens, rows, bucket, limits, block, None::<fn(usize) -> u32>)
+}
+
+/// [`stage_decode`] for a host that knows where each request's run of slots ends:
+/// at page size 1, request `i`'s slot is `last_slot(i) + 1` when that slot is free,
+/// and otherwise starts a new run where there is room after it, the rule of
+/// [`PagedAllocator::alloc_decode`] with `last_locs[i] = last_slot(i)` (the same
+/// slots from the same state). So a request's decoded tokens lie in long runs of
+/// slots rather than one slot per step, wherever the pool allows; a prefix cache
+/// that later takes them in works per run.
+///
+/// `last_slot(i)` is only a hint: `u32::MAX` (not known), a stale slot or an
+/// allocated one changes where the slot goes, never whether it is right (it is a
+/// free slot, claimed all or nothing like every other). At larger page sizes
+/// `last_slot` is not called, and the result is `stage_decode`'s.
+///
+/// # Errors
+///
+/// As [`stage_decode`].
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::kv::staging::{decode_block_bytes, stage_decode_after, RowLimits};
+/// use kvpool::{KvAllocator, PagedAllocator};
+/// let host = PagedAllocator::new(1024, 1)?;
+/// let mut block = vec![0u32; decode_block_bytes(2) / 4];
+/// let limits = RowLimits { rows: 8, max_context_len: 64 };
+/// let mut prefill = [0u32; 8];
+/// host.alloc(&mut prefill)?; // slots 1..=8: rows 2 (1..=4) and 3 (5..=8)
+/// let last = [4u32, 8];
+/// let staged = stage_decode_after(&host, &[5, 5], &[2, 3], 2, limits, bytemuck::cast_slice_mut(&mut block), |i| last[i])?;
+/// let at = 2 * 4; // the fresh pages sit after the two 16-byte records
+/// // Row 2's run cannot go on (slot 5 is row 3's): it starts a new run. Row 3's does.
+/// assert_eq!(block[at + 1], 9);
+/// assert_ne!(block[at], 5);
+/// assert_eq!(staged.new_pages, 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn stage_decode_after(
+    host: &PagedAllocator,
+    seq_lens: &[u32],
+    rows: &[u32],
+    bucket: usize,
+    limits: RowLimits,
+    block: &mut [u8],
+    last_slot: impl Fn(usize) -> u32,
+) -> Result<StagedDecode, KvError> {
+    stage(host, seq_lens, rows, bucket, limits, block, Some(last_slot))
+}
+
+fn stage(
+    host: &PagedAllocator,
+    seq_lens: &[u32],
+    rows: &[u32],
+    bucket: usize,
+    limits: RowLimits,
+    block: &mut [u8],
+    last_slot: Option<impl Fn(usize) -> u32>,
+) -> Result<StagedDecode, KvError> {
     let batch = seq_lens.len();
     if rows.len() != batch {
         return Err(KvError::Shape { what: "rows", got: rows.len(), expected: batch });
@@ -182,7 +247,11 @@ pub fn stage_decode(
         .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
     let pages: &mut [u32] = bytemuck::try_cast_slice_mut(tail)
         .map_err(|_| KvError::Format { what: "the staging block is not 4-byte aligned" })?;
-    host.reserve_pages(&mut pages[..fresh])?;
+    match last_slot {
+        // Page size 1: every request starts a page, so page `i` is request `i`'s slot.
+        Some(after) if ps == 1 => host.reserve_decode_pages(&mut pages[..fresh], after)?,
+        _ => host.reserve_pages(&mut pages[..fresh])?,
+    }
     let mut next = 0;
     for (i, rec) in records.iter_mut().enumerate() {
         *rec = match (seq_lens.get(i), rows.get(i)) {
@@ -205,8 +274,20 @@ pub fn bucket_for(batch: usize) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// xorshift64: the tests' walks, the same every run.
+    pub(in crate::kv) struct Rng(pub(in crate::kv) u64);
+
+    impl Rng {
+        pub(in crate::kv) fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
 
     #[test]
     fn records_and_padding() {
@@ -244,6 +325,99 @@ mod tests {
         }
     }
 
+    /// Page size 1: `stage_decode_after` on one pool and `alloc_decode` on a twin, fed
+    /// the same last slots (or `u32::MAX` where the host does not know one), hand out
+    /// the same slots at every step of a walk of joins, finishes and decode steps.
+    #[test]
+    fn following_places_as_alloc_decode() {
+        let (n_rows, size) = (24u32, 3000usize);
+        let staged_side = PagedAllocator::new(size, 1).unwrap();
+        let twin = PagedAllocator::new(size, 1).unwrap();
+        let limits = RowLimits { rows: n_rows, max_context_len: 1 << 20 };
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        // Per row: its slots (the same on both sides), and whether its last is known.
+        let mut held: Vec<Option<(Vec<u32>, bool)>> = vec![None; n_rows as usize];
+        let mut block = vec![0u32; decode_block_bytes(32) / 4];
+        let (mut steps, mut continued, mut placed, mut unknown) = (0, 0, 0, 0);
+        while steps < 600 {
+            let dice = rng.below(100);
+            let row = rng.below(n_rows as u64) as usize;
+            if dice < 20 && held[row].is_none() {
+                let n = 1 + rng.below(120) as usize;
+                let (mut a, mut b) = (vec![0u32; n], vec![0u32; n]);
+                if staged_side.alloc(&mut a).is_ok() {
+                    twin.alloc(&mut b).unwrap();
+                    assert_eq!(a, b);
+                    held[row] = Some((a, rng.below(3) != 0));
+                }
+            } else if dice < 30 {
+                if let Some((slots, _)) = held[row].take() {
+                    staged_side.free(&slots).unwrap();
+                    twin.free(&slots).unwrap();
+                }
+            } else {
+                let rows: Vec<u32> = (0..n_rows).filter(|&r| held[r as usize].is_some()).collect();
+                if rows.is_empty() {
+                    continue;
+                }
+                let lasts: Vec<u32> = rows
+                    .iter()
+                    .map(|&r| match &held[r as usize] {
+                        Some((s, true)) => *s.last().unwrap(),
+                        _ => u32::MAX,
+                    })
+                    .collect();
+                let seqs: Vec<u32> =
+                    rows.iter().map(|&r| held[r as usize].as_ref().unwrap().0.len() as u32 + 1).collect();
+                let bucket = bucket_for(rows.len());
+                let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(bucket) / 4]);
+                let got = stage_decode_after(&staged_side, &seqs, &rows, bucket, limits, b, |i| lasts[i]);
+                let mut want = vec![0u32; rows.len()];
+                let twin_got = twin.alloc_decode(&seqs, &lasts, &mut want);
+                match (got, twin_got) {
+                    (Ok(s), Ok(())) => {
+                        assert_eq!(s.new_pages, rows.len());
+                        let at = decode_records_bytes(bucket) / 4;
+                        assert_eq!(&block[at..at + rows.len()], &want[..], "step {steps}");
+                        let records: &[StepRecord] = bytemuck::cast_slice(&block[..at]);
+                        for ((r, &slot), &last) in records.iter().zip(&want).zip(&lasts) {
+                            assert_eq!(r.page, slot);
+                            continued += (last != u32::MAX && slot == last + 1) as usize;
+                            unknown += (last == u32::MAX) as usize;
+                            placed += 1;
+                        }
+                        for (&r, &slot) in rows.iter().zip(&want) {
+                            let (s, k) = held[r as usize].as_mut().unwrap();
+                            s.push(slot);
+                            *k = true;
+                        }
+                        steps += 1;
+                    }
+                    (Err(KvError::Alloc(_)), Err(_)) => {
+                        assert_eq!(staged_side.available_size(), twin.available_size());
+                        // Make room: finish the longest request.
+                        let r = (0..held.len()).max_by_key(|&r| held[r].as_ref().map_or(0, |h| h.0.len())).unwrap();
+                        let (slots, _) = held[r].take().unwrap();
+                        staged_side.free(&slots).unwrap();
+                        twin.free(&slots).unwrap();
+                    }
+                    (a, b) => panic!("the sides disagree: {a:?} / {b:?}"),
+                }
+            }
+        }
+        assert!(unknown > 10, "{unknown}");
+        assert!(continued * 2 > placed, "{continued} of {placed} slots continued a run");
+        // Above page size 1 the last slots are not read at all.
+        let host = PagedAllocator::new(256, 4).unwrap();
+        let mut block = vec![0u32; decode_block_bytes(4) / 4];
+        let limits = RowLimits { rows: 4, max_context_len: 32 };
+        let s = stage_decode_after(&host, &[5, 3], &[0, 1], 4, limits, bytemuck::cast_slice_mut(&mut block), |_| {
+            unreachable!("last slots are read only at page size 1")
+        })
+        .unwrap();
+        assert_eq!(s.new_pages, 1);
+    }
+
     #[test]
     fn refusals_reserve_nothing() {
         let host = PagedAllocator::new(64, 4).unwrap();
@@ -263,6 +437,15 @@ mod tests {
         let r = stage_decode(&host, &[1; 17], &rows, 32, limits, bytemuck::cast_slice_mut(&mut big));
         assert!(matches!(r, Err(KvError::Alloc(_))));
         assert_eq!(host.available_pages(), 16);
+        // The same through the following path, at page size 1.
+        let one = PagedAllocator::new(16, 1).unwrap();
+        let b = bytemuck::cast_slice_mut(&mut big);
+        let r = stage_decode_after(&one, &[1; 17], &rows, 32, limits, b, |i| i as u32);
+        assert!(matches!(r, Err(KvError::Alloc(_))));
+        assert_eq!(one.available_size(), 16);
+        let r = stage_decode_after(&one, &[1; 17], &rows[..16], 32, limits, b, |i| i as u32);
+        assert!(matches!(r, Err(KvError::Shape { what: "rows", .. })));
+        assert_eq!(one.available_size(), 16);
         assert_eq!(bucket_for(0), 1);
         assert_eq!(bucket_for(3), 4);
         assert_eq!(bucket_for(1024), 1024);
