@@ -31,6 +31,8 @@
 //!   bare API, against a model of who owns each index.
 //! * [`cache`] — private magazines ([`SlotCache`](crate::SlotCache)) in front of a
 //!   `SlotPool`, beside its owned batches and bare API, against the same kind of model.
+//! * [`decode`] — the graph decode paths' host halves against each other: the delta
+//!   planner and full records staged with `stage_decode_after`, on twin pools.
 //!
 //! The model never calls kvpool's planning or expansion code: it recounts pages with
 //! its own arithmetic and expands them with a forward transcription of DESIGN.md's
@@ -69,6 +71,7 @@
 //! ```
 
 pub mod cache;
+pub mod decode;
 pub mod hi;
 pub mod mamba;
 pub mod owned;
