@@ -64,7 +64,9 @@ impl Path {
     fn new(size: usize, ps: u32, rows: u32, stride: u32) -> Path {
         let host = Arc::new(PagedAllocator::new(size, ps).unwrap());
         Path {
-            eager: DevicePagedAllocator::new(Arc::clone(&host), 64, 4096).unwrap(),
+            // At page size 1 it remembers where each row's run ends (its extends and
+            // decodes write every row), for decodes with `LastLocs::FromRows`.
+            eager: DevicePagedAllocator::new(Arc::clone(&host), 64, 4096).unwrap().remember_rows(rows),
             host,
             table: DeviceReqToToken::new(rows, stride).unwrap(),
             mirror: vec![0u32; (rows * stride) as usize],
@@ -231,12 +233,13 @@ fn random_walk(dev: &KvDevice, ps: u32, steps: usize, seed: u64, staging: Stagin
             assert_eq!(&g_slots[..batch], &want[..], "graph slots, step {decodes}");
             assert!(g_slots[batch..].iter().all(|&s| s == 0), "padding entries get the dummy slot 0");
             padded += step.bucket() - batch;
-            // Eager path. At page size 1 with the last slots from the host (the graphs
-            // and the delta path know them too, so all three continue the same runs);
-            // otherwise read from the rows on the device.
+            // Eager path. At page size 1, every other step with the last slots from the
+            // host, the others from the rows, where the allocator remembers them (the
+            // graphs and the delta path know them too, so all three continue the same
+            // runs).
             let out = e.out.index(..batch);
             let lasts: Vec<u32> = live.iter().map(|r| e.mirror[(r.row * stride + r.seq - 1) as usize]).collect();
-            let last_locs = if ps == 1 { LastLocs::Host(&lasts) } else { LastLocs::FromRows };
+            let last_locs = if ps == 1 && decodes % 2 == 0 { LastLocs::Host(&lasts) } else { LastLocs::FromRows };
             let staged = e.eager.alloc_decode(dev, &seq, last_locs, Some((e.table.view(), &rows)), &out).unwrap();
             let e_pages = e.eager.pages(&staged).unwrap().to_vec();
             let mut e_want = vec![0u32; batch];

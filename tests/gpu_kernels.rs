@@ -221,6 +221,54 @@ fn page_size_1_decode_with_host_last_locs_continues_runs() {
     assert_eq!(host.available_size(), twin.available_size());
 }
 
+/// With `LastLocs::FromRows` the host cannot read the rows: after `remember_rows` the
+/// allocator continues the runs it placed itself (prefills and decodes), and writes
+/// the rows as always. Without it, the same batch takes the pool's claim order.
+#[test]
+fn page_size_1_decode_from_rows_continues_remembered_runs() {
+    let Some(dev) = device() else { return };
+    let table = DeviceReqToToken::new(4, 64).unwrap();
+    let mut got = Vec::new();
+    for remember in [true, false] {
+        let host = Arc::new(PagedAllocator::new(1024, 1).unwrap());
+        let mut dalloc = DevicePagedAllocator::new(Arc::clone(&host), 16, 64).unwrap();
+        if remember {
+            dalloc = dalloc.remember_rows(table.rows());
+        }
+        // Rows 1 and 2 prefill 4 and 3 tokens in one batch: slots 1..=4 and 5..=7.
+        let out = DeviceBuffer::<u32>::zeroed(7).unwrap();
+        dalloc.alloc_extend(&dev, &[0, 0], &[4, 3], LastLocs::FromRows, Some((&table, &[1, 2])), &out).unwrap();
+        dev.synchronize().unwrap();
+        assert_eq!(to_host(&out), (1..=7).collect::<Vec<u32>>());
+        // Three decode steps of both.
+        let mut slots = Vec::new();
+        for step in 0..3u32 {
+            let one = DeviceBuffer::<u32>::zeroed(2).unwrap();
+            let staged = dalloc
+                .alloc_decode(&dev, &[5 + step, 4 + step], LastLocs::FromRows, Some((&table, &[1, 2])), &one)
+                .unwrap();
+            dev.synchronize().unwrap();
+            assert_eq!(to_host(&one), dalloc.pages(&staged).unwrap());
+            slots.push(to_host(&one));
+        }
+        // The rows hold what was handed out.
+        let (mut one, mut two) = ([0u32; 3], [0u32; 3]);
+        table.read(&dev, 1, 4..7, &mut one).unwrap();
+        table.read(&dev, 2, 3..6, &mut two).unwrap();
+        assert_eq!(one, [slots[0][0], slots[1][0], slots[2][0]]);
+        assert_eq!(two, [slots[0][1], slots[1][1], slots[2][1]]);
+        got.push(slots);
+    }
+    // Remembered: row 2's run goes on at 8, 9, 10; row 1's cannot (5 is row 2's), so it
+    // starts a run elsewhere and then continues it.
+    let (r, plain) = (&got[0], &got[1]);
+    assert_eq!([r[0][1], r[1][1], r[2][1]], [8, 9, 10]);
+    assert_ne!(r[0][0], 5);
+    assert_eq!([r[1][0], r[2][0]], [r[0][0] + 1, r[0][0] + 2]);
+    // Claim order: each step takes the two lowest free slots.
+    assert_eq!(*plain, vec![vec![8, 9], vec![10, 11], vec![12, 13]]);
+}
+
 #[test]
 fn allocation_errors_reserve_nothing() {
     let Some(dev) = device() else { return };

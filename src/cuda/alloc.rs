@@ -109,6 +109,9 @@ pub struct DevicePagedAllocator {
     generation: u64,
     /// `(start, len)` of the latest batch's pages in `staging`.
     pages_at: (usize, usize),
+    /// Page size 1, after [`remember_rows`](Self::remember_rows): per row, the last
+    /// slot this allocator placed in it (`u32::MAX`: none). Empty otherwise.
+    tails: Box<[u32]>,
 }
 
 impl core::fmt::Debug for DevicePagedAllocator {
@@ -150,7 +153,43 @@ impl DevicePagedAllocator {
             max_pages,
             generation: 0,
             pages_at: (0, 0),
+            tails: Box::default(),
         })
+    }
+
+    /// At page size 1, remember the last slot each batch places in each of the first
+    /// `rows` rows, so that a decode batch with [`LastLocs::FromRows`] continues each
+    /// request's run where it can, as one with [`LastLocs::Host`] does (the host
+    /// cannot read the rows, which live on the device). The rows' slots must be
+    /// written through this allocator (its extends and decodes with a row table) for
+    /// the runs to go on; a row written elsewhere only makes its next slot start a
+    /// new run. At other page sizes it does nothing. Allocates `4 * rows` bytes, once.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use kvpool::cuda::{DevicePagedAllocator, DeviceReqToToken, KvDevice, LastLocs};
+    /// use kvpool::PagedAllocator;
+    /// use cust::memory::DeviceBuffer;
+    ///
+    /// let dev = KvDevice::new(0)?;
+    /// let host = Arc::new(PagedAllocator::new(1 << 16, 1)?);
+    /// let table = DeviceReqToToken::new(256, 8192)?;
+    /// let mut alloc = DevicePagedAllocator::new(Arc::clone(&host), 256, 4096)?.remember_rows(table.rows());
+    /// let out = DeviceBuffer::<u32>::zeroed(100)?;
+    /// let staged = alloc.alloc_extend(&dev, &[0], &[100], LastLocs::FromRows, Some((&table, &[3])), &out)?;
+    /// let prefill_end = *alloc.pages(&staged)?.last().unwrap();
+    /// let one = DeviceBuffer::<u32>::zeroed(1)?;
+    /// let staged = alloc.alloc_decode(&dev, &[101], LastLocs::FromRows, Some((&table, &[3])), &one)?;
+    /// assert_eq!(alloc.pages(&staged)?, &[prefill_end + 1]); // the run goes on
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn remember_rows(mut self, rows: u32) -> Self {
+        if self.host.page_size() == 1 {
+            self.tails = vec![u32::MAX; rows as usize].into();
+        }
+        self
     }
 
     /// The shared host allocator (for frees, counts, a prefix cache).
@@ -306,10 +345,16 @@ impl DevicePagedAllocator {
         self.copied.synchronize()?;
         let words = META * batch + plan.new_pages;
         let (meta, pages) = self.staging[..words].split_at_mut(META * batch);
-        match last_locs {
+        let tails = &self.tails;
+        match (last_locs, rows) {
             // A page-size-1 decode whose `last_loc`s the host knows: each request's run
             // goes on where it can, as on the host (`PagedAllocator::alloc_decode`).
-            LastLocs::Host(l) if decode => self.host.reserve_decode_pages(pages, |i| l[i])?,
+            (LastLocs::Host(l), _) if decode => self.host.reserve_decode_pages(pages, |i| l[i])?,
+            // ... or remembers (`remember_rows`).
+            (LastLocs::FromRows, Some((_, r))) if decode && !tails.is_empty() => {
+                let last = |i: usize| r.get(i).and_then(|&row| tails.get(row as usize)).copied().unwrap_or(u32::MAX);
+                self.host.reserve_decode_pages(pages, last)?
+            }
             _ => self.host.reserve_pages(pages)?,
         }
         let records: &mut [AllocRecord] = bytemuck::cast_slice_mut(meta);
@@ -346,6 +391,21 @@ impl DevicePagedAllocator {
             let pages = self.staging[META * batch..words].to_vec();
             let _ = self.free_pages(&pages);
             return Err(e);
+        }
+        if let (false, Some((_, r))) = (self.tails.is_empty(), rows) {
+            // Page size 1: a request's new tokens are its pages, its last one the run's end.
+            let pages = &self.staging[META * batch..words];
+            let mut at = 0;
+            for (i, &row) in r.iter().enumerate() {
+                let n = (seq_lens[i] - prefix(i)) as usize;
+                if let (Some(&last), Some(t)) = (pages.get((at + n).wrapping_sub(1)), self.tails.get_mut(row as usize))
+                {
+                    if n > 0 {
+                        *t = last;
+                    }
+                }
+                at += n;
+            }
         }
         self.generation += 1;
         self.pages_at = (META * batch, plan.new_pages);
@@ -434,8 +494,9 @@ impl DevicePagedAllocator {
     ///
     /// At page size 1 with [`LastLocs::Host`], each request's slot continues its run
     /// where it can, as [`PagedAllocator::alloc_decode`](crate::PagedAllocator::alloc_decode) places it. With
-    /// [`LastLocs::FromRows`] the host does not know where the runs end, and the
-    /// pages come in claim order.
+    /// [`LastLocs::FromRows`] the host does not see the rows: it continues the runs it
+    /// remembers after [`remember_rows`](Self::remember_rows), and otherwise takes the
+    /// pages in claim order.
     ///
     /// # Errors
     ///
