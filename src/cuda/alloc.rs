@@ -395,16 +395,16 @@ impl DevicePagedAllocator {
         if let (false, Some((_, r))) = (self.tails.is_empty(), rows) {
             // Page size 1: a request's new tokens are its pages, its last one the run's end.
             let pages = &self.staging[META * batch..words];
-            let mut at = 0;
+            let mut end = 0;
             for (i, &row) in r.iter().enumerate() {
                 let n = (seq_lens[i] - prefix(i)) as usize;
-                if let (Some(&last), Some(t)) = (pages.get((at + n).wrapping_sub(1)), self.tails.get_mut(row as usize))
-                {
-                    if n > 0 {
-                        *t = last;
-                    }
+                end += n;
+                if n == 0 {
+                    continue;
                 }
-                at += n;
+                if let (Some(&last), Some(t)) = (pages.get(end - 1), self.tails.get_mut(row as usize)) {
+                    *t = last;
+                }
             }
         }
         self.generation += 1;
