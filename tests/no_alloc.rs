@@ -253,39 +253,39 @@ fn req_to_token_pool_hot_paths() {
 #[test]
 fn decode_step_staging() {
     use kvpool::kv::staging::{bucket_for, decode_block_bytes, stage_decode, stage_decode_after, RowLimits};
-    let host = PagedAllocator::new(1 << 20, 16).unwrap();
     let mut block = vec![0u32; decode_block_bytes(1024) / 4];
     let limits = RowLimits { rows: 1024, max_context_len: 4096 };
     let rows: Vec<u32> = (0..1024).collect();
-    let mut seq = vec![0u32; 1024];
-    assert_no_alloc("stage_decode", || {
-        for step in 0..300 {
-            let batch = [1024usize, 1000, 7, 1][step % 4];
-            seq[..batch].iter_mut().for_each(|s| *s += 1);
-            let bucket = bucket_for(batch);
-            let words = decode_block_bytes(bucket) / 4;
-            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..words]);
-            black_box(stage_decode(&host, &seq[..batch], &rows[..batch], bucket, limits, b).unwrap());
-        }
-        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
-        assert!(stage_decode(&host, &[1, 2, 3], &rows[..3], 2, limits, b).is_err());
-    });
-    let one = PagedAllocator::new(1 << 20, 1).unwrap();
-    let mut last = vec![u32::MAX; 1024];
-    assert_no_alloc("stage_decode_after", || {
-        for step in 0..300 {
-            let batch = [1024usize, 1000, 7, 1][step % 4];
-            seq[..batch].iter_mut().for_each(|s| *s += 1);
-            let bucket = bucket_for(batch);
-            let words = decode_block_bytes(bucket) / 4;
-            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..words]);
-            let s = stage_decode_after(&one, &seq[..batch], &rows[..batch], bucket, limits, b, |i| last[i]).unwrap();
-            let at = 4 * bucket;
-            last[..batch].copy_from_slice(&block[at..at + s.new_pages]);
-        }
-        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
-        assert!(stage_decode_after(&one, &[1, 2, 3], &rows[..3], 2, limits, b, |i| last[i]).is_err());
-    });
+    // Page size 16 through `stage_decode`; page size 1 through `stage_decode_after`,
+    // each request's last slot the one its previous step took.
+    for (name, ps) in [("stage_decode", 16), ("stage_decode_after", 1)] {
+        let host = PagedAllocator::new(1 << 20, ps).unwrap();
+        let mut seq = vec![0u32; 1024];
+        let mut last = vec![u32::MAX; 1024];
+        let stage = |seq: &[u32], rows: &[u32], bucket: usize, b: &mut [u8], last: &[u32]| {
+            if ps == 1 {
+                stage_decode_after(&host, seq, rows, bucket, limits, b, |i| last[i])
+            } else {
+                stage_decode(&host, seq, rows, bucket, limits, b)
+            }
+        };
+        assert_no_alloc(name, || {
+            for step in 0..300 {
+                let batch = [1024usize, 1000, 7, 1][step % 4];
+                seq[..batch].iter_mut().for_each(|s| *s += 1);
+                let bucket = bucket_for(batch);
+                let words = decode_block_bytes(bucket) / 4;
+                let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..words]);
+                let s = black_box(stage(&seq[..batch], &rows[..batch], bucket, b, &last).unwrap());
+                if ps == 1 {
+                    let at = 4 * bucket;
+                    last[..batch].copy_from_slice(&block[at..at + s.new_pages]);
+                }
+            }
+            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut block[..decode_block_bytes(2) / 4]);
+            assert!(stage(&[1, 2, 3], &rows[..3], 2, b, &last).is_err());
+        });
+    }
 }
 
 /// The host half of a delta decode step (`kvpool::kv::delta::DeltaPlanner`: joins,

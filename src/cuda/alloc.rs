@@ -28,6 +28,37 @@ pub enum LastLocs<'a> {
     FromRows,
 }
 
+/// Page size 1: per request row, the slot of its last token as far as the host knows
+/// (`u32::MAX`: not known), for the decode paths whose `last_loc`s are read on the
+/// device (`remember_rows` here, [`DecodeGraphs`](super::DecodeGraphs)). Empty, and
+/// never consulted, at other page sizes.
+#[derive(Debug, Default)]
+pub(super) struct RowTails(Box<[u32]>);
+
+impl RowTails {
+    /// One entry per row at page size 1, none otherwise (allocates, once).
+    pub(super) fn new(page_size: u32, rows: u32) -> RowTails {
+        RowTails(if page_size == 1 { vec![u32::MAX; rows as usize].into() } else { Box::default() })
+    }
+
+    /// Whether it keeps anything (page size 1).
+    pub(super) fn is_on(&self) -> bool {
+        !self.0.is_empty()
+    }
+
+    /// The last slot of the request in `rows[i]` (`u32::MAX` when not known).
+    pub(super) fn last(&self, rows: &[u32], i: usize) -> u32 {
+        rows.get(i).and_then(|&r| self.0.get(r as usize)).copied().unwrap_or(u32::MAX)
+    }
+
+    /// Row `row`'s last token is in `slot` (ignored for a row past the table).
+    pub(super) fn set(&mut self, row: u32, slot: u32) {
+        if let Some(t) = self.0.get_mut(row as usize) {
+            *t = slot;
+        }
+    }
+}
+
 /// A batch whose pages are reserved and whose metadata is on its way to the device;
 /// [`DevicePagedAllocator::expand`] turns it into slots (as often as wanted, until
 /// the next batch is staged).
@@ -111,7 +142,7 @@ pub struct DevicePagedAllocator {
     pages_at: (usize, usize),
     /// Page size 1, after [`remember_rows`](Self::remember_rows): per row, the last
     /// slot this allocator placed in it (`u32::MAX`: none). Empty otherwise.
-    tails: Box<[u32]>,
+    tails: RowTails,
 }
 
 impl core::fmt::Debug for DevicePagedAllocator {
@@ -153,7 +184,7 @@ impl DevicePagedAllocator {
             max_pages,
             generation: 0,
             pages_at: (0, 0),
-            tails: Box::default(),
+            tails: RowTails::default(),
         })
     }
 
@@ -186,9 +217,7 @@ impl DevicePagedAllocator {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn remember_rows(mut self, rows: u32) -> Self {
-        if self.host.page_size() == 1 {
-            self.tails = vec![u32::MAX; rows as usize].into();
-        }
+        self.tails = RowTails::new(self.host.page_size(), rows);
         self
     }
 
@@ -351,9 +380,8 @@ impl DevicePagedAllocator {
             // goes on where it can, as on the host (`PagedAllocator::alloc_decode`).
             (LastLocs::Host(l), _) if decode => self.host.reserve_decode_pages(pages, |i| l[i])?,
             // ... or remembers (`remember_rows`).
-            (LastLocs::FromRows, Some((_, r))) if decode && !tails.is_empty() => {
-                let last = |i: usize| r.get(i).and_then(|&row| tails.get(row as usize)).copied().unwrap_or(u32::MAX);
-                self.host.reserve_decode_pages(pages, last)?
+            (LastLocs::FromRows, Some((_, r))) if decode && tails.is_on() => {
+                self.host.reserve_decode_pages(pages, |i| tails.last(r, i))?
             }
             _ => self.host.reserve_pages(pages)?,
         }
@@ -392,7 +420,7 @@ impl DevicePagedAllocator {
             let _ = self.free_pages(&pages);
             return Err(e);
         }
-        if let (false, Some((_, r))) = (self.tails.is_empty(), rows) {
+        if let (true, Some((_, r))) = (self.tails.is_on(), rows) {
             // Page size 1: a request's new tokens are its pages, its last one the run's end.
             let pages = &self.staging[META * batch..words];
             let mut end = 0;
@@ -402,8 +430,8 @@ impl DevicePagedAllocator {
                 if n == 0 {
                     continue;
                 }
-                if let (Some(&last), Some(t)) = (pages.get(end - 1), self.tails.get_mut(row as usize)) {
-                    *t = last;
+                if let Some(&last) = pages.get(end - 1) {
+                    self.tails.set(row, last);
                 }
             }
         }

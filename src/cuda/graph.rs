@@ -33,6 +33,7 @@ use cust::sys::{
     CUstreamCaptureMode,
 };
 
+use super::alloc::RowTails;
 use super::launch::{check, KvKernels, StepArgs};
 use super::stream::RawEvent;
 use super::{CudaKvError, KvDevice, ReqToTokenView, StreamRef};
@@ -198,7 +199,7 @@ pub struct DecodeGraphs<'t> {
     /// At page size 1: per row, the slot of its last token as far as the host knows
     /// (the slot the last step gave it, or what [`set_last_slot`](Self::set_last_slot)
     /// said; `u32::MAX` when not known). Empty at other page sizes.
-    tails: Box<[u32]>,
+    tails: RowTails,
     _table: PhantomData<&'t ReqToTokenView>,
 }
 
@@ -241,7 +242,7 @@ impl<'t> DecodeGraphs<'t> {
         let meta = DeviceBuffer::<u32>::zeroed(words)?;
         let mapped = [mapped_address(&staging[0])?, mapped_address(&staging[1])?];
         let out = DeviceBuffer::<u32>::zeroed(max_bucket)?;
-        let tails = if host.page_size() == 1 { vec![u32::MAX; table.rows() as usize].into() } else { Box::default() };
+        let tails = RowTails::new(host.page_size(), table.rows());
         let capture_stream = Stream::new(StreamFlags::NON_BLOCKING, None)?;
         let mut graphs = Vec::new();
         let mut bucket = 1;
@@ -289,9 +290,7 @@ impl<'t> DecodeGraphs<'t> {
         if row >= self.limits.rows {
             return Err(KvError::SlotOutOfRange { slot: row, rows: self.limits.rows as usize }.into());
         }
-        if let Some(t) = self.tails.get_mut(row as usize) {
-            *t = slot;
-        }
+        self.tails.set(row, slot);
         Ok(())
     }
 
@@ -378,12 +377,11 @@ impl<'t> DecodeGraphs<'t> {
         let words = decode_block_bytes(bucket) / 4;
         let block = &mut self.staging[half][..words];
         let block: &mut [u8] = bytemuck::cast_slice_mut(block);
-        let staged = if self.tails.is_empty() {
-            stage_decode(&self.host, seq_lens, rows, bucket, self.limits, block)?
-        } else {
+        let staged = if self.tails.is_on() {
             let tails = &self.tails;
-            let last = |i: usize| rows.get(i).and_then(|&r| tails.get(r as usize)).copied().unwrap_or(u32::MAX);
-            stage_decode_after(&self.host, seq_lens, rows, bucket, self.limits, block, last)?
+            stage_decode_after(&self.host, seq_lens, rows, bucket, self.limits, block, |i| tails.last(rows, i))?
+        } else {
+            stage_decode(&self.host, seq_lens, rows, bucket, self.limits, block)?
         };
         let graph = &self.graphs[bucket.trailing_zeros() as usize][half];
         if let Err(e) = graph.launch(stream).and_then(|()| self.done[half].record(stream)) {
@@ -391,13 +389,11 @@ impl<'t> DecodeGraphs<'t> {
             let _ = free_pages(&self.host, &self.staging[half][fresh]);
             return Err(e);
         }
-        if !self.tails.is_empty() {
+        if self.tails.is_on() {
             // Page size 1: every request took a page, its slot, in request order.
             let at = 4 * bucket;
             for (&row, &slot) in rows.iter().zip(&self.staging[half][at..at + staged.new_pages]) {
-                if let Some(t) = self.tails.get_mut(row as usize) {
-                    *t = slot;
-                }
+                self.tails.set(row, slot);
             }
         }
         self.generation += 1;

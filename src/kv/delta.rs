@@ -196,12 +196,12 @@ pub struct DeltaPlanner {
     /// Batch indices whose state the device has not seen.
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
-    /// Scratch: the fresh page of a dirty page-starting index, during `stage`.
+    /// The fresh page of each page-starting index in the step staged last (read for
+    /// the dirty ones' full entries, and at page size 1 by `commit`).
     page_of: Vec<u32>,
     /// Page size 1: per batch index, the slot of its last token as far as the host
-    /// knows (`NONE`: not known), and what it becomes when the staged step commits.
+    /// knows (`NONE`: not known). `commit` sets it to the staged step's slot.
     last: Vec<u32>,
-    pending: Vec<u32>,
     /// Max-heap of live batch indices by `base`; `heap_at[i]` is `i`'s position.
     heap: Vec<u32>,
     heap_at: Vec<u32>,
@@ -240,7 +240,6 @@ impl DeltaPlanner {
             is_dirty: vec![false; capacity],
             page_of: vec![0; capacity],
             last: vec![NONE; if page_size == 1 { capacity } else { 0 }],
-            pending: vec![NONE; if page_size == 1 { capacity } else { 0 }],
             heap: Vec::with_capacity(capacity),
             heap_at: vec![NONE; capacity],
         })
@@ -336,8 +335,9 @@ impl DeltaPlanner {
     /// At page size 1: the request at batch index `index` has its last token in slot
     /// `slot` (the end of its prefill or of an extend, placed elsewhere), so that its
     /// next step's slot continues that run when the slot after it is free. The planner
-    /// remembers the slot each step gives an index by itself; [`join`](Self::join)
-    /// and [`set_len`](Self::set_len) forget it. A hint only: a stale or unknown slot
+    /// remembers the slot each step gives an index by itself (at
+    /// [`commit`](Self::commit)); [`join`](Self::join) and [`set_len`](Self::set_len)
+    /// forget it. A hint only: a stale or unknown slot
     /// makes the next slot start a new run, nothing else. At other page sizes it does
     /// nothing.
     ///
@@ -346,15 +346,15 @@ impl DeltaPlanner {
     /// [`KvError::Shape`] for an index past the batch.
     pub fn set_last_slot(&mut self, index: u32, slot: u32) -> Result<(), KvError> {
         self.check_index(index)?;
-        if let (Some(l), Some(p)) = (self.last.get_mut(index as usize), self.pending.get_mut(index as usize)) {
-            (*l, *p) = (slot, slot);
+        if let Some(l) = self.last.get_mut(index as usize) {
+            *l = slot;
         }
         Ok(())
     }
 
     fn forget_last(&mut self, i: usize) {
-        if let (Some(l), Some(p)) = (self.last.get_mut(i), self.pending.get_mut(i)) {
-            (*l, *p) = (NONE, NONE);
+        if let Some(l) = self.last.get_mut(i) {
+            *l = NONE;
         }
     }
 
@@ -380,7 +380,6 @@ impl DeltaPlanner {
             self.phase[i] = self.phase[last];
             if self.page_size == 1 {
                 self.last[i] = self.last[last];
-                self.pending[i] = self.pending[last];
             }
             let at = self.heap_at[last];
             self.heap[at as usize] = i as u32;
@@ -471,19 +470,21 @@ impl DeltaPlanner {
         let (header, rest) = block.split_at_mut(HEAD);
         let (full, rest) = rest.split_at_mut(cap * FULL_WORDS);
         let paged = &mut rest[..cap * PAGE_WORDS];
-        if self.page_size == 1 {
-            // Every request takes a page, its slot: continue each one's run. The
-            // owners first (the loop below writes them again, the same).
-            let mut j = 0;
-            for (w, &word) in class.iter().enumerate() {
-                let mut m = word;
-                while m != 0 {
-                    owners[j] = (w * 64 + m.trailing_zeros() as usize) as u32;
-                    m &= m - 1;
-                    j += 1;
-                }
+        // The page-starting batch indices, in index order (written even if the
+        // reservation below fails: `owners` is output space, read only on success).
+        let mut j = 0;
+        for (w, &word) in class.iter().enumerate() {
+            let mut m = word;
+            while m != 0 {
+                owners[j] = (w * 64 + m.trailing_zeros() as usize) as u32;
+                m &= m - 1;
+                j += 1;
             }
-            let (owners, last) = (&owners[..fresh], &self.last);
+        }
+        let owners = &owners[..fresh];
+        if self.page_size == 1 {
+            // Every request takes a page, its slot: continue each one's run.
+            let last = &self.last;
             host.reserve_decode_pages(&mut pages[..fresh], |j| last[owners[j] as usize])?;
         } else {
             host.reserve_pages(&mut pages[..fresh])?;
@@ -491,24 +492,12 @@ impl DeltaPlanner {
         let full: &mut [DeltaEntry] = bytemuck::cast_slice_mut(full);
         let paged: &mut [DeltaPage] = bytemuck::cast_slice_mut(paged);
         let mut np = 0;
-        let mut j = 0;
-        for (w, &word) in class.iter().enumerate() {
-            let mut m = word;
-            while m != 0 {
-                let i = w * 64 + m.trailing_zeros() as usize;
-                m &= m - 1;
-                let page = pages[j];
-                owners[j] = i as u32;
-                j += 1;
-                if let Some(p) = self.pending.get_mut(i) {
-                    *p = page;
-                }
-                if self.is_dirty[i] {
-                    self.page_of[i] = page;
-                } else {
-                    paged[np] = DeltaPage { index: i as u32, page };
-                    np += 1;
-                }
+        for (&i, &page) in owners.iter().zip(&pages[..fresh]) {
+            let i = i as usize;
+            self.page_of[i] = page;
+            if !self.is_dirty[i] {
+                paged[np] = DeltaPage { index: i as u32, page };
+                np += 1;
             }
         }
         let mut nf = 0;
@@ -542,8 +531,9 @@ impl DeltaPlanner {
             self.is_dirty[d as usize] = false;
         }
         self.dirty.clear();
+        // Page size 1: every request took a page, its slot, in the staged step.
         let n = self.batch.min(self.last.len());
-        self.last[..n].copy_from_slice(&self.pending[..n]);
+        self.last[..n].copy_from_slice(&self.page_of[..n]);
         self.clock += 1;
     }
 

@@ -168,6 +168,23 @@ impl Side {
     fn finish(&self, row: u32, len: u32) -> Result<(), String> {
         self.host.free(self.slots(row, len)).map_err(|e| format!("freeing row {row}: {e}"))
     }
+
+    /// Free every held page.
+    fn give_back(&mut self) -> Result<(), String> {
+        let ps = self.host.page_size();
+        let slots: Vec<u32> = self.held.drain(..).map(|p| p * ps).collect();
+        self.host.free(&slots).map_err(|e| format!("giving back held pages: {e}"))
+    }
+}
+
+/// Grow `row` from `from` to `to` tokens on both sides: the new slots (the same on
+/// both), `None` when both ran out of pages, an error when they disagree.
+fn extend_both(d: &mut Side, m: &mut Side, row: u32, from: u32, to: u32) -> Result<Option<Vec<u32>>, String> {
+    match (d.extend(row, from, to), m.extend(row, from, to)) {
+        (Some(a), Some(b)) if a == b => Ok(Some(a)),
+        (None, None) => Ok(None),
+        (a, b) => Err(format!("the extends of row {row} ({from}..{to}) differ: {a:?} / {b:?}")),
+    }
 }
 
 /// A live request, in batch order.
@@ -200,16 +217,7 @@ pub fn run_decode(page: u8, ops: &[DecodeOp]) -> Result<DecodeStats, String> {
                 let free_row = (0..ROWS).find(|r| live.iter().all(|q| q.row != *r));
                 let Some(row) = free_row.filter(|_| live.len() < CAPACITY) else { continue };
                 let len = len as u32 % 48;
-                let (a, b) = (d.extend(row, 0, len), m.extend(row, 0, len));
-                let (Some(a), Some(b)) = (&a, &b) else {
-                    if a.is_some() != b.is_some() {
-                        return Err(fail(format!("one prefill ran out of pages: {a:?} / {b:?}")));
-                    }
-                    continue;
-                };
-                if a != b {
-                    return Err(fail(format!("prefills differ: {a:?} / {b:?}")));
-                }
+                let Some(a) = extend_both(&mut d, &mut m, row, 0, len).map_err(&fail)? else { continue };
                 let index = plan.join(row, len).map_err(|e| fail(format!("join refused: {e}")))?;
                 if index as usize != live.len() {
                     return Err(fail(format!("joined at index {index}, not {}", live.len())));
@@ -231,16 +239,7 @@ pub fn run_decode(page: u8, ops: &[DecodeOp]) -> Result<DecodeStats, String> {
                 if to == r.len {
                     continue;
                 }
-                let (a, b) = (d.extend(r.row, r.len, to), m.extend(r.row, r.len, to));
-                let (Some(a), Some(b)) = (&a, &b) else {
-                    if a.is_some() != b.is_some() {
-                        return Err(fail(format!("one extend ran out of pages: {a:?} / {b:?}")));
-                    }
-                    continue;
-                };
-                if a != b {
-                    return Err(fail(format!("extends differ: {a:?} / {b:?}")));
-                }
+                let Some(a) = extend_both(&mut d, &mut m, r.row, r.len, to).map_err(&fail)? else { continue };
                 plan.set_len(i as u32, to).map_err(|e| fail(format!("set_len refused: {e}")))?;
                 live[i].len = to;
                 live[i].hint = u32::MAX;
@@ -282,9 +281,7 @@ pub fn run_decode(page: u8, ops: &[DecodeOp]) -> Result<DecodeStats, String> {
                 let n = n as usize % 24;
                 for side in [&mut d, &mut m] {
                     if n == 0 {
-                        let ps = side.host.page_size();
-                        let slots: Vec<u32> = side.held.drain(..).map(|p| p * ps).collect();
-                        side.host.free(&slots).map_err(|e| fail(format!("giving back held pages: {e}")))?;
+                        side.give_back().map_err(&fail)?;
                     } else {
                         let mut pages = vec![0u32; n.min(side.host.available_pages())];
                         side.host.reserve_pages(&mut pages).map_err(|e| fail(e.to_string()))?;
@@ -320,9 +317,7 @@ pub fn run_decode(page: u8, ops: &[DecodeOp]) -> Result<DecodeStats, String> {
         plan.leave(plan.batch() as u32 - 1).map_err(|e| e.to_string())?;
     }
     for side in [&mut d, &mut m] {
-        let ps = side.host.page_size();
-        let slots: Vec<u32> = side.held.drain(..).map(|p| p * ps).collect();
-        side.host.free(&slots).map_err(|e| format!("giving back held pages: {e}"))?;
+        side.give_back()?;
         if side.host.available_size() != whole {
             return Err(format!("page size {ps}: the pool is not whole at the end"));
         }
