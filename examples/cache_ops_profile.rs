@@ -37,8 +37,9 @@ use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
 use kvpool::replay::{ReferenceCache, ReplayCache, Trace, VecTrieReplayCache};
 use kvpool::{PagedAllocator, ReqToTokenPool};
 
-// The bench's loop itself.
+// The bench's loop itself (its `expansion_only` is the bench's alone).
 #[path = "../benches/shared/cache_ops.rs"]
+#[allow(dead_code)]
 mod shared;
 use shared::cache_ops;
 
