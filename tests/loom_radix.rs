@@ -30,6 +30,7 @@
 //! | `peek_racing_split_returns_a_valid_prefix` | a lookup racing a split returns a prefix of the right slots; before or after it, all of them |
 //! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
 //! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
+//! | `peek_across_a_reused_parent_page` | a two-level path whose parent is evicted and whose last page ends another parent with a matching child: a lookup returns the old path whole, its parent, or nothing, never old slots joined to the new child |
 //! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
 //! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
 //! | `lock_racing_evict_mamba`       | Mamba variant: a state locked by a lease is never freed by `evict_mamba`; a lease taken after it finds no state and returns nothing; both orders reached |
@@ -331,6 +332,79 @@ fn peek_racing_evict_and_reuse() {
     seen.expect_seen(
         "peek_racing_evict_and_reuse",
         &["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"],
+    );
+}
+
+/// A two-node path whose parent's last page is reused for another parent: a lookup
+/// never continues below a parent that was evicted while it read, so it never returns
+/// the old parent's (freed) slots joined to a child of the new one.
+///
+/// Before: `A = [1, 5]` in slots `[2, 1]`, its child `B = [2]` in slot `4`. The writer
+/// evicts both, then caches `A' = [9]` in slot `1` (A's last page) with a child
+/// `B' = [2]` in slot `3`: `B'` is keyed by `(page 1, [2])`, exactly what a lookup of
+/// `[1, 5, 2]` asks for below `A`. A lookup that validated `A`, then found `B'` under
+/// page 1, returned `[2, 1, 3]` while slot 2 was free: the protocol validated each node
+/// when it read it and only the deepest one at the end. Now the parent's generation is
+/// re-checked after its child is found, so the lookup returns `[2, 1, 4]`, `[2, 1]`
+/// (the leaf went first) or nothing.
+#[test]
+fn peek_across_a_reused_parent_page() {
+    let seen = Outcomes::new(&["before_whole", "inside_whole", "inside_parent", "inside_miss", "after_miss"]);
+    let s = seen.clone();
+    let mut builder = loom::model::Builder::new();
+    // One preemption puts the reader between its two levels; two let loom also move the
+    // writer's publication against the reader's checks.
+    builder.preemption_bound = Some(builder.preemption_bound.map_or(2, |b| b.min(2)));
+    loom_common::model_with("peek_across_a_reused_parent_page", builder, move || {
+        let c = Arc::new(cache(4));
+        let mut hand = [0u32; 4];
+        c.allocator().alloc(&mut hand).unwrap();
+        assert_eq!(c.insert(0, &[1, 5], &[2, 1], 0).unwrap(), 0);
+        assert_eq!(c.insert(0, &[1, 5, 2], &[2, 1, 4], 0).unwrap(), 2);
+        c.allocator().free(&[3]).unwrap();
+        let span = Span::new();
+        let (c1, span1) = (c.clone(), span.clone());
+        let writer = thread::spawn(move || {
+            span1.write(|| {
+                assert_eq!(c1.evict(100), 3);
+                let mut hand = [0u32; 4];
+                c1.allocator().alloc(&mut hand).unwrap();
+                assert_eq!(c1.insert(0, &[9], &[1], 0).unwrap(), 0);
+                assert_eq!(c1.insert(0, &[9, 2], &[1, 3], 0).unwrap(), 1);
+                c1.allocator().free(&[2, 4]).unwrap();
+            })
+        });
+        let (c2, span2) = (c.clone(), span.clone());
+        let reader = thread::spawn(move || {
+            let mut out = [0u32; 3];
+            let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 5, 2], &mut out));
+            (n, out, place)
+        });
+        writer.join().unwrap();
+        let (n, out, place) = reader.join().unwrap();
+        match n {
+            0 => {}
+            2 => assert_eq!(out[..2], [2, 1], "a wrong parent"),
+            3 => assert_eq!(out, [2, 1, 4], "a path joined across two trees"),
+            _ => panic!("a partial page count {n}"),
+        }
+        match (place, n) {
+            (Place::Before, 3) => s.hit("before_whole"),
+            (Place::Before, _) => panic!("missed a path cached throughout the lookup"),
+            (Place::Inside, 3) => s.hit("inside_whole"),
+            (Place::Inside, 2) => s.hit("inside_parent"),
+            (Place::Inside, _) => s.hit("inside_miss"),
+            (Place::After, 0) => s.hit("after_miss"),
+            (Place::After, _) => panic!("found [1, 5, ..] after it was evicted: {out:?}"),
+        }
+        c.check_invariants().unwrap();
+        let mut now = [0u32; 2];
+        assert_eq!(c.peek_prefix(0, &[9, 2], &mut now), 2);
+        assert_eq!(now, [1, 3]);
+    });
+    seen.expect_seen(
+        "peek_across_a_reused_parent_page",
+        &["before_whole", "inside_whole", "inside_parent", "inside_miss", "after_miss"],
     );
 }
 

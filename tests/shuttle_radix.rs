@@ -17,10 +17,11 @@
 //! |---------------------------------------|--------------------------------------------------|
 //! | `peek_racing_splits_inserts_evictions`| the above, tolerating (and counting) short results for pinned keys |
 //! | `peek_never_misses_pinned_content`    | also that a pinned key is always found whole (it failed until a split's swap bumped the bucket's removal version) |
+//! | `peek_across_reused_parent_pages`     | generations of a tree of 24 nodes laid over the same slots, every parent's last page reused by a parent of the next generation with children of the same first tokens: a lookup returns a prefix of one generation's path, never a path joined across two |
 
 mod shuttle_common;
 
-use shuttle::sync::atomic::{AtomicBool, Ordering};
+use shuttle::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use shuttle::sync::Arc;
 use shuttle::thread;
 
@@ -228,4 +229,118 @@ fn peek_never_misses_pinned_content() {
     let s = seen.clone();
     shuttle_common::check("peek_never_misses_pinned_content", schedules(4000), move || scenario(true, &s));
     seen.expect_seen("peek_never_misses_pinned_content", &[]);
+}
+
+/// Parents per generation, each `[a, b]` with two children `[1, 7]` and `[2, 7]`.
+const PARENTS: usize = 8;
+/// Slots a parent's subtree takes: 2 for the parent, 2 for each child.
+const SUBTREE: usize = 6;
+/// Generations the writer lays over the pool, one after the other.
+const GENERATIONS: usize = 3;
+
+/// The two tokens of parent `i` of generation `g`: no other generation's parents hold them.
+fn parent_key(g: usize, i: usize) -> [u32; 2] {
+    let t = 1000 + (g * PARENTS + i) as u32 * 2;
+    [t, t + 1]
+}
+
+/// Child `j`'s tokens: the same under every parent of every generation.
+fn child_key(j: usize) -> [u32; 2] {
+    [j as u32 + 1, 7]
+}
+
+/// Where parent `i` of generation `g` lies: a position of the pool, a permutation of
+/// the positions per generation. A position's slots are `1 + q * SUBTREE ..`: the
+/// parent's two, then its children's two each. So each position's parent's last slot
+/// is the last slot of a parent of every generation.
+fn position(g: usize, i: usize) -> usize {
+    // An odd multiplier is a permutation of 0..8.
+    (i * (2 * g + 3) + g) % PARENTS
+}
+
+/// The slots of parent `i`'s path to child `j` in generation `g` (4 slots).
+fn path_slots(g: usize, i: usize, j: usize) -> [u32; 4] {
+    let base = 1 + (position(g, i) * SUBTREE) as u32;
+    // Children swap places every generation: a parent of one generation joined to a
+    // child of the next would name the other child's slots.
+    let child = base + 2 + 2 * (j ^ (g & 1)) as u32;
+    [base, base + 1, child, child + 1]
+}
+
+/// One schedule: a writer lays generation after generation over the same slots (evict
+/// everything, then insert the new tree into fixed slots); two readers look up paths of
+/// the current, previous and next generations. Each answer must be a prefix of the one
+/// path its key names: the parent's tokens belong to one generation only.
+fn reused_parent_pages(seen: &Outcomes) {
+    let size = PARENTS * SUBTREE;
+    let c = Arc::new(
+        RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default())
+            .unwrap(),
+    );
+    let lay = move |c: &Cache, g: usize| {
+        c.evict(usize::MAX);
+        assert_eq!(c.allocator().available_size(), size);
+        let mut hand = vec![0u32; size];
+        c.allocator().alloc(&mut hand).unwrap();
+        for i in 0..PARENTS {
+            for j in 0..2 {
+                let mut key = parent_key(g, i).to_vec();
+                key.extend(child_key(j));
+                c.insert(0, &key, &path_slots(g, i, j), 0).unwrap();
+            }
+        }
+        assert_eq!(c.allocator().available_size(), 0);
+    };
+    lay(&c, 0);
+    let now = Arc::new(AtomicUsize::new(0));
+    let mut threads = vec![];
+    {
+        let (c, now) = (c.clone(), now.clone());
+        threads.push(thread::spawn(move || {
+            for g in 1..=GENERATIONS {
+                lay(&c, g);
+                now.store(g, Ordering::SeqCst);
+            }
+        }));
+    }
+    for _ in 0..2 {
+        let (c, now, seen) = (c.clone(), now.clone(), seen.clone());
+        threads.push(thread::spawn(move || {
+            for _ in 0..12 {
+                seen.hit("peeks");
+                let g = (now.load(Ordering::SeqCst) + random_in(0..3)).saturating_sub(1);
+                let (i, j) = (random_in(0..PARENTS), random_in(0..2));
+                let mut key = parent_key(g, i).to_vec();
+                key.extend(child_key(j));
+                let mut out = [0u32; 4];
+                let n = c.peek_prefix(0, &key, &mut out);
+                let whole = path_slots(g, i, j);
+                assert_eq!(
+                    out[..n],
+                    whole[..n],
+                    "generation {g} parent {i} child {j}: {n} slots {out:?}, not a prefix of {whole:?}"
+                );
+                seen.hit(match n {
+                    0 => "miss",
+                    4 => "whole",
+                    _ => "part",
+                });
+            }
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    c.check_invariants().unwrap();
+    assert_eq!(c.total_size(), size);
+}
+
+/// Lookups racing generations of a tree laid over the same slots never return a path
+/// joined across two generations (the parent of one, the child of the next).
+#[test]
+fn peek_across_reused_parent_pages() {
+    let seen = Outcomes::new(&["peeks", "miss", "part", "whole"]);
+    let s = seen.clone();
+    shuttle_common::check("peek_across_reused_parent_pages", schedules(3000), move || reused_parent_pages(&s));
+    seen.expect_seen("peek_across_reused_parent_pages", &["miss", "part", "whole"]);
 }

@@ -90,11 +90,10 @@
 //! [`hint_prefix`]: RadixCache::hint_prefix
 
 use super::writer::Writer;
-use super::{EvictionPolicy, Lookup, Meta, RadixCache, Variant};
+use super::{EvictionPolicy, Meta, RadixCache, Variant};
 use crate::alloc::KvAllocator;
 use crate::error::ConfigError;
-use crate::sync::atomic::{fence, AtomicU64, Ordering};
-use crate::sync::Backoff;
+use crate::sync::atomic::{AtomicU64, Ordering};
 
 /// The protections in force, soonest expiry first, as (`want`, node): each time a node
 /// becomes protected, an entry; eviction first clears every protection that has expired
@@ -405,11 +404,11 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         if !self.policy.uses_hints() {
             return self.peek_prefix(namespace, key, out);
         }
-        let (len, deepest) = self.peek_deepest(namespace, key, out);
-        if let Some((id, gen)) = deepest {
+        let peeked = self.peek_walk(namespace, key, out);
+        if let Some((id, gen)) = peeked.deepest {
             self.post_hint(id, gen, position.max(1));
         }
-        len
+        peeked.len
     }
 
     /// Record that node `id` in incarnation `gen` is wanted by the `position`-th
@@ -434,58 +433,6 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                 Ok(_) => return,
                 Err(seen) => cur = seen,
             }
-        }
-    }
-
-    /// [`peek_prefix`](Self::peek_prefix)'s walk, also returning the deepest matched
-    /// record and the `gen` it was validated in (none for an empty match). The same
-    /// validation: every record read is re-checked after an `Acquire` fence, a miss
-    /// re-checks its bucket's removal version, and the deepest record is checked last.
-    fn peek_deepest(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Option<(u32, u64)>) {
-        let key = self.aligned(key, out.len());
-        let ps = self.ps;
-        let mut backoff = Backoff::new();
-        'retry: loop {
-            let (mut pos, mut cur) = (0usize, 0u32);
-            let mut deepest: Option<(u32, u64)> = None;
-            while pos < key.len() {
-                match self.find_child(cur, namespace, &key[pos..pos + ps]) {
-                    Lookup::Conflict => {
-                        backoff.spin();
-                        continue 'retry;
-                    }
-                    Lookup::Miss { bucket, word } => {
-                        fence(Ordering::Acquire);
-                        if self.buckets[bucket].load(Ordering::Relaxed) >> 32 != word >> 32 {
-                            backoff.spin();
-                            continue 'retry;
-                        }
-                        break;
-                    }
-                    Lookup::Found { id, gen } => {
-                        let (m, last, n) = self.match_in_node::<false>(id, &key[pos..], &mut out[pos..]);
-                        fence(Ordering::Acquire);
-                        if self.records[id as usize].gen.load(Ordering::SeqCst) != gen || m == 0 {
-                            backoff.spin();
-                            continue 'retry;
-                        }
-                        deepest = Some((id, gen));
-                        pos += m * ps;
-                        if m < n {
-                            break;
-                        }
-                        cur = last;
-                    }
-                }
-            }
-            if let Some((id, gen)) = deepest {
-                fence(Ordering::Acquire);
-                if self.records[id as usize].gen.load(Ordering::SeqCst) != gen {
-                    backoff.spin();
-                    continue 'retry;
-                }
-            }
-            return (pos, deepest);
         }
     }
 }

@@ -104,11 +104,20 @@
 //!     the lookup restarts from the root;
 //!   - each bucket has a removal version; a lookup that finds no child in a bucket
 //!     re-reads the version, so a miss caused by a concurrent unlink is retried;
+//!   - a child is found under its parent's *last page*, and a page carries no
+//!     generation: once the parent was evicted, its last page may end another node with
+//!     other tokens, whose child has the key's next tokens. So after a child validates,
+//!     the reader re-loads its parent's `gen` (one load per level). Unchanged, the
+//!     parent was live from before the child's first `gen` load until after its second:
+//!     at every instant between, both were live, and the child (keyed by the page only
+//!     its parent ends) hung below that parent. The path read is then one path of the
+//!     tree, each link seen at an instant when both its ends were live;
 //!   - at the end the deepest matched record is validated once more. While it is live,
-//!     every page on its path is in the tree (only leaves are evicted), so no returned
-//!     slot was freed while the lookup ran. The retire `gen` bump is `SeqCst` and comes
-//!     before any free, and the final check loads `gen` with `SeqCst`: a lookup whose
-//!     final check still sees the old `gen` is ordered before the eviction.
+//!     its parent cannot be evicted (only leaves are), nor that one's, up to the root;
+//!     splits move no slot. So every slot returned is still in the tree at the final
+//!     check, and none was freed while the lookup ran. The retire `gen` bump is `SeqCst`
+//!     and comes before any free, and the checks load `gen` with `SeqCst`: a lookup
+//!     whose final check still sees the old `gen` is ordered before the eviction;
 //!   - writers store tokens and page links with `Release` *before* publishing a record
 //!     (`Release` on the bucket head); readers load the head with `Acquire`.
 //!
@@ -552,6 +561,18 @@ enum Lookup {
     Found { id: u32, gen: u64 },
     Miss { bucket: usize, word: u64 },
     Conflict,
+}
+
+/// What a lock-free walk found ([`RadixCache::peek_walk`]).
+pub(crate) struct Peeked {
+    /// Tokens matched.
+    len: usize,
+    /// Tokens up to the deepest place the variant lets a match end
+    /// ([`Variant::peek_step`]): `len` for the plain tree.
+    best: usize,
+    /// The deepest matched record and the `gen` it was validated in (none for an
+    /// empty match).
+    deepest: Option<(u32, u64)>,
 }
 
 /// Index of the first position where `a` and `b` differ (the shorter length if one is
@@ -1043,6 +1064,14 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
+        self.peek_walk(namespace, key, out).best
+    }
+
+    /// The lock-free walk behind [`peek_prefix`](Self::peek_prefix) and the router
+    /// hints (see "Concurrency" in the module docs for the protocol and its argument).
+    /// Every node on the returned path is validated while its child is found, and the
+    /// deepest one once more at the end.
+    pub(crate) fn peek_walk(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Peeked {
         let key = self.aligned(key, out.len());
         let ps = self.ps;
         let mut backoff = Backoff::new();
@@ -1072,6 +1101,16 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                             backoff.spin();
                             continue 'retry;
                         }
+                        // The child was found under its parent's last page, which carries
+                        // no generation: the parent must still be the incarnation read
+                        // above, or the page may end another node by now and this child
+                        // hang below that one.
+                        if let Some((parent, parent_gen)) = deepest {
+                            if self.records[parent as usize].gen.load(Ordering::SeqCst) != parent_gen {
+                                backoff.spin();
+                                continue 'retry;
+                            }
+                        }
                         deepest = Some((id, gen));
                         pos += m * ps;
                         if self.variant.peek_step(&mut walk, mark, m * ps) {
@@ -1091,7 +1130,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                     continue 'retry;
                 }
             }
-            return best;
+            return Peeked { len: pos, best, deepest };
         }
     }
 

@@ -1,0 +1,129 @@
+//! Lock-free lookups racing a writer that evicts a two-node path and reuses its parent's
+//! last page for another parent with a matching child, on real threads.
+//!
+//! The writer cycles between two trees over the same four pages:
+//!
+//! * `[1, 5] -> [2]` in pages `[2, 1] -> [4]`;
+//! * `[9] -> [2]` in pages `[1] -> [3]`: page 1, which ended `[1, 5]`, now ends `[9]`,
+//!   and its child starts with the page `[2]` that a lookup of `[1, 5, 2]` asks for
+//!   below page 1.
+//!
+//! Readers look both keys up without pause and check every answer against the one tree
+//! it may come from: `[1, 5, 2]` finds pages `[2, 1, 4]`, `[2, 1]` or nothing, `[9, 2]`
+//! finds `[1, 3]`, `[1]` or nothing. A lookup that validated `[1, 5]`, then continued
+//! under page 1 after the writer's swap, would return `[2, 1, 3]`: slots of page 2, free
+//! by then, joined to a child of the other tree. The loom model
+//! `peek_across_a_reused_parent_page` (tests/loom_radix.rs) checks every interleaving
+//! of one such swap; this runs many swaps with page sizes 1 and 16.
+//!
+//! Bounded by a count of writer cycles, not by time: `KVPOOL_STRESS_CYCLES` (default
+//! 300,000 per page size; on the protocol that checked only the deepest node, about
+//! one run in two failed at 100,000 and every run at 300,000) sets it; a longer run is `KVPOOL_STRESS_CYCLES=2000000 cargo
+//! test --release --test peek_stress`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+
+use kvpool::radix::{RadixCache, RadixConfig};
+use kvpool::{PagedAllocator, ReqToTokenPool};
+
+const READERS: usize = 3;
+
+fn cycles() -> u64 {
+    std::env::var("KVPOOL_STRESS_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(300_000)
+}
+
+/// The tokens of key page `sym` (a page of `ps` tokens, all its own).
+fn key(ps: usize, syms: &[u32]) -> Vec<u32> {
+    syms.iter().flat_map(|&s| (0..ps as u32).map(move |t| s * 1000 + t)).collect()
+}
+
+/// The slots of `pages`, in order.
+fn slots(ps: usize, pages: &[u32]) -> Vec<u32> {
+    pages.iter().flat_map(|&p| (0..ps as u32).map(move |t| p * ps as u32 + t)).collect()
+}
+
+/// Check one lookup's answer: `n` tokens of `out` must be a page-aligned prefix of `whole`.
+fn check(what: &str, ps: usize, n: usize, out: &[u32], whole: &[u32]) {
+    assert!(n % ps == 0 && n <= whole.len(), "{what}: {n} tokens at page size {ps}");
+    assert_eq!(out[..n], whole[..n], "{what}: a path of slots that were never cached together");
+}
+
+fn race(ps: usize) {
+    let cache = Arc::new(
+        RadixCache::new(
+            PagedAllocator::new(4 * ps, ps as u32).unwrap(),
+            ReqToTokenPool::new(1, 4 * ps).unwrap(),
+            RadixConfig::default(),
+        )
+        .unwrap(),
+    );
+    let done = Arc::new(AtomicBool::new(false));
+    let found = Arc::new(AtomicU64::new(0));
+    let readers: Vec<_> = (0..READERS)
+        .map(|r| {
+            let (c, done, found) = (cache.clone(), done.clone(), found.clone());
+            thread::spawn(move || {
+                let (a, a_slots) = (key(ps, &[1, 5, 2]), slots(ps, &[2, 1, 4]));
+                let (b, b_slots) = (key(ps, &[9, 2]), slots(ps, &[1, 3]));
+                let mut out = vec![0u32; 3 * ps];
+                let mut i = r;
+                while !done.load(Ordering::Relaxed) {
+                    i += 1;
+                    let n = if i % 4 == 0 {
+                        let n = c.peek_prefix(0, &b, &mut out);
+                        check("[9, 2]", ps, n, &out, &b_slots);
+                        n
+                    } else {
+                        let n = c.peek_prefix(0, &a, &mut out);
+                        check("[1, 5, 2]", ps, n, &out, &a_slots);
+                        n
+                    };
+                    if n > ps {
+                        found.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+
+    let mut hand = vec![0u32; 4 * ps];
+    let (k15, k152) = (key(ps, &[1, 5]), key(ps, &[1, 5, 2]));
+    let (s15, s152) = (slots(ps, &[2, 1]), slots(ps, &[2, 1, 4]));
+    let (k9, k92) = (key(ps, &[9]), key(ps, &[9, 2]));
+    let (s9, s92) = (slots(ps, &[1]), slots(ps, &[1, 3]));
+    for _ in 0..cycles() {
+        cache.allocator().alloc(&mut hand).unwrap();
+        cache.insert(0, &k15, &s15, 0).unwrap();
+        cache.insert(0, &k152, &s152, 0).unwrap();
+        cache.allocator().free(&slots(ps, &[3])).unwrap();
+        assert_eq!(cache.evict(usize::MAX), 3 * ps);
+        cache.allocator().alloc(&mut hand).unwrap();
+        cache.insert(0, &k9, &s9, 0).unwrap();
+        cache.insert(0, &k92, &s92, 0).unwrap();
+        cache.allocator().free(&slots(ps, &[2, 4])).unwrap();
+        assert_eq!(cache.evict(usize::MAX), 2 * ps);
+    }
+    done.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    cache.check_invariants().unwrap();
+    assert_eq!(cache.allocator().available_size(), 4 * ps, "a page was lost");
+    eprintln!(
+        "page size {ps}: {} cycles, {} lookups found more than one page",
+        cycles(),
+        found.load(Ordering::Relaxed)
+    );
+}
+
+#[test]
+fn peek_never_joins_two_trees_page_size_1() {
+    race(1);
+}
+
+#[test]
+fn peek_never_joins_two_trees_page_size_16() {
+    race(16);
+}
