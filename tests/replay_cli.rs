@@ -555,6 +555,72 @@ fn write_bytes(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     path
 }
 
+/// Write `parts` to a fresh file, each `(bytes, times)` repeated `times` times, holding
+/// no more than one copy in memory.
+fn write_repeated(name: &str, parts: &[(&[u8], usize)]) -> std::path::PathBuf {
+    let path = write_text(name, "");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    for &(bytes, times) in parts {
+        for _ in 0..times {
+            std::io::Write::write_all(&mut file, bytes).unwrap();
+        }
+    }
+    std::io::Write::flush(&mut file).unwrap();
+    path
+}
+
+/// One gzip member holding `data`.
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut encoder, data).unwrap();
+    encoder.finish().unwrap()
+}
+
+// A line longer than kvpool::replay::MAX_LINE_BYTES (256 MiB) is an error naming it,
+// read no further than the limit: here a 1 MB gzip file whose second line is 1 GiB of
+// hash ids, replayed in 2 GiB of address space.
+#[test]
+fn over_long_line_is_an_error_naming_it() {
+    let head = gzip(b"{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": [");
+    let ids = gzip(&b"0,".repeat(1 << 19));
+    let tail = gzip(b"0]}\n");
+    let path = write_repeated("over-long-line.jsonl.gz", &[(&head, 1), (&ids, 1024), (&tail, 1)]);
+    assert!(std::fs::metadata(&path).unwrap().len() < 4 << 20);
+    let out = kvpool_limited(LIMIT_KIB, &["replay", "--trace", path.to_str().unwrap(), "--mode", "sequential"]);
+    let _ = std::fs::remove_file(&path);
+    let e = clean_failure(&out);
+    assert!(e.contains("line 2: line longer than 268435456 bytes, the most a trace line may hold"), "{e}");
+}
+
+// A request keeps only the hash ids its prompt reaches, whichever field comes first in
+// its line: a 64 MiB line of ids for a 1000-token prompt, and an 8 MiB one with the ids
+// before input_length, replay in 256 MiB of address space (holding their ids would take
+// 300 MiB).
+#[test]
+fn unused_hash_ids_are_not_kept() {
+    let ids = b"7,".repeat(1 << 16);
+    let path = write_repeated(
+        "unused-ids.jsonl",
+        &[
+            (b"{\"input_length\": 1000, \"output_length\": 2, \"hash_ids\": [", 1),
+            (&ids, 1 << 9),
+            (b"8]}\n{\"timestamp\": 1, \"hash_ids\": [", 1),
+            (&ids, 1 << 6),
+            (b"9], \"output_length\": 2, \"input_length\": 1500}\n", 1),
+        ],
+    );
+    let trace = path.to_str().unwrap();
+    let args =
+        ["replay", "--json", "--trace", trace, "--mode", "sequential", "--capacity-tokens", "4096", "--page-size", "8"];
+    let out = kvpool_limited(256 << 10, &args);
+    let _ = std::fs::remove_file(&path);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Both prompts are blocks of id 7: the second hits the first's 1000 tokens.
+    let counts = ["requests", "prompt_tokens", "hit_tokens"].map(|key| int(&v, key));
+    assert_eq!(counts, [2, 2500, 1000], "{v}");
+}
+
 // Issue 14, finding 7: a capacity that is not whole pages is refused rather than
 // rounded down, and a replay that could serve no request fails.
 #[test]

@@ -7,11 +7,16 @@
 //! Differential check: a plain input is also wrapped, by hand, in two gzip members of
 //! stored (uncompressed) deflate blocks; the gzip path must give exactly the same
 //! trace, or an error of the same kind on the same line.
+//!
+//! Line limit: the input is also read with lines of at most a third of its length. Up to
+//! the first line over that limit the reader must do exactly as without it: the same
+//! trace, or the same error, unless it stops at such a line (`LineTooLong`), in which
+//! case the unlimited reader finds no fault on an earlier line (but a blank line).
 #![no_main]
 
 use kvpool::replay::{
-    output_token, prompt_token, Trace, TraceError, BLOCK_TOKENS, MAX_HASH_ID, MAX_OUTPUT_LEN, MAX_REQUESTS,
-    OUTPUT_TOKEN_BASE,
+    output_token, prompt_token, Trace, TraceError, TraceErrorKind, BLOCK_TOKENS, MAX_HASH_ID, MAX_OUTPUT_LEN,
+    MAX_REQUESTS, OUTPUT_TOKEN_BASE,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -25,6 +30,29 @@ fuzz_target!(|data: &[u8]| {
         Ok(trace) => check_trace(trace),
         Err(e) => check_error(e),
     }
+    let limit = data.len() / 3;
+    let limited = Trace::from_reader_with_line_limit(data, "fuzz", limit);
+    match (&plain, &limited) {
+        (Ok(p), Ok(l)) => same_trace(p, l, "the line limit"),
+        (_, Err(l)) if matches!(l.kind, TraceErrorKind::LineTooLong { .. }) => {
+            assert!(l.line.is_some(), "no line in {l}");
+            if let Err(p) = &plain {
+                // (A blank line is a fault only once a request follows it, which the
+                // reader did not see.)
+                let later = p.line.map_or(true, |line| Some(line) >= l.line);
+                assert!(
+                    later || matches!(p.kind, TraceErrorKind::BlankLine),
+                    "the limit hid an earlier error: {p} / {l}"
+                );
+            }
+        }
+        (Err(p), Err(l)) => same_error(p, l, "the line limit"),
+        (p, l) => panic!(
+            "the line limit changed the outcome: {:?} / {:?}",
+            p.as_ref().map(Trace::len),
+            l.as_ref().map(Trace::len)
+        ),
+    }
     if !data.starts_with(&[0x1f, 0x8b]) {
         let (a, b) = data.split_at(data.len() / 2);
         let mut gz = Vec::with_capacity(data.len() + 64);
@@ -32,24 +60,26 @@ fuzz_target!(|data: &[u8]| {
         gzip_stored(b, &mut gz);
         let zipped = Trace::from_reader(&gz[..], "fuzz");
         match (&plain, &zipped) {
-            (Ok(p), Ok(z)) => {
-                assert_eq!(p.requests(), z.requests(), "gzip changed the requests");
-                for r in 0..p.len() {
-                    assert_eq!(p.hash_ids(r), z.hash_ids(r), "gzip changed request {r}'s hash ids");
-                }
+            (Ok(p), Ok(z)) => same_trace(p, z, "gzip"),
+            (Err(p), Err(z)) => same_error(p, z, "gzip"),
+            (p, z) => {
+                panic!("plain and gzip disagree: {:?} / {:?}", p.as_ref().map(Trace::len), z.as_ref().map(Trace::len))
             }
-            (Err(p), Err(z)) => {
-                assert_eq!(p.line, z.line, "gzip moved the error: {p} / {z}");
-                assert_eq!(
-                    std::mem::discriminant(&p.kind),
-                    std::mem::discriminant(&z.kind),
-                    "gzip changed the error: {p} / {z}"
-                );
-            }
-            (p, z) => panic!("plain and gzip disagree: {:?} / {:?}", p.as_ref().map(Trace::len), z.as_ref().map(Trace::len)),
         }
     }
 });
+
+fn same_trace(a: &Trace, b: &Trace, what: &str) {
+    assert_eq!(a.requests(), b.requests(), "{what} changed the requests");
+    for r in 0..a.len() {
+        assert_eq!(a.hash_ids(r), b.hash_ids(r), "{what} changed request {r}'s hash ids");
+    }
+}
+
+fn same_error(a: &TraceError, b: &TraceError, what: &str) {
+    assert_eq!(a.line, b.line, "{what} moved the error: {a} / {b}");
+    assert_eq!(std::mem::discriminant(&a.kind), std::mem::discriminant(&b.kind), "{what} changed the error: {a} / {b}");
+}
 
 fn check_error(e: &TraceError) {
     // The message must render (it names the source and the line), and a line is 1-based.
@@ -70,10 +100,7 @@ fn check_trace(trace: &Trace) {
         output += out_len as u64;
         assert_eq!(ids.len(), len.div_ceil(BLOCK_TOKENS as usize), "request {r}: blocks kept");
         assert!(ids.iter().all(|&h| h as u64 <= MAX_HASH_ID), "request {r}: hash id out of range");
-        assert!(
-            r as u64 * MAX_OUTPUT_LEN as u64 + out_len as u64 <= 1 << 31,
-            "request {r}: output ids past u32::MAX"
-        );
+        assert!(r as u64 * MAX_OUTPUT_LEN as u64 + out_len as u64 <= 1 << 31, "request {r}: output ids past u32::MAX");
         assert!(q.kv_len() <= u32::MAX as usize, "request {r}: KV tokens past u32");
         assert_eq!(q.kv_len(), len + out_len.max(1) - 1);
         if len > 0 {

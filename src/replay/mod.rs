@@ -83,7 +83,7 @@ pub use store::{
 pub use swa::{run_swa, SwaConfig, SwaReport, DEFAULT_SWA_RATIO_PERMILLE, DEFAULT_SWA_WINDOW};
 pub use trace::{
     output_token, prompt_token, Trace, TraceError, TraceErrorKind, TraceRequest, BLOCK_TOKENS, BUNDLED_TRACE_NAME,
-    MAX_HASH_ID, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
+    MAX_HASH_ID, MAX_INPUT_LEN, MAX_LINE_BYTES, MAX_OUTPUT_LEN, MAX_REQUESTS, OUTPUT_TOKEN_BASE,
 };
 pub use vec_trie_cache::{VecTrieLease, VecTrieReplayCache};
 
