@@ -16,7 +16,7 @@ use kvpool::radix::{
     CacheError, HiRadixCache, HostTier, RadixConfig, SwaRadixCache, Transfer, TransferError, TransferKind, WritePolicy,
 };
 use kvpool::replay::{HostTierConfig, ReplayConfig, ReplayError, Trace};
-use kvpool::store::{check_page, Invalid, PageFormat, PageHeader, HEADER_BYTES};
+use kvpool::store::{check_page, Invalid, PageBinding, PageFormat, PageHeader, HEADER_BYTES};
 use kvpool::{
     AllocError, ConfigError, FreeErrorKind, PagedAllocator, ReqToTokenPool, RowError, SlotCache, SlotPool, Slots,
     SlotsError,
@@ -616,28 +616,29 @@ fn a_host_tier_too_large_for_memory_is_counted_before_the_replay() {
 fn page_checks_refuse_every_damage_without_panicking() {
     let hash = [7u8; 32];
     let format = PageFormat { page_size: 2, bytes_per_token: 3 };
+    let b = PageBinding::new("ns", "model", "", format);
     let payload = [1u8, 2, 3, 4, 5, 6];
-    let h = PageHeader::new(&hash, format, [&payload[..2], &payload[2..]].into_iter());
+    let h = PageHeader::new(&b, &hash, [&payload[..2], &payload[2..]].into_iter());
     let value = [h.as_bytes(), &payload[..]].concat();
-    assert_eq!(check_page(&hash, format, &value), Ok(&payload[..]));
+    assert_eq!(check_page(&b, &hash, &value), Ok(&payload[..]));
     for n in 0..value.len() {
-        assert!(check_page(&hash, format, &value[..n]).is_err(), "truncated at {n}");
+        assert!(check_page(&b, &hash, &value[..n]).is_err(), "truncated at {n}");
     }
-    assert!(check_page(&hash, format, &[value.as_slice(), &[0]].concat()).is_err());
-    assert!(matches!(check_page(&[8u8; 32], format, &value), Err(Invalid::Checksum { .. })));
+    assert!(check_page(&b, &hash, &[value.as_slice(), &[0]].concat()).is_err());
+    assert!(matches!(check_page(&b, &[8u8; 32], &value), Err(Invalid::Foreign { page: true, .. })));
     for i in 0..value.len() {
         let mut v = value.clone();
         v[i] ^= 0x40;
-        assert!(check_page(&hash, format, &v).is_err(), "byte {i} flipped");
+        assert!(check_page(&b, &hash, &v).is_err(), "byte {i} flipped");
     }
     // Formats at the edges: a payload too large for memory, empty pages.
     let huge = PageFormat { page_size: u32::MAX, bytes_per_token: u64::MAX };
     assert_eq!(huge.page_bytes(), usize::MAX);
     assert_eq!(huge.value_bytes(), usize::MAX);
-    assert!(check_page(&hash, huge, &value).is_err());
-    let empty = PageFormat { page_size: 0, bytes_per_token: 0 };
-    let h = PageHeader::new(&hash, empty, core::iter::empty());
-    assert_eq!(check_page(&hash, empty, h.as_bytes()), Ok(&[][..]));
+    assert!(check_page(&PageBinding::new("ns", "model", "", huge), &hash, &value).is_err());
+    let empty = PageBinding::new("ns", "model", "", PageFormat { page_size: 0, bytes_per_token: 0 });
+    let h = PageHeader::new(&empty, &hash, core::iter::empty());
+    assert_eq!(check_page(&empty, &hash, h.as_bytes()), Ok(&[][..]));
     assert_eq!(HEADER_BYTES, h.as_bytes().len());
 }
 

@@ -14,7 +14,8 @@ use kvpool::kv::{KvConfig, KvDtype, KvLayout};
 use kvpool::radix::{page_hash, BlockHash};
 use kvpool::store::redis::{RedisStore, RedisStoreConfig};
 use kvpool::store::{
-    BackoffConfig, Invalid, Loaded, Miss, PageFormat, PageStore, StoreError, FORMAT_VERSION, HEADER_BYTES,
+    BackoffConfig, Invalid, Loaded, MacKey, Miss, PageFormat, PageHeader, PageStore, Seal, StoreError, FORMAT_VERSION,
+    HEADER_BYTES,
 };
 use store_common::{RedisCluster, RedisServer};
 
@@ -295,7 +296,7 @@ fn tenants_whose_namespace_and_model_join_alike_do_not_share_pages() {
 /// larger format): the reply reader stays in step with every reply, each miss is
 /// counted, the leading run is loaded and nothing from the nil on is written. Pages are
 /// larger than the client's read buffer (the bulk path past it), and the connection
-/// stays in use after misses and after a server error reply in the middle.
+/// stays in use after misses and after an error reply in the middle.
 #[test]
 fn a_nil_then_a_corrupt_page_in_one_pipeline_stop_the_load_at_the_nil() {
     let Some(server) = RedisServer::start() else { return };
@@ -346,20 +347,255 @@ fn a_nil_then_a_corrupt_page_in_one_pipeline_stop_the_load_at_the_nil() {
     let loaded = s.get(&hs[5..], &mut bufs[..1].iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
     assert_eq!(loaded, Loaded { pages: 0, stop: Some(Miss::Invalid(Invalid::Format { found: big })) });
 
-    // A server error reply in the middle (a list under page 2's key): the whole read
-    // fails, nothing is written, and the connection is still in step.
+    // An error reply in the middle (a list under page 2's key): a miss for that page,
+    // the pages before it load, and the connection is still in step.
     let _: i64 = redis::cmd("RPUSH").arg(s.key(&hs[2])).arg("x").query(&mut raw).unwrap();
     let mut bufs = vec![vec![0xeeu8; format.page_bytes()]; 5];
-    let err = s.get(&hs[..5], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap_err();
-    assert!(matches!(err, StoreError::Server { .. }), "{err}");
-    assert!(bufs.iter().flatten().all(|&x| x == 0xee));
-    std::thread::sleep(Duration::from_millis(60)); // the backoff after the failure
-    let _: i64 = redis::cmd("DEL").arg(s.key(&hs[2])).query(&mut raw).unwrap();
+    let loaded = s.get(&hs[..5], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(loaded, Loaded { pages: 2, stop: Some(Miss::Error) });
+    check(&bufs, 2);
+    assert_eq!((s.stats().key_errors, s.stats().failures), (1, 0));
+    // A write replaces the list.
+    bufs.iter_mut().for_each(|b| b.fill(0xee));
     s.put(&hs[2..3], &[&pages[2]]).unwrap();
     let loaded = s.get(&hs[..5], &mut bufs.iter_mut().map(|b| &mut b[..]).collect::<Vec<_>>()).unwrap();
     assert_eq!(loaded.pages, 3);
     check(&bufs, 3);
     assert_eq!(s.stats().connects, 1, "one connection served every read");
+}
+
+/// A value is bound to the namespace, model id and salt of the store that wrote it and
+/// to its page hash. Model `a`'s pages copied under the keys of model `b` (another
+/// tensor-parallel rank, a fine-tune), of another namespace or of another salt (a
+/// tenant's cache salt), by `DUMP`/`RESTORE` or `GET`/`SET`, are present but refused as
+/// foreign, counted, and no host page is written; a page copied under another page's
+/// key of the same store is refused too, and the pages it came from still load.
+#[test]
+fn a_value_copied_under_another_key_is_refused_as_foreign() {
+    let Some(server) = RedisServer::start() else { return };
+    let shape = kv(KvLayout::Mha { head_num: 1, head_dim: 16 }, 2, 4);
+    let mut host = pool(shape, HostLayout::PageFirst);
+    let format = PageFormat::of(host.config());
+    let base = store(server.url(), format).config().clone();
+    let tenant = |namespace: &str, model_id: &str, salt: &str| {
+        let mut cfg = base.clone();
+        cfg.namespace = namespace.into();
+        cfg.model_id = model_id.into();
+        cfg.salt = salt.into();
+        RedisStore::new(cfg).unwrap()
+    };
+    let a = tenant("kvpool", "a", "");
+    let hs = hashes(3, 4, 500);
+    let src = filled(&mut host, 3, 7);
+    a.put_host(&host, &hs, &src).unwrap();
+    let mut raw = server.raw();
+    let mut dst = vec![0u32; 3];
+    host.alloc_pages(&mut dst).unwrap();
+    let others = [tenant("kvpool", "b", ""), tenant("other", "a", ""), tenant("kvpool", "a", "tenant-2")];
+    let salted = format!("{:?} {:?}", others[2], String::from_utf8_lossy(&others[2].key(&hs[0])));
+    assert!(!salted.contains("tenant-2"), "the salt is shown: {salted}");
+    for (i, b) in others.iter().enumerate() {
+        assert_ne!(b.key(&hs[0]), a.key(&hs[0]));
+        for (k, h) in hs.iter().enumerate() {
+            if (i + k) % 2 == 0 {
+                let dump: Vec<u8> = redis::cmd("DUMP").arg(a.key(h)).query(&mut raw).unwrap();
+                let _: () =
+                    redis::cmd("RESTORE").arg(b.key(h)).arg(0).arg(dump).arg("REPLACE").query(&mut raw).unwrap();
+            } else {
+                let value: Vec<u8> = redis::cmd("GET").arg(a.key(h)).query(&mut raw).unwrap();
+                let _: () = redis::cmd("SET").arg(b.key(h)).arg(value).query(&mut raw).unwrap();
+            }
+        }
+        assert_eq!(b.exists_prefix(&hs).unwrap(), 3, "the copies are present");
+        sentinel(&mut host, &dst);
+        let loaded = b.get_host(&mut host, &hs, &dst).unwrap();
+        let foreign = Miss::Invalid(Invalid::Foreign { page: false, store: true });
+        assert_eq!(loaded, Loaded { pages: 0, stop: Some(foreign) });
+        assert!(dst.iter().all(|&p| is_sentinel(&host, p)), "no host page written");
+        let st = b.stats();
+        assert_eq!((st.foreign, st.corrupt, st.mismatched, st.forged, st.pages_loaded), (3, 0, 0, 0, 0));
+        let mut buf = vec![vec![0xeeu8; format.page_bytes()]; 1];
+        let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+        assert_eq!(b.get(&hs[2..], &mut bufs).unwrap().stop, Some(foreign));
+        assert!(buf[0].iter().all(|&x| x == 0xee));
+    }
+    // Page 0's value under page 1's key of the same store.
+    let value: Vec<u8> = redis::cmd("GET").arg(a.key(&hs[0])).query(&mut raw).unwrap();
+    let _: () = redis::cmd("SET").arg(a.key(&hs[1])).arg(value).query(&mut raw).unwrap();
+    sentinel(&mut host, &dst);
+    let loaded = a.get_host(&mut host, &hs, &dst).unwrap();
+    assert_eq!(loaded, Loaded { pages: 1, stop: Some(Miss::Invalid(Invalid::Foreign { page: true, store: false })) });
+    assert_eq!(page(&host, dst[0]), page(&host, src[0]));
+    assert!(is_sentinel(&host, dst[1]) && is_sentinel(&host, dst[2]));
+    assert_eq!((a.stats().foreign, a.stats().corrupt), (1, 0));
+    // The copies did not touch `a`'s other pages.
+    assert_eq!(a.get_host(&mut host, &hs[2..], &dst[2..]).unwrap().pages, 1);
+    assert_eq!(page(&host, dst[2]), page(&host, src[2]));
+}
+
+/// With a MAC key, only values sealed with that key load: a value written by a store
+/// without the key (a correct CRC-32), one crafted with a correct CRC and labelled as
+/// sealed, and one sealed with another key are refused and counted as forged, and
+/// nothing is written. A store without a key refuses the keyed values.
+#[test]
+fn a_store_with_a_mac_key_refuses_values_written_without_it() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 4, bytes_per_token: 16 };
+    let with_key = |key: Option<&[u8]>| {
+        let mut cfg = store(server.url(), format).config().clone();
+        cfg.mac_key = key.map(|k| MacKey::new(k).unwrap());
+        RedisStore::new(cfg).unwrap()
+    };
+    let keyed = with_key(Some(b"0123456789abcdef0123456789abcdef"));
+    let unkeyed = with_key(None);
+    let other = with_key(Some(b"another key of thirty-two bytes."));
+    assert_eq!(keyed.key(&[1; 32]), unkeyed.key(&[1; 32]), "the key does not depend on the MAC key");
+    assert!(!format!("{keyed:?}").contains("0123456789abcdef"), "Debug shows no secret");
+    let hs = hashes(4, 4, 900);
+    let pages: Vec<Vec<u8>> = (0..4u8).map(|i| vec![0x30 + i; format.page_bytes()]).collect();
+    let refs: Vec<&[u8]> = pages.iter().map(|p| &p[..]).collect();
+    keyed.put(&hs, &refs).unwrap();
+    let mut buf = vec![vec![0xeeu8; format.page_bytes()]; 4];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(keyed.get(&hs, &mut bufs).unwrap(), Loaded { pages: 4, stop: None });
+    assert_eq!(buf, pages);
+
+    // A store without the key reads none of them.
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(unkeyed.get(&hs, &mut bufs).unwrap(), Loaded { pages: 0, stop: Some(Miss::Invalid(Invalid::Keyed)) });
+    assert_eq!((unkeyed.stats().mismatched, unkeyed.stats().forged), (4, 0));
+
+    // Page 1: written by the store without a key (a sound CRC-32 value).
+    unkeyed.put(&hs[1..2], &[&pages[1]]).unwrap();
+    // Page 2: crafted by someone without the key, with a correct CRC, labelled sealed.
+    let mut header = PageHeader::new(unkeyed.binding(), &hs[2], core::iter::once(&pages[2][..]));
+    header.seal = (Seal::HmacSha256 as u32).to_le();
+    let crafted = [header.as_bytes(), &pages[2][..]].concat();
+    let _: () = redis::cmd("SET").arg(keyed.key(&hs[2])).arg(crafted).query(&mut server.raw()).unwrap();
+    // Page 3: sealed with another key.
+    other.put(&hs[3..4], &[&pages[3]]).unwrap();
+
+    for (i, want) in [(1, Invalid::NoMac), (2, Invalid::Mac), (3, Invalid::Mac)] {
+        let mut buf = vec![vec![0xeeu8; format.page_bytes()]; 4 - i];
+        let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+        let loaded = keyed.get(&hs[i..], &mut bufs).unwrap();
+        assert_eq!(loaded, Loaded { pages: 0, stop: Some(Miss::Invalid(want)) }, "page {i}");
+        assert!(buf.iter().flatten().all(|&x| x == 0xee), "page {i}: nothing written");
+    }
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(keyed.get(&hs, &mut bufs).unwrap(), Loaded { pages: 1, stop: Some(Miss::Invalid(Invalid::NoMac)) });
+    let st = keyed.stats();
+    // Every value read is counted: 3, 2 and 1 in the loop, 3 in the last batch.
+    assert_eq!((st.forged, st.corrupt, st.foreign, st.mismatched), (3 + 2 + 1 + 3, 0, 0, 0));
+    // The store without a key loads the page it wrote itself and refuses the others.
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    let loaded = unkeyed.get(&hs[1..], &mut bufs[..3]).unwrap();
+    assert_eq!(loaded, Loaded { pages: 1, stop: Some(Miss::Invalid(Invalid::Keyed)) });
+    assert_eq!(buf[0], pages[1]);
+}
+
+/// A key that holds something other than a page (someone `RPUSH`ed a list under it) is
+/// answered with `WRONGTYPE`: a miss for that page only. The pages before it load, the
+/// error is counted, the operation does not fail, and the next operation goes out at
+/// once (no backoff). `EXISTS` sees the list (presence only); a `put` replaces it.
+#[test]
+fn a_poisoned_key_is_a_miss_for_its_page_only() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 4, bytes_per_token: 8 };
+    let s = store(server.url(), format);
+    let hs = hashes(5, 4, 70);
+    let pages: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 1; format.page_bytes()]).collect();
+    let refs: Vec<&[u8]> = pages.iter().map(|p| &p[..]).collect();
+    s.put(&hs, &refs).unwrap();
+    let mut raw = server.raw();
+    let _: i64 = redis::cmd("DEL").arg(s.key(&hs[2])).query(&mut raw).unwrap();
+    let _: i64 = redis::cmd("RPUSH").arg(s.key(&hs[2])).arg("x").query(&mut raw).unwrap();
+
+    for round in 1..=100u64 {
+        let mut buf = vec![vec![0xeeu8; format.page_bytes()]; 5];
+        let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+        let loaded = s.get(&hs, &mut bufs).unwrap();
+        assert_eq!(loaded, Loaded { pages: 2, stop: Some(Miss::Error) });
+        assert!(bufs[2..].iter().all(|b| b.iter().all(|&x| x == 0xee)));
+        // The next operation is not refused: the pages after the poisoned one load.
+        let loaded = s.get(&hs[3..], &mut bufs[3..]).unwrap();
+        assert_eq!(loaded, Loaded { pages: 2, stop: None });
+        assert!(bufs[2].iter().all(|&x| x == 0xee));
+        assert_eq!((&buf[..2], &buf[3..]), (&pages[..2], &pages[3..]));
+        let st = s.stats();
+        assert_eq!((st.key_errors, st.failures, st.unavailable, st.failures_in_row), (round, 0, 0, 0));
+    }
+    assert_eq!(s.exists_prefix(&hs).unwrap(), 5, "presence only: the list is there");
+    s.put(&hs[2..3], &[&pages[2]]).unwrap();
+    let mut buf = vec![vec![0u8; format.page_bytes()]; 5];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(s.get(&hs, &mut bufs).unwrap(), Loaded { pages: 5, stop: None });
+    assert_eq!(buf, pages);
+    assert_eq!(s.stats().connects, 1);
+}
+
+/// Error replies to `EXISTS` and `SET` for one key (an ACL that denies the client one
+/// page's key: `NOPERM`): `exists_prefix` takes the page as absent, `put` writes the
+/// other pages and fails with `Server`, `get` misses the page; each is counted and none
+/// starts a backoff.
+#[test]
+fn an_error_reply_for_one_key_concerns_that_key_only() {
+    let Some(server) = RedisServer::start() else { return };
+    let format = PageFormat { page_size: 4, bytes_per_token: 8 };
+    let admin = store(server.url(), format);
+    // Hashes whose page 2 is the only one whose hex starts with its two digits.
+    let (hs, deny) = (0..)
+        .map(|seed| hashes(5, 4, 40 + seed))
+        .map(|hs| {
+            let prefix = |h: &BlockHash| hex2(h);
+            let deny = prefix(&hs[2]);
+            (hs.iter().filter(|h| prefix(h) == deny).count() == 1).then_some((hs, deny))
+        })
+        .find_map(|x| x)
+        .unwrap();
+    let prefix = String::from_utf8(admin.key(&[0; 32])).unwrap().trim_end_matches('0').to_string();
+    let (d0, d1) = (deny.as_bytes()[0] as char, deny.as_bytes()[1] as char);
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("limited")
+        .arg("on")
+        .arg(">secret")
+        .arg(format!("~{prefix}[^{d0}]*"))
+        .arg(format!("~{prefix}{d0}[^{d1}]*"))
+        .arg("+@all")
+        .query(&mut server.raw())
+        .unwrap();
+    let url = format!("redis://limited:secret@127.0.0.1:{}", server.port);
+    let s = store(url, format);
+    let pages: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 1; format.page_bytes()]).collect();
+    let refs: Vec<&[u8]> = pages.iter().map(|p| &p[..]).collect();
+
+    let err = s.put(&hs, &refs).unwrap_err();
+    assert!(matches!(&err, StoreError::Server { detail } if detail.contains("NOPERM")), "{err}");
+    assert_eq!(admin.exists_prefix(&hs).unwrap(), 2, "the other pages were written");
+    assert_eq!(admin.exists_prefix(&hs[3..]).unwrap(), 2);
+    let st = s.stats();
+    assert_eq!((st.key_errors, st.pages_put, st.failures, st.failures_in_row), (1, 4, 1, 0));
+    admin.put(&hs[2..3], &[&pages[2]]).unwrap();
+
+    // Not refused by a backoff: the next operations go out at once.
+    assert_eq!(s.exists_prefix(&hs).unwrap(), 2, "the denied key is absent to this client");
+    assert_eq!(s.exists_prefix(&hs[3..]).unwrap(), 2);
+    let mut buf = vec![vec![0xeeu8; format.page_bytes()]; 5];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(s.get(&hs, &mut bufs).unwrap(), Loaded { pages: 2, stop: Some(Miss::Error) });
+    assert_eq!(buf[..2], pages[..2]);
+    assert!(buf[2..].iter().flatten().all(|&x| x == 0xee));
+    let st = s.stats();
+    assert_eq!((st.key_errors, st.failures, st.unavailable, st.failures_in_row), (3, 1, 0, 0));
+    // The admin, whom no ACL limits, loads them all.
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(admin.get(&hs, &mut bufs).unwrap(), Loaded { pages: 5, stop: None });
+}
+
+/// The first two hex digits of a page hash.
+fn hex2(h: &BlockHash) -> String {
+    format!("{:02x}", h[0])
 }
 
 #[test]
@@ -569,4 +805,29 @@ fn cluster_round_trip_spreads_pages_over_the_nodes() {
     let loaded = s.get(&hs, &mut bufs).unwrap();
     assert_eq!(loaded.pages, 1);
     assert!(matches!(loaded.stop, Some(Miss::Invalid(Invalid::Checksum { .. }))));
+
+    // A list under one page's key (on whichever node holds it): a miss for that page
+    // only, counted, no failure; a put replaces it.
+    let hs = hashes(4, 2, 123);
+    let pages: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i; 8]).collect();
+    s.put(&hs, &pages.iter().map(|p| &p[..]).collect::<Vec<_>>()).unwrap();
+    let key = s.key(&hs[2]);
+    s.with_connection(|c| {
+        redis::cmd("DEL").arg(&key).exec(c)?;
+        redis::cmd("RPUSH").arg(&key).arg("x").exec(c)
+    })
+    .unwrap();
+    let failures = s.stats().failures;
+    let mut buf = vec![vec![0xeeu8; 8]; 4];
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(s.get(&hs, &mut bufs).unwrap(), Loaded { pages: 2, stop: Some(Miss::Error) });
+    assert_eq!(buf[..2], pages[..2]);
+    assert!(buf[2..].iter().flatten().all(|&x| x == 0xee));
+    assert_eq!(s.exists_prefix(&hs).unwrap(), 4);
+    let st = s.stats();
+    assert_eq!((st.key_errors, st.failures, st.unavailable), (1, failures, 0));
+    s.put(&hs[2..3], &[&pages[2]]).unwrap();
+    let mut bufs: Vec<&mut [u8]> = buf.iter_mut().map(|v| &mut v[..]).collect();
+    assert_eq!(s.get(&hs, &mut bufs).unwrap(), Loaded { pages: 4, stop: None });
+    assert_eq!(buf, pages);
 }

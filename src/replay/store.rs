@@ -885,7 +885,7 @@ fn serve_one(
                 if let Some(loaded) = got {
                     k = loaded.pages;
                     match loaded.stop {
-                        Some(Miss::Absent) => fig.store_pages_missed += 1,
+                        Some(Miss::Absent | Miss::Error) => fig.store_pages_missed += 1,
                         Some(Miss::Invalid(_)) => fig.store_pages_corrupt += 1,
                         None => {}
                     }

@@ -110,6 +110,9 @@ pub(crate) struct Counters {
     pub(crate) absent: AtomicU64,
     pub(crate) corrupt: AtomicU64,
     pub(crate) mismatched: AtomicU64,
+    pub(crate) foreign: AtomicU64,
+    pub(crate) forged: AtomicU64,
+    pub(crate) key_errors: AtomicU64,
     pub(crate) bytes_written: AtomicU64,
     pub(crate) bytes_read: AtomicU64,
     latency_us: [AtomicU32; LATENCY_SAMPLES],
@@ -132,6 +135,9 @@ impl Counters {
             absent: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             mismatched: AtomicU64::new(0),
+            foreign: AtomicU64::new(0),
+            forged: AtomicU64::new(0),
+            key_errors: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             latency_us: core::array::from_fn(|_| AtomicU32::new(0)),
@@ -184,6 +190,9 @@ impl Counters {
             absent: load(&self.absent),
             corrupt: load(&self.corrupt),
             mismatched: load(&self.mismatched),
+            foreign: load(&self.foreign),
+            forged: load(&self.forged),
+            key_errors: load(&self.key_errors),
             bytes_written: load(&self.bytes_written),
             bytes_read: load(&self.bytes_read),
             failures_in_row: backoff_failures,
@@ -198,7 +207,8 @@ impl Counters {
 pub struct StoreStats {
     /// Operations that went to the server (`exists_prefix`, `get`, `put` calls).
     pub ops: u64,
-    /// Operations that failed (connection errors, timeouts, server errors, full).
+    /// Operations that failed (connection errors, timeouts, server errors, full). An
+    /// error reply for one page's key is not one ([`key_errors`](Self::key_errors)).
     pub failures: u64,
     /// ... of which timed out.
     pub timeouts: u64,
@@ -218,8 +228,19 @@ pub struct StoreStats {
     pub absent: u64,
     /// Pages refused as damaged ([`Invalid::is_corrupt`](super::Invalid::is_corrupt)).
     pub corrupt: u64,
-    /// Pages refused as another version or format.
+    /// Pages refused as another version, format or revision, or sealed with a MAC when
+    /// this client has no MAC key ([`Invalid::Keyed`](super::Invalid::Keyed)).
     pub mismatched: u64,
+    /// Pages refused as sound values written for another key: another page hash, or
+    /// another namespace, model id or salt ([`Invalid::is_foreign`](super::Invalid::is_foreign)).
+    pub foreign: u64,
+    /// Pages refused by the MAC check of a client with a MAC key: no MAC, or one that
+    /// does not verify ([`Invalid::is_forged`](super::Invalid::is_forged)).
+    pub forged: u64,
+    /// Keys the server answered with an error reply (e.g. `WRONGTYPE` for a key that
+    /// holds a list), each a miss ([`Miss::Error`](super::Miss::Error)) or, for `put`, a
+    /// page not written; the operation went on and the client did not back off.
+    pub key_errors: u64,
     /// Value bytes written (headers included).
     pub bytes_written: u64,
     /// Value bytes read (headers included).

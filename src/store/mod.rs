@@ -8,12 +8,27 @@
 //! ([`PageStore::exists_prefix`]).
 //!
 //! A stored page is a [`PageHeader`] (magic, [`FORMAT_VERSION`], page size, bytes per
-//! token, payload length, CRC-32) followed by the page's bytes in page-first order (every
-//! layer buffer's rows of the page, buffer `l * B + b` after buffer `l * B + b - 1`: a
+//! token, payload length, the page hash and store identity it was written for, a seal)
+//! followed by the page's bytes in page-first order (every layer buffer's rows of the
+//! page, buffer `l * B + b` after buffer `l * B + b - 1`: a
 //! [`HostLayout::PageFirst`](crate::kv::host::HostLayout::PageFirst) host page as it lies
-//! in memory). Every read checks the header against the store's [`PageFormat`] and the
-//! checksum; a value that fails is a miss ([`Invalid`]), counted and reported, and never
-//! loaded.
+//! in memory). A value is bound to its full key ([`PageBinding`]: namespace, model id,
+//! salt, page hash, format): every read checks the header against the store's binding
+//! and verifies the seal (CRC-32, or HMAC-SHA-256 when the store has a [`MacKey`]); a
+//! value that fails, or that was written for another key, is a miss ([`Invalid`]),
+//! counted and reported, and never loaded.
+//!
+//! What the seal protects against: CRC-32 catches damage and values that sit under
+//! the wrong key or were written by another configuration (another model, salt,
+//! namespace, format or version), but anyone who can write to the store can make a
+//! value with a correct CRC for any key. A MAC key also refuses every value made
+//! without the key. Neither stops a holder of the key; neither hides pages from whoever
+//! can read the store (values are not encrypted); and neither stops a writer from
+//! deleting values or putting back a value that was once sound under the same key (a
+//! MAC has no notion of time). Such a value is the page as an earlier writer of that
+//! model id computed it: the same page while a model id names one set of weights, a
+//! stale one if the weights change under the same model id (give a fine-tune or a new
+//! checkpoint its own model id, or a new salt).
 //!
 //! [`PageStore`] is the interface the host tier uses: write pages once they are backed
 //! up on host (`put`), and on a miss ask how many leading pages the store has
@@ -106,7 +121,9 @@ mod page;
 pub mod redis;
 
 pub use health::{BackoffConfig, StoreStats, LATENCY_SAMPLES};
-pub use page::{check_page, Invalid, PageFormat, PageHeader, FORMAT_VERSION, HEADER_BYTES, PAGE_MAGIC};
+pub use page::{
+    check_page, Invalid, MacKey, PageBinding, PageFormat, PageHeader, Seal, FORMAT_VERSION, HEADER_BYTES, PAGE_MAGIC,
+};
 
 /// A shared page store: batch operations on pages named by their chained page hash.
 ///
@@ -119,6 +136,7 @@ pub trait PageStore {
     /// How many leading pages of `hashes` the store holds: `n` such that `hashes[..n]`
     /// are all present and `hashes[n]` is not (it stops at the first missing page, even
     /// when later ones are there). Presence only: [`get`](Self::get) checks the values.
+    /// A key the store answers with an error counts as absent.
     ///
     /// # Errors
     ///
@@ -131,13 +149,15 @@ pub trait PageStore {
     /// # Errors
     ///
     /// [`StoreError::Shape`] for unequal lists or a page of the wrong length (nothing
-    /// sent); otherwise a server fault, after which any subset of the pages may be
-    /// stored, each one whole or not at all.
+    /// sent); otherwise a server fault, or [`StoreError::Server`] when the store
+    /// answered some pages' writes with an error (the others were written), after which
+    /// any subset of the pages may be stored, each one whole or not at all.
     fn put(&self, hashes: &[BlockHash], pages: &[&[u8]]) -> Result<(), StoreError>;
 
     /// Load the longest leading run of `hashes` whose values are present and sound into
     /// `pages`: `pages[i]` is overwritten for `i < loaded.pages` and nothing else is
-    /// written; [`Loaded::stop`] says why it stopped early (absent, or [`Invalid`]).
+    /// written; [`Loaded::stop`] says why it stopped early (absent, [`Invalid`], or an
+    /// error reply for that page's key).
     ///
     /// # Errors
     ///
@@ -185,6 +205,10 @@ pub enum Miss {
     Absent,
     /// Its value was refused.
     Invalid(Invalid),
+    /// The store answered its key with an error (e.g. Redis' `WRONGTYPE`: something
+    /// else stored a list under the page's key). The page is a miss; the operation and
+    /// the other pages go on.
+    Error,
 }
 
 /// Why a store operation failed. Device and host data are never changed by a failure.

@@ -3,9 +3,23 @@
 //!
 //! # Keys and values
 //!
-//! A page lives under `{namespace}:{model_id}:{page hash as 64 hex digits}` (no hash
-//! tag, so a Redis Cluster spreads a request's pages over its slots and nodes); its value
-//! is a [`PageHeader`] and the page's bytes in page-first order (see [`super`]).
+//! A page lives under `{namespace}:{model_id}:{page hash as 64 hex digits}`, or
+//! `{namespace}:{model_id}:{salt digest}:{page hash}` with a
+//! [`salt`](RedisStoreConfig::salt) (32 hex digits of a SHA-256 of the salt: tenants of
+//! different salts keep their own copies of a page instead of overwriting each other's,
+//! and the salt itself is not shown). There is no hash tag, so a Redis Cluster spreads a
+//! request's pages over its slots and nodes. A value is a [`PageHeader`] and the page's
+//! bytes in page-first order (see [`super`]), bound to the store's namespace, model id,
+//! salt and format and to the page hash ([`PageBinding`]): a value copied, restored or
+//! written under another key is refused ([`Invalid::Foreign`], counted in
+//! [`StoreStats::foreign`]).
+//!
+//! With a [`mac_key`](RedisStoreConfig::mac_key) values are sealed with HMAC-SHA-256
+//! instead of CRC-32, and only values whose MAC verifies under the key load: a value
+//! without a MAC ([`Invalid::NoMac`]) or with another one ([`Invalid::Mac`]) is
+//! counted in [`StoreStats::forged`]. A store without a key refuses values sealed with
+//! a MAC ([`Invalid::Keyed`]); so every client of a deployment's pages needs the same
+//! key, or none.
 //!
 //! The namespace and the model id are percent-escaped in the key: `%` is `%25`, `:` is
 //! `%3A`, `{` is `%7B` and `}` is `%7D` (uppercase hex digits); every other byte is
@@ -16,9 +30,11 @@
 //! characters read as they are (`kvpool:llama-3-8b:0f3a...`).
 //!
 //! Writes are plain `SET`s: pages are content-addressed, so a second writer of a page
-//! writes the same bytes. Give the server a `maxmemory` and an evicting policy
-//! (`maxmemory-policy allkeys-lru`) to use it as a cache; with `noeviction` a full server
-//! refuses writes ([`StoreError::Full`]) and the client backs its writes off.
+//! writes the same bytes. A `SET` replaces a key of any type, so a page written over a
+//! key that held something else (a list, say) repairs it. Give the server a `maxmemory`
+//! and an evicting policy (`maxmemory-policy allkeys-lru`) to use it as a cache; with
+//! `noeviction` a full server refuses writes ([`StoreError::Full`]) and the client
+//! backs its writes off.
 //!
 //! # Batches
 //!
@@ -45,19 +61,28 @@
 //!   checked there as it arrives, and the leading sound run is copied into the
 //!   caller's pages once every reply was read (a failed operation writes nothing). A
 //!   reply that is neither a bulk string, a nil nor an error is a protocol error and
-//!   drops the connection; an error reply fails the operation after the rest were
-//!   read (the connection stays). Other commands are encoded and their replies parsed
-//!   by the `redis` crate (`Pipeline`, `Parser`), through the same read buffer.
+//!   drops the connection. Other commands are encoded and their replies parsed by the
+//!   `redis` crate (`Pipeline`, `Parser`), through the same read buffer.
 //! * Cluster: the `redis` crate's cluster connection, with
 //!   [`timeout`](RedisStoreConfig::timeout) as its response timeout (each reply waits at
 //!   most that long) and [`connect_timeout`](RedisStoreConfig::connect_timeout) per
 //!   node; it follows `MOVED`/`ASK` redirections itself (two retries at most).
-//! * After a failed operation (connection refused or broken, timeout, server error) the
-//!   client backs off ([`BackoffConfig`]: exponential, capped): operations return
-//!   [`StoreError::Unavailable`] at once, without touching the network or waiting for
-//!   the connection's lock. The first operation after the wait connects again (a
-//!   reconnect, counted in [`StoreStats::reconnects`]); its success clears the backoff.
-//!   A full server ([`StoreError::Full`]) backs off writes only.
+//! * An error reply for one key of a batch (`WRONGTYPE` for a key that holds a list,
+//!   `NOPERM` for a key an ACL denies, any other) concerns that key only: it is a miss
+//!   for that page in [`get`](PageStore::get) ([`Miss::Error`]), an absent page in
+//!   [`exists_prefix`](PageStore::exists_prefix) (the prefix stops there), and a page not
+//!   written in [`put`](PageStore::put) (which writes the others and then fails with
+//!   [`StoreError::Server`]); each is counted in [`StoreStats::key_errors`]. Neither such
+//!   a reply nor any other error reply (to a command of
+//!   [`with_connection`](RedisStore::with_connection)) drops the connection or starts a
+//!   backoff: one bad key cannot take the tier down.
+//! * After a connection-level failure (connection refused or broken, timeout, a reply
+//!   the protocol does not allow) the client backs off ([`BackoffConfig`]: exponential,
+//!   capped): operations return [`StoreError::Unavailable`] at once, without touching
+//!   the network or waiting for the connection's lock. The first operation after the
+//!   wait connects again (a reconnect, counted in [`StoreStats::reconnects`]); its
+//!   success clears the backoff. A full server (an `OOM` reply to a write:
+//!   [`StoreError::Full`]) backs off writes only.
 //!
 //! One connection serves all threads (operations on one store are serialized by a
 //! mutex); open more stores for more parallel connections.
@@ -95,13 +120,15 @@ use redis::{
 
 use super::health::{Backoff, BackoffConfig, Counters};
 use super::{
-    check_page, Invalid, Loaded, Miss, PageFormat, PageHeader, PageStore, StoreError, StoreStats, HEADER_BYTES,
+    check_page, Invalid, Loaded, MacKey, Miss, PageBinding, PageFormat, PageHeader, PageStore, StoreError, StoreStats,
+    HEADER_BYTES,
 };
 use crate::kv::host::HostKvPool;
 use crate::radix::BlockHash;
 
-/// Where a [`RedisStore`] connects and how it behaves.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where a [`RedisStore`] connects and how it behaves. Its [`Debug`](core::fmt::Debug)
+/// output shows neither the salt nor the MAC key, only their lengths.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisStoreConfig {
     /// `redis://[user:password@]host:port[/db]` URLs: one for a single node; for a
     /// cluster, any of its nodes (the rest are discovered).
@@ -111,9 +138,18 @@ pub struct RedisStoreConfig {
     /// The first part of every key (one store for several deployments). Any text:
     /// escaped in the key (see the [module docs](self#keys-and-values)).
     pub namespace: String,
-    /// The model (and anything else that changes the KV bytes: dtype, TP rank) whose
-    /// pages these are; the second part of every key. Any text: escaped in the key.
+    /// The model (and anything else that changes the KV bytes: weights, dtype, TP rank)
+    /// whose pages these are; the second part of every key. Any text: escaped in the key.
     pub model_id: String,
+    /// A salt every value is bound to, e.g. a tenant's cache salt: values written under
+    /// one salt are misses under any other ([`Invalid::Foreign`]). Any text; empty (the
+    /// default) adds nothing to the key, any other salt adds its digest (see the
+    /// [module docs](self#keys-and-values)).
+    pub salt: String,
+    /// The secret of the values' MAC (HMAC-SHA-256; default none: CRC-32). With one,
+    /// only values written with the same key load; without one, values sealed with a
+    /// MAC are refused. See the [module docs](self#keys-and-values).
+    pub mac_key: Option<MacKey>,
     /// The pages' format; values of another format are misses.
     pub format: PageFormat,
     /// Deadline of one operation (single node), or of one reply (cluster).
@@ -133,6 +169,8 @@ impl RedisStoreConfig {
             cluster: false,
             namespace: "kvpool".into(),
             model_id: model_id.into(),
+            salt: String::new(),
+            mac_key: None,
             format,
             timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_millis(500),
@@ -153,13 +191,32 @@ impl RedisStoreConfig {
     }
 }
 
+impl core::fmt::Debug for RedisStoreConfig {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("RedisStoreConfig")
+            .field("nodes", &self.nodes)
+            .field("cluster", &self.cluster)
+            .field("namespace", &self.namespace)
+            .field("model_id", &self.model_id)
+            .field("salt", &format_args!("({} bytes)", self.salt.len()))
+            .field("mac_key", &self.mac_key)
+            .field("format", &self.format)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("backoff", &self.backoff)
+            .finish()
+    }
+}
+
 /// `{namespace}:{model_id}:` with `%`, `:`, `{` and `}` of each part percent-escaped
 /// (`%25`, `%3A`, `%7B`, `%7D`): no escaped part holds a `:`, and the escaping decodes
 /// uniquely, so distinct (namespace, model id) pairs give distinct prefixes, and the
-/// prefix holds no hash tag. The four are ASCII, so no UTF-8 sequence is split.
-fn key_prefix(namespace: &str, model_id: &str) -> Vec<u8> {
+/// prefix holds no hash tag. The four are ASCII, so no UTF-8 sequence is split. A
+/// non-empty salt adds `{salt digest}:` (32 lowercase hex digits, no `:`: a salted
+/// prefix has one more part than any unsalted one).
+fn key_prefix(namespace: &str, model_id: &str, salt: &str) -> Vec<u8> {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = Vec::with_capacity(namespace.len() + model_id.len() + 2);
+    let mut out = Vec::with_capacity(namespace.len() + model_id.len() + 35);
     for part in [namespace, model_id] {
         for &b in part.as_bytes() {
             match b {
@@ -171,14 +228,25 @@ fn key_prefix(namespace: &str, model_id: &str) -> Vec<u8> {
         }
         out.push(b':');
     }
+    if !salt.is_empty() {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::new().chain_update(b"kvpool key salt\0").chain_update(salt).finalize();
+        for b in &digest[..16] {
+            let _ = write!(out, "{b:02x}");
+        }
+        out.push(b':');
+    }
     out
 }
 
 /// The shared store tier on Redis (see the [module docs](self)).
 pub struct RedisStore {
     cfg: RedisStoreConfig,
-    /// `{namespace}:{model_id}:`, both parts escaped ([`key_prefix`]).
+    /// `{namespace}:{model_id}:` (and the salt's digest), both parts escaped
+    /// ([`key_prefix`]).
     prefix: Vec<u8>,
+    /// What every value is bound to and sealed with.
+    binding: PageBinding,
     target: Target,
     link: Mutex<Link>,
     backoff: Backoff,
@@ -215,6 +283,7 @@ impl RedisStore {
     ///
     /// [`StoreError::Config`] for no nodes, a URL that is not `redis://` over TCP, a
     /// zero timeout or backoff, or a page format of no bytes (or too many for memory).
+    /// (A [`MacKey`] too short is refused where it is made.)
     pub fn new(cfg: RedisStoreConfig) -> Result<RedisStore, StoreError> {
         let config = |detail: String| StoreError::Config { detail };
         if cfg.nodes.is_empty() {
@@ -254,8 +323,13 @@ impl RedisStore {
             }
             Target::Single(infos.into_iter().next().expect("one node"))
         };
-        let prefix = key_prefix(&cfg.namespace, &cfg.model_id);
+        let prefix = key_prefix(&cfg.namespace, &cfg.model_id, &cfg.salt);
+        let mut binding = PageBinding::new(&cfg.namespace, &cfg.model_id, &cfg.salt, cfg.format);
+        if let Some(key) = &cfg.mac_key {
+            binding = binding.with_mac(key);
+        }
         Ok(RedisStore {
+            binding,
             backoff: Backoff::new(cfg.backoff),
             write_backoff: Backoff::new(cfg.backoff),
             cfg,
@@ -272,12 +346,19 @@ impl RedisStore {
     }
 
     /// The key page `hash` is stored under: `{namespace}:{model_id}:{hash as 64
-    /// lowercase hex digits}`, the namespace and model id escaped as the
+    /// lowercase hex digits}` (with the salt's digest before the hash when there is a
+    /// salt), the namespace and model id escaped as the
     /// [module docs](self#keys-and-values) say.
     pub fn key(&self, hash: &BlockHash) -> Vec<u8> {
         let mut key = Vec::with_capacity(self.prefix.len() + 64);
         self.write_key(hash, &mut key);
         key
+    }
+
+    /// What the store's values are bound to and sealed with (its namespace, model id,
+    /// salt, format and MAC key): [`check_page`] with it is the check every read makes.
+    pub fn binding(&self) -> &PageBinding {
+        &self.binding
     }
 
     fn write_key(&self, hash: &BlockHash, key: &mut Vec<u8>) {
@@ -297,8 +378,9 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// What `f` returns, classified as the store's operations are; or
-    /// [`StoreError::Unavailable`] while backing off, a connection error.
+    /// What `f` returns, classified as the store's operations are (an error reply is
+    /// [`StoreError::Server`], and starts no backoff); or [`StoreError::Unavailable`]
+    /// while backing off, a connection error.
     pub fn with_connection<T>(
         &self,
         f: impl FnOnce(&mut dyn ConnectionLike) -> RedisResult<T>,
@@ -344,7 +426,8 @@ impl RedisStore {
         let detail = e.to_string();
         // A pipeline's error carries every command's server error; one `OOM` (a write
         // refused under `maxmemory`) means full.
-        let oom = e.clone().into_server_errors().is_some_and(|errs| errs.iter().any(|(_, s)| s.code() == "OOM"));
+        let oom = e.code() == Some("OOM")
+            || e.clone().into_server_errors().is_some_and(|errs| errs.iter().any(|(_, s)| s.code() == "OOM"));
         if oom {
             return (StoreError::Full { detail }, false);
         }
@@ -428,33 +511,84 @@ impl RedisStore {
             StoreError::Full { .. } => Counters::add(&c.full, 1),
             _ => {}
         }
-        if matches!(err, StoreError::Full { .. }) {
-            self.write_backoff.failed();
-        } else {
-            self.backoff.failed();
+        match err {
+            StoreError::Full { .. } => {
+                self.write_backoff.failed();
+            }
+            // An error reply (or an unexpected one): the server answered and the
+            // connection is in step. Backing off would refuse every key for one.
+            StoreError::Server { .. } => {}
+            _ => {
+                self.backoff.failed();
+            }
         }
         self.counters.sample(start.elapsed());
         err
     }
 
-    /// Run `cmds` as one pipeline; one reply per command.
-    fn pipeline(&self, conn: &mut Conn, cmds: Vec<Cmd>) -> RedisResult<Vec<Value>> {
-        match conn {
+    /// Run `cmds` as one pipeline; one reply per command, an error reply as a
+    /// `Value::ServerError` in its place (not an error of the whole pipeline).
+    ///
+    /// In cluster mode the `redis` crate's pipeline fails whole when any command got an
+    /// error reply, naming those commands (every command was sent and answered): they
+    /// get their error, and the others are sent again when `again` (their replies are
+    /// needed; each pass takes out the commands that got an error, so it ends), else
+    /// taken as done (`OK`: the `SET`s that got no error were carried out).
+    fn pipeline(&self, conn: &mut Conn, cmds: Vec<Cmd>, again: bool) -> RedisResult<Vec<Value>> {
+        use redis::cluster::ClusterPipeline;
+        let c = match conn {
             Conn::Single(c) => {
                 let mut p = redis::pipe();
                 cmds.into_iter().for_each(|cmd| {
                     p.add_command(cmd);
                 });
-                p.query(c)
+                return p.ignore_errors().query(c);
             }
-            Conn::Cluster(c) => {
-                let mut p = redis::cluster::ClusterPipeline::with_capacity(cmds.len());
-                cmds.into_iter().for_each(|cmd| {
-                    p.add_command(cmd);
-                });
-                p.query(c)
+            Conn::Cluster(c) => c,
+        };
+        // The commands that got an error reply in one pass, by their index in it.
+        let refused = |e: RedisError| match e.clone().into_server_errors() {
+            Some(errors) if !errors.is_empty() => Ok(errors),
+            _ => Err(e),
+        };
+        let mut out: Vec<Option<Value>> = vec![None; cmds.len()];
+        if !again {
+            let mut p = ClusterPipeline::with_capacity(cmds.len());
+            cmds.into_iter().for_each(|cmd| {
+                p.add_command(cmd);
+            });
+            return match p.query::<Vec<Value>>(c) {
+                Ok(values) => Ok(values),
+                Err(e) => {
+                    for (k, err) in refused(e)?.iter() {
+                        out[*k] = Some(Value::ServerError(err.clone()));
+                    }
+                    Ok(out.into_iter().map(|v| v.unwrap_or(Value::Okay)).collect())
+                }
+            };
+        }
+        let mut pending: Vec<usize> = (0..cmds.len()).collect();
+        while !pending.is_empty() {
+            let mut p = ClusterPipeline::with_capacity(pending.len());
+            for &i in &pending {
+                p.add_command(cmds[i].clone());
+            }
+            match p.query::<Vec<Value>>(c) {
+                Ok(values) => {
+                    for (&i, v) in pending.iter().zip(values) {
+                        out[i] = Some(v);
+                    }
+                    break;
+                }
+                Err(e) => {
+                    for (k, err) in refused(e)?.iter() {
+                        out[pending[*k]] = Some(Value::ServerError(err.clone()));
+                    }
+                    pending.retain(|&i| out[i].is_none());
+                }
             }
         }
+        Ok(out.into_iter().map(|v| v.unwrap_or(Value::Nil)).collect())
     }
 
     fn keyed(&self, name: &str, hashes: &[BlockHash], key: &mut Vec<u8>) -> Vec<Cmd> {
@@ -499,17 +633,36 @@ impl RedisStore {
             .enumerate()
             .map(|(i, h)| {
                 self.write_key(h, &mut key);
-                let header = PageHeader::new(h, format, chunks(i));
+                let header = PageHeader::new(&self.binding, h, chunks(i));
                 let mut cmd = redis::cmd("SET");
                 cmd.arg(&key[..]).arg(PageValue { header, chunks: chunks(i), len: format.value_bytes() });
                 cmd
             })
             .collect();
-        self.op(true, |conn| self.pipeline(conn, cmds))?;
+        let replies = self.op(true, |conn| {
+            let replies = self.pipeline(conn, cmds, false)?;
+            // A full server refuses writes whatever the key: the whole put is `Full`.
+            match replies.iter().find(|v| matches!(v, Value::ServerError(e) if e.code() == "OOM")) {
+                Some(Value::ServerError(e)) => Err(RedisError::from(e.clone())),
+                _ => Ok(replies),
+            }
+        })?;
         let c = &self.counters;
-        Counters::add(&c.pages_put, hashes.len() as u64);
-        Counters::add(&c.bytes_written, (hashes.len() * format.value_bytes()) as u64);
-        Ok(())
+        let refused = replies.iter().filter(|v| matches!(v, Value::ServerError(_))).count();
+        let written = hashes.len() - refused;
+        Counters::add(&c.pages_put, written as u64);
+        Counters::add(&c.bytes_written, (written * format.value_bytes()) as u64);
+        if refused == 0 {
+            return Ok(());
+        }
+        Counters::add(&c.key_errors, refused as u64);
+        Counters::add(&c.failures, 1);
+        let first = replies.iter().find_map(|v| match v {
+            Value::ServerError(e) => Some(format!("{} {}", e.code(), e.details().unwrap_or_default())),
+            _ => None,
+        });
+        let detail = format!("{refused} of {} pages not written: {}", hashes.len(), first.unwrap_or_default());
+        Err(StoreError::Server { detail })
     }
 
     /// `GET` every page and check the leading run; `write(i, payload)` is called for
@@ -528,7 +681,7 @@ impl RedisStore {
         if hashes.is_empty() {
             return Ok(Loaded { pages: 0, stop: None });
         }
-        let format = self.cfg.format;
+        let (format, binding) = (self.cfg.format, &self.binding);
         let mut key = Vec::with_capacity(self.prefix.len() + 64);
         let fetch = |conn: &mut Conn| -> RedisResult<Fetched> {
             match conn {
@@ -538,12 +691,12 @@ impl RedisStore {
                         self.write_key(h, &mut key);
                         pack_command(&mut cmd, &[b"GET", &key]);
                     }
-                    let (misses, bytes) = c.get_pages(&cmd, hashes, format)?;
+                    let (misses, bytes) = c.get_pages(&cmd, hashes, binding)?;
                     Ok(Fetched { values: None, misses, bytes })
                 }
                 Conn::Cluster(_) => {
                     let cmds = self.keyed("GET", hashes, &mut key);
-                    let values = self.pipeline(conn, cmds)?;
+                    let values = self.pipeline(conn, cmds, true)?;
                     let mut bytes = 0u64;
                     let misses = values
                         .iter()
@@ -552,8 +705,9 @@ impl RedisStore {
                             Value::Nil => Some(Miss::Absent),
                             Value::BulkString(value) => {
                                 bytes += value.len() as u64;
-                                check_page(h, format, value).err().map(Miss::Invalid)
+                                check_page(binding, h, value).err().map(Miss::Invalid)
                             }
+                            Value::ServerError(_) => Some(Miss::Error),
                             _ => Some(Miss::Invalid(Invalid::Magic)),
                         })
                         .collect();
@@ -571,6 +725,9 @@ impl RedisStore {
             for miss in fetched.misses.iter().flatten() {
                 let counter = match miss {
                     Miss::Absent => &c.absent,
+                    Miss::Error => &c.key_errors,
+                    Miss::Invalid(invalid) if invalid.is_forged() => &c.forged,
+                    Miss::Invalid(invalid) if invalid.is_foreign() => &c.foreign,
                     Miss::Invalid(invalid) if invalid.is_corrupt() => &c.corrupt,
                     Miss::Invalid(_) => &c.mismatched,
                 };
@@ -626,7 +783,10 @@ impl PageStore for RedisStore {
         }
         let mut key = Vec::with_capacity(self.prefix.len() + 64);
         let cmds = self.keyed("EXISTS", hashes, &mut key);
-        let replies = self.op(false, |conn| self.pipeline(conn, cmds))?;
+        let replies = self.op(false, |conn| self.pipeline(conn, cmds, true))?;
+        // An error reply for a key: absent (the prefix stops there), counted.
+        let errors = replies.iter().filter(|v| matches!(v, Value::ServerError(_))).count();
+        Counters::add(&self.counters.key_errors, errors as u64);
         Ok(replies.iter().take_while(|v| matches!(v, Value::Int(1))).count())
     }
 
@@ -777,8 +937,8 @@ enum GetReply {
     /// A bulk string of this many bytes: all of them in the slot when they fit, else its
     /// first [`HEADER_BYTES`] (the rest was read and dropped).
     Bulk(usize),
-    /// `-ERR ...` or a RESP3 blob error: the stream is still in step.
-    Error(RedisError),
+    /// `-ERR ...` or a RESP3 blob error (read whole): the stream is still in step.
+    Error,
 }
 
 fn protocol(detail: String) -> RedisError {
@@ -931,24 +1091,16 @@ impl Reader {
                     return Ok(GetReply::Bulk(n));
                 }
                 b'_' => return Ok(GetReply::Nil),
-                b'-' => {
-                    let mut frame = self.buf[rest.0 - 1..rest.1].to_vec();
-                    frame.extend_from_slice(b"\r\n");
-                    return Ok(GetReply::Error(server_error(&frame)));
-                }
+                b'-' => return Ok(GetReply::Error),
                 b'!' => {
                     let n = self.int(rest)?;
                     let n = usize::try_from(n)
                         .ok()
                         .filter(|&n| n <= READ_BUFFER)
                         .ok_or_else(|| protocol(format!("blob error length {n}")))?;
-                    let mut frame = format!("!{n}\r\n").into_bytes();
-                    let at = frame.len();
-                    frame.resize(at + n, 0);
-                    self.read_into(&mut frame[at..])?;
+                    self.skip(n)?;
                     self.crlf()?;
-                    frame.extend_from_slice(b"\r\n");
-                    return Ok(GetReply::Error(server_error(&frame)));
+                    return Ok(GetReply::Error);
                 }
                 b'>' => {
                     let n = self.int(rest)?;
@@ -961,14 +1113,6 @@ impl Reader {
                 _ => return Err(protocol(format!("reply type `{}` to a GET", kind.escape_ascii()))),
             }
         }
-    }
-}
-
-/// The error of a server error reply (`frame`: the whole reply).
-fn server_error(frame: &[u8]) -> RedisError {
-    match redis::parse_redis_value(frame).and_then(Value::extract_error) {
-        Err(e) => e,
-        Ok(v) => protocol(format!("an error reply parsed as {v:?}")),
     }
 }
 
@@ -1078,16 +1222,16 @@ impl TcpConn {
 
     /// Send `cmd`, a pipeline of one `GET` per page of `hashes`, and read and check the
     /// replies: each value goes straight into its slot of the staging buffer and is
-    /// checked there; `misses[i]` is `None` for a sound page. Also the bytes of the
-    /// values. A server error reply fails the whole read (after every reply was read,
-    /// so the connection stays usable).
+    /// checked there against `binding`; `misses[i]` is `None` for a sound page. Also
+    /// the bytes of the values. A server error reply is a miss for its page
+    /// ([`Miss::Error`]); the replies after it are read and checked as usual.
     fn get_pages(
         &mut self,
         cmd: &[u8],
         hashes: &[BlockHash],
-        format: PageFormat,
+        binding: &PageBinding,
     ) -> RedisResult<(Vec<Option<Miss>>, u64)> {
-        let value_bytes = format.value_bytes();
+        let value_bytes = binding.format().value_bytes();
         let Some(need) = hashes.len().checked_mul(value_bytes) else {
             return Err(RedisError::from((ErrorKind::Client, "batch too large for the staging buffer")));
         };
@@ -1103,18 +1247,17 @@ impl TcpConn {
         }
         let mut misses = Vec::with_capacity(hashes.len());
         let mut bytes = 0u64;
-        let mut error = None;
         for (h, slot) in hashes.iter().zip(self.staging.chunks_exact_mut(value_bytes)) {
             let miss = match self.reader.get_reply(slot) {
                 Ok(GetReply::Nil) => Some(Miss::Absent),
                 Ok(GetReply::Bulk(len)) => {
                     bytes += len as u64;
                     if len <= value_bytes {
-                        check_page(h, format, &slot[..len]).err().map(Miss::Invalid)
+                        check_page(binding, h, &slot[..len]).err().map(Miss::Invalid)
                     } else {
                         // Too long for a page of this format: what its header says,
                         // else a length mismatch.
-                        match check_page(h, format, &slot[..HEADER_BYTES]) {
+                        match check_page(binding, h, &slot[..HEADER_BYTES]) {
                             Err(Invalid::Length { .. }) | Ok(_) => {
                                 Some(Miss::Invalid(Invalid::Length { found: len - HEADER_BYTES }))
                             }
@@ -1122,10 +1265,7 @@ impl TcpConn {
                         }
                     }
                 }
-                Ok(GetReply::Error(e)) => {
-                    error.get_or_insert(e);
-                    None
-                }
+                Ok(GetReply::Error) => Some(Miss::Error),
                 Err(e) => {
                     self.open = false;
                     return Err(e);
@@ -1133,10 +1273,7 @@ impl TcpConn {
             };
             misses.push(miss);
         }
-        match error {
-            Some(e) => Err(e),
-            None => Ok((misses, bytes)),
-        }
+        Ok((misses, bytes))
     }
 
     /// Staging slot `i` (a sound page's value after [`get_pages`](Self::get_pages)).
@@ -1282,7 +1419,7 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for ns in &strings {
             for model in &strings {
-                let mut key = key_prefix(ns, model);
+                let mut key = key_prefix(ns, model, "");
                 let len = key.len();
                 key.extend_from_slice("3c".repeat(32).as_bytes());
                 assert_eq!(decode(&key), (ns.clone(), model.clone(), &key[len..]));
@@ -1292,6 +1429,33 @@ mod tests {
         assert_eq!(seen.len(), strings.len() * strings.len());
         // The store's own key is that prefix and the hash.
         let s = store_of("a:%", "{m}");
-        assert_eq!(s.key(&h), [key_prefix("a:%", "{m}"), "3c".repeat(32).into_bytes()].concat());
+        assert_eq!(s.key(&h), [key_prefix("a:%", "{m}", ""), "3c".repeat(32).into_bytes()].concat());
+    }
+
+    /// A salt adds one part to the key, its digest (not the salt): distinct salts have
+    /// distinct keys, and no salted key is an unsalted one's.
+    #[test]
+    fn a_salt_adds_its_digest_to_the_key() {
+        let h = [0x11; 32];
+        let salted = |ns: &str, model: &str, salt: &str| {
+            let mut cfg = store_of(ns, model).config().clone();
+            cfg.salt = salt.into();
+            RedisStore::new(cfg).unwrap().key(&h)
+        };
+        let mut keys = std::collections::HashSet::new();
+        for (ns, model, salt) in
+            [("a", "b", ""), ("a", "b", "t1"), ("a", "b", "t2"), ("a", "b", ":"), ("a:b", "", "t1"), ("a", "b:c", "")]
+        {
+            let key = salted(ns, model, salt);
+            assert!(keys.insert(key.clone()), "{ns:?} {model:?} {salt:?}");
+            let text = String::from_utf8(key).unwrap();
+            let parts: Vec<&str> = text.split(':').collect();
+            assert_eq!(parts.len(), if salt.is_empty() { 3 } else { 4 }, "{text}");
+            if !salt.is_empty() {
+                assert!(parts[2].len() == 32 && parts[2].bytes().all(|b| b.is_ascii_hexdigit()), "{text}");
+                assert!(!text.contains("t1") && !text.contains("t2"), "{text}");
+            }
+        }
+        assert_eq!(salted("prod", "m", ""), format!("prod:m:{}", "11".repeat(32)).into_bytes());
     }
 }
