@@ -656,17 +656,21 @@ impl RadixCache<SwaAllocator, Swa> {
     /// As the plain insert; nothing changes on error.
     pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<SwaInsert, CacheError> {
         let ps = self.ps;
-        let len = if key.len() == slots.len() && key.len() % ps == 0 {
-            live_len(&self.alloc, slots, 0, ps)
-        } else {
-            key.len() // malformed: the core's check reports it
-        };
+        // A malformed insert (lengths that differ or are not whole pages) goes to the
+        // core whole, whose check reports it; a well-formed one is cut after its last
+        // page with window KV.
+        let shaped = key.len() == slots.len() && key.len() % ps == 0;
+        let len = if shaped { live_len(&self.alloc, slots, 0, ps) } else { key.len() };
         let r = self.write(|w| {
-            // The pages cut off (no window KV) are not inserted, but they are input all
-            // the same: whole pages of allocated slots the tree does not hold, as the
-            // core checks the rest.
-            check_cut_pages(w, &slots[len.min(slots.len())..])?;
-            let (key, slots) = (&key[..len], &slots[..len]);
+            let (key, slots) = if shaped {
+                // The pages cut off (no window KV) are not inserted, but they are input
+                // all the same: whole pages of allocated slots the tree does not hold, as
+                // the core checks the rest.
+                check_cut_pages(w, &slots[len..])?;
+                (&key[..len], &slots[..len])
+            } else {
+                (key, slots)
+            };
             let (cached, end) = w.insert(namespace, key, slots, 0)?;
             settle(w, &Inserted { end, namespace, key, kv: slots, protected: 0, cached });
             Ok(SwaInsert { cached, inserted: len })
@@ -749,10 +753,13 @@ impl RadixCache<SwaAllocator, Swa> {
             return Err(CacheError::StaleMatch);
         }
         let ps = self.ps;
-        let (from, to) = (range.start.max(lease.len()).div_ceil(ps) * ps, range.end / ps * ps);
-        if to <= from {
+        // The first whole page at or after the range's start (none past `usize::MAX`:
+        // the range then holds no whole page).
+        let from = range.start.max(lease.len()).div_ceil(ps).checked_mul(ps);
+        let to = range.end / ps * ps;
+        let Some(from) = from.filter(|&from| from < to) else {
             return Ok(0);
-        }
+        };
         let kv = self.req_pool.read(row, from..to)?;
         let r = self.write(|w| {
             for (i, &slot) in kv.iter().enumerate() {

@@ -288,8 +288,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
                 shape_run(slots, i, 0, ps, trusted.clone())
             } / ps
                 * ps;
-            let last = s0 as u64 + whole as u64 - 1;
-            if whole == 0 || self.page_offset(s0) != 0 || s0 < lo || last > hi as u64 {
+            // A run shorter than a page (`whole == 0`) is refused before its last slot is
+            // computed: `s0 + whole - 1` would underflow for `s0 == 0`.
+            if whole == 0 || self.page_offset(s0) != 0 || s0 < lo || s0 as u64 + (whole as u64 - 1) > hi as u64 {
                 runs.clear();
                 return Err(InvalidInput::NotAPage { slot: s0 }.into());
             }
@@ -904,10 +905,12 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.s.row_runs = shape.runs;
         shape.result?;
         let mismatch = |index: usize, slot: u32| CacheError::RowMismatch { index, slot };
-        // Walk the cached part of the key; compare the leased prefix with the row.
-        // Nodes wholly inside the leased prefix were compared with the key when the lease
-        // was taken and are locked since (never evicted; splits do not change tokens), so
-        // only their slots are checked against the row; the rest is compared token by token.
+        // Walk the cached part of the key, comparing it with the tree token by token, and
+        // the leased prefix with the row. The leased nodes are compared with the key too:
+        // a lease names the path a match locked, not the tokens the request is finished
+        // with, and a key that leaves that path inside a leased node must be refused here
+        // (the insert would cut the node where the key leaves it and take the tree's own
+        // slots as new pages, or the chunk's new lease would not reach the inserted key).
         let (mut pos, mut cur) = (0usize, 0u32);
         let mut bad = None;
         while pos < aligned {
@@ -920,31 +923,20 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
                 // them to those nodes).
                 break;
             }
-            let mut check_row = |at: usize, page: u32, pages: usize| {
+            let check_row = |at: usize, page: u32, pages: usize| {
                 // The row must hold the tree's slots (consecutive in a run) where leased,
                 // past what the cache wrote there itself for this lease (`vouched`).
-                let from = (pos + at * ps).max(vouched);
-                let to = (from + pages * ps).min(protected);
-                let base = page * ps as u32;
-                if bad.is_none() && from < to && !ascending_from(&kv[from..to], base) {
-                    let off = kv[from..to].iter().zip(base..).position(|(&s, t)| s != t);
-                    bad = off.map(|k| from + k);
-                }
-            };
-            let n = self.span(id).1 as usize;
-            let (m, last) = if pos + n * ps <= protected {
-                if pos + n * ps > vouched {
-                    let mut at = 0;
-                    for (start, len) in self.runs(id) {
-                        check_row(at, start, len as usize);
-                        at += len as usize;
+                let start = pos + at * ps;
+                let (from, to) = (start.max(vouched), (start + pages * ps).min(protected));
+                if bad.is_none() && from < to {
+                    let base = page * ps as u32 + (from - start) as u32;
+                    if !ascending_from(&kv[from..to], base) {
+                        let off = kv[from..to].iter().zip(base..).position(|(&s, t)| s != t);
+                        bad = off.map(|k| from + k);
                     }
                 }
-                (n, self.s.meta[id as usize].last_page)
-            } else {
-                let (m, last, _) = self.c.walk_node::<true>(id, &key[pos..], check_row);
-                (m, last)
             };
+            let (m, last, n) = self.c.walk_node::<true>(id, &key[pos..], check_row);
             if let Some(index) = bad {
                 return Err(mismatch(index, kv[index]));
             }
