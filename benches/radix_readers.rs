@@ -5,6 +5,11 @@
 //! Each criterion iteration is one lookup per reader thread; the reported throughput
 //! counts lookups of all readers together.
 //!
+//! `lookup_depth/{wide,deep}`: one thread's `peek_prefix` alone (no writer) on paths of
+//! 2 nodes (the prompts above) and of up to 32 nodes (64 conversations of 32 turns of
+//! 64 tokens, every turn its own node), so the cost of a lookup per level of the tree
+//! can be read apart from the contention with a writer.
+//!
 //! `cargo bench --bench radix_readers`
 
 use std::hint::black_box;
@@ -146,5 +151,52 @@ fn readers(c: &mut Criterion) {
     run(c, "mutex_reference", reference);
 }
 
-criterion_group!(benches, readers);
+/// Keys for [`lookup_depth`]: `wide`, the first 400 prompts (paths of 2 nodes); `deep`,
+/// 64 conversations of 32 turns of 64 tokens, each turn a key (paths of 1 to 32 nodes).
+fn depth_keys(shape: &str) -> Vec<Vec<u32>> {
+    if shape == "wide" {
+        return (0..400).map(prompt).collect();
+    }
+    let mut keys = vec![];
+    for conv in 0..64u32 {
+        let mut k = vec![];
+        for turn in 0..32u32 {
+            k.extend((0..64u32).map(|t| conv * 1_000_000 + turn * 1000 + t));
+            keys.push(k.clone());
+        }
+    }
+    keys
+}
+
+fn lookup_depth(c: &mut Criterion) {
+    let mut group = c.benchmark_group("lookup_depth");
+    group.measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500)).sample_size(20);
+    for shape in ["wide", "deep"] {
+        let cache = RadixCache::new(
+            PagedAllocator::new(CAPACITY, PS).unwrap(),
+            ReqToTokenPool::new(1, PROMPT).unwrap(),
+            RadixConfig::default(),
+        )
+        .unwrap();
+        let keys = depth_keys(shape);
+        for k in &keys {
+            let mut slots = vec![0u32; k.len()];
+            cache.alloc(&mut slots).unwrap();
+            let dup = cache.insert(0, k, &slots, 0).unwrap();
+            cache.allocator().free(&slots[..dup]).unwrap();
+        }
+        let mut out = vec![0u32; PROMPT];
+        let mut i = 0usize;
+        group.throughput(Throughput::Elements(1));
+        group.bench_function(shape, |b| {
+            b.iter(|| {
+                i = i.wrapping_add(7919);
+                black_box(cache.peek_prefix(0, black_box(&keys[i % keys.len()]), &mut out))
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, readers, lookup_depth);
 criterion_main!(benches);

@@ -261,6 +261,20 @@ impl Tokens {
             }
             k = 1;
         }
+        // Four words (eight tokens) a step, their differences OR-ed: one branch a step
+        // instead of one a word. The step holding a difference is then searched word by
+        // word below.
+        while k + 8 <= n {
+            let (w, t) = (&self.words[(slot + k) / 2..(slot + k) / 2 + 4], &key[k..k + 8]);
+            let diff = (w[0].load(Ordering::Relaxed) ^ pack(t[0], t[1]))
+                | (w[1].load(Ordering::Relaxed) ^ pack(t[2], t[3]))
+                | (w[2].load(Ordering::Relaxed) ^ pack(t[4], t[5]))
+                | (w[3].load(Ordering::Relaxed) ^ pack(t[6], t[7]));
+            if diff != 0 {
+                break;
+            }
+            k += 8;
+        }
         // A word (two tokens) per load and compare.
         while k + 2 <= n {
             let w = self.words[(slot + k) / 2].load(Ordering::Relaxed);
@@ -436,6 +450,26 @@ mod tests {
                 assert_eq!(t.first_diff_atomic(start, &want), len);
                 for bad in 0..len {
                     let mut key = want.clone();
+                    key[bad] ^= 0x55;
+                    assert_eq!(t.first_diff_atomic(start, &key), bad, "start {start} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn first_diff_atomic_over_several_steps() {
+        // Keys long enough for the compare's eight-token steps, then the word-at-a-time
+        // tail, at both parities of the start.
+        let t = Tokens::new(96).unwrap();
+        let all: Vec<u32> = (0..96).map(|s| s * 7 + 1).collect();
+        t.write(0, &all);
+        for start in 0..4 {
+            for len in [0, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 90] {
+                let want = &all[start..start + len];
+                assert_eq!(t.first_diff_atomic(start, want), len);
+                for bad in 0..len {
+                    let mut key = want.to_vec();
                     key[bad] ^= 0x55;
                     assert_eq!(t.first_diff_atomic(start, &key), bad, "start {start} len {len}");
                 }
