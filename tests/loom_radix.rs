@@ -343,10 +343,10 @@ fn peek_racing_evict_and_reuse() {
 /// evicts both, then caches `A' = [9]` in slot `1` (A's last page) with a child
 /// `B' = [2]` in slot `3`: `B'` is keyed by `(page 1, [2])`, exactly what a lookup of
 /// `[1, 5, 2]` asks for below `A`. A lookup that validated `A`, then found `B'` under
-/// page 1, returned `[2, 1, 3]` while slot 2 was free: the protocol validated each node
-/// when it read it and only the deepest one at the end. Now the parent's generation is
-/// re-checked after its child is found, so the lookup returns `[2, 1, 4]`, `[2, 1]`
-/// (the leaf went first) or nothing.
+/// page 1, would return `[2, 1, 3]` while slot 2 is free, if it validated each node only
+/// when it read it and the deepest one at the end (this model fails so). The parent's
+/// generation is re-checked after its child is found, so the lookup returns
+/// `[2, 1, 4]`, `[2, 1]` (the leaf went first) or nothing.
 #[test]
 fn peek_across_a_reused_parent_page() {
     let seen = Outcomes::new(&["before_whole", "inside_whole", "inside_parent", "inside_miss", "after_miss"]);

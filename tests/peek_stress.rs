@@ -16,10 +16,10 @@
 //! `peek_across_a_reused_parent_page` (tests/loom_radix.rs) checks every interleaving
 //! of one such swap; this runs many swaps with page sizes 1 and 16.
 //!
-//! Bounded by a count of writer cycles, not by time: `KVPOOL_STRESS_CYCLES` (default
-//! 300,000 per page size; on the protocol that checked only the deepest node, about
-//! one run in two failed at 100,000 and every run at 300,000) sets it; a longer run is `KVPOOL_STRESS_CYCLES=2000000 cargo
-//! test --release --test peek_stress`.
+//! Bounded by a count of writer cycles, not by time: `KVPOOL_STRESS_CYCLES` sets it
+//! (default 300,000 per page size, a few seconds: enough that a lookup which re-checks
+//! only the deepest node, not each parent, fails it on a 2-core machine). A longer run:
+//! `KVPOOL_STRESS_CYCLES=2000000 cargo test --release --test peek_stress`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -111,6 +111,7 @@ fn race(ps: usize) {
     }
     cache.check_invariants().unwrap();
     assert_eq!(cache.allocator().available_size(), 4 * ps, "a page was lost");
+    assert!(found.load(Ordering::Relaxed) > 0, "no lookup ever found more than one page: the race never ran");
     eprintln!(
         "page size {ps}: {} cycles, {} lookups found more than one page",
         cycles(),
