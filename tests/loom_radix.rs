@@ -36,6 +36,7 @@
 //! | `lock_racing_evict_mamba`       | Mamba variant: a state locked by a lease is never freed by `evict_mamba`; a lease taken after it finds no state and returns nothing; both orders reached |
 //! | `peek_racing_mamba_eviction`    | Mamba variant: a lookup racing `evict_mamba` (a tombstoning, then a leaf's removal cascading through its tombstone parent) returns a prefix of the cached slots: all of them before, none after |
 //! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
+//! | `request_moves_between_threads` | a request handle admitted and extended on a scheduler thread, finished on an output thread it moves to, while a router looks up: the router sees the cached prefix or the finished request's whole pages, never its uncached slots; the accounting is exact after |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
 
 mod loom_common;
@@ -661,4 +662,57 @@ fn event_queue_producer_consumer() {
         "event_queue_producer_consumer",
         &["lap_reused", "dropped", "popped_concurrently", "popped_empty"],
     );
+}
+
+/// The engine contract across threads: a scheduler admits a request (its prefix
+/// `[1, 2]` is cached) and allocates its next token, then hands the request to an
+/// output thread, which finishes it (caching `[1, 2, 3]`); a router looks `[1, 2, 3]`
+/// up meanwhile. The router finds the cached prefix, or the whole finished path,
+/// never a slot the request held but had not cached; afterwards everything is
+/// accounted for (free + cached = capacity, no lock, no row held).
+#[test]
+fn request_moves_between_threads() {
+    let seen = Outcomes::new(&["prefix", "whole"]);
+    let s = seen.clone();
+    loom_common::model("request_moves_between_threads", move || {
+        let c = std::sync::Arc::new(cache(4));
+        let mut first = c.admit(0, &[1, 2]).unwrap();
+        first.extend(2).unwrap();
+        let cached = first.slots().to_vec();
+        first.finish(&[1, 2]).unwrap();
+
+        let c1 = std::sync::Arc::clone(&c);
+        let scheduler = thread::spawn(move || {
+            let mut req = c1.admit(0, &[1, 2, 3]).unwrap();
+            assert_eq!(req.cached_len(), 2);
+            req.extend(1).unwrap();
+            let own = req.slots()[2];
+            let output = thread::spawn(move || assert_eq!(req.finish(&[1, 2, 3]).unwrap(), 2));
+            output.join().unwrap();
+            own
+        });
+        let c2 = std::sync::Arc::clone(&c);
+        let router = thread::spawn(move || {
+            let mut out = [0u32; 3];
+            let n = c2.peek_prefix(0, &[1, 2, 3], &mut out);
+            (n, out)
+        });
+        let own = scheduler.join().unwrap();
+        let (n, out) = router.join().unwrap();
+        match n {
+            2 => {
+                assert_eq!(out[..2], cached[..]);
+                s.hit("prefix");
+            }
+            3 => {
+                assert_eq!((&out[..2], out[2]), (&cached[..], own));
+                s.hit("whole");
+            }
+            _ => panic!("the router found {n} tokens: {out:?}"),
+        }
+        c.check_invariants().unwrap();
+        assert_eq!((c.total_size(), c.protected_size(), c.allocator().available_size()), (3, 0, 1));
+        assert_eq!(c.req_pool().available_size(), 1);
+    });
+    seen.expect_seen("request_moves_between_threads", &["prefix", "whole"]);
 }

@@ -12,7 +12,7 @@
 //! alone). A free racing with an insert of the same page means two callers each
 //! believe they own it, which no check of one call can settle.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 use crate::alloc::{KvAllocator, SwaAllocator, SwaWindow};
 use crate::error::{AllocError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation};
@@ -40,6 +40,8 @@ use crate::error::{AllocError, FreeError, FreeErrorKind, InvalidInput, Invariant
 pub struct CacheAllocator<'a, A> {
     alloc: &'a A,
     in_tree: &'a [AtomicU64],
+    /// Set once the caller allocates through the view (see [`RadixCache::check_invariants`](super::RadixCache::check_invariants)).
+    raw: &'a AtomicBool,
     ps: u32,
 }
 
@@ -52,8 +54,13 @@ impl<A> Clone for CacheAllocator<'_, A> {
 impl<A> Copy for CacheAllocator<'_, A> {}
 
 impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
-    pub(super) fn new(alloc: &'a A, in_tree: &'a [AtomicU64]) -> Self {
-        CacheAllocator { alloc, in_tree, ps: alloc.page_size().max(1) }
+    pub(super) fn new(alloc: &'a A, in_tree: &'a [AtomicU64], raw: &'a AtomicBool) -> Self {
+        CacheAllocator { alloc, in_tree, raw, ps: alloc.page_size().max(1) }
+    }
+
+    /// Note that the caller holds slots no request accounts for.
+    fn mark_raw(&self) {
+        mark_raw(self.raw);
     }
 
     /// Whether the tree holds `page` (a snapshot).
@@ -124,6 +131,7 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     ///
     /// As [`KvAllocator::alloc`].
     pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        self.mark_raw();
         self.alloc.alloc(out)
     }
 
@@ -144,6 +152,7 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     ) -> Result<(), AllocError> {
         let n = prefix_lens.len().min(seq_lens.len()).min(last_locs.len());
         self.check_continued_pages(&last_locs[..n], |i| (prefix_lens[i], seq_lens[i]))?;
+        self.mark_raw();
         self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out)
     }
 
@@ -156,6 +165,7 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let n = seq_lens.len().min(last_locs.len());
         self.check_continued_pages(&last_locs[..n], |i| (seq_lens[i].saturating_sub(1), seq_lens[i]))?;
+        self.mark_raw();
         self.alloc.alloc_decode(seq_lens, last_locs, out)
     }
 
@@ -256,5 +266,13 @@ pub(super) fn page_bit(bits: &[AtomicU64], page: u32) -> bool {
 impl<A> core::fmt::Debug for CacheAllocator<'_, A> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("CacheAllocator").field("page_size", &self.ps).finish_non_exhaustive()
+    }
+}
+
+/// Note that slots were allocated outside any request (a load first: the flag is set
+/// once and read rarely, so its line stays shared).
+pub(super) fn mark_raw(raw: &AtomicBool) {
+    if !raw.load(Relaxed) {
+        raw.store(true, Relaxed);
     }
 }

@@ -193,6 +193,7 @@ mod hints;
 pub mod mamba;
 mod partial;
 mod policy;
+mod request;
 pub mod swa;
 mod tokens;
 mod variant;
@@ -205,6 +206,7 @@ pub use hi::{
 };
 pub use mamba::{CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
+pub use request::{Refused, Request};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
 pub use variant::{Plain, Variant};
 
@@ -274,6 +276,15 @@ pub enum CacheError {
         /// Leases outstanding.
         leases: usize,
     },
+    /// A request's finish or checkpoint named another number of tokens than its row
+    /// holds ([`Request::len`]): all of them for a finish, at most that many for a
+    /// checkpoint.
+    TokenCount {
+        /// Tokens given.
+        tokens: usize,
+        /// Tokens whose KV the request's row holds.
+        held: usize,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -297,6 +308,11 @@ impl fmt::Display for CacheError {
             CacheError::StateNotOwned { state } => write!(
                 f,
                 "state slot {state} cannot be handed to the cache: it is out of range, free, or held by the cache already"
+            ),
+            CacheError::TokenCount { tokens, held } => write!(
+                f,
+                "{tokens} tokens given for a request whose row holds the KV of {held}: a finish takes exactly \
+                 those, a checkpoint at most those"
             ),
             CacheError::RowMismatch { index, slot } => write!(
                 f,
@@ -345,7 +361,7 @@ impl MatchResult {
 /// What names a locked path: its last node (by the node's last page, which splits never
 /// change, and that page's epoch, which rules out a reused page) and the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct LeaseKey {
+pub(crate) struct LeaseKey {
     last_page: u32,
     epoch: u32,
     len: usize,
@@ -540,6 +556,13 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     evictable: AtomicUsize,
     protected: AtomicUsize,
     total: AtomicUsize,
+    /// Tokens of KV capacity held by live [`Request`]s (their own pages). Plain `std`
+    /// atomics: an account for `check_invariants`, not part of any protocol.
+    held: std::sync::atomic::AtomicUsize,
+    /// Set once slots were allocated outside any request (the allocator view, the
+    /// cache's own allocation calls): the accounting check cannot tell a caller's
+    /// slots from a leak, and is skipped from then on.
+    raw_used: std::sync::atomic::AtomicBool,
     events: Option<EventQueue>,
     id: u64,
     /// Router hints, the admission clock and the eviction options of issue 13.
@@ -791,6 +814,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             evictable: AtomicUsize::new(0),
             protected: AtomicUsize::new(0),
             total: AtomicUsize::new(0),
+            held: std::sync::atomic::AtomicUsize::new(0),
+            raw_used: std::sync::atomic::AtomicBool::new(false),
             events,
             id: cache_id(),
             hints: hints::Hints::new(nrec)?,
@@ -802,12 +827,13 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// The KV allocator, as callers may use it: a free of a page the tree holds is
     /// refused ([`CacheAllocator`]).
     pub fn allocator(&self) -> CacheAllocator<'_, A> {
-        CacheAllocator::new(&self.alloc, &self.in_tree)
+        CacheAllocator::new(&self.alloc, &self.in_tree, &self.raw_used)
     }
 
     /// The KV allocator itself, for kvpool's own drivers (the replay).
     #[cfg(all(feature = "replay", not(loom)))]
     pub(crate) fn raw_allocator(&self) -> &A {
+        alloc_view::mark_raw(&self.raw_used);
         &self.alloc
     }
 
@@ -1315,6 +1341,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// As [`KvAllocator::alloc`]; an out-of-memory error also states the evictable tokens.
     pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+        alloc_view::mark_raw(&self.raw_used);
         // Validate before evicting: a call that cannot succeed changes nothing.
         let ps = self.ps;
         if out.len() % ps != 0 {
@@ -1338,6 +1365,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         out: &mut [u32],
     ) -> Result<(), AllocError> {
         self.room_to_extend(prefix_lens, seq_lens, last_locs, out.len())?;
+        alloc_view::mark_raw(&self.raw_used);
         self.alloc.alloc_extend(prefix_lens, seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
     }
 
@@ -1400,6 +1428,13 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// `prefix_len..seq_len` is past the row's end or the row is another pool's.
     /// Nothing is allocated on error.
     pub fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+        alloc_view::mark_raw(&self.raw_used);
+        self.extend_row(row, prefix_len, seq_len)
+    }
+
+    /// [`alloc_extend_row`](Self::alloc_extend_row) for a [`Request`], which accounts
+    /// for what it allocates.
+    fn extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
         self.req_pool.fill_extension(row, prefix_len, seq_len, |prefix, seq, last_loc, out, breaks| {
             self.room_to_extend(&[prefix], &[seq], &[last_loc], out.len())?;
             self.alloc.alloc_extend_runs(prefix, seq, last_loc, out, breaks).map_err(|e| self.with_evictable(e))
@@ -1412,6 +1447,13 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
     pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+        alloc_view::mark_raw(&self.raw_used);
+        self.decode_slots(seq_lens, last_locs, out)
+    }
+
+    /// [`alloc_decode`](Self::alloc_decode) for [`Request`]s, which account for what
+    /// they allocate.
+    fn decode_slots(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let need = self.alloc.decode_need(seq_lens)?;
         let req = |i: usize| (seq_lens[i] - 1, seq_lens[i]);
         crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), req)?;
@@ -1486,13 +1528,35 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// Check every invariant in O(capacity): sizes add up, every cached page is owned by
     /// exactly one node and allocated, bucket chains hold exactly the live nodes, lock
     /// counts are monotone towards the root, the eviction heap holds exactly the
-    /// evictable leaves in heap order. Exact at quiescence.
+    /// evictable leaves in heap order; and the accounting: free + cached + held by live
+    /// [`Request`]s = capacity, so KV taken and never given back is a violation. Exact
+    /// at quiescence.
+    ///
+    /// The accounting is checked while every slot outside the tree was allocated by a
+    /// request; once a caller allocates through [`allocator`](Self::allocator) or the
+    /// cache's own `alloc*` calls, it cannot tell the caller's slots from a leak and is
+    /// skipped.
     ///
     /// # Errors
     ///
     /// [`InvariantViolation`] naming the broken invariant (a kvpool bug).
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.write(|w| w.check())
+        self.write(|w| w.check())?;
+        if self.raw_used.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        let held = self.held.load(std::sync::atomic::Ordering::Relaxed);
+        // The full KV pool's free tokens (an SWA allocator's `available_size` is the
+        // smaller of its two pools').
+        let free = self.alloc.as_swa().map_or_else(|| self.alloc.available_size(), |s| s.full_available_size());
+        let (cached, size) = (self.total_size(), self.alloc.size());
+        if free + cached + held != size {
+            return Err(InvariantViolation(format!(
+                "KV accounting: {free} free + {cached} cached + {held} held by live requests != {size} capacity \
+                 (slots taken from the allocator and not given back, or given back twice)"
+            )));
+        }
+        Ok(())
     }
 
     /// Every cached path from the root to a leaf as (namespace, tokens, slots), sorted:
@@ -1733,8 +1797,10 @@ fn vouched_prefix(row: &ReqRow, lease: &LeaseKey) -> usize {
 }
 
 impl<A: KvAllocator, V: Variant> crate::CheckInvariants for RadixCache<A, V> {
+    /// The structure only: the accounting is exact only between whole request steps,
+    /// and a step checks from inside.
     fn check(&self) -> Result<(), InvariantViolation> {
-        self.check_invariants()
+        self.write(|w| w.check())
     }
 }
 
