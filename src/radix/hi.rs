@@ -1012,6 +1012,48 @@ impl Variant for Hi {
     type Node = HiNode;
     type State = HiState;
     type Walk = ();
+    /// What the admission found on host and loaded back.
+    type Request = HostHit;
+    type Finished = usize;
+
+    /// A match that loads the host continuation back (see
+    /// [`match_and_load`](RadixCache::match_and_load); no quota).
+    fn admit_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        prompt: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<(super::RawLease, HostHit), crate::AllocError> {
+        let (lease, hit) = c
+            .match_into_row(prompt, row, |key, out| c.match_and_load(namespace, key, out, None), |(l, _)| l.key)
+            .map_err(crate::AllocError::Row)?;
+        Ok((lease.detach(), hit))
+    }
+
+    fn finish_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut HostHit,
+    ) -> Result<usize, CacheError> {
+        c.finish(rows, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+    }
+
+    fn checkpoint_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut HostHit,
+    ) -> Result<(), CacheError> {
+        c.unfinished_with(&c.req_pool, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
+    }
 
     fn extra_pages(&self) -> usize {
         self.tier.host_pages as usize

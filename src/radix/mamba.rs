@@ -587,6 +587,120 @@ impl<P: StatePool> Variant for Mamba<P> {
     type State = MambaState;
     type Walk = ();
     const TOUCH_WHILE_WALKING: bool = false;
+    type Request = MambaRequest;
+    type Finished = StateInsert;
+
+    /// The longest prefix that ends at a cached state, locked; and the request's
+    /// running state (evicting the least recently used unlocked state when none is
+    /// free).
+    fn admit_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        prompt: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<(super::RawLease, MambaRequest), AllocError> {
+        let m = c.match_and_lock_checkpoint_row(namespace, prompt, row).map_err(AllocError::Row)?;
+        let running = c.alloc_state()?; // on error the lease unlocks as it drops
+        let req = MambaRequest {
+            running: Some(running),
+            resume: m.state,
+            kv_len: m.kv_len,
+            branching_len: m.branching_len,
+            saved: None,
+        };
+        Ok((m.lease.detach(), req))
+    }
+
+    fn finish_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, Self>,
+        priority: i64,
+        req: &mut MambaRequest,
+    ) -> Result<StateInsert, CacheError> {
+        let Some((at, state)) = req.saved else {
+            // No state saved past the prefix it resumed from: nothing to cache. Its own
+            // KV goes back, and its lock.
+            let own = rows.read(row, lease.len()..tokens.len())?;
+            c.alloc.free(own).map_err(CacheError::Free)?;
+            c.release_key(lease.key)?;
+            return Ok(StateInsert { cached: lease.len(), state_kept: false });
+        };
+        if at > tokens.len() {
+            return Err(CacheError::SavedState { at: Some(at), up_to: tokens.len() });
+        }
+        let taken = core::cell::Cell::new(false);
+        let r = c
+            .finish(
+                rows,
+                namespace,
+                tokens,
+                row,
+                lease,
+                priority,
+                at,
+                |w| RadixCache::take_into(w, state, &taken),
+                |w, ins| RadixCache::adopt_state(w, ins.end, state),
+            )
+            .map(|(cached, state_kept)| StateInsert { cached, state_kept });
+        match r {
+            Ok(done) => {
+                req.saved = None; // the tree's now
+                Ok(done)
+            }
+            Err(e) => {
+                c.untake(state, &taken);
+                Err(e)
+            }
+        }
+    }
+
+    fn checkpoint_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Self>,
+        priority: i64,
+        req: &mut MambaRequest,
+    ) -> Result<(), CacheError> {
+        let state = match req.saved {
+            Some((at, state)) if at == tokens.len() => state,
+            saved => return Err(CacheError::SavedState { at: saved.map(|(at, _)| at), up_to: tokens.len() }),
+        };
+        let taken = core::cell::Cell::new(false);
+        let r = c.unfinished_with(
+            &c.req_pool,
+            namespace,
+            tokens,
+            row,
+            lease,
+            priority,
+            tokens.len(),
+            |w| RadixCache::take_into(w, state, &taken),
+            |w, ins| RadixCache::adopt_state(w, ins.end, state),
+        );
+        match r {
+            Ok(_) => {
+                req.saved = None;
+                Ok(())
+            }
+            Err(e) => {
+                c.untake(state, &taken);
+                Err(e)
+            }
+        }
+    }
+
+    fn release_request(&self, req: &mut MambaRequest) {
+        for s in [req.running.take(), req.saved.take().map(|(_, s)| s)].into_iter().flatten() {
+            let freed = self.pool.free(&[s]);
+            debug_assert!(freed.is_ok(), "a request's state failed to free: {freed:?}");
+        }
+    }
 
     fn new_state(&self, nodes: usize) -> Result<MambaState, ConfigError> {
         let slots = self.pool.capacity() as usize + 1;
@@ -749,6 +863,70 @@ impl<P: StatePool> Variant for Mamba<P> {
                 let _ = write!(out, " state_locks={}", node.lock);
             }
         }
+    }
+}
+
+/// What a [`Request`](super::Request) of a [`MambaRadixCache`] holds besides its KV:
+/// its running state, and the state it saved for caching (see
+/// [`Request::save_state`](super::Request::save_state)).
+#[derive(Debug, Default)]
+pub struct MambaRequest {
+    running: Option<u32>,
+    resume: Option<u32>,
+    kv_len: usize,
+    branching_len: Option<usize>,
+    saved: Option<(usize, u32)>,
+}
+
+impl<A: KvAllocator, P: StatePool> super::Request<A, Mamba<P>> {
+    /// The request's own running state slot, taken at admission: fork the
+    /// [`resume_state`](Self::resume_state) into it before computing.
+    pub fn state(&self) -> u32 {
+        self.ext_ref().running.unwrap_or(0)
+    }
+
+    /// The cached state the request resumes from, after its
+    /// [`cached_len`](Self::cached_len) tokens (`None` when nothing matched): the lock
+    /// keeps it until the request ends.
+    pub fn resume_state(&self) -> Option<u32> {
+        self.ext_ref().resume
+    }
+
+    /// How far the KV matched at admission (`>= cached_len()`: the request resumes
+    /// only where a state is cached, and recomputes the rest).
+    pub fn kv_hit(&self) -> usize {
+        self.ext_ref().kv_len
+    }
+
+    /// Where the request should save a state during prefill so that the next request
+    /// on its branch can resume further ([`CheckpointConfig::branching_len`]).
+    pub fn branching_len(&self) -> Option<usize> {
+        self.ext_ref().branching_len
+    }
+
+    /// The state slot the request saves its state into after token `at` (a whole
+    /// number of pages): copy the running state there when the computation reaches
+    /// `at`. The finish caches the request's tokens up to `at` with it; a
+    /// [`checkpoint`](Self::checkpoint) of exactly `at` tokens caches them with it and
+    /// keeps running. Saving again moves the position and keeps the slot. Takes a slot
+    /// the first time (evicting the least recently used unlocked state when none is
+    /// free).
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::Invalid`] for a position that is not a whole number of pages;
+    /// [`AllocError::OutOfMemory`] when no state can be had. Nothing changes then.
+    pub fn save_state(&mut self, at: usize) -> Result<u32, AllocError> {
+        let ps = self.cache().page_size();
+        if at % ps != 0 {
+            return Err(crate::error::InvalidInput::NotPageAligned { count: at, page_size: ps as u32 }.into());
+        }
+        let slot = match self.ext().saved {
+            Some((_, s)) => s,
+            None => self.cache().alloc_state()?,
+        };
+        self.ext().saved = Some((at, slot));
+        Ok(slot)
     }
 }
 

@@ -204,7 +204,9 @@ pub use hi::{
     Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, Transfer, TransferError, TransferKind, WritePolicy,
     DEFAULT_LOAD_BACK_THRESHOLD,
 };
-pub use mamba::{CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, StateInsert, StatePool};
+pub use mamba::{
+    CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, MambaRequest, StateInsert, StatePool,
+};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use request::{Refused, Request};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
@@ -285,6 +287,15 @@ pub enum CacheError {
         /// Tokens whose KV the request's row holds.
         held: usize,
     },
+    /// A Mamba request caches tokens only with a state saved after the last of them
+    /// ([`Request::save_state`]): a checkpoint needs one saved at exactly its length, a
+    /// finish one saved at or before its end.
+    SavedState {
+        /// Where the request's saved state lies (`None`: none saved).
+        at: Option<usize>,
+        /// Tokens the request was to cache.
+        up_to: usize,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -309,6 +320,12 @@ impl fmt::Display for CacheError {
                 f,
                 "state slot {state} cannot be handed to the cache: it is out of range, free, or held by the cache already"
             ),
+            CacheError::SavedState { at: Some(at), up_to } => {
+                write!(f, "the request's state is saved after token {at}: it cannot cache {up_to} tokens with it")
+            }
+            CacheError::SavedState { at: None, up_to } => {
+                write!(f, "the request has no state saved to cache {up_to} tokens with")
+            }
             CacheError::TokenCount { tokens, held } => write!(
                 f,
                 "{tokens} tokens given for a request whose row holds the KV of {held}: a finish takes exactly \

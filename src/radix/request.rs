@@ -101,7 +101,7 @@ use std::sync::Arc;
 use super::{CacheError, Lease, LeaseKey, Plain, RadixCache, Variant};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, InvalidInput, RowError};
-use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::req_to_token::ReqRow;
 
 /// A request admitted to a [`RadixCache`]: its row, its lock on the matched prefix, the
 /// slots allocated into the row (see the [module docs](self)).
@@ -122,6 +122,8 @@ pub struct Request<A: KvAllocator, V: Variant = Plain> {
     /// Row positions written: the cache's up to the lease, the request's after.
     written: usize,
     priority: i64,
+    /// What the variant's request holds besides (the Mamba tree: its states).
+    ext: V::Request,
 }
 
 /// A request the cache refused to finish, handed back whole with the reason; nothing
@@ -280,71 +282,19 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         debug_assert!(released.is_ok(), "a request's lease failed to release: {released:?}");
         let freed = c.req_pool.free(row);
         debug_assert!(freed.is_ok(), "a request's row failed to free");
+        c.variant.release_request(&mut self.ext);
         c.held.fetch_sub(held, Relaxed);
     }
 
-    /// The request's lease, as the cache's request helpers take it. Never dropped (that
-    /// would release the lock): the caller forgets it.
-    fn lease(&self) -> ManuallyDrop<Lease<'_, A, V>> {
-        ManuallyDrop::new(Lease { cache: &*self.cache, key: self.lease })
-    }
-
-    /// The finish of every variant: `finish(cache, tokens, row, lease)` caches the
-    /// request (releasing its lock) and frees its duplicates and tail.
-    #[allow(clippy::result_large_err)] // the request itself comes back: no allocation on error
-    pub(super) fn finish_with<R>(
-        mut self,
-        tokens: &[u32],
-        finish: impl FnOnce(&RadixCache<A, V>, &ReqToTokenPool, &[u32], &ReqRow, &Lease<'_, A, V>) -> Result<R, CacheError>,
-    ) -> Result<R, Refused<A, V>> {
-        if tokens.len() != self.written {
-            let error = CacheError::TokenCount { tokens: tokens.len(), held: self.written };
-            return Err(Refused { error, request: self });
-        }
-        let lease = self.lease();
-        let c = &*self.cache;
-        match finish(c, &c.req_pool, tokens, self.row(), &lease) {
-            Ok(r) => {
-                let held = self.held();
-                let row = self.row.take().expect("a live request holds its row");
-                // The row is this pool's: freeing it cannot fail.
-                let freed = self.cache.req_pool.free(row);
-                debug_assert!(freed.is_ok(), "a request's row failed to free");
-                self.cache.held.fetch_sub(held, Relaxed);
-                Ok(r)
-            }
-            Err(error) => Err(Refused { error, request: self }),
-        }
-    }
-
-    /// The checkpoint of every variant: `unfinished(cache, tokens, row, lease)` caches
-    /// `tokens` and moves the lease to their end.
-    pub(super) fn checkpoint_with<R>(
-        &mut self,
-        tokens: &[u32],
-        unfinished: impl FnOnce(&RadixCache<A, V>, &[u32], &mut ReqRow, &mut Lease<'_, A, V>) -> Result<R, CacheError>,
-    ) -> Result<R, CacheError> {
-        if tokens.len() > self.written {
-            return Err(CacheError::TokenCount { tokens: tokens.len(), held: self.written });
-        }
-        let before = self.held();
-        let cache = Arc::clone(&self.cache);
-        let mut lease = ManuallyDrop::new(Lease { cache: &*cache, key: self.lease });
-        let row = self.row.as_mut().expect("a live request holds its row");
-        let r = unfinished(&cache, tokens, row, &mut lease)?;
-        self.lease = lease.key;
-        cache.held.fetch_sub(before - self.held(), Relaxed);
-        Ok(r)
-    }
-}
-
-impl<A: KvAllocator> Request<A> {
     /// Finish the request (SGLang's `cache_finished_req`): `tokens` are the tokens whose
     /// KV the row holds, [`len`](Self::len) of them (the prompt and the outputs but
-    /// the last, whose KV was never computed). Caches their whole pages, frees the
-    /// slots the tree already had beyond the lock (duplicates) and the unaligned tail,
-    /// releases the lock and the row. Returns how many leading tokens were cached
-    /// before.
+    /// the last, whose KV was never computed). Caches their whole pages (the Mamba
+    /// tree: up to the state saved with [`save_state`](Self::save_state); the SWA
+    /// tree: up to where the window KV was released), frees the slots the tree already
+    /// had beyond the lock (duplicates) and the rest of the request's KV, releases the
+    /// lock, the row and whatever else the request holds. Returns how many leading
+    /// tokens were cached before (for the Mamba tree, also whether the tree kept the
+    /// state).
     ///
     /// # Errors
     ///
@@ -353,11 +303,31 @@ impl<A: KvAllocator> Request<A> {
     /// [`CacheError::RowMismatch`] when the locked prefix's tokens are not the ones the
     /// request was admitted with.
     #[allow(clippy::result_large_err)] // the request itself comes back: no allocation on error
-    pub fn finish(self, tokens: &[u32]) -> Result<usize, Refused<A>> {
+    pub fn finish(mut self, tokens: &[u32]) -> Result<V::Finished, Refused<A, V>> {
+        if tokens.len() != self.written {
+            let error = CacheError::TokenCount { tokens: tokens.len(), held: self.written };
+            return Err(Refused { error, request: self });
+        }
         let (ns, priority) = (self.namespace, self.priority);
-        self.finish_with(tokens, |c, rows, tokens, row, lease| {
-            c.finish(rows, ns, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
-        })
+        let cache = Arc::clone(&self.cache);
+        // Never dropped (that would release the lock): the finish releases it.
+        let lease = ManuallyDrop::new(Lease { cache: &*cache, key: self.lease });
+        let mut ext = core::mem::take(&mut self.ext);
+        let r = V::finish_request(&cache, &cache.req_pool, ns, tokens, self.row(), &lease, priority, &mut ext);
+        self.ext = ext;
+        match r {
+            Ok(r) => {
+                let held = self.held();
+                let row = self.row.take().expect("a live request holds its row");
+                // The row is this pool's: freeing it cannot fail.
+                let freed = cache.req_pool.free(row);
+                debug_assert!(freed.is_ok(), "a request's row failed to free");
+                cache.variant.release_request(&mut self.ext);
+                cache.held.fetch_sub(held, Relaxed);
+                Ok(r)
+            }
+            Err(error) => Err(Refused { error, request: self }),
+        }
     }
 
     /// Cache the request's KV up to `tokens.len()` and keep running (SGLang's
@@ -372,10 +342,32 @@ impl<A: KvAllocator> Request<A> {
     /// [`CacheError::Invalid`] when it is shorter than [`cached_len`](Self::cached_len),
     /// [`CacheError::RowMismatch`] as for [`finish`](Self::finish). Nothing changes.
     pub fn checkpoint(&mut self, tokens: &[u32]) -> Result<(), CacheError> {
+        if tokens.len() > self.written {
+            return Err(CacheError::TokenCount { tokens: tokens.len(), held: self.written });
+        }
+        let before = self.held();
         let (ns, priority) = (self.namespace, self.priority);
-        self.checkpoint_with(tokens, |c, tokens, row, lease| {
-            c.unfinished_with(&c.req_pool, ns, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
-        })
+        let cache = Arc::clone(&self.cache);
+        let mut lease = ManuallyDrop::new(Lease { cache: &*cache, key: self.lease });
+        let row = self.row.as_mut().expect("a live request holds its row");
+        V::checkpoint_request(&cache, ns, tokens, row, &mut lease, priority, &mut self.ext)?;
+        self.lease = lease.key;
+        cache.held.fetch_sub(before - self.held(), Relaxed);
+        Ok(())
+    }
+
+    /// What the variant's request holds (the Mamba tree: its states).
+    pub(super) fn ext(&mut self) -> &mut V::Request {
+        &mut self.ext
+    }
+
+    pub(super) fn ext_ref(&self) -> &V::Request {
+        &self.ext
+    }
+
+    /// The request's row and lock, for a variant's own request calls.
+    pub(super) fn row_and_lease(&self) -> (&ReqRow, LeaseKey) {
+        (self.row(), self.lease)
     }
 }
 
@@ -386,28 +378,35 @@ impl<A: KvAllocator, V: Variant> Drop for Request<A, V> {
 }
 
 impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
-    /// Admit a request: take a row, match `prompt`'s longest cached prefix into it with
-    /// `lock_match` and keep its lock.
-    pub(super) fn admit_with(
-        self: &Arc<Self>,
-        namespace: u64,
-        prompt: &[u32],
-        lock_match: impl FnOnce(&Self, &[u32], &mut ReqRow) -> Result<LeaseKey, RowError>,
-    ) -> Result<Request<A, V>, AllocError> {
+    /// Admit a request (see [`Request`]): take a row, match `prompt`'s longest cached
+    /// page-aligned prefix in `namespace` into it and lock that prefix against
+    /// eviction (the Mamba tree: the longest that ends at a cached state, and the
+    /// request takes a running state; the host tier: loading back what the host holds
+    /// after the device prefix). The request's [`len`](Request::len) and
+    /// [`cached_len`](Request::cached_len) are the matched tokens; allocate the rest of
+    /// the prompt with [`extend`](Request::extend).
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::OutOfMemory`] when no request row (the Mamba tree: no state) is
+    /// free; [`AllocError::Row`] when `prompt` is longer than a row. Nothing changes
+    /// then.
+    pub fn admit(self: &Arc<Self>, namespace: u64, prompt: &[u32]) -> Result<Request<A, V>, AllocError> {
         let max = self.req_pool.max_context_len();
         if prompt.len() > max {
             let (start, len, max_context_len) = (0, prompt.len(), max);
             return Err(AllocError::Row(RowError::OutOfBounds { row: u32::MAX, start, len, max_context_len }));
         }
         let mut row = self.req_pool.alloc()?;
-        let lease = match lock_match(self, prompt, &mut row) {
-            Ok(lease) => lease,
+        let (lease, ext) = match V::admit_request(self, namespace, prompt, &mut row) {
+            Ok(admitted) => admitted,
             Err(e) => {
                 let _ = self.req_pool.free(row);
-                return Err(e.into());
+                return Err(e);
             }
         };
-        Ok(Request { cache: Arc::clone(self), row: Some(row), lease, namespace, written: lease.len, priority: 0 })
+        let lease = lease.0;
+        Ok(Request { cache: Arc::clone(self), row: Some(row), lease, namespace, written: lease.len, priority: 0, ext })
     }
 
     /// Allocate one KV slot for every request of a decode batch, evicting the
@@ -481,23 +480,5 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             }
         }
         Ok(())
-    }
-}
-
-impl<A: KvAllocator> RadixCache<A> {
-    /// Admit a request (see the [request's docs](Request)): take a row, match
-    /// `prompt`'s longest cached page-aligned prefix in `namespace` into it and lock
-    /// that prefix against eviction. The request's [`len`](Request::len) and
-    /// [`cached_len`](Request::cached_len) are the matched tokens; allocate the rest
-    /// of the prompt with [`extend`](Request::extend).
-    ///
-    /// # Errors
-    ///
-    /// [`AllocError::OutOfMemory`] when no request row is free;
-    /// [`AllocError::Row`] when `prompt` is longer than a row. Nothing changes then.
-    pub fn admit(self: &Arc<Self>, namespace: u64, prompt: &[u32]) -> Result<Request<A>, AllocError> {
-        self.admit_with(namespace, prompt, |c, prompt, row| {
-            c.match_and_lock_row(namespace, prompt, row).map(|lease| lease.detach().0)
-        })
     }
 }

@@ -211,6 +211,36 @@ impl Variant for Swa {
         Ok(SwaState { order: crate::arena::try_with_capacity(nodes, "swa window order")?, removed_window: 0 })
     }
 
+    type Request = ();
+    type Finished = usize;
+
+    fn finish_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut (),
+    ) -> Result<usize, CacheError> {
+        let limit = window_limit(c, tokens, row, lease.len());
+        c.finish(rows, namespace, tokens, row, lease, priority, limit, |_| Ok(()), settle).map(|(n, ())| n)
+    }
+
+    fn checkpoint_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut (),
+    ) -> Result<(), CacheError> {
+        let limit = window_limit(c, tokens, row, lease.len());
+        c.unfinished_with(&c.req_pool, namespace, tokens, row, lease, priority, limit, |_| Ok(()), settle)
+    }
+
     #[inline]
     fn walk_step(&self, walk: &mut SwaWalk, node: &SwaNode, tokens: usize) -> bool {
         walk.step(node.tomb, tokens, self.window)
@@ -450,6 +480,17 @@ fn evict_window<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, num: usize) -> (usiz
 
 /// How many leading pages of `slots` (whole pages) end with a page that has window KV:
 /// the length an insert may take (a leaf is never a tombstone). Never below `from`.
+/// How much of a request's page-aligned tokens an insert takes (see [`SwaInsert`]):
+/// up to its last page with window KV, never below its lease.
+fn window_limit<A: KvAllocator>(c: &RadixCache<A, Swa>, token_ids: &[u32], row: &ReqRow, leased: usize) -> usize {
+    let ps = c.ps;
+    let aligned = token_ids.len() / ps * ps;
+    match (c.alloc.as_swa(), c.req_pool.read(row, 0..aligned)) {
+        (Some(a), Ok(kv)) => live_len(a, kv, leased.min(aligned), ps),
+        _ => usize::MAX, // no window pool; or the core's read reports it
+    }
+}
+
 fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
     let mut end = slots.len() / ps * ps;
     while end > from && !a.window().is_mapped(slots[end - ps] / ps as u32) {
@@ -681,12 +722,7 @@ impl RadixCache<SwaAllocator, Swa> {
 
     /// How much of a request's page-aligned tokens an insert takes (see [`SwaInsert`]).
     fn request_limit(&self, token_ids: &[u32], row: &ReqRow, lease: &Lease<'_, SwaAllocator, Swa>) -> usize {
-        let ps = self.ps;
-        let aligned = token_ids.len() / ps * ps;
-        match self.req_pool.read(row, 0..aligned) {
-            Ok(kv) => live_len(&self.alloc, kv, lease.len().min(aligned), ps),
-            Err(_) => usize::MAX, // the core's read reports it
-        }
+        window_limit(self, token_ids, row, lease.len())
     }
 
     /// SGLang's `cache_finished_req` for SWA models: as the plain cache's
@@ -791,6 +827,25 @@ impl RadixCache<SwaAllocator, Swa> {
         });
         crate::debug_check(self);
         (Lease { cache: self, key }, kv_len)
+    }
+}
+
+impl super::Request<SwaAllocator, Swa> {
+    /// Free the window KV of the request's tokens in `range` that fell out of its
+    /// window (see [`RadixCache::release_window`]): only whole pages past its lock, and
+    /// only positions it holds. Returns the window tokens freed.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::TokenCount`] when `range` goes past [`len`](Self::len); nothing
+    /// changes then.
+    pub fn release_window(&mut self, range: core::ops::Range<usize>) -> Result<usize, CacheError> {
+        if range.end > self.len() {
+            return Err(CacheError::TokenCount { tokens: range.end, held: self.len() });
+        }
+        let (row, key) = self.row_and_lease();
+        let lease = core::mem::ManuallyDrop::new(Lease { cache: &**self.cache(), key });
+        self.cache().release_window(row, &lease, range)
     }
 }
 

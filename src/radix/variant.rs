@@ -15,9 +15,10 @@
 use core::fmt;
 
 use super::writer::Writer;
-use super::RadixCache;
+use super::{CacheError, Lease, RadixCache, RawLease};
 use crate::alloc::KvAllocator;
-use crate::error::ConfigError;
+use crate::error::{AllocError, ConfigError, RowError};
+use crate::req_to_token::{ReqRow, ReqToTokenPool};
 
 pub(crate) mod sealed {
     /// Only kvpool's variants implement [`Variant`](super::Variant).
@@ -97,6 +98,62 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// The variant's state for a tree of `nodes` node records.
     #[doc(hidden)]
     fn new_state(&self, nodes: usize) -> Result<Self::State, ConfigError>;
+
+    /// What a [`Request`](super::Request) of this tree holds besides its row, its lock
+    /// and its KV (the Mamba tree: its state slots).
+    #[doc(hidden)]
+    type Request: Default + fmt::Debug + Send + Sync;
+
+    /// What a request's [`finish`](super::Request::finish) reports: the tokens that were
+    /// cached already (and for the Mamba tree, what became of its state).
+    type Finished: fmt::Debug;
+
+    /// Admit a request: match `prompt` into `row` and lock it; what else the request
+    /// takes. Undo everything on error.
+    #[doc(hidden)]
+    fn admit_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        prompt: &[u32],
+        row: &mut ReqRow,
+    ) -> Result<(RawLease, Self::Request), AllocError> {
+        let lease = c.match_and_lock_row(namespace, prompt, row).map_err(|e: RowError| AllocError::Row(e))?;
+        Ok((lease.detach(), Self::Request::default()))
+    }
+
+    /// Finish a request whose checks passed (its token count is its row's): cache it,
+    /// free its duplicates and the rest of its KV, release its lock. Nothing changes on
+    /// error.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    fn finish_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, Self>,
+        priority: i64,
+        req: &mut Self::Request,
+    ) -> Result<Self::Finished, CacheError>;
+
+    /// Cache a running request's `tokens` (at most its row's), move its lock to their
+    /// end. Nothing changes on error.
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    fn checkpoint_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Self>,
+        priority: i64,
+        req: &mut Self::Request,
+    ) -> Result<(), CacheError>;
+
+    /// Give back what a finished or aborted request still holds besides its KV.
+    #[doc(hidden)]
+    fn release_request(&self, _req: &mut Self::Request) {}
 
     /// Whether a match may end at a node carrying `node` (the prefix up to there is
     /// usable). The match returns the deepest such node on the matched path.
@@ -224,8 +281,35 @@ impl Variant for Plain {
     type Node = ();
     type State = ();
     type Walk = ();
+    type Request = ();
+    type Finished = usize;
 
     fn new_state(&self, _nodes: usize) -> Result<(), ConfigError> {
         Ok(())
+    }
+
+    fn finish_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut (),
+    ) -> Result<usize, CacheError> {
+        c.finish(rows, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+    }
+
+    fn checkpoint_request<A: KvAllocator>(
+        c: &RadixCache<A, Self>,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, Self>,
+        priority: i64,
+        _req: &mut (),
+    ) -> Result<(), CacheError> {
+        c.unfinished_with(&c.req_pool, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
     }
 }

@@ -1,0 +1,177 @@
+//! The request handle on the Mamba, SWA and host-tier trees: the same lifecycle, with
+//! each tree's own holdings (states, window KV, loaded pages) given back on every path.
+
+use std::sync::Arc;
+
+use kvpool::alloc::SwaAllocator;
+use kvpool::radix::{
+    CacheError, HiRadixCache, HostTier, MambaRadixCache, RadixConfig, StateInsert, SwaRadixCache, Transfer,
+    TransferKind, WritePolicy,
+};
+use kvpool::{PagedAllocator, ReqToTokenPool, SlotPool};
+
+fn mamba(tokens: usize, states: u32) -> Arc<MambaRadixCache<PagedAllocator>> {
+    let (kv, rows) = (PagedAllocator::new(tokens, 4).unwrap(), ReqToTokenPool::new(4, 128).unwrap());
+    Arc::new(
+        MambaRadixCache::with_states(kv, rows, SlotPool::without_magazines(states), RadixConfig::default()).unwrap(),
+    )
+}
+
+/// A Mamba request takes a running state at admission and a state to cache with; the
+/// finish caches up to that state's position and frees the rest; the next request
+/// resumes from it. Every state goes back on finish, abort and drop.
+#[test]
+fn mamba_requests_hold_and_give_back_their_states() {
+    let c = mamba(256, 6);
+    let free_states = |c: &MambaRadixCache<PagedAllocator>| c.states().available();
+    assert_eq!(free_states(&c), 6);
+    let tokens: Vec<u32> = (1..=22).collect();
+    let mut r = c.admit(0, &tokens).unwrap();
+    assert_eq!((r.cached_len(), r.resume_state(), free_states(&c)), (0, None, 5));
+    let saved = r.save_state(16).unwrap();
+    assert_ne!(saved, r.state());
+    assert_eq!(free_states(&c), 4);
+    assert!(r.save_state(17).is_err(), "not a whole page");
+    r.extend(22).unwrap();
+    // A checkpoint must be exactly where the state was saved.
+    assert_eq!(r.checkpoint(&tokens[..20]), Err(CacheError::SavedState { at: Some(16), up_to: 20 }));
+    let done = r.finish(&tokens).unwrap();
+    assert_eq!(done, StateInsert { cached: 0, state_kept: true });
+    // Cached: 16 tokens with the state; the running state and the tail are free.
+    assert_eq!((c.total_size(), free_states(&c), c.mamba_evictable_size()), (16, 5, 1));
+    c.check_invariants().unwrap();
+
+    let again = c.admit(0, &tokens).unwrap();
+    assert_eq!((again.cached_len(), again.resume_state()), (16, Some(saved)));
+    assert_eq!(c.mamba_protected_size(), 1);
+    drop(again); // aborted: its running state, its lock
+    assert_eq!((free_states(&c), c.mamba_protected_size()), (5, 0));
+
+    // Nothing saved: the finish caches nothing new and frees everything it took.
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.extend(6).unwrap();
+    let kv: Vec<u32> = tokens.clone();
+    assert_eq!(r.finish(&kv).unwrap(), StateInsert { cached: 16, state_kept: false });
+    assert_eq!((c.total_size(), free_states(&c)), (16, 5));
+
+    // A saved state past the end: refused, nothing changed; abort frees both states.
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.save_state(24).unwrap();
+    r.extend(6).unwrap();
+    let refused = r.finish(&tokens).unwrap_err();
+    assert_eq!(refused.error, CacheError::SavedState { at: Some(24), up_to: 22 });
+    assert_eq!(free_states(&c), 3);
+    refused.request.abort();
+    assert_eq!(free_states(&c), 5);
+    c.check_invariants().unwrap();
+    assert_eq!(c.allocator().available_size() + c.total_size(), 256);
+}
+
+/// A chunked prefill on the Mamba tree: a checkpoint with the state saved at its end
+/// caches the chunk and keeps running; the next state slot is taken afresh.
+#[test]
+fn mamba_checkpoints_cache_chunks_with_their_state() {
+    let c = mamba(256, 6);
+    let tokens: Vec<u32> = (1..=24).collect();
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.extend(8).unwrap();
+    r.save_state(8).unwrap();
+    r.checkpoint(&tokens[..8]).unwrap();
+    assert_eq!((r.cached_len(), c.total_size(), c.mamba_protected_size()), (8, 8, 1));
+    assert_eq!(r.checkpoint(&tokens[..8]), Err(CacheError::SavedState { at: None, up_to: 8 }));
+    r.extend(16).unwrap();
+    r.save_state(24).unwrap();
+    assert!(r.finish(&tokens).unwrap().state_kept);
+    assert_eq!((c.total_size(), c.mamba_evictable_size(), c.states().available()), (24, 2, 4));
+    c.check_invariants().unwrap();
+}
+
+/// A Mamba admission with every state locked fails cleanly: no row, no lock kept.
+#[test]
+fn mamba_admission_without_a_state_changes_nothing() {
+    let c = mamba(64, 2);
+    let a = c.admit(0, &[1, 2, 3, 4]).unwrap();
+    let b = c.admit(0, &[5, 6, 7, 8]).unwrap();
+    let rows = c.req_pool().available_size();
+    assert!(matches!(c.admit(0, &[1]), Err(kvpool::AllocError::OutOfMemory(_))));
+    assert_eq!(c.req_pool().available_size(), rows);
+    drop((a, b));
+    assert_eq!(c.states().available(), 2);
+}
+
+fn swa(full: usize, window_pool: usize, window: usize) -> Arc<SwaRadixCache> {
+    let alloc = SwaAllocator::new(full, window_pool, 4).unwrap();
+    Arc::new(
+        SwaRadixCache::with_window(alloc, ReqToTokenPool::new(4, 128).unwrap(), RadixConfig::default(), window)
+            .unwrap(),
+    )
+}
+
+/// An SWA request releases the window KV that left its window, only over positions it
+/// holds; the finish caches it (pages without window KV as tombstones) and everything
+/// else goes back, in both pools.
+#[test]
+fn swa_requests_release_their_window_only_over_what_they_hold() {
+    let c = swa(256, 128, 8);
+    let window_free = |c: &SwaRadixCache| c.allocator().window_available_size();
+    let tokens: Vec<u32> = (1..=30).collect();
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.extend(30).unwrap();
+    let before = (window_free(&c), c.allocator().full_available_size());
+    assert_eq!(r.release_window(0..31), Err(CacheError::TokenCount { tokens: 31, held: 30 }));
+    assert_eq!((window_free(&c), c.allocator().full_available_size()), before);
+    assert_eq!(r.release_window(0..16).unwrap(), 16);
+    assert_eq!(window_free(&c), before.0 + 16);
+    let kv: Vec<u32> = tokens[..30].to_vec();
+    r.finish(&kv).unwrap();
+    assert_eq!(c.total_size(), 28);
+    c.check_invariants().unwrap();
+
+    // A dropped SWA request gives back both pools.
+    let before = (window_free(&c), c.allocator().full_available_size());
+    {
+        let mut r = c.admit(0, &(100..140).collect::<Vec<_>>()).unwrap();
+        r.extend(40).unwrap();
+        r.release_window(0..12).unwrap();
+    }
+    assert_eq!((window_free(&c), c.allocator().full_available_size()), before);
+    c.check_invariants().unwrap();
+}
+
+/// A host-tier admission loads the host copy back under the request's lock; the
+/// request finishes as on the plain tree.
+#[test]
+fn host_tier_requests_load_back_at_admission() {
+    let tier = HostTier { host_pages: 8, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
+    let c = Arc::new(
+        HiRadixCache::with_host_tier(
+            PagedAllocator::new(16, 2).unwrap(),
+            ReqToTokenPool::new(2, 16).unwrap(),
+            RadixConfig::default(),
+            tier,
+        )
+        .unwrap(),
+    );
+    let mut started = [Transfer::default(); 8];
+    let mut complete_all = |c: &HiRadixCache<PagedAllocator>| {
+        let n = c.take_transfers(&mut started);
+        for t in &started[..n] {
+            c.complete(*t).unwrap();
+        }
+        started[..n].iter().map(|t| t.kind()).collect::<Vec<_>>()
+    };
+    let tokens = [1, 2, 3, 4, 5, 6];
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.extend(6).unwrap();
+    r.finish(&tokens).unwrap();
+    assert_eq!(complete_all(&c), [TransferKind::Backup]);
+    assert_eq!(c.evict(6), 6); // the device copy goes, the host copy stays
+
+    let r = c.admit(0, &tokens).unwrap();
+    assert_eq!((r.cached_len(), r.len()), (6, 6));
+    assert_eq!(complete_all(&c), [TransferKind::Load]);
+    assert_eq!(c.protected_size(), 6);
+    r.finish(&tokens).unwrap();
+    assert_eq!(c.protected_size(), 0);
+    c.check_invariants().unwrap();
+}
