@@ -144,7 +144,7 @@ fn run<S: Shared>(c: &mut Criterion, name: &str, shared: Arc<S>) {
 
 fn readers(c: &mut Criterion) {
     let make = || PagedAllocator::new(CAPACITY, PS).unwrap();
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let kv = Arc::new(RadixCache::new(make(), ReqToTokenPool::new(16, PROMPT).unwrap(), config).unwrap());
     run(c, "kvpool_peek", kv);
     let reference = Arc::new(Mutex::new(ReferenceRadixCache::new(make(), EvictionPolicy::Lru).unwrap()));

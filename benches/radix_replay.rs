@@ -229,7 +229,7 @@ fn cache_ops_hi(
 }
 
 fn hi_cache(s: Setup, max_kv: usize) -> HiRadixCache<PagedAllocator> {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
     let host_tokens = if s.capacity <= 1 << 20 { 15 << 20 } else { 16 << 20 };
     let tier = HostTier::new((host_tokens / s.page_size as usize) as u32);
@@ -237,13 +237,13 @@ fn hi_cache(s: Setup, max_kv: usize) -> HiRadixCache<PagedAllocator> {
 }
 
 fn swa_cache(s: Setup, max_kv: usize) -> SwaRadixCache {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = SwaAllocator::new(s.capacity, s.capacity, s.page_size).unwrap();
     SwaRadixCache::with_window(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, 128).unwrap()
 }
 
 fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
     let states = HybridConfig::default().state_slots(s.capacity).clamp(MIN_MAMBA_STATES, MAX_MAMBA_STATES);
     let pool = SlotPool::without_magazines(states as u32);
@@ -251,7 +251,7 @@ fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
 }
 
 fn kvpool_cache(s: Setup, max_kv: usize) -> RadixCache<PagedAllocator> {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
     RadixCache::new(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config).unwrap()
 }

@@ -78,7 +78,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kvpool" => {
             // Check the configuration once, so that a bad one is an error, not a panic.
             let make = || {
-                let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None };
+                let config =
+                    RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
                 RadixCache::new(PagedAllocator::new(capacity, page_size)?, ReqToTokenPool::new(1, max_kv)?, config)
             };
             make()?;

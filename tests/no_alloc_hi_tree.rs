@@ -78,7 +78,7 @@ fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u
     let cache = HiRadixCache::with_host_tier(
         PagedAllocator::new(40 * ps_us, ps).unwrap(),
         ReqToTokenPool::new(2, 64 * ps_us).unwrap(),
-        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None },
+        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() },
         tier,
     )
     .unwrap();

@@ -76,7 +76,7 @@ fn radix_hot_paths_do_not_allocate() {
     // (a partial eviction splits the victim and removes its tail).
     for policy in EvictionPolicy::ALL.into_iter().chain(EvictionPolicy::KVPOOL_ONLY) {
         for partial in [false, true] {
-            let config = RadixConfig { policy, event_capacity: Some(4096) };
+            let config = RadixConfig { policy, event_capacity: Some(4096), ..RadixConfig::default() };
             let tok =
                 RadixCache::new(TokenAllocator::new(120).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config.clone());
             exercise(&tok.unwrap().with_partial_eviction(partial));
@@ -96,7 +96,7 @@ fn mamba_hot_paths_do_not_allocate() {
         PagedAllocator::new(64 * 4, 4).unwrap(),
         ReqToTokenPool::new(2, 64).unwrap(),
         SlotPool::without_magazines(4),
-        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096) },
+        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096), ..RadixConfig::default() },
     )
     .unwrap();
     let a: Vec<u32> = (1..=32).collect();

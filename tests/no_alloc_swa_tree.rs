@@ -45,7 +45,7 @@ fn exercise(ps: u32) {
     let cache = SwaRadixCache::with_window(
         SwaAllocator::new(48 * ps_us, 20 * ps_us, ps).unwrap(),
         ReqToTokenPool::new(2, 64 * ps_us).unwrap(),
-        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096) },
+        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096), ..RadixConfig::default() },
         3 * ps_us,
     )
     .unwrap();

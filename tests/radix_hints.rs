@@ -6,7 +6,7 @@ use kvpool::radix::{EvictionPolicy, KvEvent, RadixCache, RadixConfig};
 use kvpool::{ReqToTokenPool, TokenAllocator};
 
 fn cache(policy: EvictionPolicy, size: usize) -> RadixCache<TokenAllocator> {
-    let config = RadixConfig { policy, event_capacity: Some(1024) };
+    let config = RadixConfig { policy, event_capacity: Some(1024), ..RadixConfig::default() };
     RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config).unwrap()
 }
 

@@ -395,3 +395,25 @@ proptest! {
         c.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
 }
+
+/// With `split_at_prompt`, a finished request's prompt and outputs are two nodes, and
+/// eviction takes the outputs first; off (the default), one leaf goes whole.
+#[test]
+fn split_at_prompt_evicts_the_outputs_first() {
+    for split in [false, true] {
+        let config = RadixConfig { split_at_prompt: split, ..RadixConfig::default() };
+        let alloc = PagedAllocator::new(256, 4).unwrap();
+        let c = Arc::new(RadixCache::new(alloc, ReqToTokenPool::new(2, 64).unwrap(), config).unwrap());
+        let prompt: Vec<u32> = (1..=10).collect();
+        let (r, kv) = serve(&c, &prompt, 9); // 18 KV tokens: 8 of the prompt's whole pages, 16 cached
+        r.finish(&kv).unwrap();
+        assert_eq!(c.total_size(), 16);
+        assert_eq!(c.node_count(), if split { 2 } else { 1 });
+        assert_eq!(c.evict(1), if split { 8 } else { 16 });
+        if split {
+            let again = c.admit(0, &kv).unwrap();
+            assert_eq!(again.cached_len(), 8, "the prompt stays cached");
+        }
+        c.check_invariants().unwrap();
+    }
+}

@@ -269,7 +269,7 @@ pub fn run_with(shape: Shape, ops: &[MambaOp], full_every: usize) -> Result<(), 
     let full_every = full_every.max(1);
     let ps = shape.page_size;
     let make = || PagedAllocator::new(shape.pages * ps, ps as u32).expect("a small allocator");
-    let config = RadixConfig { policy: shape.policy, event_capacity: None };
+    let config = RadixConfig { policy: shape.policy, event_capacity: None, ..RadixConfig::default() };
     let rows = ReqToTokenPool::new(MAX_REQS as u32, MAX_KEY).map_err(|e| e.to_string())?;
     let cache = MambaRadixCache::with_states(make(), rows, SlotPool::without_magazines(shape.states), config)
         .map_err(|e| e.to_string())?;

@@ -178,7 +178,7 @@ pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_ever
     let pages = 4 + pages as usize % 28;
     let policy = EvictionPolicy::ALL[policy as usize % EvictionPolicy::ALL.len()];
     let make = || PagedAllocator::new(pages * ps, ps as u32).expect("small allocator");
-    let config = RadixConfig { policy, event_capacity: None };
+    let config = RadixConfig { policy, event_capacity: None, ..RadixConfig::default() };
     let mut cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
         .map_err(|e| e.to_string())?;
     let mut reference = ReferenceRadixCache::new(make(), policy).map_err(|e| e.to_string())?;

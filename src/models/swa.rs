@@ -285,7 +285,7 @@ pub fn run_with(shape: Shape, ops: &[SwaOp], full_every: usize) -> Result<(), St
     let (full, window) = (shape.pages * ps, shape.window_pages * ps);
     let alloc = SwaAllocator::new(full, window, ps as u32).map_err(|e| e.to_string())?;
     let rows = ReqToTokenPool::new(MAX_REQS as u32, MAX_KEY).map_err(|e| e.to_string())?;
-    let config = RadixConfig { policy: shape.policy, event_capacity: None };
+    let config = RadixConfig { policy: shape.policy, event_capacity: None, ..RadixConfig::default() };
     let cache = SwaRadixCache::with_window(alloc, rows, config, shape.window).map_err(|e| e.to_string())?;
     let mut model = ReferenceSwaCache::new(RefDualPool::new(full, window, ps), shape.window, shape.policy)
         .map_err(|e| e.to_string())?;

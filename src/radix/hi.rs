@@ -1012,6 +1012,7 @@ impl Variant for Hi {
     type Node = HiNode;
     type State = HiState;
     type Walk = ();
+    const SPLITS_AT_PROMPT: bool = true;
     /// What the admission found on host and loaded back.
     type Request = HostHit;
     type Finished = usize;

@@ -236,6 +236,11 @@ pub struct RadixConfig {
     pub policy: EvictionPolicy,
     /// Capacity of the KV event queue; `None` (the default) turns events off.
     pub event_capacity: Option<usize>,
+    /// Cache a finished [`Request`]'s prompt and its outputs as two nodes, split at
+    /// the prompt's last whole page, so that eviction takes the outputs before the
+    /// prompt (SGLang's behaviour since 0.5.23). Off by default: a finished request is
+    /// one leaf, as in SGLang's earlier releases. The plain tree and the host tier.
+    pub split_at_prompt: bool,
 }
 
 /// Why a cache operation was refused. Nothing changed.
@@ -545,6 +550,8 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     variant: V,
     req_pool: ReqToTokenPool,
     policy: EvictionPolicy,
+    /// [`RadixConfig::split_at_prompt`].
+    split_at_prompt: bool,
     ps: usize,
     /// `log2(ps)` when the page size is a power of two.
     shift: Option<u32>,
@@ -816,6 +823,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             variant,
             req_pool,
             policy: config.policy,
+            split_at_prompt: config.split_at_prompt,
             ps,
             shift: ps.is_power_of_two().then(|| ps.trailing_zeros()),
             num_pages,

@@ -121,6 +121,8 @@ pub struct Request<A: KvAllocator, V: Variant = Plain> {
     namespace: u64,
     /// Row positions written: the cache's up to the lease, the request's after.
     written: usize,
+    /// Tokens of the prompt it was admitted with.
+    prompt_len: usize,
     priority: i64,
     /// What the variant's request holds besides (the Mamba tree: its states).
     ext: V::Request,
@@ -308,6 +310,17 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
             let error = CacheError::TokenCount { tokens: tokens.len(), held: self.written };
             return Err(Refused { error, request: self });
         }
+        if V::SPLITS_AT_PROMPT && self.cache.split_at_prompt {
+            // The prompt's whole pages first, as their own node, when the finish would
+            // add them and more.
+            let ps = self.cache.ps;
+            let prompt = self.prompt_len.min(tokens.len()) / ps * ps;
+            if prompt > self.lease.len && prompt < tokens.len() / ps * ps {
+                if let Err(error) = self.checkpoint(&tokens[..prompt]) {
+                    return Err(Refused { error, request: self });
+                }
+            }
+        }
         let (ns, priority) = (self.namespace, self.priority);
         let cache = Arc::clone(&self.cache);
         // Never dropped (that would release the lock): the finish releases it.
@@ -406,7 +419,9 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             }
         };
         let lease = lease.0;
-        Ok(Request { cache: Arc::clone(self), row: Some(row), lease, namespace, written: lease.len, priority: 0, ext })
+        let written = lease.len;
+        let prompt_len = prompt.len();
+        Ok(Request { cache: Arc::clone(self), row: Some(row), lease, namespace, written, prompt_len, priority: 0, ext })
     }
 
     /// Allocate one KV slot for every request of a decode batch, evicting the

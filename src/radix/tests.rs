@@ -4,7 +4,7 @@ use crate::baseline::ReferenceRadixCache;
 use crate::{PagedAllocator, TokenAllocator};
 
 fn token_cache(size: usize, policy: EvictionPolicy) -> RadixCache<TokenAllocator> {
-    let config = RadixConfig { policy, event_capacity: Some(1024) };
+    let config = RadixConfig { policy, event_capacity: Some(1024), ..RadixConfig::default() };
     RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(8, 64).unwrap(), config).unwrap()
 }
 
@@ -263,7 +263,7 @@ fn alloc_evicts_the_shortfall_and_reports_evictable() {
 #[test]
 fn events_follow_the_tree() {
     let alloc = PagedAllocator::new(64, 2).unwrap();
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(64) };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(64), ..RadixConfig::default() };
     let c = RadixCache::new(alloc, ReqToTokenPool::new(1, 8).unwrap(), config).unwrap();
     let q = c.events().unwrap();
     assert_eq!(q.pop(), Some(KvEvent::AllBlocksCleared));

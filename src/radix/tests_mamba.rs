@@ -8,7 +8,7 @@ use crate::{ConfigError, PagedAllocator, SlotPool, TokenAllocator};
 type Cache = MambaRadixCache<TokenAllocator>;
 
 fn cache(tokens: usize, states: u32) -> Cache {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096) };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096), ..RadixConfig::default() };
     MambaRadixCache::with_states(
         TokenAllocator::new(tokens).unwrap(),
         ReqToTokenPool::new(8, 4096).unwrap(),

@@ -5,7 +5,7 @@ use crate::radix::{CacheError, EvictionPolicy, RadixConfig};
 use crate::ReqToTokenPool;
 
 fn cache(full: usize, window_pool: usize, ps: u32, window: usize) -> SwaRadixCache {
-    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096) };
+    let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: Some(4096), ..RadixConfig::default() };
     SwaRadixCache::with_window(
         SwaAllocator::new(full, window_pool, ps).unwrap(),
         ReqToTokenPool::new(8, 1024).unwrap(),

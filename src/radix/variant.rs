@@ -99,6 +99,12 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn new_state(&self, nodes: usize) -> Result<Self::State, ConfigError>;
 
+    /// Whether a request's finish may first cache its prompt alone
+    /// ([`RadixConfig::split_at_prompt`](super::RadixConfig)): its checkpoint caches
+    /// exactly the tokens it is given.
+    #[doc(hidden)]
+    const SPLITS_AT_PROMPT: bool = false;
+
     /// What a [`Request`](super::Request) of this tree holds besides its row, its lock
     /// and its KV (the Mamba tree: its state slots).
     #[doc(hidden)]
@@ -281,6 +287,7 @@ impl Variant for Plain {
     type Node = ();
     type State = ();
     type Walk = ();
+    const SPLITS_AT_PROMPT: bool = true;
     type Request = ();
     type Finished = usize;
 
