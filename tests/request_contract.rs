@@ -417,3 +417,117 @@ fn split_at_prompt_evicts_the_outputs_first() {
         c.check_invariants().unwrap();
     }
 }
+
+/// Salted keys never share KV across salts; extra keys neither; a plain `u64` is the
+/// extra key alone.
+#[test]
+fn salts_and_extra_keys_isolate() {
+    use kvpool::radix::CacheKey;
+    let c = cache(512, 4, 4, 64);
+    let tokens: Vec<u32> = (1..=17).collect();
+    let keys = [
+        CacheKey::default(),
+        CacheKey { salt: 1, ..CacheKey::default() },
+        CacheKey { salt: 2, ..CacheKey::default() },
+        CacheKey { extra: 7, ..CacheKey::default() },
+        CacheKey { extra: 7, salt: 1, ..CacheKey::default() },
+    ];
+    for (i, &k) in keys.iter().enumerate() {
+        let mut r = c.admit(k, &tokens).unwrap();
+        assert_eq!(r.cached_len(), 0, "key {i} hit another key's KV");
+        r.extend(17).unwrap();
+        r.finish(&tokens).unwrap();
+        assert_eq!(c.admit(k, &tokens).unwrap().cached_len(), 16, "key {i} misses its own KV");
+    }
+    assert_eq!(c.admit(7, &tokens).unwrap().cached_len(), 16);
+    c.check_invariants().unwrap();
+}
+
+/// EAGLE bigram keys: a position is reused only when the token after it matches too;
+/// the request caches one position fewer than its row holds and leaks nothing.
+#[test]
+fn bigram_keys_reuse_a_position_only_with_its_next_token() {
+    use kvpool::radix::CacheKey;
+    let bigram = CacheKey { bigram: true, ..CacheKey::default() };
+    for len in 1..=13usize {
+        let c = cache(256, 4, 4, 64);
+        let tokens: Vec<u32> = (100..100 + len as u32).collect();
+        let mut r = c.admit(bigram, &tokens).unwrap();
+        r.extend(len).unwrap();
+        r.finish(&tokens).unwrap();
+        assert_eq!(c.total_size(), (len - 1) / 4 * 4, "{len} tokens");
+        c.check_invariants().unwrap();
+        assert_eq!(c.allocator().available_size() + c.total_size(), 256, "{len} tokens: leaked");
+    }
+    let c = cache(256, 4, 4, 64);
+    let tokens: Vec<u32> = (100..110).collect();
+    let mut r = c.admit(bigram, &tokens).unwrap();
+    r.extend(10).unwrap();
+    r.finish(&tokens).unwrap();
+    assert_eq!(c.total_size(), 8);
+    // The same first 9 tokens: positions 0..8 have their next tokens: 8 reused.
+    let mut same = tokens[..9].to_vec();
+    same.push(555);
+    assert_eq!(c.admit(bigram, &same).unwrap().cached_len(), 8);
+    // Differing at token 8: position 7 lacks its next token, so only the first page.
+    let mut differ = tokens[..8].to_vec();
+    differ.extend([555, 556]);
+    assert_eq!(c.admit(bigram, &differ).unwrap().cached_len(), 4);
+    // The plain key does not see bigram KV, nor does another first token.
+    assert_eq!(c.admit(0, &tokens).unwrap().cached_len(), 0);
+    let mut other_first = tokens.clone();
+    other_first[0] = 1;
+    assert_eq!(c.admit(bigram, &other_first).unwrap().cached_len(), 0);
+    // A finish whose first token is not the admitted one is refused, nothing changed.
+    let mut r = c.admit(bigram, &tokens).unwrap();
+    assert_eq!(r.cached_len(), 8);
+    r.extend(4).unwrap();
+    let mut wrong = tokens.clone();
+    wrong.extend([1, 2]);
+    wrong[0] = 1;
+    let before = snapshot(&c);
+    let refused = r.finish(&wrong).unwrap_err();
+    assert!(matches!(refused.error, CacheError::RowMismatch { index: 0, .. }), "{:?}", refused.error);
+    assert_eq!(snapshot(&c), before);
+    wrong[0] = 100;
+    refused.request.finish(&wrong).unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.allocator().available_size() + c.total_size(), 256);
+}
+
+/// Page hashes (the KV events', the shared store's keys) differ under different salts
+/// all along the path, and the default key's are the plain chain.
+#[test]
+fn salted_pages_hash_apart() {
+    use kvpool::radix::{namespace_seed, page_hash, CacheKey, KvEvent};
+    let config = RadixConfig { event_capacity: Some(64), ..RadixConfig::default() };
+    let c = Arc::new(
+        RadixCache::new(PagedAllocator::new(256, 4).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config).unwrap(),
+    );
+    let tokens: Vec<u32> = (1..=8).collect();
+    let mut hashes = Vec::new();
+    for salt in [0u64, 1, 2] {
+        let key = CacheKey { salt, ..CacheKey::default() };
+        let mut r = c.admit(key, &tokens).unwrap();
+        r.extend(8).unwrap();
+        r.finish(&tokens).unwrap();
+        let ns = key.tree_key(&tokens).0;
+        let seed = namespace_seed(ns);
+        let first = page_hash(seed.as_ref(), &tokens[..4]);
+        let second = page_hash(Some(&first), &tokens[4..]);
+        let mut stored = Vec::new();
+        while let Some(e) = c.events().unwrap().pop() {
+            if let KvEvent::BlockStored { hash, namespace, .. } = e {
+                assert_eq!(namespace, ns);
+                stored.push(hash);
+            }
+        }
+        assert_eq!(stored, [first, second], "salt {salt}");
+        hashes.extend(stored);
+    }
+    assert_eq!(hashes[0], page_hash(None, &tokens[..4]));
+    let mut unique = hashes.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), hashes.len());
+}

@@ -48,6 +48,31 @@ pub fn page_hash(parent: Option<&BlockHash>, tokens: &[u32]) -> BlockHash {
     h.finalize().into()
 }
 
+/// The digest a namespace's first pages hash from ([`page_hash`]'s `parent` at the
+/// root): `None` for namespace 0, so the default key's hashes are the plain chain, and
+/// `SHA-256("kvpool namespace" || namespace as u64 little-endian)` for any other. So
+/// the same tokens under two namespaces (two salts, two adapters) have different page
+/// hashes all along their paths, and a store keyed by page hash never hands one
+/// namespace's pages to another.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::radix::{namespace_seed, page_hash};
+/// assert_eq!(namespace_seed(0), None);
+/// let seed = namespace_seed(7);
+/// assert_ne!(page_hash(seed.as_ref(), &[1, 2]), page_hash(None, &[1, 2]));
+/// ```
+pub fn namespace_seed(namespace: u64) -> Option<BlockHash> {
+    if namespace == 0 {
+        return None;
+    }
+    let mut h = Sha256::new();
+    h.update(b"kvpool namespace");
+    h.update(namespace.to_le_bytes());
+    Some(h.finalize().into())
+}
+
 /// A change of the cache's content, for routers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvEvent {

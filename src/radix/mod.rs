@@ -190,6 +190,7 @@ mod events;
 mod heap;
 pub mod hi;
 mod hints;
+mod key;
 pub mod mamba;
 mod partial;
 mod policy;
@@ -199,11 +200,12 @@ mod tokens;
 mod variant;
 
 pub use alloc_view::CacheAllocator;
-pub use events::{page_hash, BlockHash, EventQueue, KvEvent};
+pub use events::{namespace_seed, page_hash, BlockHash, EventQueue, KvEvent};
 pub use hi::{
     Hi, HiCounters, HiMatch, HiRadixCache, HostHit, HostTier, Transfer, TransferError, TransferKind, WritePolicy,
     DEFAULT_LOAD_BACK_THRESHOLD,
 };
+pub use key::CacheKey;
 pub use mamba::{
     CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, MambaRequest, StateInsert, StatePool,
 };

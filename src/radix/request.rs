@@ -98,7 +98,7 @@ use core::mem::ManuallyDrop;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::{CacheError, Lease, LeaseKey, Plain, RadixCache, Variant};
+use super::{CacheError, CacheKey, Lease, LeaseKey, Plain, RadixCache, Variant};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, InvalidInput, RowError};
 use crate::req_to_token::ReqRow;
@@ -119,6 +119,9 @@ pub struct Request<A: KvAllocator, V: Variant = Plain> {
     row: Option<ReqRow>,
     lease: LeaseKey,
     namespace: u64,
+    /// With a bigram key: the prompt's first token (the namespace holds it; the tree's
+    /// key is the tokens after it).
+    bigram: Option<u32>,
     /// Row positions written: the cache's up to the lease, the request's after.
     written: usize,
     /// Tokens of the prompt it was admitted with.
@@ -208,7 +211,7 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         self.cache.req_pool.read(self.row(), 0..self.written).unwrap_or(&[])
     }
 
-    /// The namespace the request was admitted under.
+    /// The tree namespace the request is cached under (see [`CacheKey::tree_key`]).
     pub fn namespace(&self) -> u64 {
         self.namespace
     }
@@ -310,6 +313,10 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
             let error = CacheError::TokenCount { tokens: tokens.len(), held: self.written };
             return Err(Refused { error, request: self });
         }
+        let tree_tokens = match self.tree_tokens(tokens) {
+            Ok(t) => t,
+            Err(error) => return Err(Refused { error, request: self }),
+        };
         if V::SPLITS_AT_PROMPT && self.cache.split_at_prompt {
             // The prompt's whole pages first, as their own node, when the finish would
             // add them and more.
@@ -326,10 +333,19 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         // Never dropped (that would release the lock): the finish releases it.
         let lease = ManuallyDrop::new(Lease { cache: &*cache, key: self.lease });
         let mut ext = core::mem::take(&mut self.ext);
-        let r = V::finish_request(&cache, &cache.req_pool, ns, tokens, self.row(), &lease, priority, &mut ext);
+        let r = V::finish_request(&cache, &cache.req_pool, ns, tree_tokens, self.row(), &lease, priority, &mut ext);
         self.ext = ext;
         match r {
             Ok(r) => {
+                if tree_tokens.len() < tokens.len() {
+                    // A bigram key caches one position fewer than the row holds: the last
+                    // position's page is still the request's when it starts one.
+                    let last = tokens.len() - 1;
+                    if last % cache.ps == 0 && last >= self.lease.len {
+                        let freed = cache.alloc.free(&self.slots()[last..]);
+                        debug_assert!(freed.is_ok(), "a request's last page failed to free: {freed:?}");
+                    }
+                }
                 let held = self.held();
                 let row = self.row.take().expect("a live request holds its row");
                 // The row is this pool's: freeing it cannot fail.
@@ -358,6 +374,7 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         if tokens.len() > self.written {
             return Err(CacheError::TokenCount { tokens: tokens.len(), held: self.written });
         }
+        let tokens = self.tree_tokens(tokens)?;
         let before = self.held();
         let (ns, priority) = (self.namespace, self.priority);
         let cache = Arc::clone(&self.cache);
@@ -367,6 +384,20 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         self.lease = lease.key;
         cache.held.fetch_sub(before - self.held(), Relaxed);
         Ok(())
+    }
+
+    /// The tree's key for the request's `tokens` (with a bigram key, the tokens after
+    /// the first, which must be the one it was admitted with).
+    fn tree_tokens<'t>(&self, tokens: &'t [u32]) -> Result<&'t [u32], CacheError> {
+        let Some(first) = self.bigram else { return Ok(tokens) };
+        match tokens.split_first() {
+            Some((&t, rest)) if t == first => Ok(rest),
+            None => Ok(tokens),
+            Some(_) => {
+                let slot = self.slots().first().copied().unwrap_or(0);
+                Err(CacheError::RowMismatch { index: 0, slot })
+            }
+        }
     }
 
     /// What the variant's request holds (the Mamba tree: its states).
@@ -404,14 +435,17 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// [`AllocError::OutOfMemory`] when no request row (the Mamba tree: no state) is
     /// free; [`AllocError::Row`] when `prompt` is longer than a row. Nothing changes
     /// then.
-    pub fn admit(self: &Arc<Self>, namespace: u64, prompt: &[u32]) -> Result<Request<A, V>, AllocError> {
+    pub fn admit(self: &Arc<Self>, key: impl Into<CacheKey>, prompt: &[u32]) -> Result<Request<A, V>, AllocError> {
+        let key = key.into();
+        let (namespace, tree_prompt) = key.tree_key(prompt);
+        let bigram = if key.bigram { Some(prompt.first().copied().unwrap_or(0)) } else { None };
         let max = self.req_pool.max_context_len();
         if prompt.len() > max {
             let (start, len, max_context_len) = (0, prompt.len(), max);
             return Err(AllocError::Row(RowError::OutOfBounds { row: u32::MAX, start, len, max_context_len }));
         }
         let mut row = self.req_pool.alloc()?;
-        let (lease, ext) = match V::admit_request(self, namespace, prompt, &mut row) {
+        let (lease, ext) = match V::admit_request(self, namespace, tree_prompt, &mut row) {
             Ok(admitted) => admitted,
             Err(e) => {
                 let _ = self.req_pool.free(row);
@@ -421,7 +455,17 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let lease = lease.0;
         let written = lease.len;
         let prompt_len = prompt.len();
-        Ok(Request { cache: Arc::clone(self), row: Some(row), lease, namespace, written, prompt_len, priority: 0, ext })
+        Ok(Request {
+            cache: Arc::clone(self),
+            row: Some(row),
+            lease,
+            namespace,
+            bigram,
+            written,
+            prompt_len,
+            priority: 0,
+            ext,
+        })
     }
 
     /// Allocate one KV slot for every request of a decode batch, evicting the

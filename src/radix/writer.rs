@@ -1044,9 +1044,10 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         self.c.prefetch_bucket(h);
         if self.c.events.is_some() {
             let mut prev_hash = (parent_page != 0).then(|| self.s.digests[parent_page as usize]);
+            let seed = if parent_page == 0 { super::events::namespace_seed(namespace) } else { None };
             for (i, (chunk, slot)) in key.chunks_exact(ps).zip(slots.iter().step_by(ps)).enumerate() {
                 let page = slot / ps as u32;
-                let h = page_hash(prev_hash.as_ref(), chunk);
+                let h = page_hash(prev_hash.as_ref().or(seed.as_ref()), chunk);
                 self.s.digests[page as usize] = h;
                 self.event(KvEvent::BlockStored { hash: h, parent: prev_hash, page, namespace });
                 prev_hash = Some(h);
