@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
 
-use kvpool::radix::{RadixCache, RadixConfig, Refused, Request};
+use kvpool::radix::{CacheError, RadixCache, RadixConfig, Request};
 use kvpool::{AllocError, PagedAllocator, ReqToTokenPool};
 
 const PAGE_SIZE: u32 = 16;
@@ -182,9 +182,10 @@ fn main() -> Result<(), Box<dyn Error>> {
     );
 
     // The output thread: finish each request while the scheduler goes on. A refused
-    // finish comes back with its request, as an error `?` can pass on.
+    // finish hands the request back with the reason (`Refused`); `?` keeps the reason
+    // and drops the request, which aborts it.
     let (to_output, inbox) = mpsc::channel::<Finished>();
-    let output = thread::spawn(move || -> Result<(usize, usize), Refused<PagedAllocator>> {
+    let output = thread::spawn(move || -> Result<(usize, usize), CacheError> {
         let (mut finished, mut already_cached) = (0, 0);
         // Until the scheduler hangs up.
         while let Ok(Finished { request, tokens }) = inbox.recv() {
