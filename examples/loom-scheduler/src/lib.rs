@@ -1,28 +1,37 @@
 //! The concurrency protocol of an overlap scheduler, built from kvpool's types and
 //! written once for std and for loom (an example crate: copy it).
 //!
-//! Three kinds of threads share one [`RadixCache`]:
+//! Every request is a [`Running`]: a [`kvpool::radix::Request`] (its request row, its
+//! lock on the cached prefix it matched, the KV slots it allocated) and the tokens whose
+//! KV its row holds. It is `Send` and `'static`, so it moves between threads, and
+//! dropping it anywhere gives everything back. Three kinds of threads share one
+//! [`RadixCache`]:
 //!
-//! * **router threads** look up where a prompt's prefix is cached and may [`Pin`] it: a
-//!   pin locks the prefix so it cannot be evicted before the request arrives, and is
-//!   handed to the scheduler (a pin is `Send`, `'static`), which turns it into the
-//!   request's own lease ([`admit`]) or gives it back ([`Pin::release`]);
-//! * the **scheduler thread** admits requests ([`admit`]: match and lock the prefix, take
-//!   a request row, allocate the rest, evicting if short) and allocates decode slots;
-//! * the **output thread** finishes requests ([`finish`]: cache them and free their
-//!   leftovers) or frees whole batches ([`free_batches`]) while the scheduler allocates
-//!   the next batch.
+//! * **router threads** look up how much of a prompt is cached (`peek_prefix`,
+//!   lock-free) and may admit the request themselves ([`Running::admit`]: a row and a
+//!   lock on the cached prefix, so that the prefix cannot be evicted before the request
+//!   reaches the scheduler), then hand it to the scheduler;
+//! * the **scheduler thread** admits the other requests, allocates their prompts
+//!   ([`Running::prefill`], evicting unlocked prefixes if short) and one decode slot per
+//!   request per step ([`decode`]);
+//! * the **output thread** finishes requests ([`Running::finish`]: cache their whole
+//!   pages, free the rest, give the lock and the row back) or frees whole batches
+//!   ([`free_batches`]) while the scheduler allocates the next batch.
 //!
 //! `tests/models.rs` model-checks this protocol under `RUSTFLAGS="--cfg loom"`: kvpool's
 //! atomics are loom's then, and so are this crate's (through [`sync`]).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-use kvpool::radix::{CacheError, Lease, RadixCache, RawLease};
-use kvpool::{AllocError, KvAllocator, OutOfMemory, ReqRow, RowError};
+use kvpool::radix::{RadixCache, Refused, Request};
+use kvpool::{AllocError, KvAllocator};
 
 /// This crate's concurrency primitives: std's, or loom's under `--cfg loom` (tokio's
 /// facade pattern). Everything concurrent in the crate names these, never `std::sync`.
+///
+/// One exception: the cache itself is shared through a `std::sync::Arc` in both builds,
+/// since [`RadixCache::admit`] takes one and every [`Request`] keeps one (the atomics
+/// inside the cache are loom's under loom all the same).
 pub mod sync {
     #[cfg(loom)]
     pub use loom::sync::{atomic, mpsc, Arc};
@@ -34,145 +43,116 @@ pub mod sync {
     pub use std::thread;
 }
 
-/// A router's lock on a cached prefix, held for a request on its way to the scheduler.
+/// A request: its [`Request`] handle and its tokens (the prompt, then the input token
+/// of every decode step).
 ///
-/// While a pin lives, the prefix's slots are neither evicted nor freed, so they cannot be
-/// handed to another request. It must end in [`release`](Pin::release) or [`admit`];
-/// dropping it keeps the prefix locked (kvpool's detached lease), which shows up in the
-/// cache's `protected_size()`.
+/// Positions `0..cached_len()` of its row hold the cache's slots for the locked prefix,
+/// the rest the request's own. While it lives, none of them is evicted, freed or handed
+/// to another request. It ends in [`finish`](Running::finish) or
+/// [`abort`](Running::abort); dropping it aborts it.
 #[derive(Debug)]
-#[must_use = "a pin keeps its prefix locked until released or admitted"]
-pub struct Pin {
-    lease: RawLease,
-    slots: Vec<u32>,
+#[must_use = "dropping a request aborts it: its KV is freed and nothing is cached"]
+pub struct Running<A: KvAllocator> {
+    request: Request<A>,
+    tokens: Vec<u32>,
 }
 
-impl Pin {
-    /// Look up `key`'s cached prefix and lock it (one step: no eviction can come between).
-    pub fn take<A: KvAllocator>(cache: &RadixCache<A>, namespace: u64, key: &[u32]) -> Pin {
-        let mut slots = vec![0u32; key.len()];
-        let lease = cache.match_and_lock(namespace, key, &mut slots);
-        slots.truncate(lease.len());
-        Pin { lease: lease.detach(), slots }
-    }
-
-    /// The pinned prefix's KV slots (empty on a miss).
-    pub fn slots(&self) -> &[u32] {
-        &self.slots
-    }
-
-    /// Unlock the prefix (the request went elsewhere).
+impl<A: KvAllocator> Running<A> {
+    /// Admit a request for `prompt` (on a router or the scheduler): take a request row,
+    /// match the prompt's longest cached prefix into it and lock that prefix (one step:
+    /// no eviction can come between). Nothing is allocated yet:
+    /// [`prefill`](Self::prefill) does that.
     ///
     /// # Errors
     ///
-    /// [`CacheError::StaleMatch`] if the pin belongs to another cache.
-    pub fn release<A: KvAllocator>(self, cache: &RadixCache<A>) -> Result<(), CacheError> {
-        cache.release(self.lease)
+    /// [`AllocError::OutOfMemory`] when no request row is free, [`AllocError::Row`] when
+    /// the prompt is longer than a row. Nothing is held then.
+    pub fn admit(cache: &std::sync::Arc<RadixCache<A>>, namespace: u64, prompt: &[u32]) -> Result<Self, AllocError> {
+        Ok(Running { request: cache.admit(namespace, prompt)?, tokens: prompt.to_vec() })
+    }
+
+    /// Tokens of the prompt found cached at admission (locked by the request).
+    pub fn cached_len(&self) -> usize {
+        self.request.cached_len()
+    }
+
+    /// The KV slots the request's row holds: the cached prefix's, then its own.
+    pub fn slots(&self) -> &[u32] {
+        self.request.slots()
+    }
+
+    /// The prompt and the decode steps' input tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Whether the row holds the KV slots of every token: the prompt is allocated.
+    pub fn is_prefilled(&self) -> bool {
+        self.request.len() == self.tokens.len()
+    }
+
+    /// Allocate the KV slots of the rest of the prompt into the request's row, evicting
+    /// unlocked prefixes if short.
+    ///
+    /// # Errors
+    ///
+    /// [`AllocError::OutOfMemory`] when even eviction leaves too little room (the
+    /// request still holds what it held; try again once others finish). Nothing changes.
+    pub fn prefill(&mut self) -> Result<(), AllocError> {
+        self.request.extend(self.tokens.len() - self.request.len())
+    }
+
+    /// Finish the request (on the output thread): cache the whole pages of the tokens
+    /// whose KV its row holds, free the rest, give the lock and the row back. Returns
+    /// how many leading tokens the cache held already.
+    ///
+    /// # Errors
+    ///
+    /// [`Refused`]: the request comes back whole, nothing changed.
+    #[allow(clippy::result_large_err)] // the request itself comes back
+    pub fn finish(self) -> Result<usize, Refused<A>> {
+        let computed = self.request.len();
+        self.request.finish(&self.tokens[..computed])
+    }
+
+    /// Give everything back and cache nothing (the same as dropping the request).
+    pub fn abort(self) {
+        self.request.abort();
     }
 }
 
-/// A request the scheduler is running: its tokens so far, its row (token position ->
-/// KV slot), and the lease on the prefix it found cached.
-#[derive(Debug)]
-pub struct Running<'c, A: KvAllocator> {
-    /// Tokens whose KV is in the row.
-    pub tokens: Vec<u32>,
-    /// The request's row.
-    pub row: ReqRow,
-    /// The lock on the cached prefix (`lease.len()` tokens).
-    pub lease: Lease<'c, A>,
-    /// The KV slots of `tokens`: the cached prefix's, then the freshly allocated ones.
-    pub slots: Vec<u32>,
+/// A batch of [`Running`] requests is a batch for [`RadixCache::decode`].
+impl<A: KvAllocator> AsMut<Request<A>> for Running<A> {
+    fn as_mut(&mut self) -> &mut Request<A> {
+        &mut self.request
+    }
 }
 
-/// Why [`admit`] refused a request (nothing is left allocated or locked).
-#[derive(Debug)]
-pub enum AdmitError {
-    /// Not enough KV slots, even after evicting.
-    Alloc(AllocError),
-    /// No free request row.
-    NoRow(OutOfMemory),
-    /// The prompt is longer than a row.
-    Row(RowError),
-}
-
-/// Admit a request for `prompt`: lock its cached prefix (the router's `pin` if there is
-/// one, else a fresh match), take a row, allocate slots for the rest (evicting unlocked
-/// prefixes if short) and record them in the row.
+/// One decode step of a batch: `out[i]` gets the KV slot of `inputs[i]`, the token
+/// request `i` feeds the model this step (its last output), evicting unlocked prefixes if
+/// short.
 ///
 /// # Errors
 ///
-/// [`AdmitError`]; the lock is released and the row freed again.
-pub fn admit<'c, A: KvAllocator>(
-    cache: &'c RadixCache<A>,
-    namespace: u64,
-    prompt: &[u32],
-    pin: Option<Pin>,
-) -> Result<Running<'c, A>, AdmitError> {
-    let (lease, mut slots) = match pin {
-        Some(pin) => match cache.attach(pin.lease) {
-            Ok(lease) => (lease, pin.slots),
-            Err(raw) => panic!("a pin of another cache: {raw:?}"),
-        },
-        None => {
-            let mut slots = vec![0u32; prompt.len()];
-            let lease = cache.match_and_lock(namespace, prompt, &mut slots);
-            slots.truncate(lease.len());
-            (lease, slots)
-        }
-    };
-    let hit = lease.len();
-    let mut row = cache.req_pool().alloc().map_err(AdmitError::NoRow)?;
-    slots.resize(prompt.len(), 0);
-    let last = if hit > 0 { slots[hit - 1] } else { 0 };
-    if let Err(e) = cache.alloc_extend(&[hit as u32], &[prompt.len() as u32], &[last], &mut slots[hit..]) {
-        let _ = cache.req_pool().free(row); // ours: cannot fail
-        return Err(AdmitError::Alloc(e)); // `lease` drops here: unlocked
-    }
-    if let Err(e) = cache.req_pool().write(&mut row, 0, &slots) {
-        let _ = cache.allocator().free(&slots[hit..]);
-        let _ = cache.req_pool().free(row);
-        return Err(AdmitError::Row(e));
-    }
-    Ok(Running { tokens: prompt.to_vec(), row, lease, slots })
-}
-
-/// A finished request on its way from the scheduler to the output thread (`'static`
-/// and `Send`: the lease travels detached).
-#[derive(Debug)]
-pub struct Finished {
-    /// Tokens whose KV is in the row.
-    pub tokens: Vec<u32>,
-    /// The request's row.
-    pub row: ReqRow,
-    /// Its lease, detached.
-    pub lease: RawLease,
-}
-
-impl<A: KvAllocator> Running<'_, A> {
-    /// Hand the request to the output thread.
-    pub fn into_finished(self) -> Finished {
-        Finished { tokens: self.tokens, row: self.row, lease: self.lease.detach() }
-    }
-}
-
-/// The output thread: cache a finished request (its whole pages enter the tree, the
-/// slots the tree already had and the unaligned tail are freed, the lease and the row
-/// are released). Returns the prefix length the tree already held.
+/// As [`RadixCache::decode`]; nothing changes then.
 ///
-/// # Errors
+/// # Panics
 ///
-/// [`CacheError`]; the request's row and lease are released anyway.
-pub fn finish<A: KvAllocator>(cache: &RadixCache<A>, namespace: u64, done: Finished) -> Result<usize, CacheError> {
-    let lease = match cache.attach(done.lease) {
-        Ok(lease) => lease,
-        Err(_) => return Err(CacheError::StaleMatch),
-    };
-    cache.cache_finished_req(namespace, &done.tokens, done.row, lease, 0).map_err(|u| {
-        let error = u.error.clone();
-        let _ = cache.req_pool().free(u.row);
-        error
-    })
+/// When `inputs` and the batch differ in length or a request of the batch is not
+/// prefilled (a scheduler bug), before anything is allocated.
+pub fn decode<A: KvAllocator>(
+    cache: &RadixCache<A>,
+    batch: &mut [Running<A>],
+    inputs: &[u32],
+    out: &mut [u32],
+) -> Result<(), AllocError> {
+    assert_eq!(inputs.len(), batch.len(), "one input token per request");
+    assert!(batch.iter().all(Running::is_prefilled), "a request decodes after its prefill");
+    cache.decode(batch, out)?;
+    for (r, &token) in batch.iter_mut().zip(inputs) {
+        r.tokens.push(token);
+    }
+    Ok(())
 }
 
 /// What the scheduler sends the output thread of [`free_batches`].

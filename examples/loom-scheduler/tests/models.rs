@@ -12,10 +12,10 @@
 //!
 //! | model | what it shows |
 //! |---|---|
-//! | `a_pinned_prefix_is_never_freed` | a router's pin (a lease) keeps its slots allocated and out of every other request's hands, however the scheduler's evicting allocation interleaves; once released they can be reused |
+//! | `a_routed_requests_prefix_is_never_evicted` | a request a router admitted (a lock on its cached prefix) and handed to the scheduler keeps that prefix's slots allocated and out of every other request's hands, however the scheduler's evicting prefill interleaves; once the request finishes they can be reused |
 //! | `slots_freed_on_the_output_thread_are_never_handed_out_twice` | the overlap loop: the scheduler allocates batch 2 while the output thread frees batch 1; a slot is never held by both, and batch 2's KV writes happen after batch 1's reads (loom checks the cells) |
 //! | `pages_freed_on_the_output_thread_are_never_handed_out_twice` | the same on a paged allocator (pages of 2) |
-//! | `a_request_finished_on_the_output_thread_while_its_prefix_is_admitted` | the lease travels detached to the output thread, which caches the request while the scheduler admits one with the same prefix; at the end every slot is free or cached, every lock and row released |
+//! | `a_request_finished_on_the_output_thread_while_its_prefix_is_admitted` | a request moves to the output thread, which finishes it while the scheduler admits, prefills, decodes and finishes one with the same prefix; at the end every slot is free or cached, every lock and row released, and the cache's accounting is exact |
 #![cfg(loom)]
 
 use kvpool::loom::cell::UnsafeCell;
@@ -24,7 +24,7 @@ use kvpool::loom::sync::atomic::{AtomicBool, Ordering};
 use kvpool::radix::{RadixCache, RadixConfig};
 use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, TokenAllocator};
 use loom_scheduler::sync::{mpsc, thread, Arc};
-use loom_scheduler::{admit, finish, free_batches, AdmitError, Pin, ToOutput};
+use loom_scheduler::{decode, free_batches, Running, ToOutput};
 
 use std::sync::atomic::{AtomicUsize, Ordering as StdOrdering};
 
@@ -53,13 +53,15 @@ impl Outcomes {
     }
 }
 
-/// A cache of 4 token slots (page size 1) and `rows` request rows of 4 tokens.
-fn tiny_cache(rows: u32) -> RadixCache<TokenAllocator> {
-    RadixCache::new(TokenAllocator::new(4).unwrap(), ReqToTokenPool::new(rows, 4).unwrap(), RadixConfig::default())
-        .unwrap()
+/// A cache of 4 token slots (page size 1) and `rows` request rows of 4 tokens, shared
+/// the way requests hold it (`std::sync::Arc`).
+fn tiny_cache(rows: u32) -> std::sync::Arc<RadixCache<TokenAllocator>> {
+    let (kv, rows) = (TokenAllocator::new(4).unwrap(), ReqToTokenPool::new(rows, 4).unwrap());
+    std::sync::Arc::new(RadixCache::new(kv, rows, RadixConfig::default()).unwrap())
 }
 
-/// Every slot is free or cached, nothing is locked, every row is free, invariants hold.
+/// Every slot is free or cached, nothing is locked, every row is free, invariants hold
+/// (the accounting included: free + cached + held by live requests = capacity).
 fn assert_settled(cache: &RadixCache<TokenAllocator>, rows: usize) {
     cache.check_invariants().unwrap();
     let alloc = cache.allocator();
@@ -68,80 +70,111 @@ fn assert_settled(cache: &RadixCache<TokenAllocator>, rows: usize) {
     assert_eq!(cache.req_pool().available_size(), rows, "a row was never freed");
 }
 
-/// A router pins the cached prefix `[1, 2]` (two of the four slots) while the scheduler
-/// admits a 4-token request, which fits only by evicting that prefix. Whatever the
-/// order, no slot the scheduler gets is under a live pin, and a pinned slot stays
-/// allocated and findable until the pin is released.
+/// The prefix `[1, 2]` is cached (two of the four slots). A router admits a request for
+/// `[1, 2]`, which locks that prefix if it is still there, looks it up again, and hands
+/// the request to the scheduler. The scheduler meanwhile admits a 4-token request of its
+/// own, whose prefill fits only by evicting `[1, 2]`; it then receives the routed
+/// request and finishes it, and retries its own prefill if the first try found no room.
+///
+/// No slot the scheduler's prefill gets is under the router's live lock, and a locked
+/// slot stays allocated and findable until its request finishes. Either the router's
+/// lock comes first (the first prefill runs out of memory; the retry, after the routed
+/// request finished, evicts its prefix) or the eviction does (the router misses).
 #[test]
-fn a_pinned_prefix_is_never_freed() {
-    let outcomes =
-        Outcomes::new(&["pinned: admission out of memory", "evicted first: pin missed", "unpinned, then evicted"]);
+fn a_routed_requests_prefix_is_never_evicted() {
+    let locked_first = "locked: the prefill waited for the routed request";
+    let evicted_first = "evicted first: the router missed";
+    let outcomes = Outcomes::new(&[locked_first, evicted_first]);
     let seen = outcomes.clone();
-    kvpool::loom::run_model("a_pinned_prefix_is_never_freed", Builder::new(), move || {
-        let cache = Arc::new(tiny_cache(1));
-        let mut cached = [0u32; 2];
-        cache.allocator().alloc(&mut cached).unwrap();
-        assert_eq!(cache.insert(0, &[1, 2], &cached, 0).unwrap(), 0);
-        // pinned[s]: a live pin covers slot s (set after pinning, cleared before release).
-        let pinned: Arc<Vec<AtomicBool>> = Arc::new((0..5).map(|_| AtomicBool::new(false)).collect());
+    kvpool::loom::run_model("a_routed_requests_prefix_is_never_evicted", Builder::new(), move || {
+        let cache = tiny_cache(2);
+        let mut first = Running::admit(&cache, 0, &[1, 2]).unwrap();
+        first.prefill().unwrap();
+        let cached = first.slots().to_vec();
+        assert_eq!(first.finish().unwrap(), 0);
+        // locked[s]: a live routed request locks slot s (set after its admission, cleared
+        // before its finish).
+        let locked: Arc<Vec<AtomicBool>> = Arc::new((0..5).map(|_| AtomicBool::new(false)).collect());
+        let (to_scheduler, routed) = mpsc::channel::<Running<TokenAllocator>>();
 
         // The writer first, the reader second (see tokio-rs/loom#392 in kvpool::loom).
         let scheduler = {
-            let (cache, pinned) = (Arc::clone(&cache), Arc::clone(&pinned));
-            thread::spawn(move || match admit(&cache, 0, &[7, 8, 9, 10], None) {
-                Ok(running) => {
-                    for &s in &running.slots {
-                        assert!(!pinned[s as usize].load(Ordering::SeqCst), "slot {s} handed out under a live pin");
+            let (cache, locked, cached) = (std::sync::Arc::clone(&cache), Arc::clone(&locked), cached.clone());
+            thread::spawn(move || {
+                let assert_unlocked = |own: &Running<TokenAllocator>| {
+                    for &s in own.slots() {
+                        assert!(!locked[s as usize].load(Ordering::SeqCst), "slot {s} handed out under a live lock");
                     }
-                    // Aborted at once: the slots and the row go back.
-                    cache.allocator().free(&running.slots).unwrap();
-                    cache.req_pool().free(running.row).unwrap();
-                    true
+                };
+                let mut own = Running::admit(&cache, 0, &[7, 8, 9, 10]).unwrap();
+                // Out of memory only while the routed request locks the prefix.
+                let waiting = match own.prefill() {
+                    Ok(()) => {
+                        assert_unlocked(&own);
+                        own.abort(); // done with it: its slots and row go back
+                        None
+                    }
+                    Err(e) => {
+                        assert!(e.out_of_memory().is_some(), "{e}");
+                        Some(own)
+                    }
+                };
+                let mut r = routed.recv().unwrap();
+                let hit = r.cached_len() == 2;
+                if hit {
+                    assert_eq!(r.slots(), cached);
+                    for &s in r.slots() {
+                        locked[s as usize].store(false, Ordering::SeqCst);
+                    }
+                } else {
+                    assert_eq!(r.cached_len(), 0, "a partial hit of a 2-token prefix");
                 }
-                // Only while the pin lives (its eviction found the prefix locked; the
-                // pin may be released by the time the allocation fails).
-                Err(AdmitError::Alloc(e)) => {
-                    assert!(e.out_of_memory().is_some(), "{e}");
-                    false
+                r.prefill().unwrap();
+                assert_eq!(r.finish().unwrap(), if hit { 2 } else { 0 });
+                let waited = waiting.is_some();
+                if let Some(mut own) = waiting {
+                    own.prefill().expect("the routed request finished: its prefix is evictable now");
+                    assert_unlocked(&own);
+                    own.finish().unwrap();
                 }
-                Err(e) => panic!("{e:?}"),
+                (hit, waited)
             })
         };
         let router = {
-            let (cache, pinned) = (Arc::clone(&cache), Arc::clone(&pinned));
+            let (cache, locked) = (std::sync::Arc::clone(&cache), Arc::clone(&locked));
             thread::spawn(move || {
-                let pin = Pin::take(&cache, 0, &[1, 2]);
-                let hit = !pin.slots().is_empty();
-                if hit {
-                    assert_eq!(pin.slots(), cached);
-                    for &s in pin.slots() {
-                        pinned[s as usize].store(true, Ordering::SeqCst);
+                let r = Running::admit(&cache, 0, &[1, 2]).unwrap();
+                if r.cached_len() == 2 {
+                    assert_eq!(r.slots(), cached);
+                    for &s in r.slots() {
+                        locked[s as usize].store(true, Ordering::SeqCst);
                     }
                     // Route the request (here: look again); the scheduler may run meanwhile.
                     thread::yield_now();
                     let mut out = [0u32; 2];
-                    assert_eq!(cache.peek_prefix(0, &[1, 2], &mut out), 2, "a pinned prefix disappeared");
-                    assert_eq!(out, cached);
-                    for &s in pin.slots() {
-                        assert!(cache.allocator().is_allocated(s), "pinned slot {s} was freed");
-                        pinned[s as usize].store(false, Ordering::SeqCst);
+                    assert_eq!(cache.peek_prefix(0, &[1, 2], &mut out), 2, "a locked prefix disappeared");
+                    assert_eq!(out[..], cached[..]);
+                    for &s in r.slots() {
+                        assert!(cache.allocator().is_allocated(s), "locked slot {s} was freed");
                     }
                 }
-                pin.release(&cache).unwrap();
-                hit
+                to_scheduler.send(r).unwrap();
             })
         };
-        let admitted = scheduler.join().unwrap();
-        let hit = router.join().unwrap();
-        seen.hit(match (hit, admitted) {
-            (true, false) => "pinned: admission out of memory",
-            (false, true) => "evicted first: pin missed",
-            (true, true) => "unpinned, then evicted",
-            (false, false) => panic!("the pin missed, yet the admission found no room"),
+        let (hit, waited) = scheduler.join().unwrap();
+        router.join().unwrap();
+        seen.hit(match (hit, waited) {
+            (true, true) => locked_first,
+            (false, false) => evicted_first,
+            (true, false) => panic!("the scheduler's prefill took all four slots while the router's lock held two"),
+            (false, true) => panic!("the router missed, yet the scheduler's prefill found no room"),
         });
-        assert_settled(&cache, 1);
+        // The last request to finish is the scheduler's own (4 tokens) or the routed one
+        // (2 tokens, which the scheduler's aborted request left room for).
+        assert_eq!(cache.total_size(), if waited { 4 } else { 2 });
+        assert_settled(&cache, 2);
     });
-    outcomes.expect_all("a_pinned_prefix_is_never_freed");
+    outcomes.expect_all("a_routed_requests_prefix_is_never_evicted");
 }
 
 /// The GPU's KV buffer, one loom-checked cell per slot: a forward pass writes a slot's
@@ -258,46 +291,61 @@ where
     outcomes.expect_all(name);
 }
 
-/// Request A (`[1, 2]`) finished: the scheduler hands it (row and detached lease) to the
-/// output thread, which caches it, while the scheduler admits request B (`[1, 2, 3]`),
-/// whose prefix is A's. B finds A's prefix cached (and locks it), or finds nothing and
-/// allocates (evicting A's cached slots if they are in by then) or runs out of room. At
-/// the end every slot is free or cached, and no lock or row is left.
+/// Request A (`[1, 2]`) is done: the scheduler hands it to the output thread, which
+/// finishes it (caches it), while the scheduler admits request B (`[1, 2, 3]`), whose
+/// prefix is A's. B finds A's prefix cached (and locks it), or finds nothing and
+/// allocates (evicting A's cached slots if they are in by then), or runs out of room
+/// (A still holds its slots). An admitted B decodes one token and finishes. At the end
+/// every slot is free or cached, no lock or row is left, and the accounting is exact.
 #[test]
 fn a_request_finished_on_the_output_thread_while_its_prefix_is_admitted() {
     let outcomes = Outcomes::new(&["B hit A's prefix", "B missed, allocated", "B out of memory"]);
     let seen = outcomes.clone();
     let name = "a_request_finished_on_the_output_thread_while_its_prefix_is_admitted";
     kvpool::loom::run_model(name, Builder::new(), move || {
-        let cache = Arc::new(tiny_cache(2));
-        let a = admit(&cache, 0, &[1, 2], None).unwrap();
-        let a = a.into_finished();
-        let (to_output, finished) = mpsc::channel();
+        let cache = tiny_cache(2);
+        let mut a = Running::admit(&cache, 0, &[1, 2]).unwrap();
+        a.prefill().unwrap();
+        let (to_output, finished) = mpsc::channel::<Running<TokenAllocator>>();
 
-        let output = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || {
-                let done = finished.recv().unwrap();
-                assert_eq!(finish(&cache, 0, done).unwrap(), 0, "A's prefix was not cached before");
-            })
-        };
+        let output = thread::spawn(move || {
+            let a = finished.recv().unwrap();
+            assert_eq!(a.finish().unwrap(), 0, "A's prefix was not cached before");
+        });
         to_output.send(a).unwrap();
-        let outcome = match admit(&cache, 0, &[1, 2, 3], None) {
-            Ok(b) => {
-                let hit = b.lease.len();
-                let outcome = if hit == 2 { "B hit A's prefix" } else { "B missed, allocated" };
-                assert!(hit == 0 || hit == 2, "{hit}");
-                let mut out = [0u32; 3];
+        let mut b = Running::admit(&cache, 0, &[1, 2, 3]).unwrap();
+        let hit = b.cached_len();
+        assert!(hit == 0 || hit == 2, "{hit}");
+        // Forming the batch: the output thread may run meanwhile.
+        thread::yield_now();
+        let outcome = match b.prefill() {
+            Err(e) => {
+                assert!(e.out_of_memory().is_some(), "{e}");
+                b.abort();
+                "B out of memory"
+            }
+            Ok(()) => {
                 if hit == 2 {
                     // B's prefix slots are the tree's, locked by B: findable until B ends.
+                    let mut out = [0u32; 3];
                     assert_eq!(cache.peek_prefix(0, &[1, 2, 3], &mut out), 2);
-                    assert_eq!(out[..2], b.slots[..2]);
+                    assert_eq!(out[..2], b.slots()[..2]);
                 }
-                finish(&cache, 0, b.into_finished()).unwrap();
-                outcome
+                // The fourth slot is free, whatever the output thread has done by now.
+                let mut slot = [0u32];
+                decode(&cache, std::slice::from_mut(&mut b), &[4], &mut slot).unwrap();
+                assert_eq!((b.tokens(), b.slots()[3]), (&[1, 2, 3, 4][..], slot[0]));
+                // A may still be finishing: B's finish waits for nothing.
+                let before = b.finish().unwrap();
+                if hit == 2 {
+                    assert_eq!(before, 2);
+                    "B hit A's prefix"
+                } else {
+                    // B's prefill took 3 of the 4 slots: A's were cached, and evicted.
+                    assert!(before < 2, "{before} tokens of a missed prefix were cached");
+                    "B missed, allocated"
+                }
             }
-            Err(AdmitError::Alloc(_)) => "B out of memory",
-            Err(e) => panic!("{e:?}"),
         };
         output.join().unwrap();
         seen.hit(outcome);
