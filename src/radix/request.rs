@@ -200,6 +200,11 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         self.lease.len
     }
 
+    /// Tokens of the prompt the request was admitted with.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
     /// The request's row number (SGLang's `req_pool_idx`), for the kernels that read
     /// the row table.
     pub fn row_index(&self) -> usize {
