@@ -86,7 +86,7 @@ pub use models as testing;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use alloc::{KvAllocator, KvFreeGroup, PagedAllocator, TokenAllocator};
+pub use alloc::{KvAllocator, KvFreeGroup, OwnedAllocator, PagedAllocator, TokenAllocator};
 pub use error::{
     AllocError, ConfigError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation, OutOfMemory, RowError,
     SlotsError, Unit,

@@ -32,6 +32,55 @@ use crate::error::{
 use crate::slots::{FreeGroup, Reservation, SlotPool};
 use core::mem::MaybeUninit;
 
+mod owned {
+    /// Only kvpool's allocators are [`OwnedAllocator`](super::OwnedAllocator)s.
+    pub trait Sealed {}
+}
+
+/// The KV allocators a prefix cache can be built over: kvpool's own
+/// ([`PagedAllocator`], [`TokenAllocator`], [`SwaAllocator`]). The cache takes one by
+/// value, and none of them can be cloned or shared, so the cache is its allocator's
+/// only user: nothing can free the tree's pages behind its back. Sealed: a wrapper
+/// implementing [`KvAllocator`] (for fuzzing it with `kvpool::models`) may share what
+/// it wraps, so it cannot back a cache:
+///
+/// ```compile_fail
+/// use std::sync::Arc;
+/// use kvpool::radix::{RadixCache, RadixConfig};
+/// use kvpool::{AllocError, FreeError, InvariantViolation, KvAllocator, KvFreeGroup, PagedAllocator, ReqToTokenPool};
+///
+/// struct Shared(Arc<PagedAllocator>);
+/// impl KvAllocator for Shared {
+///     fn page_size(&self) -> u32 { self.0.page_size() }
+///     fn size(&self) -> usize { KvAllocator::size(&*self.0) }
+///     fn available_size(&self) -> usize { self.0.available_size() }
+///     fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> { self.0.alloc(out) }
+///     fn alloc_extend(&self, p: &[u32], s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+///         self.0.alloc_extend(p, s, l, out)
+///     }
+///     fn alloc_decode(&self, s: &[u32], l: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+///         self.0.alloc_decode(s, l, out)
+///     }
+///     fn free(&self, slots: &[u32]) -> Result<(), FreeError> { self.0.free(slots) }
+///     fn free_group(&self) -> KvFreeGroup<'_> { self.0.free_group() }
+///     fn is_allocated(&self, slot: u32) -> bool { self.0.is_allocated(slot) }
+///     fn clear(&mut self) {}
+///     fn check_invariants(&self) -> Result<(), InvariantViolation> { self.0.check_invariants() }
+/// }
+///
+/// let pool = Arc::new(PagedAllocator::new(64, 4).unwrap());
+/// // error[E0277]: the trait bound `Shared: OwnedAllocator` is not satisfied
+/// let cache = RadixCache::new(Shared(Arc::clone(&pool)), ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default());
+/// ```
+pub trait OwnedAllocator: KvAllocator + owned::Sealed {}
+
+impl owned::Sealed for PagedAllocator {}
+impl OwnedAllocator for PagedAllocator {}
+impl owned::Sealed for TokenAllocator {}
+impl OwnedAllocator for TokenAllocator {}
+impl owned::Sealed for SwaAllocator {}
+impl OwnedAllocator for SwaAllocator {}
+
 /// What the prefix cache (and a scheduler) needs from a KV allocator; implemented by
 /// [`TokenAllocator`] and [`PagedAllocator`].
 ///
@@ -1253,6 +1302,9 @@ mod test_geometry {
     /// real token allocator: for constructor checks of the caches built on `KvAllocator`.
     #[derive(Debug)]
     pub(crate) struct Geometry(pub TokenAllocator, pub u32, pub usize);
+
+    impl super::owned::Sealed for Geometry {}
+    impl OwnedAllocator for Geometry {}
 
     impl KvAllocator for Geometry {
         fn page_size(&self) -> u32 {

@@ -1603,7 +1603,10 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         req_pool: ReqToTokenPool,
         config: RadixConfig,
         tier: HostTier,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         if config.event_capacity.is_some() {
             return Err(ConfigError::Unsupported { what: "the host tier", with: "KV events" });
         }
@@ -1667,7 +1670,10 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         pool: Arc<HostKvPool>,
         write_policy: WritePolicy,
         load_back_threshold: usize,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         if config.event_capacity.is_some() {
             return Err(ConfigError::Unsupported { what: "the host tier", with: "KV events" });
         }

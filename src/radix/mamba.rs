@@ -969,12 +969,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// page size that does not divide the default chunk (64), and
     /// [`ConfigError::Unsupported`] when `states` is a pool shared through an `Arc`
     /// that another live cache holds (see [`StatePool`]).
-    pub fn with_states(
-        alloc: A,
-        req_pool: ReqToTokenPool,
-        states: P,
-        config: RadixConfig,
-    ) -> Result<Self, ConfigError> {
+    pub fn with_states(alloc: A, req_pool: ReqToTokenPool, states: P, config: RadixConfig) -> Result<Self, ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         Self::with_checkpoints(alloc, req_pool, states, config, CheckpointConfig::default())
     }
 
@@ -993,7 +991,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         states: P,
         config: RadixConfig,
         mamba: CheckpointConfig,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         if alloc.page_size() == 0 {
             return Err(ConfigError::ZeroPageSize);
         }
@@ -1353,7 +1354,10 @@ impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
         rows: &HybridReqToTokenPool,
         config: RadixConfig,
         checkpoints: CheckpointConfig,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         let own_rows = ReqToTokenPool::new(1, 1)?;
         Self::with_checkpoints(alloc, own_rows, Arc::clone(rows.mamba_pool()), config, checkpoints)
     }

@@ -754,7 +754,10 @@ impl<A: KvAllocator> RadixCache<A> {
     /// [`ConfigError::TooLarge`] when slot numbers would not fit in a `u32`, and
     /// [`ConfigError::TooLargeForMemory`] (naming the arena and its bytes) when an arena
     /// cannot be reserved. Nothing is left allocated then.
-    pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError> {
+    pub fn new(alloc: A, req_pool: ReqToTokenPool, config: RadixConfig) -> Result<Self, crate::ConfigError>
+    where
+        A: crate::alloc::OwnedAllocator,
+    {
         Self::with_variant(alloc, req_pool, config, Plain)
     }
 }
