@@ -311,7 +311,10 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
     /// [`Refused`] hands the request back with the reason, nothing changed:
     /// [`CacheError::TokenCount`] when `tokens.len()` is not `len()`;
     /// [`CacheError::RowMismatch`] when the locked prefix's tokens are not the ones the
-    /// request was admitted with.
+    /// request was admitted with; with a bigram key, [`CacheError::Invalid`] when the
+    /// request holds no token past its lock (position `i` is cached with token `i + 1`:
+    /// a bigram request finishes with at least `cached_len() + 1` tokens, which any
+    /// request that computed its prompt has).
     #[allow(clippy::result_large_err)] // the request itself comes back: no allocation on error
     pub fn finish(mut self, tokens: &[u32]) -> Result<V::Finished, Refused<A, V>> {
         if tokens.len() != self.written {
@@ -373,13 +376,16 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
     /// # Errors
     ///
     /// [`CacheError::TokenCount`] when `tokens` is longer than [`len`](Self::len),
-    /// [`CacheError::Invalid`] when it is shorter than [`cached_len`](Self::cached_len),
-    /// [`CacheError::RowMismatch`] as for [`finish`](Self::finish). Nothing changes.
+    /// [`CacheError::RowMismatch`] as for [`finish`](Self::finish). Nothing changes
+    /// then, nor when `tokens` reach no further than the lock already does.
     pub fn checkpoint(&mut self, tokens: &[u32]) -> Result<(), CacheError> {
         if tokens.len() > self.written {
             return Err(CacheError::TokenCount { tokens: tokens.len(), held: self.written });
         }
         let tokens = self.tree_tokens(tokens)?;
+        if tokens.len() <= self.lease.len {
+            return Ok(()); // nothing past the lock to cache
+        }
         let before = self.held();
         let (ns, priority) = (self.namespace, self.priority);
         let cache = Arc::clone(&self.cache);
