@@ -2,13 +2,13 @@
 //! Shuttle test of an overlap scheduler on a paged prefix cache: the threads of an
 //! inference engine, with randomized schedules.
 //!
-//! * the **scheduler** admits requests: takes a row, `match_and_lock`s the prompt,
-//!   writes the hit into the row, `alloc_extend`s the rest (evicting when short) — for
-//!   every third request in two chunks with `cache_unfinished_req` between (chunked
-//!   prefill) — then runs a few decode steps (`alloc_decode`) and hands the request over;
-//! * the **output** thread finishes requests as they come (`cache_finished_req`: insert,
-//!   free duplicates and the tail, unlock, free the row) while the scheduler allocates
-//!   for the next ones;
+//! * the **scheduler** admits requests (`admit`: a row, the prompt's cached prefix
+//!   matched into it and locked), `extend`s the rest (evicting when short) — for every
+//!   third request in two chunks with a `checkpoint` between (chunked prefill) — then
+//!   runs a few decode steps (`decode`) and hands the request over;
+//! * the **output** thread finishes requests as they come (`finish`: insert, free
+//!   duplicates and the tail, unlock, free the row) while the scheduler allocates for
+//!   the next ones;
 //! * two **routers** `peek_prefix` prompts all along.
 //!
 //! Checked (`Shadow`): no slot is handed out while a request holds it or a lease
@@ -21,13 +21,14 @@
 mod shuttle_common;
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use shuttle::sync::atomic::{AtomicBool, Ordering};
 use shuttle::sync::Mutex;
 use shuttle::thread;
 
-use kvpool::radix::{Lease, RadixCache, RadixConfig};
-use kvpool::{AllocError, PagedAllocator, ReqRow, ReqToTokenPool};
+use kvpool::radix::{RadixCache, RadixConfig, Request};
+use kvpool::{AllocError, PagedAllocator, ReqToTokenPool};
 use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
 
 const PS: u32 = 4;
@@ -43,10 +44,9 @@ const ALPHABET: u32 = 4;
 type Cache = RadixCache<PagedAllocator>;
 
 /// A request between scheduler and output thread.
-struct Running<'c> {
+struct Running {
     id: u32,
-    row: ReqRow,
-    lease: Lease<'c, PagedAllocator>,
+    req: Request<PagedAllocator>,
     /// Tokens with KV (prompt and decoded), in row order.
     tokens: Vec<u32>,
     /// The slots the hit gave it (locked in the tree).
@@ -77,11 +77,11 @@ fn prompt(prefixes: &[Vec<u32>]) -> Vec<u32> {
 }
 
 /// Shared by the threads of one schedule.
-struct Engine<'a, 'c> {
-    c: &'c Cache,
+struct Engine<'a> {
+    c: &'a Arc<Cache>,
     shadow: &'a Shadow,
     prefixes: &'a [Vec<u32>],
-    queue: &'a Mutex<VecDeque<Running<'c>>>,
+    queue: &'a Mutex<VecDeque<Running>>,
     /// Set when the scheduler has handed over its last request.
     admitted_all: &'a AtomicBool,
     seen: &'a Outcomes,
@@ -99,83 +99,74 @@ const LABELS: &[&str] = &[
     "router_hits",
 ];
 
-fn scheduler(e: &Engine<'_, '_>) {
+fn scheduler(e: &Engine<'_>) {
     let Engine { c, shadow, prefixes, queue, seen, .. } = e;
     for id in 1..=REQUESTS {
         let prompt = prompt(prefixes);
         let p = prompt.len();
-        let mut row = loop {
-            match c.req_pool().alloc() {
-                Ok(row) => break row,
-                Err(_) => {
+        let mut req = loop {
+            match c.admit(0, &prompt) {
+                Ok(req) => break req,
+                Err(AllocError::OutOfMemory(_)) => {
                     seen.hit("row_waits");
                     thread::yield_now();
                 }
+                Err(e) => panic!("admit: {e}"),
             }
         };
-        let mut hit = vec![0u32; p];
-        let mut lease = c.match_and_lock(0, &prompt, &mut hit);
-        let h = lease.len();
-        hit.truncate(h);
-        shadow.check_match("match_and_lock", &prompt, &hit, PS as usize);
+        let h = req.cached_len();
+        let mut hit = req.slots().to_vec();
+        shadow.check_match("admit", &prompt, &hit, PS as usize);
         shadow.lock(&hit);
         if h > 0 {
             seen.hit("hits");
         }
-        c.req_pool().write(&mut row, 0, &hit).unwrap();
 
         // Every third request with enough new tokens is prefilled in two chunks.
         let chunk_end = if id % 3 == 0 && p - h > 5 { h + (p - h) / 2 } else { p };
-        let mut fresh = vec![0u32; chunk_end - h];
-        if c.allocator().available_size() < fresh.len() {
+        if c.allocator().available_size() < chunk_end - h {
             seen.hit("evicting_admissions");
         }
-        let last = hit.last().copied().unwrap_or(0);
-        retry("alloc_extend", seen, || c.alloc_extend(&[h as u32], &[chunk_end as u32], &[last], &mut fresh));
+        retry("extend", seen, || req.extend(chunk_end - h));
+        let mut fresh = req.slots()[h..].to_vec();
         shadow.claim(id, &fresh, &prompt[h..chunk_end]);
-        c.req_pool().write(&mut row, h, &fresh).unwrap();
         if chunk_end < p {
             // Chunked prefill: the first chunk's whole pages go to the cache, the row is
-            // rewritten with the tree's slots, the lease moves down; the unaligned tail
+            // rewritten with the tree's slots, the lock moves down; the unaligned tail
             // stays with the request and the second chunk continues its page.
             let aligned = chunk_end / PS as usize * PS as usize;
             shadow.unclaim(id, &fresh[..aligned - h]);
             shadow.unlock(&hit);
-            c.cache_unfinished_req(0, &prompt[..chunk_end], &mut row, &mut lease, 0).unwrap();
-            assert_eq!(lease.len(), aligned);
-            hit = c.req_pool().read(&row, 0..aligned).unwrap().to_vec();
-            shadow.check_match("cache_unfinished_req", &prompt[..aligned], &hit, PS as usize);
+            req.checkpoint(&prompt[..chunk_end]).unwrap();
+            assert_eq!(req.cached_len(), aligned);
+            hit = req.slots()[..aligned].to_vec();
+            shadow.check_match("checkpoint", &prompt[..aligned], &hit, PS as usize);
             shadow.lock(&hit);
             fresh.drain(..aligned - h);
-            let last = c.req_pool().read(&row, chunk_end - 1..chunk_end).unwrap()[0];
-            let mut rest = vec![0u32; p - chunk_end];
-            retry("alloc_extend", seen, || c.alloc_extend(&[chunk_end as u32], &[p as u32], &[last], &mut rest));
+            retry("extend", seen, || req.extend(p - chunk_end));
+            let rest = req.slots()[chunk_end..].to_vec();
             shadow.claim(id, &rest, &prompt[chunk_end..]);
-            c.req_pool().write(&mut row, chunk_end, &rest).unwrap();
             fresh.extend(rest);
             seen.hit("chunked");
         }
 
         let mut tokens = prompt;
-        let mut last = fresh.last().or(hit.last()).copied().unwrap();
         for _ in 0..random_in(1..5) {
             let mut slot = [0u32; 1];
-            let seq = tokens.len() as u32 + 1;
-            retry("alloc_decode", seen, || c.alloc_decode(&[seq], &[last], &mut slot));
+            retry("decode", seen, || c.decode(&mut [&mut req], &mut slot));
             let token = random_key(1, ALPHABET)[0];
             shadow.claim(id, &slot, &[token]);
-            c.req_pool().write(&mut row, tokens.len(), &slot).unwrap();
             tokens.push(token);
             fresh.push(slot[0]);
-            last = slot[0];
         }
-        queue.lock().unwrap().push_back(Running { id, row, lease, tokens, hit, fresh });
+        assert_eq!(req.slots()[tokens.len() - fresh.len()..], fresh[..], "the row holds what was handed out");
+        queue.lock().unwrap().push_back(Running { id, req, tokens, hit, fresh });
     }
     e.admitted_all.store(true, Ordering::SeqCst);
 }
 
-fn output(e: &Engine<'_, '_>) {
-    let Engine { c, shadow, queue, seen, .. } = e;
+fn output(e: &Engine<'_>) {
+    let Engine { shadow, queue, seen, .. } = e;
     let mut done = 0;
     while done < REQUESTS {
         let Some(req) = queue.lock().unwrap().pop_front() else {
@@ -187,7 +178,7 @@ fn output(e: &Engine<'_, '_>) {
         shadow.unclaim(req.id, &req.fresh);
         shadow.unlock(&req.hit);
         let hit_len = req.hit.len();
-        let found = c.cache_finished_req(0, &req.tokens, req.row, req.lease, 0).unwrap();
+        let found = req.req.finish(&req.tokens).unwrap();
         assert!(found >= hit_len, "the insert found {found} cached tokens, less than the {hit_len} locked");
         done += 1;
         seen.hit("requests");
@@ -197,7 +188,7 @@ fn output(e: &Engine<'_, '_>) {
     }
 }
 
-fn router(e: &Engine<'_, '_>) {
+fn router(e: &Engine<'_>) {
     let Engine { c, shadow, prefixes, seen, .. } = e;
     for _ in 0..20 {
         seen.hit("router_peeks");
@@ -212,12 +203,14 @@ fn router(e: &Engine<'_, '_>) {
 }
 
 fn scenario(seen: &Outcomes) {
-    let c = RadixCache::new(
-        PagedAllocator::new(SIZE, PS).unwrap(),
-        ReqToTokenPool::new(ROWS, 32).unwrap(),
-        RadixConfig::default(),
-    )
-    .unwrap();
+    let c = Arc::new(
+        RadixCache::new(
+            PagedAllocator::new(SIZE, PS).unwrap(),
+            ReqToTokenPool::new(ROWS, 32).unwrap(),
+            RadixConfig::default(),
+        )
+        .unwrap(),
+    );
     let shadow = Shadow::new(SIZE + PS as usize);
     // Three "system prompts" of 2, 3 and 4 pages that requests share.
     let prefixes: Vec<Vec<u32>> = (0..3).map(|i| random_key(8 + 4 * i, ALPHABET)).collect();
