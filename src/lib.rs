@@ -7,6 +7,9 @@
 //! * [`TokenAllocator`] and [`PagedAllocator`] — KV slot allocators with SGLang's slot
 //!   and page numbering, `alloc_extend` / `alloc_decode`, free groups;
 //! * [`ReqToTokenPool`] — request rows mapping token positions to KV slots;
+//! * [`radix::RadixCache`] — the prefix cache (and its Mamba, sliding-window and
+//!   host-tier trees), which a scheduler drives through one handle per request,
+//!   [`radix::Request`]: admit, extend, decode, checkpoint, finish, abort;
 //! * [`mamba`] — hybrid models: [`MambaPool`] (state slots), [`HybridReqToTokenPool`]
 //!   (rows that own a state) and [`HybridLayerMap`].
 //!

@@ -6,6 +6,10 @@
 //! helpers — and adds what SGLang's Python tree cannot: no allocation after
 //! construction, and lookups from any number of threads that never block.
 //!
+//! An engine drives the cache through [`Request`]s (see [its module](request)): one
+//! handle per request that owns its row, its lock on the matched prefix and the slots
+//! allocated for it. Routers look prefixes up with [`peek_prefix`](RadixCache::peek_prefix).
+//!
 //! # Layout: everything is keyed by pages
 //!
 //! The tree stores no per-node vectors. A cached page `p` holds slots
@@ -194,7 +198,7 @@ mod key;
 pub mod mamba;
 mod partial;
 mod policy;
-mod request;
+pub mod request;
 pub mod swa;
 mod tokens;
 mod variant;
