@@ -52,6 +52,7 @@
 //! `cargo bench --bench radix_replay -- --noplot ps16_1M` or `-- cache_ops/vectrie`
 //! (the hit counts of every configuration are computed first regardless).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
@@ -250,10 +251,10 @@ fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
     MambaRadixCache::with_states(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), pool, config).unwrap()
 }
 
-fn kvpool_cache(s: Setup, max_kv: usize) -> RadixCache<PagedAllocator> {
+fn kvpool_cache(s: Setup, max_kv: usize) -> Arc<RadixCache<PagedAllocator>> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
-    RadixCache::new(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config).unwrap()
+    Arc::new(RadixCache::new(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config).unwrap())
 }
 
 fn reference_cache(s: Setup, max_kv: usize) -> ReferenceCache {

@@ -31,6 +31,7 @@
 //! inclusive shares. The handler costs a few microseconds a sample: at 100 µs the passes
 //! run a few percent slower, so compare sampled runs with sampled runs.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
@@ -78,9 +79,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kvpool" => {
             // Check the configuration once, so that a bad one is an error, not a panic.
             let make = || {
-                let config =
-                    RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
-                RadixCache::new(PagedAllocator::new(capacity, page_size)?, ReqToTokenPool::new(1, max_kv)?, config)
+                let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
+                let rows = ReqToTokenPool::new(1, max_kv)?;
+                RadixCache::new(PagedAllocator::new(capacity, page_size)?, rows, config).map(Arc::new)
             };
             make()?;
             best_of(|| make().expect("checked above"), &trace, passes)

@@ -10,6 +10,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use kvpool::radix::{MambaRadixCache, RadixCache, RadixConfig};
 use kvpool::replay::{run_hybrid, run_overlap, run_sequential, Mode, ReplayConfig, Trace};
@@ -62,10 +63,10 @@ fn trace(n: usize) -> Trace {
     Trace::from_jsonl_str(&text, "alloc-test").unwrap()
 }
 
-fn cache(config: &ReplayConfig, trace: &Trace) -> RadixCache<PagedAllocator> {
+fn cache(config: &ReplayConfig, trace: &Trace) -> Arc<RadixCache<PagedAllocator>> {
     let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).unwrap();
     let rows = ReqToTokenPool::new(config.rows() as u32, trace.max_kv_len()).unwrap();
-    RadixCache::new(alloc, rows, RadixConfig { policy: config.policy, ..RadixConfig::default() }).unwrap()
+    Arc::new(RadixCache::new(alloc, rows, RadixConfig { policy: config.policy, ..RadixConfig::default() }).unwrap())
 }
 
 /// Allocations made while replaying `trace` (cache and trace built beforehand).

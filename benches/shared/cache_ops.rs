@@ -2,11 +2,11 @@
 //! `examples/cache_ops_profile.rs` (included by path, so both time the same code).
 
 use kvpool::alloc::plan_extend;
-use kvpool::replay::{ReplayCache, Trace};
+use kvpool::replay::{ReplayCache, ReplayRequest, Trace};
 
-/// The cache work of every request of `trace` (match and lock the prompt, evict the
-/// shortfall, allocate the rest into the row, finish the request); returns the hit
-/// tokens. `tokens` holds the longest request's KV tokens.
+/// The cache work of every request of `trace` (admit it: a row, its prompt's match,
+/// locked; evict the shortfall; allocate the rest of its KV into the row; finish it);
+/// returns the hit tokens. `tokens` holds the longest request's KV tokens.
 pub fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -> usize {
     let ps = cache.page_size();
     let mut hits = 0;
@@ -16,8 +16,8 @@ pub fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
         // The row gets the match, then the rest straight from the allocator.
-        let mut row = cache.req_pool().alloc().expect("one row, freed by every request");
-        let (hit, lease) = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).expect("match");
+        let mut req = cache.admit(0, &tokens[..prompt]).expect("one row, freed by every request");
+        let hit = req.cached_len();
         hits += hit;
         // Evict the shortfall first (as the replay drivers and SGLang do).
         let need = plan_extend(ps, &[hit as u32], &[kv as u32]).expect("plan").new_pages * ps as usize;
@@ -25,12 +25,11 @@ pub fn cache_ops<C: ReplayCache>(cache: &C, trace: &Trace, tokens: &mut [u32]) -
         if avail < need {
             cache.evict(need - avail);
         }
-        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
-            cache.unlock(lease);
-            cache.req_pool().free(row).expect("free the row");
+        if cache.extend(&mut req, kv - hit).is_err() {
+            cache.abort(req);
             continue;
         }
-        cache.cache_finished_req(0, &tokens[..kv], row, lease).expect("finish");
+        cache.finish(req, &tokens[..kv]).expect("finish");
     }
     hits
 }

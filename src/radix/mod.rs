@@ -864,13 +864,6 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         CacheAllocator::new(&self.alloc, &self.in_tree, &self.raw_used)
     }
 
-    /// The KV allocator itself, for kvpool's own drivers (the replay).
-    #[cfg(all(feature = "replay", not(loom)))]
-    pub(crate) fn raw_allocator(&self) -> &A {
-        alloc_view::mark_raw(&self.raw_used);
-        &self.alloc
-    }
-
     /// The request rows.
     pub fn req_pool(&self) -> &ReqToTokenPool {
         &self.req_pool

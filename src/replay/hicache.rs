@@ -16,8 +16,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
 
+use super::rows::{run_sequential_rows as run_sequential, RowCache};
 use super::stats::thousands;
-use super::{run_sequential, CacheKind, ReplayCache, ReplayConfig, ReplayError, Report, Trace};
+use super::{CacheKind, ReplayConfig, ReplayError, Report, Trace};
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
 use crate::error::{AllocError, FreeError, InvariantViolation};
 use crate::radix::{Hi, HiRadixCache, HostTier, Lease, RadixConfig, Transfer};
@@ -229,7 +230,7 @@ pub(super) fn settle(tree: &HiRadixCache<PagedAllocator>) {
     }
 }
 
-impl ReplayCache for HiReplayCache {
+impl RowCache for HiReplayCache {
     type Lease<'a> = HiLease;
 
     fn name(&self) -> &'static str {
@@ -353,7 +354,7 @@ impl KvHiReplay {
     }
 }
 
-impl ReplayCache for KvHiReplay {
+impl RowCache for KvHiReplay {
     type Lease<'a> = Lease<'a, PagedAllocator, Hi>;
 
     fn name(&self) -> &'static str {

@@ -15,11 +15,12 @@ use crate::radix::{CheckpointConfig, Lease, Mamba, MambaRadixCache, RadixConfig}
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::{KvAllocator, PagedAllocator, SlotPool};
 
-use super::sequential::{release, serve, write_row, PROGRESS_EVERY};
-use super::{
-    buffer, finish_report, fits_in_pool, make_room, Histograms, ReplayCache, ReplayConfig, ReplayError, Report,
-    TimelinePoint, Totals, Trace, NAMESPACE,
+use super::rows::{
+    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, make_room_rows as make_room, release,
+    serve, write_row, RowCache,
 };
+use super::sequential::PROGRESS_EVERY;
+use super::{buffer, Histograms, ReplayConfig, ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE};
 
 /// Default size of one request's Mamba state: Qwen3-Next-80B-A3B at tensor parallelism
 /// 1, 36 Gated-DeltaNet layers of a temporal state (32 value heads x 128 x 128, fp32:
@@ -342,7 +343,7 @@ pub(crate) fn replay_hybrid(
 /// state), never through this.
 struct Kv<'c, A: KvAllocator>(&'c MambaRadixCache<A, SlotPool>);
 
-impl<'c, A: KvAllocator> ReplayCache for Kv<'c, A> {
+impl<'c, A: KvAllocator> RowCache for Kv<'c, A> {
     type Lease<'a>
         = Lease<'c, A, Mamba<SlotPool>>
     where

@@ -6,11 +6,11 @@
 //! of hit rate, memory use, throughput and latency. No GPU work is simulated: the
 //! replay measures the memory system alone.
 //!
-//! * [`run_sequential`] — one thread, one request at a time, deterministic: match and
-//!   lock the prompt, take a row, `alloc_extend` the rest of the prompt, one
-//!   `alloc_decode` per output token after the first, evicting the shortfall when
-//!   short, then `cache_finished_req`. A request whose KV exceeds the whole pool is
-//!   rejected up front, nothing expanded or evicted.
+//! * [`run_sequential`] — one thread, one request at a time, deterministic: admit the
+//!   request (a row, its prompt's cached prefix, locked), extend it by the rest of the
+//!   prompt, one decode step per output token after the first, evicting the shortfall
+//!   when short, then finish it. A request whose KV exceeds the whole pool is rejected
+//!   up front, nothing expanded or evicted.
 //! * [`run_overlap`] — an overlap scheduler: a scheduler thread admits requests in
 //!   order (up to `max_running`) and allocates one decode slot per running request per
 //!   step, an output thread finishes completed requests concurrently, and router
@@ -27,9 +27,12 @@
 //!   tier; the report adds a [`StoreReport`] (hits per tier and engine, the store's
 //!   operations). See the `store` module's docs.
 //!
-//! Both are written once over the [`ReplayCache`] trait, implemented by kvpool's
-//! concurrent radix cache and by [`ReferenceCache`] (the simple reference tree behind a
-//! mutex), so the same loop runs both and their hit counts can be compared.
+//! Both are written once over the [`ReplayCache`] trait, a request's life through a
+//! prefix cache (admit, extend, decode, finish, abort), implemented by kvpool's
+//! concurrent radix cache (its [`Request`](crate::radix::Request) handles) and by the
+//! baselines, [`ReferenceCache`] (the simple reference tree behind a mutex) and
+//! [`VecTrieReplayCache`], so the same loop runs every one and their hit counts can be
+//! compared.
 //!
 //! # Examples
 //!
@@ -49,10 +52,12 @@
 mod cache;
 mod hicache;
 mod hybrid;
+mod lifecycle;
 mod lookahead;
 mod optimal;
 mod overlap;
 mod plot;
+mod rows;
 mod sequential;
 mod stats;
 mod store;
@@ -62,8 +67,9 @@ mod vec_trie_cache;
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
-pub use cache::{RefLease, ReferenceCache, ReplayCache};
+pub use cache::{BaselineRequest, RefLease, ReferenceCache, ReplayCache, ReplayRequest};
 pub use hicache::{
     HostReport, HostTierConfig, DEFAULT_BYTES_PER_TOKEN, DEFAULT_HOST_TO_DEVICE_RATIO, DEFAULT_LINK_BYTES_PER_SECOND,
 };
@@ -653,7 +659,7 @@ pub fn replay(trace: &Trace, config: &ReplayConfig, progress: &(dyn Fn(u64) + Sy
             let req_pool = crate::ReqToTokenPool::new(rows, max_context_len).map_err(too_large)?;
             let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
             let cache = RadixCache::new(alloc, req_pool, radix)?.with_partial_eviction(config.partial_evict);
-            run(&cache, trace, config, progress)
+            run(&Arc::new(cache), trace, config, progress)
         }
         CacheKind::Reference => {
             let cache =
@@ -827,17 +833,4 @@ pub(crate) fn fits_in_pool<C: ReplayCache>(cache: &C, kv_len: usize) -> bool {
 /// A driver buffer of `len` slots or tokens, reserved fallibly.
 pub(crate) fn buffer(len: usize, what: &'static str) -> Result<Vec<u32>, ReplayError> {
     crate::arena::try_vec_with(len, what, |_| 0).map_err(ReplayError::from)
-}
-
-/// Evict the shortfall when `need` tokens are more than are free; returns the tokens
-/// evicted. Evicts nothing when not even that much is evictable (the allocation will
-/// fail anyway, and the cache would be emptied for nothing).
-#[inline]
-pub(crate) fn make_room<C: ReplayCache>(cache: &C, need: usize) -> u64 {
-    let available = cache.available_tokens();
-    if need > available && need - available <= cache.evictable_tokens() {
-        cache.evict(need - available) as u64
-    } else {
-        0
-    }
 }

@@ -8,14 +8,13 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use crossbeam_utils::Backoff;
 
-use crate::alloc::new_pages;
-use crate::req_to_token::ReqRow;
 use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use super::sequential::{last_slot, out_of_memory, release, PROGRESS_EVERY};
+use super::lifecycle::{decode_step, finish_served, prefill, Admission as Prefill, Attention, Job};
+use super::sequential::PROGRESS_EVERY;
 use super::{
-    buffer, decode_need, finish_report, fits_in_pool, Histograms, LatencyHistogram, ReplayCache, ReplayConfig,
-    ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE,
+    buffer, finish_report, fits_in_pool, Histograms, LatencyHistogram, ReplayCache, ReplayConfig, ReplayError,
+    ReplayRequest, Report, TimelinePoint, Totals, Trace, NAMESPACE,
 };
 
 /// State the threads share. Counters only: requests move through the channel.
@@ -33,23 +32,22 @@ struct Shared {
 }
 
 /// A request the scheduler is running.
-struct Running<L> {
+struct Running<R> {
     r: usize,
-    row: ReqRow,
-    lease: L,
-    hit: usize,
-    /// Tokens with a slot so far.
-    seq: usize,
+    req: R,
     kv_len: usize,
-    last_loc: u32,
+}
+
+impl<R> AsMut<R> for Running<R> {
+    fn as_mut(&mut self) -> &mut R {
+        &mut self.req
+    }
 }
 
 /// A request whose KV is complete, on its way to the output thread.
-struct Finished<L> {
+struct Finished<R> {
     r: usize,
-    row: ReqRow,
-    lease: L,
-    hit: usize,
+    req: R,
 }
 
 /// What the output thread measured.
@@ -74,11 +72,13 @@ struct RouterResult {
 /// Replay `trace` through `cache` with an overlap scheduler (issue 5, step 4).
 ///
 /// * The **scheduler** (the calling thread) admits requests in trace order while fewer
-///   than `max_running` run: match and lock the prompt, take a row, `alloc_extend` the
-///   rest. Then one decode step: a single `alloc_decode` call gives every running
-///   request one slot. Requests whose KV is complete go to the output thread.
-/// * The **output thread** finishes those requests (`cache_finished_req`: insert, free
-///   duplicates and the tail, unlock, free the row) while the scheduler allocates.
+///   than `max_running` run ([`ReplayCache::admit`]: a row, the prompt's match, locked;
+///   then [`extend`](ReplayCache::extend) by the rest of the prompt). Then one decode
+///   step: a single [`decode`](ReplayCache::decode) call gives every running request
+///   one slot. Requests whose KV is complete move to the output thread.
+/// * The **output thread** finishes those requests ([`finish`](ReplayCache::finish):
+///   insert, free duplicates and the tail, unlock, free the row) while the scheduler
+///   allocates.
 /// * **Routers** (`routers` threads) match upcoming prompts read-only, as a KV-aware
 ///   router does when a request arrives: router `k` takes requests `k, k + K, ...`, and
 ///   matches each once it is among the next `max_running` requests to be admitted
@@ -92,8 +92,8 @@ struct RouterResult {
 /// an admission still does not fit, the request waits for the next step. If a decode
 /// step does not fit, the scheduler first waits for requests that the output thread
 /// is finishing (their tokens become evictable), and otherwise retracts the most
-/// recently admitted request: its slots, lock and row are released and it goes back to
-/// the front of the waiting queue (SGLang's `retract_decode`). A request whose KV
+/// recently admitted request: it is aborted (its slots, lock and row go back) and goes
+/// back to the front of the waiting queue (SGLang's `retract_decode`). A request whose KV
 /// (rounded up to pages) exceeds the whole pool is rejected before it is admitted; so
 /// is one that cannot be admitted while nothing else holds memory.
 ///
@@ -244,16 +244,9 @@ struct Buffers {
     routers: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
-/// The scheduler's buffers, sized once.
-struct Batch {
-    seq_lens: Vec<u32>,
-    last_locs: Vec<u32>,
-    out: Vec<u32>,
-}
-
 /// What admitting one request came to.
-enum Admission<L> {
-    Admitted(Running<L>),
+enum Admission<R> {
+    Admitted(Running<R>),
     /// Not now: memory or rows are held by other requests.
     Wait,
     Rejected,
@@ -263,13 +256,11 @@ struct Scheduler<'c, C: ReplayCache> {
     cache: &'c C,
     trace: &'c Trace,
     shared: &'c Shared,
-    tx: Sender<Finished<C::Lease<'c>>>,
+    tx: Sender<Finished<C::Request>>,
     /// The router threads, to wake the one whose request enters the window.
     routers: Vec<Thread>,
     /// Requests a router may match ahead: `max_running`.
     window: usize,
-    ps: u32,
-    capacity: usize,
     prompt: Vec<u32>,
     /// The request whose prompt is in `prompt`.
     prompt_of: usize,
@@ -281,7 +272,7 @@ fn scheduler<'c, C: ReplayCache>(
     cache: &'c C,
     trace: &'c Trace,
     config: &ReplayConfig,
-    tx: Sender<Finished<C::Lease<'c>>>,
+    tx: Sender<Finished<C::Request>>,
     shared: &'c Shared,
     routers: Vec<Thread>,
     prompt: Vec<u32>,
@@ -294,19 +285,13 @@ fn scheduler<'c, C: ReplayCache>(
         tx,
         routers,
         window: router_window(config),
-        ps: cache.page_size(),
-        capacity: cache.capacity_tokens(),
         prompt,
         prompt_of: usize::MAX,
         totals: Totals::default(),
         hist: Histograms::default(),
     };
-    let mut batch = Batch {
-        seq_lens: Vec::with_capacity(max_running),
-        last_locs: Vec::with_capacity(max_running),
-        out: vec![0; max_running],
-    };
-    let mut running: Vec<Running<C::Lease<'c>>> = Vec::with_capacity(max_running);
+    let mut out = vec![0; max_running];
+    let mut running: Vec<Running<C::Request>> = Vec::with_capacity(max_running);
     let mut retracted: VecDeque<usize> = VecDeque::with_capacity(max_running);
     let mut next = 0;
     let n = trace.len();
@@ -328,7 +313,7 @@ fn scheduler<'c, C: ReplayCache>(
                 s.wake_router(next);
             }
             match run {
-                Some(run) if run.seq == run.kv_len => s.send(run)?,
+                Some(run) if run.req.len() == run.kv_len => s.send(run)?,
                 Some(run) => running.push(run),
                 None => {
                     s.totals.rejected += 1;
@@ -344,7 +329,7 @@ fn scheduler<'c, C: ReplayCache>(
             s.wait_for_output()?;
             continue;
         }
-        s.decode_step(&mut running, &mut retracted, &mut batch)?;
+        s.decode_step(&mut running, &mut retracted, &mut out)?;
     }
 }
 
@@ -358,30 +343,8 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         }
     }
 
-    fn note_peak(&mut self) {
-        let used = (self.capacity - self.cache.available_tokens()) as u64;
-        self.totals.peak_used_tokens = self.totals.peak_used_tokens.max(used);
-    }
-
-    /// Make `need` tokens free by evicting the shortfall. Returns `false`, evicting
-    /// nothing, when not even that much is evictable: the allocation is then not tried
-    /// (it would fail, and a cache that evicts inside its allocation would empty itself
-    /// for nothing). Only this thread allocates, evicts or locks, so what it frees stays
-    /// free until its allocation.
-    fn make_room(&mut self, need: usize) -> bool {
-        let available = self.cache.available_tokens();
-        if need <= available {
-            return true;
-        }
-        if need - available > self.cache.evictable_tokens() {
-            return false;
-        }
-        self.totals.evicted_tokens += self.cache.evict(need - available) as u64;
-        true
-    }
-
-    fn admit(&mut self, r: usize, alone: bool) -> Result<Admission<C::Lease<'c>>, ReplayError> {
-        let (cache, ps) = (self.cache, self.ps as usize);
+    fn admit(&mut self, r: usize, alone: bool) -> Result<Admission<C::Request>, ReplayError> {
+        let cache = self.cache;
         let q = self.trace.request(r);
         let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
         if !fits_in_pool(cache, kv_len) {
@@ -397,45 +360,25 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             self.trace.write_prompt(r, &mut self.prompt);
             self.prompt_of = r;
         }
-        let Ok(mut row) = cache.req_pool().alloc() else {
-            return Ok(Admission::Wait);
-        };
-        let t = Instant::now();
-        let (hit, lease) = cache
-            .match_and_lock_row(NAMESPACE, &self.prompt[..prompt], &mut row)
-            .map_err(|e| ReplayError::internal("match into the row", e))?;
-        self.hist.match_.record_since(t);
-        let fits = self.make_room(new_pages(self.ps, hit as u32, prompt as u32) as usize * ps);
-        let res = if fits {
-            let t = Instant::now();
-            let res = cache.alloc_extend_row(&mut row, hit, prompt);
-            self.hist.alloc_extend.record_since(t);
-            res.map(|()| true)
-        } else {
-            Ok(false)
-        };
-        let admitted = match res {
-            Ok(admitted) => admitted,
-            Err(e) => {
-                out_of_memory(&e, "alloc_extend")?;
-                false
+        // Only this thread allocates, evicts or locks, so what the prefill evicts stays
+        // free until its allocation.
+        let (prompt, totals, hist) = (&self.prompt[..prompt], &mut self.totals, &mut self.hist);
+        match prefill(cache, &mut Attention, NAMESPACE, prompt, totals, hist)? {
+            Prefill::Running(req) => Ok(Admission::Admitted(Running { r, req, kv_len })),
+            Prefill::NoRow => Ok(Admission::Wait),
+            Prefill::Refused => Ok(Admission::Wait),
+            Prefill::OutOfMemory(req) => {
+                cache.abort(req);
+                let nobody_else = alone && pending_before == 0;
+                Ok(if nobody_else { Admission::Rejected } else { Admission::Wait })
             }
-        };
-        if !admitted {
-            release(cache, row, 0..0)?;
-            cache.unlock(lease);
-            let nobody_else = alone && pending_before == 0;
-            return Ok(if nobody_else { Admission::Rejected } else { Admission::Wait });
         }
-        self.note_peak();
-        let last_loc = last_slot(cache, &row, prompt)?;
-        Ok(Admission::Admitted(Running { r, row, lease, hit, seq: prompt, kv_len, last_loc }))
     }
 
     /// Hand a complete request to the output thread.
-    fn send(&mut self, run: Running<C::Lease<'c>>) -> Result<(), ReplayError> {
+    fn send(&mut self, run: Running<C::Request>) -> Result<(), ReplayError> {
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
-        let finished = Finished { r: run.r, row: run.row, lease: run.lease, hit: run.hit };
+        let finished = Finished { r: run.r, req: run.req };
         self.tx.send(finished).map_err(|_| ReplayError::Internal("the output thread stopped".into()))
     }
 
@@ -459,41 +402,18 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         Ok(())
     }
 
-    /// Give up a running request's memory: its slots past the cached prefix, its lock
-    /// and its row.
-    fn release_running(&mut self, run: Running<C::Lease<'c>>) -> Result<(), ReplayError> {
-        release(self.cache, run.row, run.hit..run.seq)?;
-        self.cache.unlock(run.lease);
-        Ok(())
-    }
-
-    /// One decode step: one slot for every running request, in one `alloc_decode`.
+    /// One decode step: one slot for every running request, in one `decode`.
     fn decode_step(
         &mut self,
-        running: &mut Vec<Running<C::Lease<'c>>>,
+        running: &mut Vec<Running<C::Request>>,
         retracted: &mut VecDeque<usize>,
-        b: &mut Batch,
+        out: &mut [u32],
     ) -> Result<(), ReplayError> {
-        let cache = self.cache;
-        b.seq_lens.clear();
-        b.last_locs.clear();
-        for run in running.iter() {
-            b.seq_lens.push(run.seq as u32 + 1);
-            b.last_locs.push(run.last_loc);
-        }
         loop {
             // As in `admit`: whether anyone else could hold memory during the attempt.
             let pending_before = self.shared.pending.load(Ordering::Acquire);
-            let need: usize = b.seq_lens.iter().map(|&s| decode_need(self.ps, s)).sum();
-            if self.make_room(need) {
-                let m = running.len();
-                let t = Instant::now();
-                let res = cache.alloc_decode(&b.seq_lens, &b.last_locs, &mut b.out[..m]);
-                self.hist.alloc_decode.record_since(t);
-                match res {
-                    Ok(()) => break,
-                    Err(e) => out_of_memory(&e, "alloc_decode")?,
-                }
+            if decode_step(self.cache, &mut Attention, running, out, &mut self.totals, &mut self.hist)? {
+                break;
             }
             if pending_before > 0 {
                 // Requests being finished will free or unlock their tokens.
@@ -502,10 +422,8 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             }
             // Retract the most recently admitted request.
             let Some(victim) = running.pop() else { return Ok(()) };
-            b.seq_lens.pop();
-            b.last_locs.pop();
             let r = victim.r;
-            self.release_running(victim)?;
+            self.cache.abort(victim.req);
             if running.is_empty() {
                 // It could not decode alone with nothing else holding memory.
                 self.totals.rejected += 1;
@@ -515,17 +433,9 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
             retracted.push_front(r);
             self.totals.retracted += 1;
         }
-        if b.seq_lens.iter().any(|&s| decode_need(self.ps, s) > 0) {
-            self.note_peak();
-        }
-        for (run, &slot) in running.iter_mut().zip(&b.out) {
-            write_row(cache, &mut run.row, run.seq, &[slot])?;
-            run.seq += 1;
-            run.last_loc = slot;
-        }
         let mut k = 0;
         while k < running.len() {
-            if running[k].seq == running[k].kv_len {
+            if running[k].req.len() == running[k].kv_len {
                 let run = running.remove(k);
                 self.send(run)?;
             } else {
@@ -536,15 +446,11 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
     }
 }
 
-fn write_row<C: ReplayCache>(cache: &C, row: &mut ReqRow, start: usize, slots: &[u32]) -> Result<(), ReplayError> {
-    cache.req_pool().write(row, start, slots).map_err(|e| ReplayError::internal("write row", e))
-}
-
-fn output_thread<'c, C: ReplayCache>(
-    cache: &'c C,
+fn output_thread<C: ReplayCache>(
+    cache: &C,
     trace: &Trace,
     config: &ReplayConfig,
-    rx: Receiver<Finished<C::Lease<'c>>>,
+    rx: Receiver<Finished<C::Request>>,
     shared: &Shared,
     progress: &(dyn Fn(u64) + Sync),
     tokens: Vec<u32>,
@@ -556,16 +462,15 @@ fn output_thread<'c, C: ReplayCache>(
     result
 }
 
-fn output_loop<'c, C: ReplayCache>(
-    cache: &'c C,
+fn output_loop<C: ReplayCache>(
+    cache: &C,
     trace: &Trace,
     config: &ReplayConfig,
-    rx: &Receiver<Finished<C::Lease<'c>>>,
+    rx: &Receiver<Finished<C::Request>>,
     shared: &Shared,
     progress: &(dyn Fn(u64) + Sync),
     mut tokens: Vec<u32>,
 ) -> Result<OutputResult, ReplayError> {
-    let ps = cache.page_size() as usize;
     let capacity = cache.capacity_tokens();
     let mut out = OutputResult::default();
     if config.timeline {
@@ -576,19 +481,13 @@ fn output_loop<'c, C: ReplayCache>(
     }
     for f in rx.iter() {
         let q = trace.request(f.r);
-        let kv_len = q.kv_len();
         trace.write_kv_tokens(f.r, &mut tokens);
+        let job = Job { tokens: &tokens[..q.kv_len()], prompt: q.input_length as usize, output: q.output_length };
         let t = Instant::now();
-        let cached = cache.cache_finished_req(NAMESPACE, &tokens[..kv_len], f.row, f.lease)?;
+        finish_served(cache, f.req, &job, &mut out.totals)?;
         out.finish.record_since(t);
         shared.pending.fetch_sub(1, Ordering::AcqRel);
-        let aligned = kv_len / ps * ps;
-        let t = &mut out.totals;
-        t.added_tokens += (aligned - cached.min(aligned)) as u64;
-        t.served += 1;
-        t.prompt_tokens += q.input_length as u64;
-        t.hit_tokens += f.hit as u64;
-        t.output_tokens += q.output_length as u64;
+        let t = &out.totals;
         let done = shared.done_requests.fetch_add(1, Ordering::Relaxed) + 1;
         if config.timeline {
             out.timeline.push(TimelinePoint {

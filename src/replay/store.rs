@@ -47,11 +47,14 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::hicache::{settle, transfer_seconds, HostReport, HostTierConfig, KvHiReplay};
-use super::sequential::{release, serve, write_row};
+use super::rows::{
+    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, make_room_rows as make_room, release,
+    serve, write_row, RowCache,
+};
 use super::stats::thousands;
 use super::{
-    buffer, finish_report, fits_in_pool, make_room, Histograms, LatencyHistogram, Percentiles, ReplayCache,
-    ReplayConfig, ReplayError, Report, Totals, Trace, TraceRequest, NAMESPACE,
+    buffer, Histograms, LatencyHistogram, Percentiles, ReplayConfig, ReplayError, Report, Totals, Trace, TraceRequest,
+    NAMESPACE,
 };
 use crate::radix::{page_hash, BlockHash, HiRadixCache, HostTier, RadixConfig};
 use crate::store::{BackoffConfig, Miss, PageStore, StoreError};

@@ -16,11 +16,11 @@ use crate::error::{AllocError, FreeError, InvariantViolation};
 use crate::radix::{Lease, RadixConfig, Swa, SwaRadixCache};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 
-use super::sequential::{release, serve, write_row, PROGRESS_EVERY};
-use super::{
-    buffer, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report, TimelinePoint,
-    Totals, Trace, NAMESPACE,
+use super::rows::{
+    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, release, serve, write_row, RowCache,
 };
+use super::sequential::PROGRESS_EVERY;
+use super::{buffer, Histograms, ReplayConfig, ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE};
 
 /// Default sliding window: gpt-oss-20b/120b's `sliding_window` (128 tokens; their
 /// layers alternate sliding-window and full attention).
@@ -188,7 +188,7 @@ pub(crate) fn replay_swa(
 /// callback has evicted both pools' shortfall before.
 struct Full<'c>(&'c SwaRadixCache);
 
-impl<'c> ReplayCache for Full<'c> {
+impl<'c> RowCache for Full<'c> {
     type Lease<'a>
         = Lease<'c, SwaAllocator, Swa>
     where

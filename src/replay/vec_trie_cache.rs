@@ -4,10 +4,11 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::baseline::vec_trie::{VecTrieCache, VecTrieNode};
-use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::error::{AllocError, InvariantViolation};
+use crate::req_to_token::ReqToTokenPool;
 
-use super::{ReplayCache, ReplayError};
+use super::cache::Rows;
+use super::{BaselineRequest, ReplayCache, ReplayError};
 
 /// [`VecTrieCache`] (trie, leaf LRU and `Vec` free list of pages) behind a [`Mutex`],
 /// with its request rows: the second baseline the replay compares kvpool against.
@@ -21,29 +22,27 @@ use super::{ReplayCache, ReplayError};
 /// # Examples
 ///
 /// ```
-/// use kvpool::replay::{ReplayCache, VecTrieReplayCache};
+/// use kvpool::replay::{ReplayCache, ReplayRequest, VecTrieReplayCache};
 ///
 /// let cache = VecTrieReplayCache::new(64, 4, 1, 32)?;
 /// let tokens: Vec<u32> = (100..110).collect();
-/// let mut slots = vec![0u32; 10];
-/// let (hit, lease) = cache.match_and_lock(0, &tokens, &mut slots);
-/// assert_eq!(hit, 0);
-/// let mut row = cache.req_pool().alloc()?;
-/// cache.alloc_extend(&[0], &[10], &[0], &mut slots)?;
-/// cache.req_pool().write(&mut row, 0, &slots)?;
+/// let mut req = cache.admit(0, &tokens)?;
+/// assert_eq!(req.cached_len(), 0);
+/// cache.extend(&mut req, 10)?;
 /// // Finishing caches the 8 page-aligned tokens and frees the 2-token tail.
-/// cache.cache_finished_req(0, &tokens, row, lease)?;
+/// cache.finish(req, &tokens)?;
 /// assert_eq!(cache.cached_tokens(), 8);
 /// assert_eq!(cache.available_tokens(), 64 - 8);
-/// let (hit, lease) = cache.match_and_lock(0, &tokens, &mut slots);
-/// assert_eq!((hit, &slots[..8]), (8, &[4, 5, 6, 7, 8, 9, 10, 11][..]));
-/// cache.unlock(lease);
+/// // The cached pages, expanded into slots.
+/// let mut slots = [0u32; 10];
+/// assert_eq!(cache.peek_prefix(0, &tokens, &mut slots), 8);
+/// assert_eq!(&slots[..8], &[4, 5, 6, 7, 8, 9, 10, 11]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
 pub struct VecTrieReplayCache {
     inner: Mutex<Inner>,
-    req_pool: ReqToTokenPool,
+    rows: Rows,
     page_size: u32,
     capacity: usize,
 }
@@ -80,13 +79,42 @@ impl VecTrieReplayCache {
         let trie = VecTrieCache::new(capacity_tokens, page_size)?;
         let req_pool = ReqToTokenPool::new(rows, max_context_len)?;
         let capacity = trie.num_pages() as usize * page_size as usize;
-        Ok(VecTrieReplayCache { inner: Mutex::new(Inner { trie, pages: Vec::new() }), req_pool, page_size, capacity })
+        let inner = Mutex::new(Inner { trie, pages: Vec::new() });
+        Ok(VecTrieReplayCache { inner, rows: Rows::new(req_pool), page_size, capacity })
     }
 
     fn inner(&self) -> MutexGuard<'_, Inner> {
         // The trie is left consistent between calls; a panic elsewhere already failed
         // the replay.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Cache a finished request's `token_ids` whose slots are `kv` under `lease`: the
+    /// trie takes the whole pages (read back as each page's first slot), the unaligned
+    /// tail is freed. Returns how many leading tokens were cached already.
+    fn cache(&self, namespace: u64, token_ids: &[u32], kv: &[u32], lease: VecTrieLease) -> Result<usize, ReplayError> {
+        let ps = self.page_size;
+        let aligned = token_ids.len() / ps as usize * ps as usize;
+        let mut g = self.inner();
+        let Inner { trie, pages } = &mut *g;
+        pages.clear();
+        if ps == 1 {
+            pages.extend_from_slice(&kv[..aligned]);
+        } else {
+            for &first in kv[..aligned].iter().step_by(ps as usize) {
+                let page = trie.page_of(first);
+                if page * ps != first {
+                    let e = format!("slot {first} does not start a page");
+                    return Err(ReplayError::internal("finish", e));
+                }
+                pages.push(page);
+            }
+        }
+        let prefix = trie
+            .finish(namespace, &token_ids[..aligned], pages, lease.len, lease.node)
+            .map_err(|e| ReplayError::internal("finish", e))?;
+        trie.free_slots(&kv[aligned..]).map_err(|e| ReplayError::internal("free the unaligned tail", e))?;
+        Ok(prefix)
     }
 
     /// Write the slots of `pages` into `out`.
@@ -105,10 +133,7 @@ impl VecTrieReplayCache {
 }
 
 impl ReplayCache for VecTrieReplayCache {
-    type Lease<'a>
-        = VecTrieLease
-    where
-        Self: 'a;
+    type Request = BaselineRequest<VecTrieLease>;
 
     fn name(&self) -> &'static str {
         "vectrie"
@@ -129,20 +154,41 @@ impl ReplayCache for VecTrieReplayCache {
         self.inner().trie.cached_tokens()
     }
     fn req_pool(&self) -> &ReqToTokenPool {
-        &self.req_pool
+        self.rows.pool()
     }
-    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, VecTrieLease) {
-        let mut g = self.inner();
-        let Inner { trie, pages } = &mut *g;
-        pages.clear();
-        let m = trie.match_prefix(namespace, key, pages);
-        // A handle fresh from a match is live: locking it cannot fail. Should it, the
-        // request goes on without a cached prefix.
-        if trie.lock(m.node).is_err() {
-            return (0, VecTrieLease { node: VecTrieNode::EMPTY, len: 0 });
-        }
-        self.expand(pages, &mut out[..m.len]);
-        (m.len, VecTrieLease { node: m.node, len: m.len })
+    fn admit(&self, namespace: u64, prompt: &[u32]) -> Result<Self::Request, AllocError> {
+        self.rows.admit(namespace, prompt, |key, out| {
+            let mut g = self.inner();
+            let Inner { trie, pages } = &mut *g;
+            pages.clear();
+            let m = trie.match_prefix(namespace, key, pages);
+            // A handle fresh from a match is live: locking it cannot fail. Should it,
+            // the request goes on without a cached prefix.
+            if trie.lock(m.node).is_err() {
+                return (0, VecTrieLease { node: VecTrieNode::EMPTY, len: 0 });
+            }
+            self.expand(pages, &mut out[..m.len]);
+            (m.len, VecTrieLease { node: m.node, len: m.len })
+        })
+    }
+    fn extend(&self, req: &mut Self::Request, n: usize) -> Result<(), AllocError> {
+        self.rows.extend(req, n, |p, s, l, out| self.inner().trie.alloc_extend(p, s, l, out))
+    }
+    fn decode<R: AsMut<Self::Request>>(&self, batch: &mut [R], out: &mut [u32]) -> Result<(), AllocError> {
+        self.rows.decode(batch, out, |s, l, out| self.inner().trie.alloc_decode(s, l, out))
+    }
+    fn finish(&self, req: Self::Request, kv_tokens: &[u32]) -> Result<usize, ReplayError> {
+        self.rows.finish(
+            req,
+            kv_tokens,
+            |namespace, tokens, kv, lease| self.cache(namespace, tokens, kv, lease),
+            |req| self.abort(req),
+        )
+    }
+    fn abort(&self, req: Self::Request) {
+        let lease = self.rows.release(req, |own| self.inner().trie.free_slots(own));
+        // The lease's node is locked, so it cannot have been evicted: this cannot fail.
+        let _ = self.inner().trie.unlock(lease.node);
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         let mut g = self.inner();
@@ -155,58 +201,6 @@ impl ReplayCache for VecTrieReplayCache {
     fn evict(&self, num_tokens: usize) -> usize {
         let ps = self.page_size as usize;
         self.inner().trie.evict(num_tokens.div_ceil(ps)) * ps
-    }
-    fn alloc_extend(
-        &self,
-        prefix_lens: &[u32],
-        seq_lens: &[u32],
-        last_locs: &[u32],
-        out: &mut [u32],
-    ) -> Result<(), AllocError> {
-        self.inner().trie.alloc_extend(prefix_lens, seq_lens, last_locs, out)
-    }
-    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.inner().trie.alloc_decode(seq_lens, last_locs, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.inner().trie.free_slots(slots)
-    }
-    fn unlock(&self, lease: VecTrieLease) {
-        // The lease's node is locked, so it cannot have been evicted: this cannot fail.
-        let _ = self.inner().trie.unlock(lease.node);
-    }
-    fn cache_finished_req(
-        &self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: VecTrieLease,
-    ) -> Result<usize, ReplayError> {
-        let ps = self.page_size;
-        let kv = self.req_pool.read(&row, 0..token_ids.len()).map_err(|e| ReplayError::internal("read row", e))?;
-        let aligned = token_ids.len() / ps as usize * ps as usize;
-        let mut g = self.inner();
-        let Inner { trie, pages } = &mut *g;
-        pages.clear();
-        if ps == 1 {
-            pages.extend_from_slice(&kv[..aligned]);
-        } else {
-            for &first in kv[..aligned].iter().step_by(ps as usize) {
-                let page = trie.page_of(first);
-                if page * ps != first {
-                    let e = format!("slot {first} does not start a page");
-                    return Err(ReplayError::internal("cache_finished_req", e));
-                }
-                pages.push(page);
-            }
-        }
-        let prefix = trie
-            .finish(namespace, &token_ids[..aligned], pages, lease.len, lease.node)
-            .map_err(|e| ReplayError::internal("cache_finished_req", e))?;
-        trie.free_slots(&kv[aligned..]).map_err(|e| ReplayError::internal("free the unaligned tail", e))?;
-        drop(g);
-        self.req_pool.free(row).map_err(|e| ReplayError::internal("free row", e))?;
-        Ok(prefix)
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.inner().trie.check_invariants()
@@ -286,15 +280,13 @@ mod tests {
         // Two rows: a refused finish does not give its row back (the replay stops).
         let cache = VecTrieReplayCache::new(64, 4, 2, 16).unwrap();
         let tokens: Vec<u32> = (0..8).collect();
-        let (_, lease) = cache.match_and_lock(0, &tokens, &mut [0; 8]);
-        let mut row = cache.req_pool().alloc().unwrap();
         // Slots that do not start a page, then pages nobody allocated.
-        cache.req_pool().write(&mut row, 0, &[5, 6, 7, 8, 9, 10, 11, 12]).unwrap();
-        assert!(matches!(cache.cache_finished_req(0, &tokens, row, lease), Err(ReplayError::Internal(_))));
-        let (_, lease) = cache.match_and_lock(0, &tokens, &mut [0; 8]);
-        let mut row = cache.req_pool().alloc().unwrap();
-        cache.req_pool().write(&mut row, 0, &[4, 5, 6, 7, 8, 9, 10, 11]).unwrap();
-        assert!(matches!(cache.cache_finished_req(0, &tokens, row, lease), Err(ReplayError::Internal(_))));
+        for bad in [[5, 6, 7, 8, 9, 10, 11, 12], [4, 5, 6, 7, 8, 9, 10, 11]] {
+            let mut req = cache.admit(0, &tokens).unwrap();
+            cache.req_pool().write(&mut req.row, 0, &bad).unwrap();
+            req.len = 8;
+            assert!(matches!(cache.finish(req, &tokens), Err(ReplayError::Internal(_))));
+        }
         assert_eq!((cache.cached_tokens(), cache.available_tokens()), (0, 64));
         cache.check_invariants().unwrap();
     }

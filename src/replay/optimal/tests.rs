@@ -32,7 +32,7 @@ fn kvpool(trace: &Trace, c: &ReplayConfig, policy: EvictionPolicy) -> SimTotals 
         .unwrap()
         .with_partial_eviction(c.partial_evict);
     let c = ReplayConfig { policy, ..c.clone() };
-    let r = run_sequential(&cache, trace, &c, &|_| {}).unwrap();
+    let r = run_sequential(&std::sync::Arc::new(cache), trace, &c, &|_| {}).unwrap();
     SimTotals {
         served: r.requests - r.rejected,
         rejected: r.rejected,
