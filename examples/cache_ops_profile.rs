@@ -79,7 +79,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kvpool" => {
             // Check the configuration once, so that a bad one is an error, not a panic.
             let make = || {
-                let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
+                let config =
+                    RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
                 let rows = ReqToTokenPool::new(1, max_kv)?;
                 RadixCache::new(PagedAllocator::new(capacity, page_size)?, rows, config).map(Arc::new)
             };
