@@ -1,5 +1,6 @@
-//! Model-based test: the concurrent RadixCache against the simple reference tree on
-//! random operation sequences (see `kvpool::models::radix`).
+//! Model-based test: the concurrent RadixCache, driven through the request contract,
+//! against the simple reference tree on random operation sequences (see
+//! `kvpool::models::radix`).
 #![cfg(all(not(loom), feature = "models"))]
 
 use kvpool::models::radix::{run, RadixOp};
@@ -11,20 +12,32 @@ fn key() -> impl Strategy<Value = Vec<u8>> {
 
 fn op() -> impl Strategy<Value = RadixOp> {
     prop_oneof![
-        3 => (key(), any::<bool>()).prop_map(|(key, ns)| RadixOp::Start { key, ns }),
-        2 => (any::<u8>(), any::<i8>()).prop_map(|(req, prio)| RadixOp::Finish { req, prio }),
-        1 => any::<u8>().prop_map(|req| RadixOp::Chunk { req }),
-        1 => any::<u8>().prop_map(|req| RadixOp::Abort { req }),
-        2 => (key(), any::<bool>(), any::<i8>()).prop_map(|(key, ns, prio)| RadixOp::Insert { key, ns, prio }),
-        2 => (key(), any::<bool>()).prop_map(|(key, ns)| RadixOp::Match { key, ns }),
-        2 => (key(), any::<bool>()).prop_map(|(key, ns)| RadixOp::Peek { key, ns }),
+        3 => (key(), any::<u8>(), any::<u8>()).prop_map(|(key, tenant, prefill)| RadixOp::Start { key, tenant, prefill }),
+        2 => (any::<u8>(), any::<u8>(), any::<u8>()).prop_map(|(req, n, seed)| RadixOp::Extend { req, n, seed }),
+        2 => (any::<u8>(), any::<u8>()).prop_map(|(mask, token)| RadixOp::Decode { mask, token }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(req, cut)| RadixOp::Checkpoint { req, cut }),
+        2 => (any::<u8>(), any::<i8>(), any::<u8>())
+            .prop_map(|(req, prio, miscount)| RadixOp::Finish { req, prio, miscount }),
+        1 => (any::<u8>(), any::<bool>()).prop_map(|(req, drop)| RadixOp::Abort { req, drop }),
+        2 => (key(), any::<u8>(), any::<i8>()).prop_map(|(key, tenant, prio)| RadixOp::Serve { key, tenant, prio }),
+        2 => (key(), any::<u8>()).prop_map(|(key, tenant)| RadixOp::Match { key, tenant }),
+        2 => (key(), any::<u8>()).prop_map(|(key, tenant)| RadixOp::Peek { key, tenant }),
         1 => any::<u8>().prop_map(|n| RadixOp::Evict { n }),
         1 => Just(RadixOp::Reset),
     ]
 }
 
+/// Cases: 256 in a debug build, 2048 optimised; `PROPTEST_CASES` overrides both.
+fn cases(debug: u32, release: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(if cfg!(debug_assertions) {
+        debug
+    } else {
+        release
+    })
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: if cfg!(debug_assertions) { 256 } else { 2048 }, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(256, 2048), ..ProptestConfig::default() })]
 
     #[test]
     fn radix_cache_matches_reference(
@@ -40,7 +53,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(256, 256), ..ProptestConfig::default() })]
 
     /// The fuzz target's reading of its input and its check schedule.
     #[test]
@@ -53,18 +66,34 @@ proptest! {
     }
 }
 
-/// A fixed sequence through every operation, for every page size and policy. (That the
-/// model can fail was checked by planting bugs in the eviction heap: it reports them
-/// within a few steps.)
+/// A fixed sequence through every operation, for every page size and policy: two
+/// requests decoding in one batch, a checkpoint, refused finishes, a salted request
+/// that must not see the unsalted one's KV, a bigram request, a refused reset. (That
+/// the model can fail was checked by planting bugs in the eviction heap: it reports
+/// them within a few steps.)
 #[test]
 fn scripted_sequence_agrees() {
+    let prompt = vec![1, 2, 0, 1, 2, 0, 0, 1, 1];
     let ops = vec![
-        RadixOp::Insert { key: vec![1, 2, 0, 1], ns: false, prio: 0 },
-        RadixOp::Start { key: vec![1, 2, 0, 0], ns: false },
-        RadixOp::Match { key: vec![1, 2, 0], ns: false },
-        RadixOp::Chunk { req: 0 },
-        RadixOp::Finish { req: 0, prio: 3 },
+        RadixOp::Serve { key: vec![1, 2, 0, 1], tenant: 0, prio: 0 },
+        RadixOp::Start { key: prompt.clone(), tenant: 0, prefill: 1 },
+        RadixOp::Start { key: prompt.clone(), tenant: 0b010, prefill: 1 },
+        RadixOp::Decode { mask: 0b11, token: 0x81 },
+        RadixOp::Reset,
+        RadixOp::Match { key: vec![1, 2, 0], tenant: 0 },
+        RadixOp::Checkpoint { req: 0, cut: 7 },
+        RadixOp::Extend { req: 1, n: 3, seed: 2 },
+        RadixOp::Finish { req: 0, prio: 3, miscount: 1 },
+        RadixOp::Peek { key: prompt.clone(), tenant: 0b010 },
+        RadixOp::Finish { req: 0, prio: 0, miscount: 2 },
+        RadixOp::Start { key: prompt.clone(), tenant: 0b11_000, prefill: 2 },
+        RadixOp::Decode { mask: 1, token: 0 },
+        RadixOp::Finish { req: 0, prio: 0, miscount: 0 },
+        RadixOp::Serve { key: prompt, tenant: 0b11_000, prio: 1 },
+        RadixOp::Start { key: vec![2, 2, 2, 2, 2], tenant: 1, prefill: 4 },
+        RadixOp::Abort { req: 0, drop: true },
         RadixOp::Evict { n: 1 },
+        RadixOp::Reset,
     ];
     for ps in 0..3 {
         for policy in 0..6 {
