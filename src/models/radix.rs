@@ -167,26 +167,41 @@ pub enum RadixOp {
     Reset,
 }
 
-/// The cache key a `tenant` byte names: bit 0 is the extra key (0 or 1), bits 1 and
-/// 2 a salt (none, 1 or 2; both bits set is none), and bits 3 and 4 both set make it an
-/// EAGLE bigram key.
+/// The cache keys requests use: the default key, extra key 1, salts 1 and 2, an EAGLE
+/// bigram key, and a bigram key with salt 1.
+pub const KEYS: [CacheKey; 6] = [
+    CacheKey { extra: 0, salt: 0, bigram: false },
+    CacheKey { extra: 1, salt: 0, bigram: false },
+    CacheKey { extra: 0, salt: 1, bigram: false },
+    CacheKey { extra: 0, salt: 2, bigram: false },
+    CacheKey { extra: 0, salt: 0, bigram: true },
+    CacheKey { extra: 0, salt: 1, bigram: true },
+];
+
+/// The cache key a `tenant` byte names: the default key unless its two low bits are
+/// both set (one byte in four); then one of the other five [`KEYS`], by the rest of the
+/// byte modulo 5.
 ///
 /// # Examples
 ///
 /// ```
-/// use kvpool::models::radix::cache_key;
+/// use kvpool::models::radix::{cache_key, KEYS};
 /// use kvpool::radix::CacheKey;
-/// assert_eq!(cache_key(0), CacheKey::default());
-/// assert_eq!(cache_key(0b11_101), CacheKey { extra: 1, salt: 2, bigram: true });
+/// assert_eq!(cache_key(0b0110), CacheKey::default());
+/// assert_eq!(cache_key(0b0011), KEYS[1]);
+/// assert_eq!(cache_key(0b1111), CacheKey { extra: 0, salt: 0, bigram: true });
 /// ```
 pub fn cache_key(tenant: u8) -> CacheKey {
-    CacheKey { extra: u64::from(tenant & 1), salt: u64::from((tenant >> 1) & 3) % 3, bigram: (tenant >> 3) & 3 == 3 }
+    if tenant & 3 != 3 {
+        return KEYS[0];
+    }
+    KEYS[1 + (tenant >> 2) as usize % 5]
 }
 
 /// The reference tree's namespace for a key: one per extra key, salt and (for a
 /// bigram key) first token.
 fn ref_namespace(key: CacheKey, tokens: &[u32]) -> u64 {
-    let bigram = if key.bigram { 1 + tokens.first().map_or(u64::from(ALPHABET), |&t| u64::from(t)) } else { 0 };
+    let bigram = if key.bigram { tokens.first().map_or(1 << 33, |&t| 1 + u64::from(t)) } else { 0 };
     key.extra + 2 * key.salt + 6 * bigram
 }
 
@@ -228,7 +243,16 @@ struct Run {
     pages: usize,
 }
 
+/// The tokens of a key: when the first seed has bit 6 set, a prefix (as long as the
+/// other seeds) of one of four fixed sequences that share their first 2, 4 or 8 tokens,
+/// so that keys are often prefixes of each other; otherwise one token of a tiny alphabet
+/// per seed.
 fn tokens(seeds: &[u8], ps: usize) -> Vec<u32> {
+    if let Some(&s) = seeds.first().filter(|&&s| s & 0x40 != 0) {
+        let shared = [MAX_KEY, 2, 4, 8][s as usize % 4];
+        let len = (seeds.len() - 1).min(MAX_KEY);
+        return (0..len).map(|i| if i < shared { i as u32 % 3 } else { 3 + s as u32 % 4 }).collect();
+    }
     let mut t: Vec<u32> = seeds.iter().take(MAX_KEY).map(|&s| (s % ALPHABET) as u32).collect();
     if ps > 1 && t.len() > ps && seeds.first().is_some_and(|s| s & 0x80 != 0) {
         // sometimes cut to whole pages, so keys that end on a page boundary happen too
