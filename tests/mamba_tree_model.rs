@@ -1,6 +1,7 @@
-//! Model-based test: `MambaRadixCache` against the simple `ReferenceMambaCache` on random
-//! operation sequences (see `kvpool::models::mamba`): every op's result,
-//! the sizes, the leaf paths, the state slots and the invariants agree after every step.
+//! Model-based test: `MambaRadixCache`, driven through the request contract, against the
+//! simple `ReferenceMambaCache` on random operation sequences (see
+//! `kvpool::models::mamba`): every op's result, the sizes, the accounting, the leaf
+//! paths, the state slots and the invariants agree after every step.
 #![cfg(all(not(loom), feature = "models"))]
 
 use kvpool::models::mamba::{from_fuzz_input, run, run_with, MambaOp, Shape, FUZZ_FULL_CHECK_EVERY, MAX_FUZZ_OPS};
@@ -21,16 +22,15 @@ fn key() -> impl Strategy<Value = Vec<u8>> {
 
 fn op() -> impl Strategy<Value = MambaOp> {
     prop_oneof![
-        3 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Start { key, ns }),
-        2 => (any::<u8>(), any::<u8>()).prop_map(|(req, cut)| MambaOp::Finish { req, cut }),
-        1 => any::<u8>().prop_map(|req| MambaOp::Chunk { req }),
-        2 => any::<u8>().prop_map(|req| MambaOp::Abort { req }),
-        4 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Insert { key, ns }),
-        1 => (key(), any::<u8>()).prop_map(|(key, which)| MambaOp::InsertForeign { key, which }),
+        3 => (key(), any::<bool>(), any::<u8>()).prop_map(|(key, ns, prefill)| MambaOp::Start { key, ns, prefill }),
+        1 => (any::<u8>(), any::<u8>(), any::<u8>()).prop_map(|(req, n, seed)| MambaOp::Extend { req, n, seed }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(mask, token)| MambaOp::Decode { mask, token }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(req, at)| MambaOp::SaveState { req, at }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(req, at)| MambaOp::Checkpoint { req, at }),
+        2 => (any::<u8>(), any::<u8>(), any::<u8>()).prop_map(|(req, cut, miscount)| MambaOp::Finish { req, cut, miscount }),
+        2 => (any::<u8>(), any::<bool>()).prop_map(|(req, drop)| MambaOp::Abort { req, drop }),
+        4 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Serve { key, ns }),
         2 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Match { key, ns }),
-        1 => any::<u8>().prop_map(|which| MambaOp::LockMatch { which }),
-        1 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Lock { key, ns }),
-        2 => any::<u8>().prop_map(|which| MambaOp::Release { which }),
         1 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Peek { key, ns }),
         1 => any::<u8>().prop_map(|n| MambaOp::Evict { n }),
         2 => any::<u8>().prop_map(|n| MambaOp::EvictMamba { n }),
@@ -40,8 +40,18 @@ fn op() -> impl Strategy<Value = MambaOp> {
     ]
 }
 
+/// Cases: `debug` in a debug build, `release` optimised; `PROPTEST_CASES` overrides
+/// both.
+fn cases(debug: u32, release: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(if cfg!(debug_assertions) {
+        debug
+    } else {
+        release
+    })
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: if cfg!(debug_assertions) { 384 } else { 4096 }, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(384, 4096), ..ProptestConfig::default() })]
 
     /// LRU (SGLang's only policy for this tree), page sizes 1, 2, 4.
     #[test]
@@ -72,7 +82,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: if cfg!(debug_assertions) { 128 } else { 16384 }, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(128, 16384), ..ProptestConfig::default() })]
 
     /// The fuzz target's reading of its input and its check schedule.
     #[test]
@@ -85,25 +95,32 @@ proptest! {
 }
 
 /// A fixed sequence through every operation, at every page size and policy: a
-/// tombstone made by a split and revived by a request that checkpoints there, a chunk,
-/// a finish past its checkpoint, a stale match, state pressure.
+/// tombstone made by a split and revived by a request that checkpoints there, a
+/// chunked prefill, two requests decoding in one batch, a finish past its checkpoint,
+/// refused finishes (a wrong count, a state saved past its tokens), state pressure.
 #[test]
 fn scripted_sequence_agrees() {
     let k = |v: &[u8]| v.to_vec();
     let ops = vec![
-        MambaOp::Insert { key: k(&[1, 2, 0, 1, 2, 2, 1, 0]), ns: false },
+        MambaOp::Serve { key: k(&[1, 2, 0, 1, 2, 2, 1, 0]), ns: false },
         MambaOp::Match { key: k(&[1, 2, 0, 1, 0, 0]), ns: false },
-        MambaOp::Start { key: k(&[1, 2, 0, 1, 1, 1, 1, 1]), ns: false },
-        MambaOp::Chunk { req: 0 },
-        MambaOp::Insert { key: k(&[1, 2, 0, 1]), ns: false },
-        MambaOp::LockMatch { which: 0 },
+        MambaOp::Start { key: k(&[1, 2, 0, 1, 1, 1, 1, 1]), ns: false, prefill: 4 },
+        MambaOp::Checkpoint { req: 0, at: 0 },
+        MambaOp::Extend { req: 0, n: 7, seed: 1 },
+        MambaOp::Start { key: k(&[1, 2, 0, 1, 2, 2]), ns: true, prefill: 1 },
+        MambaOp::Decode { mask: 3, token: 2 },
+        MambaOp::Serve { key: k(&[1, 2, 0, 1]), ns: false },
         MambaOp::HoldState,
         MambaOp::HoldState,
         MambaOp::EvictMamba { n: 1 },
-        MambaOp::Finish { req: 0, cut: 3 },
-        MambaOp::Release { which: 0 },
-        MambaOp::InsertForeign { key: k(&[2, 2]), which: 3 },
+        MambaOp::Finish { req: 0, cut: 3, miscount: 1 },
+        MambaOp::SaveState { req: 0, at: 0x87 },
+        MambaOp::Finish { req: 0, cut: 255, miscount: 2 },
+        MambaOp::Checkpoint { req: 0, at: 1 },
+        MambaOp::DropState { which: 0 },
+        MambaOp::FreeTreeState { which: 3 },
         MambaOp::Peek { key: k(&[1, 2, 0, 1, 2]), ns: false },
+        MambaOp::Abort { req: 0, drop: false },
         MambaOp::Evict { n: 3 },
     ];
     for ps in 0..3 {
@@ -115,11 +132,11 @@ fn scripted_sequence_agrees() {
     }
 }
 
-/// A match refreshes its whole path, the root oldest: after inserting `[0 1]`, `[0 1 2 0]`
-/// and `[1]` and matching `[0 1 2 0]`, the least recently used state is the one of `[1]`
-/// (a leaf: it goes whole), not the one of `[0 1]` (which a match refreshing only its
-/// end node would leave older, and which would become a tombstone). Random sequences
-/// rarely line this up, so it is spelled out.
+/// A match refreshes its whole path, the root oldest: after serving `[0 1]`,
+/// `[0 1 2 0]` and `[1]` and matching `[0 1 2 0]`, the least recently used state is the
+/// one of `[1]` (a leaf: it goes whole), not the one of `[0 1]` (which a match
+/// refreshing only its end node would leave older, and which would become a
+/// tombstone). Random sequences rarely line this up, so it is spelled out.
 #[test]
 fn a_match_refreshes_its_whole_path() {
     let shared = |len: usize| {
@@ -129,9 +146,9 @@ fn a_match_refreshes_its_whole_path() {
     };
     for ps in 0..2 {
         let ops = vec![
-            MambaOp::Insert { key: shared(2), ns: false },
-            MambaOp::Insert { key: shared(4), ns: false },
-            MambaOp::Insert { key: vec![1, 1], ns: false },
+            MambaOp::Serve { key: shared(2), ns: false },
+            MambaOp::Serve { key: shared(4), ns: false },
+            MambaOp::Serve { key: vec![1, 1], ns: false },
             MambaOp::Match { key: shared(4), ns: false },
             MambaOp::EvictMamba { n: 1 },
         ];
@@ -139,8 +156,8 @@ fn a_match_refreshes_its_whole_path() {
     }
 }
 
-/// The fuzz target's checked-in seeds (one of them caught a match that refreshed only
-/// its end node), with the full comparison after every step.
+/// The fuzz target's checked-in seeds (a starting corpus), with the full comparison
+/// after every step.
 #[test]
 fn fuzz_seeds_agree() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/mamba_ops");

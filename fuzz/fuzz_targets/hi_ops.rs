@@ -1,6 +1,8 @@
-//! Random request sequences on the host-tier radix cache (requests that match, load
-//! back, lock, allocate with eviction and finish now or later; device and host
-//! evictions), checked against the simple `ReferenceHiCache` by
+//! Random request sequences on the host-tier radix cache through the request contract
+//! (requests, some salted, that are admitted (match, load back, lock), allocate with
+//! eviction, decode in batches, finish now or later with right and wrong token counts,
+//! abort and drop; device and host evictions, host prefetches, transfers completed now
+//! or later, resets), checked against the simple `ReferenceHiCache` by
 //! `kvpool::models::hi::run`. The input picks the page size (1, 2, 4), the device pool
 //! (4..19 pages), the host pool (1..24 pages), the write policy, the load-back
 //! threshold (1..6 tokens), the device policy and at most `MAX_FUZZ_OPS` ops. Every

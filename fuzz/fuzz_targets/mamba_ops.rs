@@ -1,12 +1,13 @@
-//! Random operation sequences on the Mamba radix cache (requests that start, chunk,
-//! finish at a checkpoint and abort; inserts, inserts of foreign states, matches and
-//! later locks, leases, lock-free peeks, evictions of KV and of states, state-pool
-//! pressure), checked against the simple `ReferenceMambaCache` by
-//! `kvpool::models::mamba::run_with`. The input picks the page size (1,
-//! 2, 4), the KV pool (3..18 pages), the state pool (1..8 slots), the leaf eviction
-//! policy and at most `MAX_FUZZ_OPS` ops. Every step compares the op's result and the
-//! sizes; the full comparison (leaf paths, state slots, invariants, page owners) runs
-//! every `FUZZ_FULL_CHECK_EVERY` steps and at the end.
+//! Random operation sequences on the Mamba radix cache through the request contract
+//! (requests admitted with a running state, prefill chunks, decode batches, states
+//! saved for caching, checkpoints, finishes up to the saved state, refused finishes and
+//! checkpoints, aborts and drops; served requests, matches, lock-free peeks, evictions
+//! of KV and of states, state-pool pressure), checked against the simple
+//! `ReferenceMambaCache` by `kvpool::models::mamba::run_with`. The input picks the page
+//! size (1, 2, 4), the KV pool (3..18 pages), the state pool (1..8 slots), the leaf
+//! eviction policy and at most `MAX_FUZZ_OPS` ops. Every step compares the op's result,
+//! the sizes and the accounting; the full comparison (leaf paths, state slots, rows,
+//! invariants, page owners) runs every `FUZZ_FULL_CHECK_EVERY` steps and at the end.
 //!
 //! Replay a crash: `cargo +nightly fuzz run mamba_ops <crash-file>`, or in a test
 //! `let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);` then `run(shape, &ops)`

@@ -1,10 +1,12 @@
-//! Random operation sequences on the radix cache (requests that start, chunk, finish
-//! and abort; inserts, matches, lock-free lookups, evictions), checked against the
-//! simple reference tree by `kvpool::models::radix::run_with`. The input picks the
-//! page size (1, 2, 4), the pool size (4..32 pages), the eviction policy and at most
-//! `MAX_FUZZ_OPS` ops. Every step compares the op's result, sizes and free space; the
-//! full comparison (leaf paths, invariants, page owners) runs every
-//! `FUZZ_FULL_CHECK_EVERY` steps and at the end.
+//! Random operation sequences on the radix cache through the request contract (requests
+//! admitted under cache keys with salts, extra keys and bigram keys; prefill chunks,
+//! decode batches, checkpoints, finishes with right and wrong token counts, aborts and
+//! drops; served requests, matches, lock-free lookups, evictions, resets), checked
+//! against the simple reference tree by `kvpool::models::radix::run_with`. The input
+//! picks the page size (1, 2, 4), the pool size (4..32 pages), the eviction policy and
+//! at most `MAX_FUZZ_OPS` ops. Every step compares the op's result, sizes, free space,
+//! free rows and the accounting; the full comparison (leaf paths, rows, invariants,
+//! page owners) runs every `FUZZ_FULL_CHECK_EVERY` steps and at the end.
 //!
 //! Replay a crash: `cargo +nightly fuzz run radix_ops <crash-file>`, or in a test
 //! `let (ps, pages, policy, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);` then

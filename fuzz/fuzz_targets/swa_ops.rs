@@ -1,13 +1,15 @@
-//! Random operation sequences on the sliding-window radix cache (requests that start,
-//! release the window KV of tokens that fell out of their window, cache chunks, finish
-//! and abort; raw inserts with released leading pages; matches and later locks, leases,
-//! lock-free peeks; the full pass, the window pass and both), checked against the
-//! simple `ReferenceSwaCache` by `kvpool::models::swa::run_with`. The input picks the
-//! page size (1, 2, 4), the full pool (4..19 pages), the window pool (2 pages up to the
-//! full pool's), the window (1 to 24 tokens), the full pass's policy and at most
-//! `MAX_FUZZ_OPS` ops. Every step compares the op's result and the sizes; the full
-//! comparison (leaf paths, the full-to-window mapping, rows, invariants, page owners)
-//! runs every `FUZZ_FULL_CHECK_EVERY` steps and at the end.
+//! Random operation sequences on the sliding-window radix cache through the request
+//! contract (requests that are admitted, allocate prefill chunks, decode in batches,
+//! release the window KV of tokens that fell out of their window, checkpoint, finish
+//! with right and wrong token counts, abort and drop; served requests with released
+//! leading pages; matches, lock-free peeks; the full pass, the window pass and both),
+//! checked against the simple `ReferenceSwaCache` by `kvpool::models::swa::run_with`.
+//! The input picks the page size (1, 2, 4), the full pool (6..37 pages), the window
+//! pool (2 pages up to the full pool's), the window (1 to 24 tokens), the full pass's
+//! policy and at most `MAX_FUZZ_OPS` ops. Every step compares the op's result, the
+//! sizes and the accounting; the full comparison (leaf paths, the full-to-window
+//! mapping, rows, invariants, page owners) runs every `FUZZ_FULL_CHECK_EVERY` steps and
+//! at the end.
 //!
 //! Replay a crash: `cargo +nightly fuzz run swa_ops <crash-file>`, or in a test
 //! `let (shape, ops) = from_fuzz_input(&bytes, MAX_FUZZ_OPS);` then `run(shape, &ops)`

@@ -763,6 +763,18 @@ impl ReferenceSwaCache {
         Some((0..seq - prefix).map(|k| pages[k / self.ps] * self.ps as u32 + (k % self.ps) as u32).collect())
     }
 
+    /// The fresh pages of one decode step in which `starts` requests of the batch start
+    /// a page (the others continue theirs): each pool's shortfall for the whole batch
+    /// evicted first, then `starts` pages of each pool, lowest first, the `i`-th for the
+    /// `i`-th such request; `None` (nothing taken) when that is not enough. For page
+    /// sizes above 1: at page size 1 a decode takes the slot after each request's last
+    /// one when it is free, which this pool does not model.
+    pub fn alloc_decode_pages(&mut self, starts: usize) -> Option<Vec<u32>> {
+        assert!(self.ps > 1, "the model's decode is for page sizes above 1");
+        self.make_room(starts * self.ps);
+        self.pool.alloc_pages(starts)
+    }
+
     /// Free the window part of a request's whole pages inside `range` (tokens), past its
     /// lease's end; `kv` is its row. Returns the window tokens freed.
     ///

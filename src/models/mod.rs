@@ -26,7 +26,11 @@
 //!   and counts), `available_size`, the set of allocated pages, the open free group's
 //!   pending count, and `check_invariants()`;
 //! * [`Scenario`] — a whole fuzz input: page size, pool size and an op sequence;
-//! * [`radix`] — the same for the radix cache against [`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache).
+//! * [`radix`], [`mamba`], [`swa`], [`hi`] — the same for the prefix-cache trees (plain,
+//!   Mamba, sliding-window, host tier), every request driven through the engine contract
+//!   ([`Request`](crate::radix::Request)), against the sequential reference trees of
+//!   [`baseline`](crate::baseline) ([`ReferenceRadixCache`](crate::baseline::ReferenceRadixCache)
+//!   and the others).
 //! * [`owned`] — a `SlotPool`'s owned batches ([`Slots`](crate::Slots)) beside its
 //!   bare API, against a model of who owns each index.
 //! * [`cache`] — private magazines ([`SlotCache`](crate::SlotCache)) in front of a

@@ -1,36 +1,66 @@
 //! [`RadixCache`] against [`ReferenceRadixCache`], operation by operation.
 //!
-//! Each side has its own allocator of the same shape; since both allocators hand out
-//! the lowest free pages and the caches free the same pages in the same order, the two
-//! sides must agree on every slot number, not just on lengths. After every operation the
-//! driver compares sizes, free space, the canonical leaf paths and node counts, runs
-//! `check_invariants()`, and checks that every page is owned exactly once: by the tree,
-//! by an open request, or by the free pool.
+//! kvpool's side runs every request through the engine contract, a
+//! [`Request`](crate::radix::Request) handle: admission, prefill chunks, decode batches,
+//! checkpoints, finishes and aborts. The reference side runs SGLang's calls on the
+//! simple tree (match and lock, allocate, `cache_finished_req`,
+//! `cache_unfinished_req`, free and unlock).
 //!
-//! Open requests keep their leases detached between operations, so that
-//! [`RadixOp::Reset`] can take the cache by `&mut`: it must be refused with exactly as
-//! many leases as open requests hold a matched prefix (nothing changing), and otherwise
-//! empty both trees.
+//! Each side has its own allocator of the same shape; since both allocators hand out
+//! the lowest free pages (a page-size-1 decode continues each request's run on both)
+//! and the caches free the same pages in the same order, the two sides must agree on
+//! every slot number, not just on lengths. After every operation the driver compares
+//! the op's own result (hit slots, new slots, decode slots, cached prefix lengths,
+//! evicted counts), the sizes, free space, free request rows, the node count and the
+//! accounting (free + cached + the pages open requests hold = capacity). Every
+//! `full_every` steps, after the last step and after the teardown it also compares the
+//! canonical leaf paths, each open request's row, lock and length, runs
+//! `check_invariants()` (which checks the same accounting from the inside), and checks
+//! that every page is owned exactly once: by the tree, by one open request, or by the
+//! free pool.
+//!
+//! Refusals the contract promises are checked against a snapshot of the cache (sizes,
+//! free space and rows, node count, leaf paths) and of the request: a finish with one
+//! token more or fewer than the request holds ([`CacheError::TokenCount`]), a
+//! checkpoint past what it holds, an extend or decode past the end of a row, a decode
+//! whose output length is not the batch's, an admission without a free row. A
+//! checkpoint that reaches no further than the request's lock must change nothing
+//! either.
+//!
+//! Requests are cached under a [`CacheKey`] picked by a `tenant` byte (see
+//! [`cache_key`]): an extra key, a cache salt, an EAGLE bigram key. The reference tree
+//! models each key as its own namespace (a bigram key's with the prompt's first token,
+//! its tree key the tokens after it), so a request that hit KV cached under another
+//! salt or extra key would disagree with it; the driver also checks that kvpool gives
+//! two keys the same namespace exactly when the reference does.
+//!
+//! [`RadixOp::Reset`] needs the cache by `&mut`: the driver holds it in an [`Arc`], as
+//! every open request does, so [`Arc::get_mut`] succeeds exactly when no request is
+//! open. A reset with requests open is refused (nothing changes, on either side);
+//! otherwise it must succeed, and both trees are emptied.
 //!
 //! [`run_with`] lets the fuzz target do the O(tree) part of that comparison (leaf
-//! paths, invariants, page owners) only every few steps and after the last one; the
-//! O(1) part (sizes, free space, node count) and each operation's own result are still
-//! compared at every step.
+//! paths, invariants, rows, page owners) only every few steps and after the last one;
+//! the O(1) part and each operation's own result are still compared at every step.
+
+use std::sync::Arc;
 
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::baseline::{RefNodeId, ReferenceRadixCache};
-use crate::radix::{CacheError, EvictionPolicy, RadixCache, RadixConfig, RawLease};
-use crate::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool};
+use crate::radix::{CacheError, CacheKey, EvictionPolicy, RadixCache, RadixConfig, Request};
+use crate::{AllocError, KvAllocator, PagedAllocator, ReqToTokenPool};
 
 /// Tokens come from a tiny alphabet so keys share prefixes often.
 const ALPHABET: u8 = 3;
-/// Longest key.
+/// Longest prompt.
 const MAX_KEY: usize = 24;
-/// Open requests at most.
+/// Open requests at most (the cache's request rows).
 const MAX_REQS: usize = 6;
+/// Tokens a request row holds.
+const ROW: usize = 32;
 /// How many ops the `radix_ops` fuzz target reads from one input (short sequences,
-/// many executions: about 50,000 a second on one core, see RELIABILITY.md).
+/// many executions, see RELIABILITY.md).
 pub const MAX_FUZZ_OPS: usize = 8;
 /// How often the `radix_ops` fuzz target runs the full O(tree) comparison: every
 /// `FUZZ_FULL_CHECK_EVERY` steps, after the last step and after the final teardown.
@@ -38,85 +68,207 @@ pub const MAX_FUZZ_OPS: usize = 8;
 /// teardown (a crash replayed with [`run`] names the first bad step).
 pub const FUZZ_FULL_CHECK_EVERY: usize = MAX_FUZZ_OPS;
 
-/// One step of a radix-cache model run.
+/// One step of a radix-cache model run. `req` picks an open request (modulo their
+/// number; an op with none to pick does nothing); `tenant` picks a [`CacheKey`] (see
+/// [`cache_key`]).
 #[derive(Arbitrary, Debug, Clone)]
 pub enum RadixOp {
-    /// A request arrives: match and lock its tokens, take a row, allocate the rest.
+    /// A request arrives: `admit` (a row, the longest cached prefix, locked), then
+    /// `extend` by the rest of its prompt, or (one time in four) by `prefill / 4`
+    /// modulo one more than the rest: a chunk, or nothing yet. An allocation that fails
+    /// aborts it. With every row taken, the admission must be refused.
     Start {
-        /// Token seeds.
+        /// Token seeds of the prompt.
         key: Vec<u8>,
-        /// Namespace (0..=1).
-        ns: bool,
+        /// The cache key.
+        tenant: u8,
+        /// How much of the prompt to allocate now.
+        prefill: u8,
     },
-    /// An open request finishes (`cache_finished_req`).
+    /// An open request allocates its next `n % 12` tokens (`extend`): the rest of its
+    /// prompt, then output tokens from `seed`. Past the end of its row it must be
+    /// refused.
+    Extend {
+        /// Which open request.
+        req: u8,
+        /// How many tokens.
+        n: u8,
+        /// Output tokens.
+        seed: u8,
+    },
+    /// One decode step (`decode`) for the open requests whose bit (index modulo 8) is
+    /// set in `mask`, outputs from `token`. With `token`'s top bit set, the call with
+    /// one output slot too many comes first and must be refused.
+    Decode {
+        /// Which open requests.
+        mask: u8,
+        /// Output tokens.
+        token: u8,
+    },
+    /// An open request caches its first `cut % (len + 2)` tokens and keeps running
+    /// (`checkpoint`; `len + 1` is past what it holds and must be refused).
+    Checkpoint {
+        /// Which open request.
+        req: u8,
+        /// How far.
+        cut: u8,
+    },
+    /// An open request finishes (`finish`) with priority `prio`. `miscount % 3` of 1
+    /// or 2 first finishes with one token fewer or one more than it holds, which must
+    /// be refused with [`CacheError::TokenCount`], nothing changed.
     Finish {
-        /// Which open request (modulo their number).
+        /// Which open request.
         req: u8,
         /// Insert priority.
         prio: i8,
+        /// A wrong token count first.
+        miscount: u8,
     },
-    /// An open request caches its progress (`cache_unfinished_req`).
-    Chunk {
-        /// Which open request.
-        req: u8,
-    },
-    /// An open request is dropped: its own slots are freed, its lease released.
+    /// An open request is aborted (`abort`), or dropped when `drop`: its own slots
+    /// and its row go back, its lock is released.
     Abort {
         /// Which open request.
         req: u8,
+        /// Drop the handle instead of calling `abort`.
+        drop: bool,
     },
-    /// A direct insert of freshly allocated slots (duplicates are freed).
-    Insert {
-        /// Token seeds.
+    /// A request admitted, prefilled and finished at once with priority `prio` (what a
+    /// direct insert of fresh slots is to the contract).
+    Serve {
+        /// Token seeds of the prompt.
         key: Vec<u8>,
-        /// Namespace.
-        ns: bool,
-        /// Priority.
+        /// The cache key.
+        tenant: u8,
+        /// Insert priority.
         prio: i8,
     },
-    /// SGLang's match (touches, may split), without locking.
+    /// SGLang's match (touches, may split), without locking, of a key's tree key.
     Match {
         /// Token seeds.
         key: Vec<u8>,
-        /// Namespace.
-        ns: bool,
+        /// The cache key.
+        tenant: u8,
     },
-    /// The lock-free read-only lookup.
+    /// The lock-free read-only lookup of a key's tree key.
     Peek {
         /// Token seeds.
         key: Vec<u8>,
-        /// Namespace.
-        ns: bool,
+        /// The cache key.
+        tenant: u8,
     },
     /// Evict at least `n` tokens.
     Evict {
         /// Tokens to free.
         n: u8,
     },
-    /// `reset`: refused while an open request's lease locks a node (nothing changes);
-    /// otherwise both trees are dropped (the open requests, whose matches were empty,
-    /// keep their own slots).
+    /// `reset`, through [`Arc::get_mut`]: refused (nothing changes) while a request is
+    /// open, since every request holds the cache's `Arc`; otherwise both trees are
+    /// emptied.
     Reset,
 }
 
-struct Req {
-    ns: u64,
-    tokens: Vec<u32>,
-    row: ReqRow,
-    /// Detached between ops, so that a reset can take the cache by `&mut`.
-    lease: RawLease,
+/// The cache keys requests use: the default key, extra key 1, salts 1 and 2, an EAGLE
+/// bigram key, and a bigram key with salt 1.
+pub const KEYS: [CacheKey; 6] = [
+    CacheKey { extra: 0, salt: 0, bigram: false },
+    CacheKey { extra: 1, salt: 0, bigram: false },
+    CacheKey { extra: 0, salt: 1, bigram: false },
+    CacheKey { extra: 0, salt: 2, bigram: false },
+    CacheKey { extra: 0, salt: 0, bigram: true },
+    CacheKey { extra: 0, salt: 1, bigram: true },
+];
+
+/// The cache key a `tenant` byte names: the default key unless its two low bits are
+/// both set (one byte in four); then one of the other five [`KEYS`], by the rest of the
+/// byte modulo 5.
+///
+/// # Examples
+///
+/// ```
+/// use kvpool::models::radix::{cache_key, KEYS};
+/// use kvpool::radix::CacheKey;
+/// assert_eq!(cache_key(0b0110), CacheKey::default());
+/// assert_eq!(cache_key(0b0011), KEYS[1]);
+/// assert_eq!(cache_key(0b1111), CacheKey { extra: 0, salt: 0, bigram: true });
+/// ```
+pub fn cache_key(tenant: u8) -> CacheKey {
+    if tenant & 3 != 3 {
+        return KEYS[0];
+    }
+    KEYS[1 + (tenant >> 2) as usize % 5]
+}
+
+/// The reference tree's namespace for a key: one per extra key, salt and (for a
+/// bigram key) first token.
+fn ref_namespace(key: CacheKey, tokens: &[u32]) -> u64 {
+    let bigram = if key.bigram { tokens.first().map_or(1 << 33, |&t| 1 + u64::from(t)) } else { 0 };
+    key.extra + 2 * key.salt + 6 * bigram
+}
+
+/// The tokens the tree keys a request's KV by: with a bigram key, the tokens after the
+/// first (position `i` is keyed by token `i + 1`).
+fn tree(tokens: &[u32], bigram: bool) -> &[u32] {
+    if bigram {
+        tokens.get(1..).unwrap_or(&[])
+    } else {
+        tokens
+    }
+}
+
+/// An open request: kvpool's handle and the reference's view of the same request.
+struct Open {
+    req: Request<PagedAllocator>,
+    bigram: bool,
+    ref_ns: u64,
+    prompt: Vec<u32>,
+    /// The tokens whose KV the row holds (`req.len()` of them).
+    kv: Vec<u32>,
+    /// The reference's slots for them.
     ref_kv: Vec<u32>,
     ref_node: RefNodeId,
     ref_protected: usize,
+    prio: i64,
 }
 
+/// Free space, the three sizes, free rows, nodes and the cached paths.
+type Snapshot = (usize, usize, usize, usize, usize, usize, Vec<(u64, Vec<u32>, Vec<u32>)>);
+
+struct Run {
+    cache: Arc<RadixCache<PagedAllocator>>,
+    reference: ReferenceRadixCache<PagedAllocator>,
+    open: Vec<Open>,
+    /// kvpool's namespace of each reference namespace seen.
+    namespaces: Vec<(u64, u64)>,
+    ps: usize,
+    pages: usize,
+}
+
+/// The tokens of a key: when the first seed has bit 6 set, a prefix (as long as the
+/// other seeds) of one of four fixed sequences that share their first 2, 4 or 8 tokens,
+/// so that keys are often prefixes of each other; otherwise one token of a tiny alphabet
+/// per seed.
 fn tokens(seeds: &[u8], ps: usize) -> Vec<u32> {
+    if let Some(&s) = seeds.first().filter(|&&s| s & 0x40 != 0) {
+        let shared = [MAX_KEY, 2, 4, 8][s as usize % 4];
+        let len = (seeds.len() - 1).min(MAX_KEY);
+        return (0..len).map(|i| if i < shared { i as u32 % 3 } else { 3 + s as u32 % 4 }).collect();
+    }
     let mut t: Vec<u32> = seeds.iter().take(MAX_KEY).map(|&s| (s % ALPHABET) as u32).collect();
     if ps > 1 && t.len() > ps && seeds.first().is_some_and(|s| s & 0x80 != 0) {
-        // sometimes cut to whole pages, so inserts of full keys happen too
+        // sometimes cut to whole pages, so keys that end on a page boundary happen too
         t.truncate(t.len() / ps * ps);
     }
     t
+}
+
+/// The token at `pos` of a request: its prompt's, then outputs made from `seed`.
+fn next_token(prompt: &[u32], pos: usize, seed: u8) -> u32 {
+    prompt.get(pos).copied().unwrap_or(((seed as usize + pos) % ALPHABET as usize) as u32)
+}
+
+/// The open requests whose bit (index modulo 8) is set in `mask`.
+fn batch(open: &mut [Open], mask: u8) -> Vec<&mut Request<PagedAllocator>> {
+    open.iter_mut().enumerate().filter(|(i, _)| mask >> (i % 8) & 1 == 1).map(|(_, o)| &mut o.req).collect()
 }
 
 fn check<T: PartialEq + std::fmt::Debug>(what: &str, step: usize, got: T, want: T) -> Result<(), String> {
@@ -164,10 +316,10 @@ pub fn from_fuzz_input(bytes: &[u8], max_ops: usize) -> (u8, u8, u8, Vec<RadixOp
     (page_size, pages, policy, ops)
 }
 
-/// [`run`], with the full O(tree) comparison (leaf paths, `check_invariants()`, page
-/// owners) after every `full_every`-th step, after the last step and after the
-/// teardown; sizes, free space and node counts are compared after every step. `run` is
-/// `run_with(.., 1)`.
+/// [`run`], with the full O(tree) comparison (leaf paths, `check_invariants()`, rows,
+/// page owners) after every `full_every`-th step, after the last step and after the
+/// teardown; sizes, free space, rows, node counts and the accounting are compared after
+/// every step. `run` is `run_with(.., 1)`.
 ///
 /// # Errors
 ///
@@ -179,249 +331,444 @@ pub fn run_with(page_size: u8, pages: u8, policy: u8, ops: &[RadixOp], full_ever
     let policy = EvictionPolicy::ALL[policy as usize % EvictionPolicy::ALL.len()];
     let make = || PagedAllocator::new(pages * ps, ps as u32).expect("small allocator");
     let config = RadixConfig { policy, event_capacity: None, ..RadixConfig::default() };
-    let mut cache = RadixCache::new(make(), ReqToTokenPool::new(MAX_REQS as u32, 32).unwrap(), config)
-        .map_err(|e| e.to_string())?;
-    let mut reference = ReferenceRadixCache::new(make(), policy).map_err(|e| e.to_string())?;
-    let mut reqs: Vec<Req> = Vec::new();
+    let rows = ReqToTokenPool::new(MAX_REQS as u32, ROW).map_err(|e| e.to_string())?;
+    let cache = Arc::new(RadixCache::new(make(), rows, config).map_err(|e| e.to_string())?);
+    let reference = ReferenceRadixCache::new(make(), policy).map_err(|e| e.to_string())?;
+    let mut run = Run { cache, reference, open: Vec::new(), namespaces: Vec::new(), ps, pages };
     for (step, op) in ops.iter().enumerate() {
-        if let RadixOp::Reset = op {
-            let leases = reqs.iter().filter(|r| !r.lease.is_empty()).count();
-            match cache.reset() {
-                Err(CacheError::Leased { leases: n }) if leases > 0 => {
-                    check("reset refused for leases", step, n, leases)?;
-                }
-                Ok(()) if leases == 0 => reference.reset(),
-                other => return Err(format!("step {step}: reset with {leases} leases open gave {other:?}")),
-            }
-        } else {
-            apply(&cache, &mut reference, &mut reqs, op, ps, step)?;
-        }
+        run.apply(op, step)?;
         if (step + 1) % full_every == 0 || step + 1 == ops.len() {
-            compare(&cache, &reference, &reqs, ps, pages, step)?;
+            run.compare(step)?;
         } else {
-            compare_sizes(&cache, &reference, step)?;
+            run.compare_sizes(step)?;
         }
     }
-    // Finish everything, then evict everything: the pool must be whole again.
-    while let Some(r) = reqs.pop() {
-        abort(&cache, &mut reference, r, ps);
+    // Abort everything, then evict everything: the pool must be whole again.
+    let end = ops.len();
+    while !run.open.is_empty() {
+        run.abort(run.open.len() - 1, end % 2 == 0);
     }
-    cache.evict(usize::MAX);
-    reference.evict(usize::MAX);
-    compare(&cache, &reference, &reqs, ps, pages, ops.len())?;
-    check("free tokens at the end", ops.len(), cache.allocator().available_size(), pages * ps)
+    check("evict all", end, run.cache.evict(usize::MAX), run.reference.evict(usize::MAX))?;
+    run.compare(end)?;
+    check("free tokens at the end", end, run.cache.allocator().available_size(), pages * ps)?;
+    check("the cache's holders at the end", end, Arc::strong_count(&run.cache), 1)
 }
 
-fn abort(cache: &RadixCache<PagedAllocator>, reference: &mut ReferenceRadixCache<PagedAllocator>, r: Req, ps: usize) {
-    let own = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap()[r.lease.len()..].to_vec();
-    let _ = ps;
-    cache.allocator().free(&own).expect("a request owns its slots");
-    cache.release(r.lease).expect("a request's lease is live");
-    cache.req_pool().free(r.row).unwrap();
-    reference.allocator().free(&r.ref_kv[r.ref_protected..]).expect("reference request owns its slots");
-    reference.dec_lock_ref(r.ref_node);
-}
-
-fn apply(
-    cache: &RadixCache<PagedAllocator>,
-    reference: &mut ReferenceRadixCache<PagedAllocator>,
-    reqs: &mut Vec<Req>,
-    op: &RadixOp,
-    ps: usize,
-    step: usize,
-) -> Result<(), String> {
-    match op {
-        RadixOp::Start { key, ns } => {
-            let t = tokens(key, ps);
-            if reqs.len() == MAX_REQS || t.is_empty() {
-                return Ok(());
+impl Run {
+    /// kvpool's and the reference's namespace for `key`'s `tokens`, checking that kvpool
+    /// gives two keys one namespace exactly when the reference does.
+    fn namespace(&mut self, key: CacheKey, tokens: &[u32], step: usize) -> Result<(u64, u64), String> {
+        let (ns, _) = key.tree_key(tokens);
+        let ref_ns = ref_namespace(key, tokens);
+        match self.namespaces.iter().find(|&&(n, r)| n == ns || r == ref_ns) {
+            Some(&(n, r)) if (n, r) != (ns, ref_ns) => {
+                Err(format!("step {step}: {key:?} has namespace {ns}, which is {n} for reference namespace {r}"))
             }
-            let ns = *ns as u64;
-            let mut hit = vec![0u32; t.len()];
-            // Every other start matches and allocates straight into its row (the finish
-            // then trusts what the cache wrote there), the others through buffers.
-            let into_row = step % 2 == 1;
-            let mut row = cache.req_pool().alloc().map_err(|e| e.to_string())?;
-            let lease = if into_row {
-                let lease = cache.match_and_lock_row(ns, &t, &mut row).map_err(|e| e.to_string())?;
-                hit[..lease.len()].copy_from_slice(cache.req_pool().read(&row, 0..lease.len()).unwrap());
-                lease
-            } else {
-                cache.match_and_lock(ns, &t, &mut hit)
+            Some(_) => Ok((ns, ref_ns)),
+            None => {
+                self.namespaces.push((ns, ref_ns));
+                Ok((ns, ref_ns))
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let c = &self.cache;
+        (
+            c.allocator().available_size(),
+            c.total_size(),
+            c.evictable_size(),
+            c.protected_size(),
+            c.req_pool().available_size(),
+            c.node_count(),
+            c.leaf_paths(),
+        )
+    }
+
+    /// Check that a refusal changed nothing, in the cache or in request `i`.
+    fn unchanged(&self, before: &Snapshot, i: Option<usize>, what: &str, step: usize) -> Result<(), String> {
+        check(&format!("{what}: refused, nothing changed"), step, &self.snapshot(), before)?;
+        if let Some(o) = i.map(|i| &self.open[i]) {
+            let got = (o.req.len(), o.req.cached_len(), o.req.slots());
+            let want = (o.kv.len(), o.ref_protected, &o.ref_kv[..]);
+            check(&format!("{what}: refused, the request unchanged"), step, got, want)?;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, op: &RadixOp, step: usize) -> Result<(), String> {
+        let ps = self.ps;
+        let pick = |req: u8, open: usize| (open > 0).then(|| req as usize % open);
+        match op {
+            RadixOp::Start { key, tenant, prefill } => {
+                let Some(i) = self.admit(key, *tenant, step)? else { return Ok(()) };
+                let rest = self.open[i].prompt.len() - self.open[i].kv.len();
+                let n = if prefill % 4 == 0 { (prefill / 4) as usize % (rest + 1) } else { rest };
+                if !self.extend(i, n, 0, step)? {
+                    self.abort(i, step % 2 == 0);
+                }
+            }
+            RadixOp::Extend { req, n, seed } => {
+                let Some(i) = pick(*req, self.open.len()) else { return Ok(()) };
+                self.extend(i, *n as usize % 12, *seed, step)?;
+            }
+            RadixOp::Decode { mask, token } => self.decode(*mask, *token, step)?,
+            RadixOp::Checkpoint { req, cut } => {
+                let Some(i) = pick(*req, self.open.len()) else { return Ok(()) };
+                self.checkpoint(i, *cut, step)?;
+            }
+            RadixOp::Finish { req, prio, miscount } => {
+                let Some(i) = pick(*req, self.open.len()) else { return Ok(()) };
+                self.finish(i, *prio as i64, *miscount, step)?;
+            }
+            RadixOp::Abort { req, drop } => {
+                let Some(i) = pick(*req, self.open.len()) else { return Ok(()) };
+                self.abort(i, *drop);
+            }
+            RadixOp::Serve { key, tenant, prio } => {
+                let Some(i) = self.admit(key, *tenant, step)? else { return Ok(()) };
+                let rest = self.open[i].prompt.len() - self.open[i].kv.len();
+                if self.extend(i, rest, 0, step)? {
+                    if let Some(i) = self.finish(i, *prio as i64, 0, step)? {
+                        self.abort(i, false);
+                    }
+                } else {
+                    self.abort(i, true);
+                }
+            }
+            RadixOp::Match { key, tenant } => {
+                let key_ = cache_key(*tenant);
+                let t = tokens(key, ps);
+                let (ns, ref_ns) = self.namespace(key_, &t, step)?;
+                let t = tree(&t, key_.bigram);
+                let mut out = vec![0u32; t.len()];
+                let m = self.cache.match_prefix(ns, t, &mut out);
+                let (v, _) = self.reference.match_prefix(ref_ns, t);
+                check("match", step, &out[..m.len()], &v[..])?;
+            }
+            RadixOp::Peek { key, tenant } => {
+                let key_ = cache_key(*tenant);
+                let t = tokens(key, ps);
+                let (ns, ref_ns) = self.namespace(key_, &t, step)?;
+                let t = tree(&t, key_.bigram);
+                let mut out = vec![0u32; t.len()];
+                let n = self.cache.peek_prefix(ns, t, &mut out);
+                // The reference has no read-only match: compare against its leaf paths.
+                let best = self
+                    .reference
+                    .leaf_paths()
+                    .into_iter()
+                    .filter(|(pns, _, _)| *pns == ref_ns)
+                    .map(|(_, k, v)| {
+                        let common = k.iter().zip(t).take_while(|(a, b)| a == b).count() / ps * ps;
+                        (common, v)
+                    })
+                    .max_by_key(|(c, _)| *c);
+                let (len, slots) = best.map_or((0, vec![]), |(c, v)| (c, v[..c].to_vec()));
+                check("peek", step, (n, &out[..n]), (len, &slots[..]))?;
+            }
+            RadixOp::Evict { n } => {
+                let a = self.cache.evict(*n as usize);
+                let b = self.reference.evict(*n as usize);
+                check("evict", step, a, b)?;
+            }
+            RadixOp::Reset => {
+                let before = self.snapshot();
+                let open = self.open.len();
+                match Arc::get_mut(&mut self.cache) {
+                    Some(cache) if open == 0 => {
+                        cache.reset().map_err(|e| format!("step {step}: reset with no request open: {e}"))?;
+                        self.reference.reset();
+                    }
+                    None if open > 0 => self.unchanged(&before, None, "reset with requests open", step)?,
+                    other => {
+                        let got = other.is_some();
+                        return Err(format!("step {step}: exclusive access {got} with {open} requests open"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Admit a request for `seeds` under `tenant`'s key on both sides; its index, or
+    /// `None` when it was (rightly) refused or is not made (an empty bigram prompt).
+    fn admit(&mut self, seeds: &[u8], tenant: u8, step: usize) -> Result<Option<usize>, String> {
+        let key = cache_key(tenant);
+        let prompt = tokens(seeds, self.ps);
+        if key.bigram && prompt.is_empty() {
+            return Ok(None);
+        }
+        let (ns, ref_ns) = self.namespace(key, &prompt, step)?;
+        if self.open.len() == MAX_REQS {
+            let before = self.snapshot();
+            match self.cache.admit(key, &prompt) {
+                Err(AllocError::OutOfMemory(_)) => self.unchanged(&before, None, "admission without a row", step)?,
+                other => return Err(format!("step {step}: admission with every row taken gave {other:?}")),
+            }
+            return Ok(None);
+        }
+        let req = self.cache.admit(key, &prompt).map_err(|e| format!("step {step}: admit: {e}"))?;
+        let (hit, node) = self.reference.match_prefix(ref_ns, tree(&prompt, key.bigram));
+        self.reference.inc_lock_ref(node);
+        let h = hit.len();
+        let got = (req.cached_len(), req.len(), req.slots(), req.namespace(), req.prompt_len());
+        check("admit: hit, row, namespace", step, got, (h, h, &hit[..], ns, prompt.len()))?;
+        let kv = prompt[..h].to_vec();
+        let bigram = key.bigram;
+        let o = Open { req, bigram, ref_ns, prompt, kv, ref_kv: hit, ref_node: node, ref_protected: h, prio: 0 };
+        self.open.push(o);
+        Ok(Some(self.open.len() - 1))
+    }
+
+    /// `extend(n)` of open request `i` on both sides; whether it allocated.
+    fn extend(&mut self, i: usize, n: usize, seed: u8, step: usize) -> Result<bool, String> {
+        let from = self.open[i].kv.len();
+        if from + n > ROW {
+            let before = self.snapshot();
+            match self.open[i].req.extend(n) {
+                Err(AllocError::Row(_)) => self.unchanged(&before, Some(i), "extend past the row", step)?,
+                other => return Err(format!("step {step}: extend past the row gave {other:?}")),
+            }
+            return Ok(false);
+        }
+        let got = self.open[i].req.extend(n);
+        let o = &mut self.open[i];
+        if n == 0 {
+            check("extend by nothing", step, got, Ok(()))?;
+            return Ok(true);
+        }
+        // The reference: evict the shortfall (unless it is past what is evictable: the
+        // allocation fails then, and nothing is evicted for it), then allocate.
+        let (prefix, seq) = ([from as u32], [(from + n) as u32]);
+        let last = o.ref_kv.last().copied().unwrap_or(0);
+        let r = &mut self.reference;
+        let need = r.allocator().extend_need(&prefix, &seq).map_err(|e| e.to_string())?;
+        let avail = r.allocator().available_size();
+        if avail < need && need - avail <= r.evictable_size() {
+            r.evict(need - avail);
+        }
+        let mut new = vec![0u32; n];
+        let want = r.allocator().alloc_extend(&prefix, &seq, &[last], &mut new);
+        check("extend ok", step, got.is_ok(), want.is_ok())?;
+        if want.is_err() {
+            return Ok(false);
+        }
+        check("extend: new slots", step, &o.req.slots()[from..], &new[..])?;
+        o.ref_kv.extend_from_slice(&new);
+        for pos in from..from + n {
+            o.kv.push(next_token(&o.prompt, pos, seed));
+        }
+        Ok(true)
+    }
+
+    fn decode(&mut self, mask: u8, token: u8, step: usize) -> Result<(), String> {
+        let picked: Vec<usize> = (0..self.open.len()).filter(|i| mask >> (i % 8) & 1 == 1).collect();
+        if token & 0x80 != 0 && !picked.is_empty() {
+            let before = self.snapshot();
+            let mut out = vec![0u32; picked.len() + 1];
+            match self.cache.decode(&mut batch(&mut self.open, mask), &mut out) {
+                Err(AllocError::Invalid(_)) => {}
+                other => return Err(format!("step {step}: a decode with a wrong output length gave {other:?}")),
+            }
+            for &i in &picked {
+                self.unchanged(&before, Some(i), "decode with a wrong output length", step)?;
+            }
+        }
+        let mut out = vec![0u32; picked.len()];
+        if picked.iter().any(|&i| self.open[i].kv.len() >= ROW) {
+            let before = self.snapshot();
+            match self.cache.decode(&mut batch(&mut self.open, mask), &mut out) {
+                Err(AllocError::Row(_)) => {}
+                other => return Err(format!("step {step}: a decode past a row's end gave {other:?}")),
+            }
+            for &i in &picked {
+                self.unchanged(&before, Some(i), "decode past a row's end", step)?;
+            }
+            return Ok(());
+        }
+        let got = self.cache.decode(&mut batch(&mut self.open, mask), &mut out);
+        let seq: Vec<u32> = picked.iter().map(|&i| self.open[i].kv.len() as u32 + 1).collect();
+        let last: Vec<u32> = picked.iter().map(|&i| self.open[i].ref_kv.last().copied().unwrap_or(0)).collect();
+        let r = &mut self.reference;
+        let need = r.allocator().decode_need(&seq).map_err(|e| e.to_string())?;
+        let avail = r.allocator().available_size();
+        if avail < need && need - avail <= r.evictable_size() {
+            r.evict(need - avail);
+        }
+        let mut want = vec![0u32; picked.len()];
+        let ok = r.allocator().alloc_decode(&seq, &last, &mut want).is_ok();
+        check("decode ok", step, got.is_ok(), ok)?;
+        if !ok {
+            return Ok(());
+        }
+        check("decode slots", step, &out, &want)?;
+        for (k, &i) in picked.iter().enumerate() {
+            let o = &mut self.open[i];
+            let pos = o.kv.len();
+            o.kv.push(next_token(&o.prompt, pos, token.wrapping_add(k as u8)));
+            o.ref_kv.push(want[k]);
+            check(
+                "decode: the request's last slot",
+                step,
+                (o.req.len(), o.req.slots().last()),
+                (pos + 1, Some(&want[k])),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&mut self, i: usize, cut: u8, step: usize) -> Result<(), String> {
+        let len = self.open[i].kv.len();
+        let c = cut as usize % (len + 2);
+        let o = &self.open[i];
+        if c > len || tree(&o.kv[..c], o.bigram).len() <= o.req.cached_len() {
+            // Past what the request holds: refused; no further than its lock: nothing
+            // to do. Either way nothing changes.
+            let before = self.snapshot();
+            let kv = o.kv[..len].iter().copied().chain([0]).take(c).collect::<Vec<_>>();
+            let got = self.open[i].req.checkpoint(&kv);
+            let want = if c > len { Err(CacheError::TokenCount { tokens: c, held: len }) } else { Ok(()) };
+            check("checkpoint that caches nothing", step, got, want)?;
+            return self.unchanged(&before, Some(i), "checkpoint that caches nothing", step);
+        }
+        let o = &mut self.open[i];
+        o.req.checkpoint(&o.kv[..c]).map_err(|e| format!("step {step}: checkpoint: {e}"))?;
+        let t = tree(&o.kv[..c], o.bigram);
+        let (p, n) =
+            self.reference.cache_unfinished_req(o.ref_ns, t, &mut o.ref_kv, o.ref_protected, o.ref_node, o.prio);
+        (o.ref_protected, o.ref_node) = (p, n);
+        check("checkpoint: lock and row", step, (o.req.cached_len(), o.req.slots()), (p, &o.ref_kv[..]))
+    }
+
+    /// Finish open request `i` (after a wrong count first, when `miscount` says so).
+    /// `Some(index)` when the contract refused the correct finish too (a bigram request
+    /// with no token past its lock), the request open again at that index.
+    fn finish(&mut self, i: usize, prio: i64, miscount: u8, step: usize) -> Result<Option<usize>, String> {
+        let len = self.open[i].kv.len();
+        let wrong = match miscount % 3 {
+            1 if len > 0 => Some(self.open[i].kv[..len - 1].to_vec()),
+            2 => Some(self.open[i].kv.iter().copied().chain([0]).collect()),
+            _ => None,
+        };
+        self.open[i].req.set_priority(prio);
+        self.open[i].prio = prio;
+        if let Some(wrong) = wrong {
+            let before = self.snapshot();
+            let mut o = self.open.remove(i);
+            let refused = o.req.finish(&wrong).map(|_| ()).map_err(|r| (r.error, r.request));
+            let Err((error, req)) = refused else {
+                return Err(format!("step {step}: a finish with {} tokens of {len} was accepted", wrong.len()));
             };
-            let (ref_hit, ref_node) = reference.match_prefix(ns, &t);
-            reference.inc_lock_ref(ref_node);
-            let h = lease.len();
-            check("start: hit", step, &hit[..h], &ref_hit[..])?;
-            let last = if h > 0 { hit[h - 1] } else { 0 };
-            let mut new = vec![0u32; t.len() - h];
-            if !into_row {
-                cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
-            }
-            let got = if into_row {
-                let got = cache.alloc_extend_row(&mut row, h, t.len());
-                new.copy_from_slice(cache.req_pool().read(&row, h..t.len()).unwrap());
-                got
-            } else {
-                cache.alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut new)
+            check("finish with a wrong count", step, error, CacheError::TokenCount { tokens: wrong.len(), held: len })?;
+            o.req = req;
+            self.open.insert(i, o);
+            self.unchanged(&before, Some(i), "finish with a wrong count", step)?;
+        }
+        let o = &self.open[i];
+        if o.bigram && len > 0 && len == o.req.cached_len() {
+            // A bigram request caches position `j` with token `j + 1`: one with no token
+            // past its lock cannot finish.
+            let before = self.snapshot();
+            let mut o = self.open.remove(i);
+            let refused = o.req.finish(&o.kv).map(|_| ()).map_err(|r| (r.error, r.request));
+            let Err((CacheError::Invalid(_), req)) = refused else {
+                return Err(format!("step {step}: a bigram finish at its lock gave {:?}", refused.map_err(|r| r.0)));
             };
-            // reference: evict the shortfall (unless it is past what is evictable: the
-            // allocation fails then, and nothing is evicted for it), then allocate
-            let need = reference.allocator().extend_need(&[h as u32], &[t.len() as u32]).unwrap();
-            let avail = reference.allocator().available_size();
-            if avail < need && need - avail <= reference.evictable_size() {
-                reference.evict(need - avail);
+            o.req = req;
+            self.open.insert(i, o);
+            self.unchanged(&before, Some(i), "bigram finish at its lock", step)?;
+            return Ok(Some(i));
+        }
+        let o = self.open.remove(i);
+        let got = o.req.finish(&o.kv).map_err(|r| format!("step {step}: finish: {}", r.error))?;
+        let t = tree(&o.kv, o.bigram);
+        let r = &mut self.reference;
+        let want = r.cache_finished_req(o.ref_ns, t, &o.ref_kv[..t.len()], o.ref_protected, o.ref_node, prio);
+        if o.bigram && len > 0 {
+            // The last position is cached with no token: its page, when it starts one,
+            // is freed with the request.
+            let last = len - 1;
+            if last % self.ps == 0 && last >= o.ref_protected {
+                r.allocator().free(&o.ref_kv[last..]).map_err(|e| format!("step {step}: {e}"))?;
             }
-            let mut ref_new = vec![0u32; t.len() - h];
-            let want = reference.allocator().alloc_extend(&[h as u32], &[t.len() as u32], &[last], &mut ref_new);
-            check("start: alloc ok", step, got.is_ok(), want.is_ok())?;
-            if got.is_err() {
-                drop(lease);
-                cache.req_pool().free(row).unwrap();
-                reference.dec_lock_ref(ref_node);
-                return Ok(());
-            }
-            check("start: new slots", step, &new, &ref_new)?;
-            if !into_row {
-                cache.req_pool().write(&mut row, h, &new).unwrap();
-            }
-            let mut ref_kv = ref_hit;
-            ref_kv.extend_from_slice(&ref_new);
-            reqs.push(Req { ns, tokens: t, row, lease: lease.detach(), ref_kv, ref_node, ref_protected: h });
         }
-        RadixOp::Finish { req, prio } => {
-            if reqs.is_empty() {
-                return Ok(());
-            }
-            let r = reqs.remove(*req as usize % reqs.len());
-            let lease =
-                cache.attach(r.lease).map_err(|_| format!("step {step}: a request's lease of another cache"))?;
-            let got =
-                cache.cache_finished_req(r.ns, &r.tokens, r.row, lease, *prio as i64).map_err(|e| e.to_string())?;
-            let want =
-                reference.cache_finished_req(r.ns, &r.tokens, &r.ref_kv, r.ref_protected, r.ref_node, *prio as i64);
-            check("finish: cached prefix", step, got, want)?;
-        }
-        RadixOp::Chunk { req } => {
-            if reqs.is_empty() {
-                return Ok(());
-            }
-            let i = *req as usize % reqs.len();
-            let Req { ns, tokens, mut row, lease, mut ref_kv, ref_node, ref_protected } = reqs.remove(i);
-            let mut lease =
-                cache.attach(lease).map_err(|_| format!("step {step}: a request's lease of another cache"))?;
-            cache.cache_unfinished_req(ns, &tokens, &mut row, &mut lease, 0).map_err(|e| e.to_string())?;
-            let (p, n) = reference.cache_unfinished_req(ns, &tokens, &mut ref_kv, ref_protected, ref_node, 0);
-            check("chunk: protected", step, lease.len(), p)?;
-            check("chunk: row", step, cache.req_pool().read(&row, 0..tokens.len()).unwrap(), &ref_kv[..])?;
-            let lease = lease.detach();
-            reqs.insert(i, Req { ns, tokens, row, lease, ref_kv, ref_node: n, ref_protected: p });
-        }
-        RadixOp::Abort { req } => {
-            if reqs.is_empty() {
-                return Ok(());
-            }
-            let r = reqs.remove(*req as usize % reqs.len());
-            abort(cache, reference, r, ps);
-        }
-        // `run_with` resets: it holds the cache by `&mut`.
-        RadixOp::Reset => return Err(format!("step {step}: a reset reached apply")),
-        RadixOp::Insert { key, ns, prio } => {
-            let t = tokens(key, ps);
-            let t = &t[..t.len() / ps * ps];
-            let ns = *ns as u64;
-            let mut s = vec![0u32; t.len()];
-            let mut rs = vec![0u32; t.len()];
-            let got = cache.allocator().alloc(&mut s);
-            let want = reference.allocator().alloc(&mut rs);
-            check("insert: alloc ok", step, got.is_ok(), want.is_ok())?;
-            if got.is_err() {
-                return Ok(());
-            }
-            check("insert: slots", step, &s, &rs)?;
-            let a = cache.insert(ns, t, &s, *prio as i64).map_err(|e| format!("step {step}: insert: {e}"))?;
-            let b = reference.insert(ns, t, &rs, *prio as i64);
-            check("insert: prefix", step, a, b)?;
-            cache.allocator().free(&s[..a]).map_err(|e| e.to_string())?;
-            reference.allocator().free(&rs[..b]).map_err(|e| e.to_string())?;
-        }
-        RadixOp::Match { key, ns } => {
-            let t = tokens(key, ps);
-            let mut out = vec![0u32; t.len()];
-            let m = cache.match_prefix(*ns as u64, &t, &mut out);
-            let (v, _) = reference.match_prefix(*ns as u64, &t);
-            check("match", step, &out[..m.len()], &v[..])?;
-        }
-        RadixOp::Peek { key, ns } => {
-            let t = tokens(key, ps);
-            let mut out = vec![0u32; t.len()];
-            let n = cache.peek_prefix(*ns as u64, &t, &mut out);
-            // The reference has no read-only match: compare against its leaf paths.
-            let best = reference
-                .leaf_paths()
-                .into_iter()
-                .filter(|(pns, _, _)| *pns == *ns as u64)
-                .map(|(_, k, v)| {
-                    let common = k.iter().zip(&t).take_while(|(a, b)| a == b).count() / ps * ps;
-                    (common, v)
-                })
-                .max_by_key(|(c, _)| *c);
-            let (len, slots) = best.map_or((0, vec![]), |(c, v)| (c, v[..c].to_vec()));
-            check("peek", step, (n, &out[..n]), (len, &slots[..]))?;
-        }
-        RadixOp::Evict { n } => {
-            let a = cache.evict(*n as usize);
-            let b = reference.evict(*n as usize);
-            check("evict", step, a, b)?;
-        }
+        check("finish: cached prefix", step, got, want)?;
+        Ok(None)
     }
-    Ok(())
-}
 
-/// The O(1) part of [`compare`]: sizes, free space, node count.
-fn compare_sizes(
-    cache: &RadixCache<PagedAllocator>,
-    reference: &ReferenceRadixCache<PagedAllocator>,
-    step: usize,
-) -> Result<(), String> {
-    check("total", step, cache.total_size(), reference.total_size())?;
-    check("evictable", step, cache.evictable_size(), reference.evictable_size())?;
-    check("protected", step, cache.protected_size(), reference.protected_size())?;
-    check("available", step, cache.allocator().available_size(), reference.allocator().available_size())?;
-    check("nodes", step, cache.node_count(), reference.node_count())
-}
+    fn abort(&mut self, i: usize, drop_it: bool) {
+        let Open { req, ref_kv, ref_protected, ref_node, .. } = self.open.remove(i);
+        if drop_it {
+            drop(req);
+        } else {
+            req.abort();
+        }
+        self.reference.allocator().free(&ref_kv[ref_protected..]).expect("a reference request owns its slots");
+        self.reference.dec_lock_ref(ref_node);
+    }
 
-fn compare(
-    cache: &RadixCache<PagedAllocator>,
-    reference: &ReferenceRadixCache<PagedAllocator>,
-    reqs: &[Req],
-    ps: usize,
-    pages: usize,
-    step: usize,
-) -> Result<(), String> {
-    cache.check_invariants().map_err(|e| format!("step {step}: {e}"))?;
-    compare_sizes(cache, reference, step)?;
-    let leaf_paths = cache.leaf_paths();
-    check("leaf paths", step, &leaf_paths, &reference.leaf_paths())?;
-    // Every page owned exactly once: tree, open requests, free pool.
-    let mut owner = vec![0u8; pages + 1];
-    for (_, _, slots) in &leaf_paths {
-        for s in slots.chunks(ps) {
-            owner[s[0] as usize / ps] = 1; // shared prefixes repeat: mark, do not count
-        }
+    /// The O(1)-ish part of [`compare`](Self::compare): sizes, free space, free rows,
+    /// node count, and the accounting.
+    fn compare_sizes(&self, step: usize) -> Result<(), String> {
+        let (c, r) = (&self.cache, &self.reference);
+        check("total", step, c.total_size(), r.total_size())?;
+        check("evictable", step, c.evictable_size(), r.evictable_size())?;
+        check("protected", step, c.protected_size(), r.protected_size())?;
+        check("available", step, c.allocator().available_size(), r.allocator().available_size())?;
+        check("nodes", step, c.node_count(), r.node_count())?;
+        check("free rows", step, c.req_pool().available_size(), MAX_REQS - self.open.len())?;
+        check("the cache's holders", step, Arc::strong_count(c), 1 + self.open.len())?;
+        // Free + cached + what open requests hold (their pages past their locks) is
+        // everything.
+        let held: usize = self.open.iter().map(|o| o.kv.len().next_multiple_of(self.ps) - o.ref_protected).sum();
+        check(
+            "free + cached + held",
+            step,
+            c.allocator().available_size() + c.total_size() + held,
+            self.pages * self.ps,
+        )
     }
-    let tree_pages = owner.iter().filter(|&&o| o == 1).count();
-    check("tree pages", step, tree_pages * ps, cache.total_size())?;
-    for r in reqs {
-        let row = cache.req_pool().read(&r.row, 0..r.tokens.len()).unwrap();
-        for &s in &row[r.lease.len()..] {
-            let p = s as usize / ps;
-            if owner[p] == 1 {
-                return Err(format!("step {step}: page {p} is in the tree and owned by a request"));
+
+    fn compare(&self, step: usize) -> Result<(), String> {
+        let ps = self.ps;
+        self.cache.check_invariants().map_err(|e| format!("step {step}: {e}"))?;
+        self.compare_sizes(step)?;
+        let leaf_paths = self.cache.leaf_paths();
+        let mut mapped = Vec::with_capacity(leaf_paths.len());
+        for (ns, k, v) in &leaf_paths {
+            let Some(&(_, r)) = self.namespaces.iter().find(|&&(n, _)| n == *ns) else {
+                return Err(format!("step {step}: a cached path in namespace {ns}, which no request used"));
+            };
+            mapped.push((r, k.clone(), v.clone()));
+        }
+        mapped.sort();
+        check("leaf paths", step, &mapped, &self.reference.leaf_paths())?;
+        for o in &self.open {
+            let got = (o.req.len(), o.req.cached_len(), o.req.slots());
+            check("request: length, lock, row", step, got, (o.kv.len(), o.ref_protected, &o.ref_kv[..]))?;
+        }
+        // Every page owned exactly once: tree, one open request, free pool.
+        let mut owner = vec![0u8; self.pages + 1];
+        for (_, _, slots) in &leaf_paths {
+            for s in slots.chunks(ps) {
+                owner[s[0] as usize / ps] = 1; // shared prefixes repeat: mark, do not count
             }
-            owner[p] = 2;
         }
+        let tree_pages = owner.iter().filter(|&&o| o == 1).count();
+        check("tree pages", step, tree_pages * ps, self.cache.total_size())?;
+        for o in &self.open {
+            let mut prev = usize::MAX;
+            for &s in &o.req.slots()[o.req.cached_len()..] {
+                let p = s as usize / ps;
+                if p != prev && owner[p] != 0 {
+                    return Err(format!("step {step}: page {p} is owned by a request and the tree or another"));
+                }
+                owner[p] = 2;
+                prev = p;
+            }
+        }
+        let owned = owner.iter().filter(|&&o| o != 0).count();
+        check("pages owned + free", step, owned + self.cache.allocator().available_size() / ps, self.pages)
     }
-    let owned = owner.iter().filter(|&&o| o != 0).count();
-    check("pages owned + free", step, owned + cache.allocator().available_size() / ps, pages)
 }

@@ -426,6 +426,17 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
     }
 }
 
+impl<A: KvAllocator> Request<A, super::Hi> {
+    /// What the admission found on the host tier: the host continuation the prompt
+    /// matched past the device prefix, and how much of it was loaded back (the last
+    /// `loaded` of the [`cached_len`](Self::cached_len) tokens, whose device slots a
+    /// [`Load`](super::TransferKind::Load) transfer fills: wait for it before reading
+    /// them).
+    pub fn host_hit(&self) -> super::HostHit {
+        self.ext
+    }
+}
+
 impl<A: KvAllocator, V: Variant> Drop for Request<A, V> {
     fn drop(&mut self) {
         self.give_back();
