@@ -1,7 +1,7 @@
 //! [`RadixCache`] against [`ReferenceRadixCache`], operation by operation.
 //!
 //! kvpool's side runs every request through the engine contract, a
-//! [`Request`](crate::radix::Request) handle: admission, prefill chunks, decode batches,
+//! [`Request`] handle: admission, prefill chunks, decode batches,
 //! checkpoints, finishes and aborts. The reference side runs SGLang's calls on the
 //! simple tree (match and lock, allocate, `cache_finished_req`,
 //! `cache_unfinished_req`, free and unlock).
