@@ -3,7 +3,7 @@
 //! target.
 //!
 //! kvpool's side runs every request through the engine contract, a
-//! [`Request`](crate::radix::Request) handle: admission (match, load the host
+//! [`Request`] handle: admission (match, load the host
 //! continuation back, lock), the prompt's allocation (evicting the shortfall), decode
 //! batches, finishes now or later, aborts. The reference side runs SGLang's calls on
 //! the simple two-tier tree (match, load back, lock, allocate, `cache_finished_req`,

@@ -3,7 +3,7 @@
 //! target.
 //!
 //! kvpool's side runs every request through the engine contract, a
-//! [`Request`](crate::radix::Request) handle: admission (the longest prefix ending at a
+//! [`Request`] handle: admission (the longest prefix ending at a
 //! cached state, locked, and a running state), prefill chunks, decode batches, a state
 //! saved for caching (`save_state`), checkpoints, finishes and aborts. The reference
 //! side runs SGLang's calls on the simple tree (match and lock, `alloc_state`,

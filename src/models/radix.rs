@@ -1,7 +1,7 @@
 //! [`RadixCache`] against [`ReferenceRadixCache`], operation by operation.
 //!
 //! kvpool's side runs every request through the engine contract, a
-//! [`Request`](crate::radix::Request) handle: admission, prefill chunks, decode batches,
+//! [`Request`] handle: admission, prefill chunks, decode batches,
 //! checkpoints, finishes and aborts. The reference side runs SGLang's calls on the
 //! simple tree (match and lock, allocate, `cache_finished_req`,
 //! `cache_unfinished_req`, free and unlock).
@@ -21,9 +21,10 @@
 //!
 //! Refusals the contract promises are checked against a snapshot of the cache (sizes,
 //! free space and rows, node count, leaf paths) and of the request: a finish with one
-//! token more or fewer than the request holds ([`CacheError::TokenCount`]), a
-//! checkpoint past what it holds, an extend or decode past the end of a row, a decode
-//! whose output length is not the batch's, an admission without a free row. A
+//! token more or fewer than the request holds ([`CacheError::TokenCount`]), a bigram
+//! request's finish with no token past its lock, a checkpoint past what it holds, an
+//! extend or decode past the end of a row, a decode whose output length is not the
+//! batch's, an admission without a free row, a reset while a request is open. A
 //! checkpoint that reaches no further than the request's lock must change nothing
 //! either.
 //!

@@ -3,7 +3,7 @@
 //! target.
 //!
 //! kvpool's side runs every request through the engine contract, a
-//! [`Request`](crate::radix::Request) handle: admission, prefill chunks, decode batches,
+//! [`Request`] handle: admission, prefill chunks, decode batches,
 //! window releases (`release_window`), checkpoints, finishes and aborts. The reference
 //! side runs SGLang's calls on the simple tree (match and lock, allocate,
 //! `release_window`, `cache_finished_req`, `cache_unfinished_req`, free and unlock).
