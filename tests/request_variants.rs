@@ -176,3 +176,31 @@ fn host_tier_requests_load_back_at_admission() {
     assert_eq!(c.protected_size(), 0);
     c.check_invariants().unwrap();
 }
+
+/// A reset while a taken backup still copies leaves its device pages to it: the
+/// accounting counts them until the transfer completes.
+#[test]
+fn host_tier_accounting_counts_the_pages_a_reset_leaves_to_transfers() {
+    let tier = HostTier { host_pages: 8, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
+    let mut c = Arc::new(
+        HiRadixCache::with_host_tier(
+            PagedAllocator::new(16, 2).unwrap(),
+            ReqToTokenPool::new(2, 16).unwrap(),
+            RadixConfig::default(),
+            tier,
+        )
+        .unwrap(),
+    );
+    let tokens = [1, 2, 3, 4, 5, 6];
+    let mut r = c.admit(0, &tokens).unwrap();
+    r.extend(6).unwrap();
+    r.finish(&tokens).unwrap();
+    let mut started = [Transfer::default(); 8];
+    assert_eq!(c.take_transfers(&mut started), 1);
+    Arc::get_mut(&mut c).expect("no request holds the cache").reset().unwrap();
+    assert_eq!((c.total_size(), c.allocator().available_size()), (0, 10));
+    c.check_invariants().unwrap();
+    c.complete(started[0]).unwrap();
+    assert_eq!(c.allocator().available_size(), 16);
+    c.check_invariants().unwrap();
+}

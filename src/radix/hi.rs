@@ -1204,6 +1204,11 @@ impl Variant for Hi {
         order(w).update(id);
     }
 
+    fn held_apart<A: KvAllocator>(w: &Writer<'_, A, Self>) -> usize {
+        let pages: usize = w.s.ext.entries.iter().filter(|e| e.keeps_device()).map(|e| e.count as usize).sum();
+        pages * w.c.ps
+    }
+
     fn kept_at_reset<A: KvAllocator>(w: &Writer<'_, A, Self>) -> Vec<u64> {
         // A transfer the caller took may be copying: the device pages its copy reads
         // (a backup) or writes (a load) stay allocated until it completes. A

@@ -1568,7 +1568,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// [`InvariantViolation`] naming the broken invariant (a kvpool bug).
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        self.write(|w| w.check())?;
+        let apart = self.write(|w| w.check().map(|()| V::held_apart(w)))?;
         if self.raw_used.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
@@ -1577,9 +1577,10 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         // smaller of its two pools').
         let free = self.alloc.as_swa().map_or_else(|| self.alloc.available_size(), |s| s.full_available_size());
         let (cached, size) = (self.total_size(), self.alloc.size());
-        if free + cached + held != size {
+        if free + cached + held + apart != size {
             return Err(InvariantViolation(format!(
-                "KV accounting: {free} free + {cached} cached + {held} held by live requests != {size} capacity \
+                "KV accounting: {free} free + {cached} cached + {held} held by live requests + {apart} held by \
+                 transfers a reset left != {size} capacity \
                  (slots taken from the allocator and not given back, or given back twice)"
             )));
         }

@@ -157,6 +157,14 @@ pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
         req: &mut Self::Request,
     ) -> Result<(), CacheError>;
 
+    /// Device tokens the variant holds allocated outside the tree and outside any
+    /// request (the host tier: the pages a reset left to transfers still copying), for
+    /// the accounting of `check_invariants`.
+    #[doc(hidden)]
+    fn held_apart<A: KvAllocator>(_w: &Writer<'_, A, Self>) -> usize {
+        0
+    }
+
     /// Give back what a finished or aborted request still holds besides its KV.
     #[doc(hidden)]
     fn release_request(&self, _req: &mut Self::Request) {}
