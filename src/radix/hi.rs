@@ -1512,6 +1512,14 @@ pub struct HostHit {
     pub loaded: usize,
 }
 
+impl<A: KvAllocator> super::Request<A, Hi> {
+    /// What the admission found on host after the device prefix, and whether it was
+    /// loaded back (its tokens are then part of [`cached_len`](Self::cached_len)).
+    pub fn host_hit(&self) -> HostHit {
+        *self.ext_ref()
+    }
+}
+
 /// The host-tier walk: the device prefix, the host continuation's length and last node.
 fn match_tiers<A: KvAllocator>(
     w: &mut Writer<'_, A, Hi>,
