@@ -328,15 +328,16 @@ impl Steps<Full<'_>> for Window {
 /// Replay `trace` through `cache` one request at a time.
 ///
 /// For each request in file order (a request whose KV exceeds the full pool is
-/// rejected at once): match the prompt and lock the match (the window rule decides
-/// the hit; the full-KV match is counted beside it); `alloc_extend` the rest of the
-/// prompt and one `alloc_decode` per output token after the first, each after evicting
-/// both pools' shortfall; after the prefill and each decode step, release the window
-/// KV of the whole pages that fell out of the window, keeping a page of slack (SGLang's
+/// rejected at once), the request loop of [`run_sequential`](super::run_sequential)
+/// with the window's steps: the request is admitted (the window rule decides the hit;
+/// the full-KV match is counted beside it); it extends by the rest of the prompt and
+/// decodes one slot per output token after the first, each after evicting both pools'
+/// shortfall; after the prefill and each decode step it releases the window KV of the
+/// whole pages that fell out of the window, keeping a page of slack
+/// ([`release_window`](crate::radix::Request::release_window), SGLang's
 /// `maybe_evict_swa`: up to `seq_len - window - page_size`; not with
-/// `config.swa.release` off); then
-/// `cache_finished_req`. A request whose allocation still fails is rejected (its
-/// slots, lease and row are released).
+/// `config.swa.release` off); then it finishes. A request whose allocation still fails
+/// is rejected (aborted: its slots, lock and row go back).
 ///
 /// # Errors
 ///
