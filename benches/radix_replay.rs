@@ -3,9 +3,9 @@
 //! the simple SGLang-shaped reference tree (`reference`) and the TGI-v3-shaped
 //! `VecTrieCache` (`vectrie`, issue 8), each with its own allocator. Two workloads:
 //!
-//! * `cache_ops`: only the prefix-cache work of each request — match and lock the
-//!   prompt, allocate its remaining KV tokens (evicting the shortfall), finish it
-//!   (insert, free duplicates and the tail, unlock);
+//! * `cache_ops`: only the prefix-cache work of each request — admit it (a row, its
+//!   prompt's match, locked), allocate its remaining KV tokens (evicting the
+//!   shortfall), finish it (insert, free duplicates and the tail, unlock);
 //! * `sequential_replay`: the whole sequential replay of `kvpool replay --mode
 //!   sequential`, decode steps included (the loop every engine runs).
 //!
@@ -31,8 +31,8 @@
 //!
 //! `cache_ops/kvpool_hi` is the `cache_ops` work through kvpool's `HiRadixCache`
 //! (issue 11) with a host tier under the same device pool (15 M host tokens at 1 M
-//! device tokens, as the issue's 1M+15M replay; 16 M at 150 M), `write_through`: a
-//! match loads its host continuation back (`match_and_load`), device evictions move
+//! device tokens, as the issue's 1M+15M replay; 16 M at 150 M), `write_through`: an
+//! admission loads its host continuation back, device evictions move
 //! backed-up nodes to host, backups evict host leaves, and every transfer the tree
 //! starts is taken, its page pairs read and completed at once (the copies themselves
 //! are not part of it). Its device and host hits are printed.
@@ -88,12 +88,12 @@ const SETUPS: [Setup; 3] = [
 mod shared;
 use shared::{cache_ops, expansion_only};
 
-/// [`cache_ops`] for a hybrid model through a `MambaRadixCache`, with the same row
-/// calls: a request resumes from the deepest cached state (`lease.len()` tokens),
+/// [`cache_ops`] for a hybrid model through a `MambaRadixCache`, with the same request
+/// calls: a request resumes from the deepest cached state (`cached_len()` tokens),
 /// allocates KV for the rest, holds a running state and a checkpoint state, and caches
 /// its tokens up to its last checkpoint with the checkpoint state (as `kvpool replay
 /// --model hybrid`, without the decode steps). Returns the (KV, state) hit tokens.
-fn cache_ops_mamba(cache: &MambaRadixCache<PagedAllocator>, trace: &Trace, tokens: &mut [u32]) -> (usize, usize) {
+fn cache_ops_mamba(cache: &Arc<MambaRadixCache<PagedAllocator>>, trace: &Trace, tokens: &mut [u32]) -> (usize, usize) {
     let ps = cache.page_size() as u32;
     let m = cache.checkpoint_config();
     let (mut kv_hits, mut hits) = (0, 0);
@@ -102,64 +102,48 @@ fn cache_ops_mamba(cache: &MambaRadixCache<PagedAllocator>, trace: &Trace, token
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let mut row = cache.req_pool().alloc().unwrap();
-        let matched = cache.match_and_lock_checkpoint_row(0, &tokens[..prompt], &mut row).unwrap();
-        let hit = matched.lease.len();
-        kv_hits += matched.kv_len;
+        let mut req = cache.admit(0, &tokens[..prompt]).unwrap();
+        let hit = req.cached_len();
+        kv_hits += req.kv_hit();
         hits += hit;
         // The last checkpoint: the prefill one, or a later decode one.
-        let first = matched.branching_len.unwrap_or_else(|| m.prefill_checkpoint(prompt));
+        let first = req.branching_len().unwrap_or_else(|| m.prefill_checkpoint(prompt));
         let decode = kv / m.track_interval * m.track_interval;
         let checkpoint = if decode > prompt { decode.max(first) } else { first };
-        let running = cache.alloc_state().unwrap();
-        let saved = (checkpoint > hit).then(|| cache.alloc_state().unwrap());
+        if checkpoint > hit {
+            req.save_state(checkpoint).unwrap();
+        }
         let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
         let avail = cache.allocator().available_size();
         if avail < need {
             cache.evict(need - avail);
         }
-        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
-            drop(matched.lease);
-            cache.req_pool().free(row).unwrap();
-            cache.states().free(&[running]).unwrap();
-            if let Some(s) = saved {
-                cache.states().free(&[s]).unwrap();
-            }
+        if req.extend(kv - hit).is_err() {
+            req.abort();
             continue;
         }
-        if kv > checkpoint {
-            cache.allocator().free(cache.req_pool().read(&row, checkpoint..kv).unwrap()).unwrap();
-        }
-        if let Some(state) = saved {
-            cache.cache_finished_req(0, &tokens[..checkpoint], row, matched.lease, state).unwrap();
-        } else {
-            drop(matched.lease);
-            cache.req_pool().free(row).unwrap();
-        }
-        cache.states().free(&[running]).unwrap();
+        req.finish(&tokens[..kv]).unwrap();
     }
     (kv_hits, hits)
 }
 
-/// [`cache_ops`] through an `SwaRadixCache`, with the same row calls (its
-/// `alloc_extend_row` evicts both pools' shortfall). Returns the hit tokens.
-fn cache_ops_swa(cache: &SwaRadixCache, trace: &Trace, tokens: &mut [u32]) -> usize {
+/// [`cache_ops`] through an `SwaRadixCache`, with the same request calls (its `extend`
+/// evicts both pools' shortfall). Returns the hit tokens.
+fn cache_ops_swa(cache: &Arc<SwaRadixCache>, trace: &Trace, tokens: &mut [u32]) -> usize {
     let mut hits = 0;
     for r in 0..trace.len() {
         let req = trace.request(r);
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let mut row = cache.req_pool().alloc().unwrap();
-        let lease = cache.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
-        let hit = lease.len();
+        let mut req = cache.admit(0, &tokens[..prompt]).unwrap();
+        let hit = req.cached_len();
         hits += hit;
-        if cache.alloc_extend_row(&mut row, hit, kv).is_err() {
-            drop(lease);
-            cache.req_pool().free(row).unwrap();
+        if req.extend(kv - hit).is_err() {
+            req.abort();
             continue;
         }
-        cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
+        req.finish(&tokens[..kv]).unwrap();
     }
     hits
 }
@@ -194,10 +178,9 @@ impl Flight {
 /// [`cache_ops`] through a `HiRadixCache` (see the module docs). Returns the device
 /// and the host (loaded back) hit tokens.
 fn cache_ops_hi(
-    cache: &HiRadixCache<PagedAllocator>,
+    cache: &Arc<HiRadixCache<PagedAllocator>>,
     trace: &Trace,
     tokens: &mut [u32],
-    slots: &mut [u32],
     flight: &mut Flight,
 ) -> (usize, usize) {
     let ps = cache.page_size();
@@ -207,48 +190,46 @@ fn cache_ops_hi(
         let kv = req.kv_len();
         trace.write_kv_tokens(r, &mut tokens[..kv]);
         let prompt = req.input_length as usize;
-        let (lease, found) = cache.match_and_load(0, &tokens[..prompt], &mut slots[..prompt], None);
+        let mut req = cache.admit(0, &tokens[..prompt]).unwrap();
         flight.settle(cache);
-        let hit = lease.len();
-        (device, host) = (device + hit - found.loaded, host + found.loaded);
-        let last = if hit > 0 { slots[hit - 1] } else { 0 };
+        let (hit, loaded) = (req.cached_len(), req.host_hit().loaded);
+        (device, host) = (device + hit - loaded, host + loaded);
         let need = plan_extend(ps as u32, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps;
         let avail = cache.allocator().available_size();
         if avail < need {
             cache.evict(need - avail);
             flight.settle(cache);
         }
-        if cache.allocator().alloc_extend(&[hit as u32], &[kv as u32], &[last], &mut slots[hit..kv]).is_err() {
+        if req.extend(kv - hit).is_err() {
+            req.abort();
             continue;
         }
-        let mut row = cache.req_pool().alloc().unwrap();
-        cache.req_pool().write(&mut row, 0, &slots[..kv]).unwrap();
-        cache.cache_finished_req(0, &tokens[..kv], row, lease).unwrap();
+        req.finish(&tokens[..kv]).unwrap();
         flight.settle(cache);
     }
     (device, host)
 }
 
-fn hi_cache(s: Setup, max_kv: usize) -> HiRadixCache<PagedAllocator> {
+fn hi_cache(s: Setup, max_kv: usize) -> Arc<HiRadixCache<PagedAllocator>> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
     let host_tokens = if s.capacity <= 1 << 20 { 15 << 20 } else { 16 << 20 };
     let tier = HostTier::new((host_tokens / s.page_size as usize) as u32);
-    HiRadixCache::with_host_tier(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, tier).unwrap()
+    Arc::new(HiRadixCache::with_host_tier(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, tier).unwrap())
 }
 
-fn swa_cache(s: Setup, max_kv: usize) -> SwaRadixCache {
+fn swa_cache(s: Setup, max_kv: usize) -> Arc<SwaRadixCache> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = SwaAllocator::new(s.capacity, s.capacity, s.page_size).unwrap();
-    SwaRadixCache::with_window(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, 128).unwrap()
+    Arc::new(SwaRadixCache::with_window(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config, 128).unwrap())
 }
 
-fn mamba_cache(s: Setup, max_kv: usize) -> MambaRadixCache<PagedAllocator> {
+fn mamba_cache(s: Setup, max_kv: usize) -> Arc<MambaRadixCache<PagedAllocator>> {
     let config = RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() };
     let alloc = PagedAllocator::new(s.capacity, s.page_size).unwrap();
     let states = HybridConfig::default().state_slots(s.capacity).clamp(MIN_MAMBA_STATES, MAX_MAMBA_STATES);
     let pool = SlotPool::without_magazines(states as u32);
-    MambaRadixCache::with_states(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), pool, config).unwrap()
+    Arc::new(MambaRadixCache::with_states(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), pool, config).unwrap())
 }
 
 fn kvpool_cache(s: Setup, max_kv: usize) -> Arc<RadixCache<PagedAllocator>> {
@@ -336,7 +317,6 @@ fn bench(c: &mut Criterion) {
     let trace = Trace::bundled().expect("bundled trace");
     let max_kv = trace.max_kv_len();
     let mut tokens = vec![0u32; max_kv];
-    let mut slots = vec![0u32; max_kv];
     let mut group = c.benchmark_group("mooncake_trace");
     group.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(Duration::from_secs(1));
     for s in SETUPS {
@@ -364,7 +344,7 @@ fn bench(c: &mut Criterion) {
         let w = cache_ops_swa(&swa_cache(s, max_kv), &trace, &mut tokens);
         println!("{}: hit tokens cache_ops kvpool_swa: {w} (kvpool {a})", s.label);
         let mut flight = Flight::new(max_kv);
-        let (hd, hh) = cache_ops_hi(&hi_cache(s, max_kv), &trace, &mut tokens, &mut slots, &mut flight);
+        let (hd, hh) = cache_ops_hi(&hi_cache(s, max_kv), &trace, &mut tokens, &mut flight);
         println!("{}: hit tokens cache_ops kvpool_hi: device {hd}, host {hh} (kvpool {a})", s.label);
         if cpu_clock() {
             println!("{}: timing by thread CPU time (KVPOOL_BENCH_CLOCK=cpu)", s.label);
@@ -372,7 +352,7 @@ fn bench(c: &mut Criterion) {
 
         group.measurement_time(s.measure);
         let id = |what: &str, who: &str| BenchmarkId::new(format!("{what}/{who}"), s.label);
-        let (trace, tokens, slots) = (&trace, &mut tokens, &mut slots);
+        let (trace, tokens) = (&trace, &mut tokens);
         timed(
             &mut group,
             id("cache_ops", "kvpool"),
@@ -411,7 +391,7 @@ fn bench(c: &mut Criterion) {
             id("cache_ops", "kvpool_hi"),
             || hi_cache(s, max_kv),
             |c| {
-                cache_ops_hi(c, trace, tokens, slots, fl);
+                cache_ops_hi(c, trace, tokens, fl);
             },
         );
         timed(

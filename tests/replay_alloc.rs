@@ -89,7 +89,8 @@ fn hybrid_allocations(config: &ReplayConfig, trace: &Trace, states: u32) -> (u64
     let alloc = PagedAllocator::new(config.capacity_tokens, config.page_size).unwrap();
     let rows = ReqToTokenPool::new(1, trace.max_kv_len()).unwrap();
     let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
-    let cache = MambaRadixCache::with_states(alloc, rows, SlotPool::without_magazines(states), radix).unwrap();
+    let cache =
+        Arc::new(MambaRadixCache::with_states(alloc, rows, SlotPool::without_magazines(states), radix).unwrap());
     ALLOCATIONS.store(0, Ordering::SeqCst);
     COUNTING.store(true, Ordering::SeqCst);
     let report = run_hybrid(&cache, trace, config, &|_| {});

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kvpool::alloc::SwaAllocator;
 use kvpool::radix::{
-    CacheError, HiRadixCache, HostTier, MambaRadixCache, RadixConfig, StateInsert, SwaRadixCache, Transfer,
+    CacheError, HiRadixCache, HostHit, HostTier, MambaRadixCache, RadixConfig, StateInsert, SwaRadixCache, Transfer,
     TransferKind, WritePolicy,
 };
 use kvpool::{PagedAllocator, ReqToTokenPool, SlotPool};
@@ -163,6 +163,7 @@ fn host_tier_requests_load_back_at_admission() {
     };
     let tokens = [1, 2, 3, 4, 5, 6];
     let mut r = c.admit(0, &tokens).unwrap();
+    assert_eq!(r.host_hit(), HostHit::default());
     r.extend(6).unwrap();
     r.finish(&tokens).unwrap();
     assert_eq!(complete_all(&c), [TransferKind::Backup]);
@@ -170,6 +171,7 @@ fn host_tier_requests_load_back_at_admission() {
 
     let r = c.admit(0, &tokens).unwrap();
     assert_eq!((r.cached_len(), r.len()), (6, 6));
+    assert_eq!(r.host_hit(), HostHit { matched: 6, loaded: 6 });
     assert_eq!(complete_all(&c), [TransferKind::Load]);
     assert_eq!(c.protected_size(), 6);
     r.finish(&tokens).unwrap();

@@ -618,8 +618,9 @@ enum Lookup {
 
 /// What a lock-free walk found ([`RadixCache::peek_walk`]).
 pub(crate) struct Peeked {
-    /// Tokens matched.
-    len: usize,
+    /// Tokens matched (the SWA tree: the full KV, which the window rule may end
+    /// earlier; the replay reports it).
+    pub(crate) len: usize,
     /// Tokens up to the deepest place the variant lets a match end
     /// ([`Variant::peek_step`]): `len` for the plain tree.
     best: usize,

@@ -15,7 +15,9 @@ use super::ReplayError;
 /// What a request admitted to a [`ReplayCache`] holds: its row, its lock on the prefix
 /// it matched, and the KV slots written into the row.
 ///
-/// kvpool's caches admit a [`Request`]; the baselines a [`BaselineRequest`].
+/// kvpool's caches admit a [`Request`]; the baselines a [`BaselineRequest`]. A decode
+/// batch is anything that lends requests ([`AsMut`]): the requests themselves, `&mut`
+/// requests, or a driver's own records holding one.
 pub trait ReplayRequest: Send + AsMut<Self> {
     /// Tokens whose KV slots the request's row holds: the cached prefix and everything
     /// allocated since. A finish takes exactly this many tokens.

@@ -12,17 +12,17 @@
 //! reported.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
 
-use super::rows::{run_sequential_rows as run_sequential, RowCache};
+use super::cache::Rows;
 use super::stats::thousands;
-use super::{CacheKind, ReplayConfig, ReplayError, Report, Trace};
+use super::{run_sequential, BaselineRequest, CacheKind, ReplayCache, ReplayConfig, ReplayError, Report, Trace};
 use crate::baseline::hicache_ref::{HiNodeId, ReferenceHiCache, WritePolicy, DEFAULT_LOAD_BACK_THRESHOLD};
-use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::{Hi, HiRadixCache, HostTier, Lease, RadixConfig, Transfer};
-use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::error::{AllocError, InvariantViolation};
+use crate::radix::{Hi, HiRadixCache, HostTier, RadixConfig, Request, Transfer};
+use crate::req_to_token::ReqToTokenPool;
 use crate::{KvAllocator, PagedAllocator};
 
 /// Llama-3-8B's KV bytes per token across its layers: 32 layers x 2 (K, V) x 8 KV
@@ -185,10 +185,11 @@ impl HostReport {
     }
 }
 
-/// [`ReferenceHiCache`] as a [`ReplayCache`]: a match loads its host continuation back.
+/// [`ReferenceHiCache`] as a [`ReplayCache`]: an admission loads its host
+/// continuation back.
 struct HiReplayCache {
     tree: Mutex<ReferenceHiCache<PagedAllocator>>,
-    req_pool: ReqToTokenPool,
+    rows: Rows,
     page_size: u32,
     capacity: usize,
     host_hits: AtomicU64,
@@ -197,6 +198,7 @@ struct HiReplayCache {
     load_evictions: AtomicU64,
 }
 
+#[derive(Debug)]
 struct HiLease {
     node: HiNodeId,
     len: usize,
@@ -230,8 +232,8 @@ pub(super) fn settle(tree: &HiRadixCache<PagedAllocator>) {
     }
 }
 
-impl RowCache for HiReplayCache {
-    type Lease<'a> = HiLease;
+impl ReplayCache for HiReplayCache {
+    type Request = BaselineRequest<HiLease>;
 
     fn name(&self) -> &'static str {
         "reference"
@@ -253,31 +255,52 @@ impl RowCache for HiReplayCache {
         t.evictable_size() + t.protected_size()
     }
     fn req_pool(&self) -> &ReqToTokenPool {
-        &self.req_pool
+        self.rows.pool()
     }
-    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, HiLease) {
-        let mut t = self.tree();
-        let mut m = t.match_prefix(namespace, key);
-        let mut node = m.device_node;
-        if m.host_len > 0 {
-            let before = t.counters().device_evicted;
-            let loaded = t.load_back(m.host_node, None);
-            self.load_evictions.fetch_add(t.counters().device_evicted - before, Ordering::Relaxed);
-            match loaded {
-                Some(slots) => {
-                    self.host_hits.fetch_add(slots.len() as u64, Ordering::Relaxed);
-                    m.device.extend_from_slice(&slots);
-                    node = m.host_node;
-                }
-                None => {
-                    self.skipped.fetch_add(m.host_len as u64, Ordering::Relaxed);
+    fn admit(&self, namespace: u64, prompt: &[u32]) -> Result<Self::Request, AllocError> {
+        self.rows.admit(namespace, prompt, |key, out| {
+            let mut t = self.tree();
+            let mut m = t.match_prefix(namespace, key);
+            let mut node = m.device_node;
+            if m.host_len > 0 {
+                let before = t.counters().device_evicted;
+                let loaded = t.load_back(m.host_node, None);
+                self.load_evictions.fetch_add(t.counters().device_evicted - before, Ordering::Relaxed);
+                match loaded {
+                    Some(slots) => {
+                        self.host_hits.fetch_add(slots.len() as u64, Ordering::Relaxed);
+                        m.device.extend_from_slice(&slots);
+                        node = m.host_node;
+                    }
+                    None => {
+                        self.skipped.fetch_add(m.host_len as u64, Ordering::Relaxed);
+                    }
                 }
             }
-        }
-        t.inc_lock_ref(node);
-        settle_reference(&mut t);
-        out[..m.device.len()].copy_from_slice(&m.device);
-        (m.device.len(), HiLease { node, len: m.device.len() })
+            t.inc_lock_ref(node);
+            settle_reference(&mut t);
+            out[..m.device.len()].copy_from_slice(&m.device);
+            (m.device.len(), HiLease { node, len: m.device.len() })
+        })
+    }
+    fn extend(&self, req: &mut Self::Request, n: usize) -> Result<(), AllocError> {
+        self.rows.extend(req, n, |p, s, l, out| self.tree().allocator().alloc_extend(p, s, l, out))
+    }
+    fn decode<R: AsMut<Self::Request>>(&self, batch: &mut [R], out: &mut [u32]) -> Result<(), AllocError> {
+        self.rows.decode(batch, out, |s, l, out| self.tree().allocator().alloc_decode(s, l, out))
+    }
+    fn finish(&self, req: Self::Request, kv_tokens: &[u32]) -> Result<usize, ReplayError> {
+        let cache = |namespace, tokens: &[u32], kv: &[u32], lease: HiLease| {
+            let mut t = self.tree();
+            let prefix = t.cache_finished_req(namespace, tokens, kv, lease.len, lease.node);
+            settle_reference(&mut t);
+            Ok(prefix)
+        };
+        self.rows.finish(req, kv_tokens, cache, |req| self.abort(req))
+    }
+    fn abort(&self, req: Self::Request) {
+        let lease = self.rows.release(req, |own| self.tree().allocator().free(own));
+        self.tree().dec_lock_ref(lease.node);
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         let m = self.tree().match_prefix(namespace, key);
@@ -289,41 +312,6 @@ impl RowCache for HiReplayCache {
         let n = t.evict(num_tokens);
         settle_reference(&mut t);
         n
-    }
-    fn alloc_extend(
-        &self,
-        prefix_lens: &[u32],
-        seq_lens: &[u32],
-        last_locs: &[u32],
-        out: &mut [u32],
-    ) -> Result<(), AllocError> {
-        self.tree().allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
-    }
-    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.tree().allocator().alloc_decode(seq_lens, last_locs, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.tree().allocator().free(slots)
-    }
-    fn unlock(&self, lease: HiLease) {
-        self.tree().dec_lock_ref(lease.node);
-    }
-    fn cache_finished_req(
-        &self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: HiLease,
-    ) -> Result<usize, ReplayError> {
-        let kv = self.req_pool.read(&row, 0..token_ids.len()).map_err(|e| ReplayError::internal("read row", e))?;
-        let prefix = {
-            let mut t = self.tree();
-            let prefix = t.cache_finished_req(namespace, token_ids, kv, lease.len, lease.node);
-            settle_reference(&mut t);
-            prefix
-        };
-        self.req_pool.free(row).map_err(|e| ReplayError::internal("free row", e))?;
-        Ok(prefix)
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let t = self.tree();
@@ -338,10 +326,11 @@ impl RowCache for HiReplayCache {
     }
 }
 
-/// [`HiRadixCache`] (the host tier on kvpool's radix core) as a [`ReplayCache`]: a
-/// match loads its host continuation back, in the same step.
+/// [`HiRadixCache`] (the host tier on kvpool's radix core) as a [`ReplayCache`]: an
+/// admission loads its host continuation back, in the same step
+/// ([`Request::host_hit`]); every transfer a call starts completes at once.
 pub(super) struct KvHiReplay {
-    pub(super) tree: HiRadixCache<PagedAllocator>,
+    pub(super) tree: Arc<HiRadixCache<PagedAllocator>>,
     /// Tokens loaded back so far (whatever brought them to host).
     pub(super) host_hits: AtomicU64,
     pub(super) skipped: AtomicU64,
@@ -350,12 +339,13 @@ pub(super) struct KvHiReplay {
 
 impl KvHiReplay {
     pub(super) fn new(tree: HiRadixCache<PagedAllocator>) -> KvHiReplay {
+        let tree = Arc::new(tree);
         KvHiReplay { tree, host_hits: AtomicU64::new(0), skipped: AtomicU64::new(0), load_evictions: AtomicU64::new(0) }
     }
 }
 
-impl RowCache for KvHiReplay {
-    type Lease<'a> = Lease<'a, PagedAllocator, Hi>;
+impl ReplayCache for KvHiReplay {
+    type Request = Request<PagedAllocator, Hi>;
 
     fn name(&self) -> &'static str {
         "kvpool"
@@ -378,14 +368,31 @@ impl RowCache for KvHiReplay {
     fn req_pool(&self) -> &ReqToTokenPool {
         self.tree.req_pool()
     }
-    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
+    fn admit(&self, namespace: u64, prompt: &[u32]) -> Result<Self::Request, AllocError> {
         let before = self.tree.counters().device_evicted;
-        let (lease, hit) = self.tree.match_and_load(namespace, key, out, None);
+        let req = self.tree.admit(namespace, prompt);
         settle(&self.tree);
         self.load_evictions.fetch_add(self.tree.counters().device_evicted - before, Ordering::Relaxed);
-        self.host_hits.fetch_add(hit.loaded as u64, Ordering::Relaxed);
-        self.skipped.fetch_add((hit.matched - hit.loaded) as u64, Ordering::Relaxed);
-        (lease.len(), lease)
+        if let Ok(req) = &req {
+            let hit = req.host_hit();
+            self.host_hits.fetch_add(hit.loaded as u64, Ordering::Relaxed);
+            self.skipped.fetch_add((hit.matched - hit.loaded) as u64, Ordering::Relaxed);
+        }
+        req
+    }
+    fn extend(&self, req: &mut Self::Request, n: usize) -> Result<(), AllocError> {
+        req.extend(n)
+    }
+    fn decode<R: AsMut<Self::Request>>(&self, batch: &mut [R], out: &mut [u32]) -> Result<(), AllocError> {
+        self.tree.decode(batch, out)
+    }
+    fn finish(&self, req: Self::Request, kv_tokens: &[u32]) -> Result<usize, ReplayError> {
+        let r = req.finish(kv_tokens).map_err(|refused| ReplayError::internal("finish", refused));
+        settle(&self.tree);
+        r
+    }
+    fn abort(&self, req: Self::Request) {
+        req.abort();
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         self.tree.peek_prefix(namespace, key, out)
@@ -394,38 +401,6 @@ impl RowCache for KvHiReplay {
         let n = self.tree.evict(num_tokens);
         settle(&self.tree);
         n
-    }
-    fn alloc_extend(
-        &self,
-        prefix_lens: &[u32],
-        seq_lens: &[u32],
-        last_locs: &[u32],
-        out: &mut [u32],
-    ) -> Result<(), AllocError> {
-        self.tree.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
-    }
-    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.tree.allocator().alloc_decode(seq_lens, last_locs, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.tree.allocator().free(slots)
-    }
-    fn unlock(&self, lease: Self::Lease<'_>) {
-        drop(lease);
-    }
-    fn cache_finished_req<'a>(
-        &'a self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: Self::Lease<'a>,
-    ) -> Result<usize, ReplayError> {
-        let r = self
-            .tree
-            .cache_finished_req(namespace, token_ids, row, lease)
-            .map_err(|u| ReplayError::internal("cache_finished_req", u));
-        settle(&self.tree);
-        r
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.tree.allocator().check_invariants()?;
@@ -475,7 +450,7 @@ pub(crate) fn replay_hicache(
         let capacity = tree.allocator().size();
         let cache = HiReplayCache {
             tree: Mutex::new(tree),
-            req_pool,
+            rows: Rows::new(req_pool),
             page_size: config.page_size,
             capacity,
             host_hits: AtomicU64::new(0),

@@ -6,21 +6,22 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::{CheckpointConfig, Lease, Mamba, MambaRadixCache, RadixConfig};
-use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::error::{AllocError, InvariantViolation};
+use crate::radix::{CheckpointConfig, Mamba, MambaRadixCache, RadixConfig, Request};
+use crate::req_to_token::ReqToTokenPool;
 use crate::{KvAllocator, PagedAllocator, SlotPool};
 
-use super::rows::{
-    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, make_room_rows as make_room, release,
-    serve, write_row, RowCache,
-};
+use super::lifecycle::{evict_shortfall, serve, Job, Steps};
 use super::sequential::PROGRESS_EVERY;
-use super::{buffer, Histograms, ReplayConfig, ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE};
+use super::{
+    buffer, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report, TimelinePoint,
+    Totals, Trace, NAMESPACE,
+};
 
 /// Default size of one request's Mamba state: Qwen3-Next-80B-A3B at tensor parallelism
 /// 1, 36 Gated-DeltaNet layers of a temporal state (32 value heads x 128 x 128, fp32:
@@ -334,20 +335,16 @@ pub(crate) fn replay_hybrid(
         radix,
         config.hybrid.checkpoint_config(),
     )?;
-    run_hybrid(&cache, trace, config, progress)
+    run_hybrid(&Arc::new(cache), trace, config, progress)
 }
 
-/// The Mamba cache seen as a [`ReplayCache`], so the attention replay's helpers
-/// (eviction of the shortfall, the end-of-run KV accounting) serve the hybrid replay
-/// too. Finishing goes through the Mamba cache's own `cache_finished_req` (it takes a
-/// state), never through this.
-struct Kv<'c, A: KvAllocator>(&'c MambaRadixCache<A, SlotPool>);
+/// The Mamba cache as a [`ReplayCache`]: the request loop admits, extends and decodes
+/// through it, and the end-of-run accounting reads its KV. The hybrid replay's finish
+/// is its own ([`Hybrid`]'s): it reads what became of the request's saved state.
+struct Kv<'c, A: KvAllocator>(&'c Arc<MambaRadixCache<A, SlotPool>>);
 
-impl<'c, A: KvAllocator> RowCache for Kv<'c, A> {
-    type Lease<'a>
-        = Lease<'c, A, Mamba<SlotPool>>
-    where
-        Self: 'a;
+impl<A: KvAllocator> ReplayCache for Kv<'_, A> {
+    type Request = Request<A, Mamba<SlotPool>>;
 
     fn name(&self) -> &'static str {
         "kvpool"
@@ -370,44 +367,26 @@ impl<'c, A: KvAllocator> RowCache for Kv<'c, A> {
     fn req_pool(&self) -> &ReqToTokenPool {
         self.0.req_pool()
     }
-    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
-        let lease = self.0.match_and_lock(namespace, key, out);
-        (lease.len(), lease)
+    fn admit(&self, namespace: u64, prompt: &[u32]) -> Result<Self::Request, AllocError> {
+        self.0.admit(namespace, prompt)
+    }
+    fn extend(&self, req: &mut Self::Request, n: usize) -> Result<(), AllocError> {
+        req.extend(n)
+    }
+    fn decode<R: AsMut<Self::Request>>(&self, batch: &mut [R], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.decode(batch, out)
+    }
+    fn finish(&self, req: Self::Request, kv_tokens: &[u32]) -> Result<usize, ReplayError> {
+        req.finish(kv_tokens).map(|done| done.cached).map_err(|refused| ReplayError::internal("finish", refused))
+    }
+    fn abort(&self, req: Self::Request) {
+        req.abort();
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         self.0.peek_prefix(namespace, key, out)
     }
     fn evict(&self, num_tokens: usize) -> usize {
         self.0.evict(num_tokens)
-    }
-    fn alloc_extend(
-        &self,
-        prefix_lens: &[u32],
-        seq_lens: &[u32],
-        last_locs: &[u32],
-        out: &mut [u32],
-    ) -> Result<(), AllocError> {
-        self.0.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
-    }
-    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.allocator().alloc_decode(seq_lens, last_locs, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.0.allocator().free(slots)
-    }
-    fn unlock(&self, lease: Lease<'c, A, Mamba<SlotPool>>) {
-        drop(lease);
-    }
-    fn cache_finished_req<'a>(
-        &'a self,
-        _namespace: u64,
-        _token_ids: &[u32],
-        row: ReqRow,
-        lease: Self::Lease<'a>,
-    ) -> Result<usize, ReplayError> {
-        drop(lease);
-        let _ = self.0.req_pool().free(row);
-        Err(ReplayError::Internal("a hybrid request must be finished with its checkpoint state".into()))
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.0.check_invariants()
@@ -432,50 +411,133 @@ fn states_in_use<A: KvAllocator>(cache: &MambaRadixCache<A, SlotPool>) -> u64 {
     (cache.states().capacity() as usize - cache.states().available()) as u64
 }
 
-/// Evict the KV shortfall (as the attention replay), counting the states that went
-/// with the evicted leaves.
-fn make_room_counted<A: KvAllocator>(
-    cache: &MambaRadixCache<A, SlotPool>,
-    need: usize,
-    totals: &mut Totals,
-    st: &mut StateTotals,
-) {
-    let before = cache.mamba_evictable_size();
-    totals.evicted_tokens += make_room(&Kv(cache), need);
-    st.evicted_with_kv += before.saturating_sub(cache.mamba_evictable_size()) as u64;
+/// States the tree holds.
+fn states_cached<A: KvAllocator>(cache: &MambaRadixCache<A, SlotPool>) -> usize {
+    cache.mamba_evictable_size() + cache.mamba_protected_size()
 }
 
-/// One state slot for a request; when the pool is empty the least recently used
-/// unlocked cached state is evicted first (its leaf's KV with it, counted). `None`
-/// when every state is locked.
-fn take_state<A: KvAllocator>(
-    cache: &MambaRadixCache<A, SlotPool>,
-    totals: &mut Totals,
-    st: &mut StateTotals,
-) -> Result<Option<u32>, ReplayError> {
-    if cache.states().available() == 0 {
-        let tokens = cache.total_size();
-        st.evicted_for_states += cache.evict_mamba(1) as u64;
+/// The hybrid model's steps in the request loop: the states a request takes (its
+/// running state at admission, its checkpoint's with
+/// [`save_state`](Request::save_state)), counting the cached states evicted for them;
+/// the KV eviction, counting the states that go with it; and the finish, counting what
+/// became of the saved state.
+struct Hybrid {
+    mamba: CheckpointConfig,
+    st: StateTotals,
+    /// The request being served: its index and KV tokens.
+    r: usize,
+    kv_len: usize,
+    /// States the tree held and tokens it cached before the admission.
+    before: (usize, usize),
+    /// The request's resumed prefix, its KV hit, whether it branched, its last
+    /// checkpoint and whether it saves a state there.
+    prefix: usize,
+    kv_hit: usize,
+    branched: bool,
+    checkpoint: usize,
+    saves: bool,
+    /// States in use with the request's all allocated (0 before).
+    in_use: u64,
+}
+
+impl Hybrid {
+    /// Count the cached states (and their tokens) evicted since `before` to free a
+    /// state slot.
+    fn count_state_evictions<A: KvAllocator>(&mut self, cache: &MambaRadixCache<A, SlotPool>, totals: &mut Totals) {
+        let (states, tokens) = self.before;
+        self.st.evicted_for_states += states.saturating_sub(states_cached(cache)) as u64;
         totals.evicted_tokens += tokens.saturating_sub(cache.total_size()) as u64;
     }
-    match cache.alloc_state() {
-        Ok(s) => {
-            st.peak_in_use = st.peak_in_use.max(states_in_use(cache));
-            Ok(Some(s))
-        }
-        Err(AllocError::OutOfMemory(_)) => Ok(None),
-        Err(e) => Err(ReplayError::internal("alloc_state", e)),
-    }
 }
 
-fn free_states<A: KvAllocator>(
-    cache: &MambaRadixCache<A, SlotPool>,
-    states: &[Option<u32>],
-) -> Result<(), ReplayError> {
-    for s in states.iter().flatten() {
-        cache.states().free(&[*s]).map_err(|e| ReplayError::internal("free state", e))?;
+impl<A: KvAllocator> Steps<Kv<'_, A>> for Hybrid {
+    fn before_admit(&mut self, kv: &Kv<'_, A>) {
+        self.before = (states_cached(kv.0), kv.0.total_size());
+        self.in_use = 0;
     }
-    Ok(())
+
+    fn admitted(
+        &mut self,
+        kv: &Kv<'_, A>,
+        req: Option<&mut Request<A, Mamba<SlotPool>>>,
+        prompt: &[u32],
+        totals: &mut Totals,
+    ) -> Result<bool, ReplayError> {
+        let cache = &**kv.0;
+        // The admission took the request's running state, evicting the least recently
+        // used unlocked cached state (and its leaf's KV) when none was free.
+        self.count_state_evictions(cache, totals);
+        // None: every state is locked. Cannot happen with one request at a time and at
+        // least MIN_MAMBA_STATES slots; the request is rejected.
+        let Some(req) = req else { return Ok(false) };
+        self.st.peak_in_use = self.st.peak_in_use.max(states_in_use(cache));
+        let (m, prompt) = (self.mamba, prompt.len());
+        (self.prefix, self.kv_hit, self.branched) = (req.cached_len(), req.kv_hit(), req.branching_len().is_some());
+        let first = req.branching_len().unwrap_or_else(|| m.prefill_checkpoint(prompt));
+        let checkpoint = last_checkpoint(m, first, prompt, self.kv_len);
+        self.checkpoint = checkpoint;
+        if checkpoint < self.prefix {
+            return Err(ReplayError::Internal(format!(
+                "request {}: checkpoint {checkpoint} lies before the resumed prefix {}",
+                self.r, self.prefix
+            )));
+        }
+        // A checkpoint at the resumed prefix is cached already: nothing to save.
+        self.saves = checkpoint > self.prefix;
+        if self.saves {
+            self.before = (states_cached(cache), cache.total_size());
+            let saved = req.save_state(checkpoint);
+            self.count_state_evictions(cache, totals);
+            match saved {
+                Ok(_) => self.st.peak_in_use = self.st.peak_in_use.max(states_in_use(cache)),
+                Err(AllocError::OutOfMemory(_)) => return Ok(false),
+                Err(e) => return Err(ReplayError::internal("save_state", e)),
+            }
+        }
+        Ok(true)
+    }
+
+    fn room(&mut self, kv: &Kv<'_, A>, need: usize, totals: &mut Totals) -> bool {
+        // The KV shortfall, as the attention replay; the states that went with the
+        // evicted leaves are counted too.
+        let before = kv.0.mamba_evictable_size();
+        let fits = evict_shortfall(kv, need, totals);
+        self.st.evicted_with_kv += before.saturating_sub(kv.0.mamba_evictable_size()) as u64;
+        fits
+    }
+
+    fn allocated(&mut self, kv: &Kv<'_, A>) {
+        self.in_use = states_in_use(kv.0);
+    }
+
+    fn finish(
+        &mut self,
+        _kv: &Kv<'_, A>,
+        req: Request<A, Mamba<SlotPool>>,
+        job: &Job<'_>,
+        totals: &mut Totals,
+    ) -> Result<(), ReplayError> {
+        // Caches the tokens up to the saved state with it (or, with no state saved
+        // past the resumed prefix, nothing), frees the KV past it and the running
+        // state.
+        let done = req.finish(job.tokens).map_err(|refused| ReplayError::internal("finish", refused))?;
+        if self.saves {
+            totals.added_tokens += (self.checkpoint - done.cached.min(self.checkpoint)) as u64;
+            if done.state_kept {
+                self.st.cached += 1;
+            } else {
+                self.st.duplicate += 1;
+            }
+        }
+        totals.served += 1;
+        totals.prompt_tokens += job.prompt as u64;
+        totals.hit_tokens += self.prefix as u64;
+        totals.output_tokens += u64::from(job.output);
+        self.st.kv_hit_tokens += self.kv_hit as u64;
+        self.st.state_hit_requests += u64::from(self.prefix > 0);
+        self.st.branched += u64::from(self.branched);
+        Ok(())
+    }
 }
 
 /// The last checkpoint of a request: its prefill checkpoint (`first`), or the last
@@ -495,26 +557,28 @@ fn last_checkpoint(m: CheckpointConfig, first: usize, prompt: usize, kv_len: usi
 ///
 /// Each request, in trace order:
 ///
-/// 1. [`match_and_lock_checkpoint`](crate::radix::RadixCache::match_and_lock_checkpoint)
-///    on its prompt: the KV may match `kv_len` tokens, but the request can resume only
-///    from the deepest cached *state*, `lease.len()` tokens in (its **state hit**, the
-///    effective reusable prefix: KV and state); everything past it is recomputed;
-/// 2. it takes its own running state slot (a fork of the matched state: slot accounting
-///    only, no data is simulated) and, when it will save a checkpoint past the prefix
-///    it resumed from, a checkpoint slot (SGLang's ping-pong track buffer), both with
-///    its row; when the pool is empty the
-///    least recently used unlocked cached state is evicted for them
-///    ([`evict_mamba`](crate::radix::RadixCache::evict_mamba));
-/// 3. KV for the rest of the prompt (`alloc_extend`) and one decode slot per output
-///    token after the first (`alloc_decode`), evicting the KV shortfall first, exactly
-///    as the attention replay ([`run_sequential`](super::run_sequential));
+/// 1. it is admitted ([`admit`](crate::radix::RadixCache::admit)): its prompt's KV may
+///    match [`kv_hit`](Request::kv_hit) tokens, but it can resume only from the deepest
+///    cached *state*, [`cached_len`](Request::cached_len) tokens in (its **state hit**,
+///    the effective reusable prefix: KV and state); everything past it is recomputed.
+///    It takes its own running state slot (a fork of the matched state: slot
+///    accounting only, no data is simulated) with its row;
+/// 2. when it will save a checkpoint past the prefix it resumed from, it takes a
+///    checkpoint slot there ([`save_state`](Request::save_state), SGLang's ping-pong
+///    track buffer); when the pool is empty, the least recently used unlocked cached
+///    state is evicted for either slot
+///    ([`evict_mamba`](crate::radix::RadixCache::evict_mamba)), and counted;
+/// 3. KV for the rest of the prompt ([`extend`](Request::extend)) and one decode slot
+///    per output token after the first ([`decode`](crate::radix::RadixCache::decode)),
+///    evicting the KV shortfall first, exactly as the attention replay
+///    ([`run_sequential`](super::run_sequential));
 /// 4. checkpoints: during prefill at the branching point
-///    ([`MambaMatch::branching_len`](crate::radix::MambaMatch)) when the KV matched
-///    further than the state, else at the last chunk boundary of the prompt; during
-///    decode whenever the sequence reaches a multiple of the track interval;
-/// 5. at the finish it caches its tokens up to its last checkpoint with the checkpoint
-///    state ([`cache_finished_req`](crate::radix::RadixCache::cache_finished_req) of
-///    the Mamba cache: the tree keeps the state, or frees it when that checkpoint was
+///    ([`branching_len`](Request::branching_len)) when the KV matched further than
+///    the state, else at the last chunk boundary of the prompt; during decode whenever
+///    the sequence reaches a multiple of the track interval: the last of them is the
+///    one it saves;
+/// 5. its [`finish`](Request::finish) caches its tokens up to that checkpoint with the
+///    saved state (the tree keeps the state, or frees it when that checkpoint was
 ///    cached already), frees its KV past the checkpoint and its running state.
 ///
 /// `--policy` orders the KV eviction (whole leaves, their states with them, then any
@@ -554,14 +618,13 @@ fn last_checkpoint(m: CheckpointConfig, first: usize, prompt: usize, kv_len: usi
 /// As [`run_sequential`](super::run_sequential); [`ReplayError::Invariant`] also when
 /// a state slot is leaked or the state counts do not add up.
 pub fn run_hybrid<A: KvAllocator>(
-    cache: &MambaRadixCache<A, SlotPool>,
+    cache: &Arc<MambaRadixCache<A, SlotPool>>,
     trace: &Trace,
     config: &ReplayConfig,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<Report, ReplayError> {
     let kv = Kv(cache);
     let capacity = kv.capacity_tokens();
-    let mamba = cache.checkpoint_config();
     let max_kv = trace.max_kv_len_fitting(capacity);
     if cache.req_pool().max_context_len() < max_kv || cache.req_pool().size() == 0 {
         return Err(ReplayError::Config(format!(
@@ -576,9 +639,20 @@ pub fn run_hybrid<A: KvAllocator>(
         )));
     }
     let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
-    let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
     let mut totals = Totals::default();
-    let mut st = StateTotals::default();
+    let mut steps = Hybrid {
+        mamba: cache.checkpoint_config(),
+        st: StateTotals::default(),
+        r: 0,
+        kv_len: 0,
+        before: (0, 0),
+        prefix: 0,
+        kv_hit: 0,
+        branched: false,
+        checkpoint: 0,
+        saves: false,
+        in_use: 0,
+    };
     let mut hist = Histograms::default();
     let mut timeline = Vec::new();
     let mut points = Vec::new();
@@ -594,84 +668,14 @@ pub fn run_hybrid<A: KvAllocator>(
     let start = Instant::now();
     for r in 0..trace.len() {
         let q = trace.request(r);
-        let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
-        let mut in_use = 0;
+        let kv_len = q.kv_len();
+        steps.in_use = 0;
         if fits_in_pool(&kv, kv_len) {
             trace.write_kv_tokens(r, &mut tokens);
-            let t = Instant::now();
-            let m = cache.match_and_lock_checkpoint(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
-            hist.match_.record_since(t);
-            let (prefix, kv_hit) = (m.lease.len(), m.kv_len);
-            let first = m.branching_len.unwrap_or_else(|| mamba.prefill_checkpoint(prompt));
-            let checkpoint = last_checkpoint(mamba, first, prompt, kv_len);
-            if checkpoint < prefix {
-                return Err(ReplayError::Internal(format!(
-                    "request {r}: checkpoint {checkpoint} lies before the resumed prefix {prefix}"
-                )));
-            }
-            // The request's own state (forked from the match's) and, when it will save a
-            // checkpoint, its checkpoint slot: both taken with its row.
-            let running = take_state(cache, &mut totals, &mut st)?;
-            // A checkpoint at the resumed prefix is cached already: nothing to save.
-            let saves = checkpoint > prefix;
-            let saved = if saves && running.is_some() { take_state(cache, &mut totals, &mut st)? } else { None };
-            if running.is_none() || (saves && saved.is_none()) {
-                // Every state is locked: cannot happen with one request at a time and
-                // at least MIN_MAMBA_STATES slots, but reject rather than fail.
-                free_states(cache, &[running, saved])?;
-                drop(m.lease);
+            (steps.r, steps.kv_len) = (r, kv_len);
+            let job = Job { tokens: &tokens[..kv_len], prompt: q.input_length as usize, output: q.output_length };
+            if !serve(&kv, &mut steps, NAMESPACE, &job, &mut totals, &mut hist)? {
                 totals.rejected += 1;
-            } else {
-                let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
-                write_row(&kv, &mut row, 0, &slots[..prefix])?;
-                let outcome = {
-                    let mut room = |need: usize, totals: &mut Totals| make_room_counted(cache, need, totals, &mut st);
-                    serve(&kv, &mut row, prefix, prompt, kv_len, &mut totals, &mut hist, &mut room, &mut |_, _| Ok(()))?
-                };
-                in_use = states_in_use(cache);
-                if let Some(held_end) = outcome {
-                    release(&kv, row, prefix..held_end)?;
-                    drop(m.lease);
-                    free_states(cache, &[running, saved])?;
-                    totals.rejected += 1;
-                } else {
-                    // The KV past the checkpoint is the request's to free (whole pages:
-                    // the checkpoint is a multiple of the chunk, itself of the page).
-                    if kv_len > checkpoint {
-                        let tail = cache
-                            .req_pool()
-                            .read(&row, checkpoint..kv_len)
-                            .map_err(|e| ReplayError::internal("read row", e))?;
-                        kv.free(tail).map_err(|e| ReplayError::internal("free request slots", e))?;
-                    }
-                    let t = Instant::now();
-                    if let Some(state) = saved {
-                        let done = cache
-                            .cache_finished_req(NAMESPACE, &tokens[..checkpoint], row, m.lease, state)
-                            .map_err(|u| ReplayError::internal("cache_finished_req", u))?;
-                        totals.added_tokens += (checkpoint - done.cached.min(checkpoint)) as u64;
-                        if done.state_kept {
-                            st.cached += 1;
-                        } else {
-                            st.duplicate += 1;
-                        }
-                    } else {
-                        // No new checkpoint (none at all, or only the one it resumed
-                        // from): nothing to cache. The row's first `prefix` slots are the
-                        // lease's, cached: only the lease is given back.
-                        drop(m.lease);
-                        cache.req_pool().free(row).map_err(|e| ReplayError::internal("free row", e))?;
-                    }
-                    hist.finish.record_since(t);
-                    free_states(cache, &[running])?;
-                    totals.served += 1;
-                    totals.prompt_tokens += prompt as u64;
-                    totals.hit_tokens += prefix as u64;
-                    totals.output_tokens += q.output_length as u64;
-                    st.kv_hit_tokens += kv_hit as u64;
-                    st.state_hit_requests += u64::from(prefix > 0);
-                    st.branched += u64::from(m.branching_len.is_some());
-                }
             }
         } else {
             // Larger than the whole pool: it can never be served. Nothing is evicted.
@@ -686,10 +690,10 @@ pub fn run_hybrid<A: KvAllocator>(
                 hit_tokens: totals.hit_tokens,
                 ..TimelinePoint::default()
             });
-            let cached_states = (cache.mamba_evictable_size() + cache.mamba_protected_size()) as u64;
+            let cached_states = states_cached(cache) as u64;
             points.push(HybridPoint {
-                kv_hit_tokens: st.kv_hit_tokens,
-                states_in_use: in_use.max(cached_states),
+                kv_hit_tokens: steps.st.kv_hit_tokens,
+                states_in_use: steps.in_use.max(cached_states),
                 states_cached: cached_states,
             });
         }
@@ -700,7 +704,7 @@ pub fn run_hybrid<A: KvAllocator>(
     let wall = start.elapsed().as_secs_f64();
     progress(trace.len() as u64);
     let mut report = finish_report(&kv, config, totals, &hist, wall, timeline)?;
-    report.hybrid = Some(check_states(cache, config, &totals, st, points)?);
+    report.hybrid = Some(check_states(cache, config, &totals, steps.st, points)?);
     Ok(report)
 }
 

@@ -57,7 +57,6 @@ mod lookahead;
 mod optimal;
 mod overlap;
 mod plot;
-mod rows;
 mod sequential;
 mod stats;
 mod store;

@@ -47,8 +47,8 @@
 //! # How
 //!
 //! kvpool's tree is built for an online policy; this is a separate page-level model of
-//! the same replay (match with splits, locks along the path, `alloc_extend` then one
-//! decode page at a time, evicting the shortfall first, `cache_finished_req`), with the
+//! the same replay (match with splits, locks along the path, the prompt's extend then
+//! one decode page at a time, evicting the shortfall first, the finish), with the
 //! same logical clock. Run with LRU or LFU it reproduces kvpool's sequential replay
 //! exactly — hit tokens, evicted tokens, peak and final occupancy (tested) — so the
 //! optimum differs from them only by its eviction choices. It needs a page size that

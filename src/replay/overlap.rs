@@ -365,8 +365,9 @@ impl<'c, C: ReplayCache> Scheduler<'c, C> {
         let (prompt, totals, hist) = (&self.prompt[..prompt], &mut self.totals, &mut self.hist);
         match prefill(cache, &mut Attention, NAMESPACE, prompt, totals, hist)? {
             Prefill::Running(req) => Ok(Admission::Admitted(Running { r, req, kv_len })),
-            Prefill::NoRow => Ok(Admission::Wait),
-            Prefill::Refused => Ok(Admission::Wait),
+            // No row free: the output thread holds them. (The attention model's steps
+            // refuse nothing.)
+            Prefill::NoRow | Prefill::Refused => Ok(Admission::Wait),
             Prefill::OutOfMemory(req) => {
                 cache.abort(req);
                 let nobody_else = alone && pending_before == 0;

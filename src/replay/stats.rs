@@ -137,14 +137,15 @@ pub struct Percentiles {
 /// Latency percentiles of each operation the replay times.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Latencies {
-    /// `match_and_lock` of a prompt.
+    /// A request's admission: a row, its prompt's match, locked.
     #[serde(rename = "match")]
     pub match_: Percentiles,
-    /// `alloc_extend` of a prompt's uncached part (eviction not included).
+    /// The extend by a prompt's uncached part (eviction not included).
     pub alloc_extend: Percentiles,
-    /// `alloc_decode` (sequential: one request; overlap: one call for the running batch).
+    /// A decode step (sequential: one request; overlap: one call for the running batch;
+    /// eviction not included).
     pub alloc_decode: Percentiles,
-    /// `cache_finished_req`.
+    /// A request's finish.
     pub finish: Percentiles,
     /// A router's read-only `match_prefix` (overlap mode only).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -9,8 +9,8 @@
 //! [`PageStore`] ([`RedisStore`](crate::store::redis::RedisStore), feature `redis`) under
 //! a key namespace unique to the run (reruns never see an earlier run's pages).
 //!
-//! Requests are served one at a time in trace order, each on its engine (a per-request
-//! loop over the sequential replay's allocation path, [`serve`]: the engines do not
+//! Requests are served one at a time in trace order, each on its engine (the request
+//! loop of the sequential replay, [`serve`], one request at a time: the engines do not
 //! decode in one batch, so `run_sequential`, which drives one cache over the whole
 //! trace, does not fit). For a request on its engine:
 //!
@@ -24,9 +24,9 @@
 //!    hash (a mismatch is counted as corrupt and ends the run of pages), and add them
 //!    with [`insert_host`](HiRadixCache::insert_host); its prefetch transfer completes
 //!    at once (the bytes are in hand).
-//! 3. The two-tier replay's request: `match_and_load` (the host continuation, prefetched
-//!    pages included, is loaded back all or nothing), allocation with eviction,
-//!    `cache_finished_req`; every transfer completes at once.
+//! 3. The two-tier replay's request: its admission loads the host continuation back
+//!    (prefetched pages included, all or nothing; [`Request::host_hit`]), then
+//!    allocation with eviction and the finish; every transfer completes at once.
 //! 4. Write-through to the store: the leading pages of the request's KV held on host
 //!    ([`host_backed_len`](HiRadixCache::host_backed_len)) that the store lacks
 //!    (`exists_prefix`) are `put`, with a payload that is a function of the page hash.
@@ -47,16 +47,13 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::hicache::{settle, transfer_seconds, HostReport, HostTierConfig, KvHiReplay};
-use super::rows::{
-    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, make_room_rows as make_room, release,
-    serve, write_row, RowCache,
-};
+use super::lifecycle::{serve, Job, Steps};
 use super::stats::thousands;
 use super::{
-    buffer, Histograms, LatencyHistogram, Percentiles, ReplayConfig, ReplayError, Report, Totals, Trace, TraceRequest,
-    NAMESPACE,
+    buffer, finish_report, fits_in_pool, Histograms, LatencyHistogram, Percentiles, ReplayCache, ReplayConfig,
+    ReplayError, Report, Totals, Trace, TraceRequest, NAMESPACE,
 };
-use crate::radix::{page_hash, BlockHash, HiRadixCache, HostTier, RadixConfig};
+use crate::radix::{page_hash, BlockHash, Hi, HiRadixCache, HostTier, RadixConfig, Request};
 use crate::store::{BackoffConfig, Miss, PageStore, StoreError};
 use crate::PagedAllocator;
 
@@ -848,6 +845,26 @@ pub(crate) fn replay_engines(
     Ok(report)
 }
 
+/// The two-tier request's steps in the request loop: its hit, and the tokens its
+/// admission loaded back from host.
+struct TwoTier {
+    hit: usize,
+    loaded: usize,
+}
+
+impl Steps<KvHiReplay> for TwoTier {
+    fn admitted(
+        &mut self,
+        _cache: &KvHiReplay,
+        req: Option<&mut Request<PagedAllocator, Hi>>,
+        _prompt: &[u32],
+        _totals: &mut Totals,
+    ) -> Result<bool, ReplayError> {
+        (self.hit, self.loaded) = req.map_or((0, 0), |req| (req.cached_len(), req.host_hit().loaded));
+        Ok(true)
+    }
+}
+
 /// Serve one request on its engine: prefetch from the store, the two-tier request, the
 /// write-through to the store (see the module docs).
 #[allow(clippy::too_many_arguments)]
@@ -913,29 +930,18 @@ fn serve_one(
     }
 
     // (3): the two-tier request.
-    let loaded_before = cache.host_hits.load(std::sync::atomic::Ordering::Relaxed);
-    let t = Instant::now();
-    let (hit, lease) = cache.match_and_lock(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
-    hist.match_.record_since(t);
-    let loaded = (cache.host_hits.load(std::sync::atomic::Ordering::Relaxed) - loaded_before) as usize;
+    let job = Job { tokens: &tokens[..kv_len], prompt, output: q.output_length };
+    let mut steps = TwoTier { hit: 0, loaded: 0 };
+    let served = serve(cache, &mut steps, NAMESPACE, &job, totals, hist)?;
+    let (hit, loaded) = (steps.hit, steps.loaded);
     let store_hit = if loaded > 0 { prefetched.min(loaded) } else { 0 };
     if loaded == 0 {
         fig.prefetch_unused_tokens += prefetched as u64;
     }
-    let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
-    write_row(cache, &mut row, 0, &slots[..hit])?;
-    let mut room = |need: usize, totals: &mut Totals| totals.evicted_tokens += make_room(cache, need);
-    let outcome = serve(cache, &mut row, hit, prompt, kv_len, totals, hist, &mut room, &mut |_, _| Ok(()))?;
-    if let Some(held_end) = outcome {
-        release(cache, row, hit..held_end)?;
-        cache.unlock(lease);
+    if !served {
         totals.rejected += 1;
         return Ok(());
     }
-    let t = Instant::now();
-    let cached = cache.cache_finished_req(NAMESPACE, &tokens[..kv_len], row, lease)?;
-    hist.finish.record_since(t);
-    totals.served(kv_len, ps, cached, prompt, hit, q.output_length);
     fig.device_hit_tokens += (hit - loaded) as u64;
     fig.host_hit_tokens += (loaded - store_hit) as u64;
     fig.store_hit_tokens += store_hit as u64;

@@ -7,20 +7,22 @@
 //! See [`run_swa`] for the request protocol and the accounting.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::alloc::SwaAllocator;
-use crate::error::{AllocError, FreeError, InvariantViolation};
-use crate::radix::{Lease, RadixConfig, Swa, SwaRadixCache};
-use crate::req_to_token::{ReqRow, ReqToTokenPool};
+use crate::error::{AllocError, InvariantViolation};
+use crate::radix::{RadixConfig, Request, Swa, SwaRadixCache};
+use crate::req_to_token::ReqToTokenPool;
 
-use super::rows::{
-    finish_report_rows as finish_report, fits_in_pool_rows as fits_in_pool, release, serve, write_row, RowCache,
-};
+use super::lifecycle::{finish_served, serve, Job, Steps};
 use super::sequential::PROGRESS_EVERY;
-use super::{buffer, Histograms, ReplayConfig, ReplayError, Report, TimelinePoint, Totals, Trace, NAMESPACE};
+use super::{
+    buffer, finish_report, fits_in_pool, Histograms, ReplayCache, ReplayConfig, ReplayError, Report, TimelinePoint,
+    Totals, Trace, NAMESPACE,
+};
 
 /// Default sliding window: gpt-oss-20b/120b's `sliding_window` (128 tokens; their
 /// layers alternate sliding-window and full attention).
@@ -179,20 +181,17 @@ pub(crate) fn replay_swa(
     let req_pool = ReqToTokenPool::new(config.rows() as u32, max_context_len).map_err(too_large)?;
     let radix = RadixConfig { policy: config.policy, ..RadixConfig::default() };
     let cache = SwaRadixCache::with_window(alloc, req_pool, radix, config.swa.window)?;
-    run_swa(&cache, trace, config, progress)
+    run_swa(&Arc::new(cache), trace, config, progress)
 }
 
-/// The SWA cache seen as a [`ReplayCache`] over its full pool, so the sequential
-/// driver's `serve` and end-of-run accounting (full slots in use = cached tokens) serve
-/// the SWA replay too. Its allocations go straight to the allocator: the driver's room
-/// callback has evicted both pools' shortfall before.
-struct Full<'c>(&'c SwaRadixCache);
+/// The SWA cache as a [`ReplayCache`] over its full pool: the request loop admits,
+/// extends, decodes and finishes through it, and the end-of-run accounting (full slots
+/// in use = cached tokens) reads it. The loop's room step ([`Window`]'s) has evicted
+/// both pools' shortfall before each allocation.
+struct Full<'c>(&'c Arc<SwaRadixCache>);
 
-impl<'c> RowCache for Full<'c> {
-    type Lease<'a>
-        = Lease<'c, SwaAllocator, Swa>
-    where
-        Self: 'a;
+impl ReplayCache for Full<'_> {
+    type Request = Request<SwaAllocator, Swa>;
 
     fn name(&self) -> &'static str {
         "kvpool"
@@ -215,44 +214,26 @@ impl<'c> RowCache for Full<'c> {
     fn req_pool(&self) -> &ReqToTokenPool {
         self.0.req_pool()
     }
-    fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> (usize, Self::Lease<'_>) {
-        let lease = self.0.match_and_lock(namespace, key, out);
-        (lease.len(), lease)
+    fn admit(&self, namespace: u64, prompt: &[u32]) -> Result<Self::Request, AllocError> {
+        self.0.admit(namespace, prompt)
+    }
+    fn extend(&self, req: &mut Self::Request, n: usize) -> Result<(), AllocError> {
+        req.extend(n)
+    }
+    fn decode<R: AsMut<Self::Request>>(&self, batch: &mut [R], out: &mut [u32]) -> Result<(), AllocError> {
+        self.0.decode(batch, out)
+    }
+    fn finish(&self, req: Self::Request, kv_tokens: &[u32]) -> Result<usize, ReplayError> {
+        req.finish(kv_tokens).map_err(|refused| ReplayError::internal("finish", refused))
+    }
+    fn abort(&self, req: Self::Request) {
+        req.abort();
     }
     fn peek_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {
         self.0.peek_prefix(namespace, key, out)
     }
     fn evict(&self, num_tokens: usize) -> usize {
         self.0.evict(num_tokens)
-    }
-    fn alloc_extend(
-        &self,
-        prefix_lens: &[u32],
-        seq_lens: &[u32],
-        last_locs: &[u32],
-        out: &mut [u32],
-    ) -> Result<(), AllocError> {
-        self.0.allocator().alloc_extend(prefix_lens, seq_lens, last_locs, out)
-    }
-    fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
-        self.0.allocator().alloc_decode(seq_lens, last_locs, out)
-    }
-    fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
-        self.0.allocator().free(slots)
-    }
-    fn unlock(&self, lease: Lease<'c, SwaAllocator, Swa>) {
-        drop(lease);
-    }
-    fn cache_finished_req<'a>(
-        &'a self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: Self::Lease<'a>,
-    ) -> Result<usize, ReplayError> {
-        self.0
-            .cache_finished_req(namespace, token_ids, row, lease)
-            .map_err(|u| ReplayError::internal("cache_finished_req", u))
     }
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.0.check_invariants()
@@ -268,38 +249,102 @@ struct SwaTotals {
     peak_window: u64,
 }
 
-/// Evict each pool's shortfall for `need` more tokens (SGLang's `evict(full, swa)`);
-/// nothing when not even that much is evictable. Returns (full, window) tokens freed.
-fn make_room(cache: &SwaRadixCache, need: usize) -> (usize, usize) {
-    let a = cache.allocator();
-    let full = need.saturating_sub(a.full_available_size());
-    let window = need.saturating_sub(a.window_available_size());
-    let short = (full > 0 && full > cache.evictable_size()) || (window > 0 && window > cache.swa_evictable_size());
-    if short || (full == 0 && window == 0) {
-        return (0, 0);
+/// The sliding-window model's steps in the request loop: the full-KV hit at admission,
+/// each pool's shortfall evicted before an allocation (SGLang's `evict(full, swa)`),
+/// the window KV released after each step.
+struct Window {
+    st: SwaTotals,
+    window: usize,
+    ps: usize,
+    /// Whether requests release the window KV that left their window.
+    release: bool,
+    /// A scratch row for the full-KV look-up.
+    slots: Vec<u32>,
+    /// The request being served: its full-KV hit, and how far its window KV is
+    /// released (SGLang's `swa_evicted_seqlen`).
+    kv_hit: usize,
+    released: usize,
+}
+
+impl Steps<Full<'_>> for Window {
+    fn admitted(
+        &mut self,
+        full: &Full<'_>,
+        req: Option<&mut Request<SwaAllocator, Swa>>,
+        prompt: &[u32],
+        _totals: &mut Totals,
+    ) -> Result<bool, ReplayError> {
+        let Some(req) = req else { return Ok(false) };
+        // The window rule decides the hit; the full KV may match further (the same
+        // walk as the admission's, read-only, over the tree the admission left).
+        self.kv_hit = full.0.peek_walk(NAMESPACE, prompt, &mut self.slots[..prompt.len()]).len;
+        self.released = req.cached_len();
+        Ok(true)
     }
-    cache.evict_both(full, window)
+
+    fn room(&mut self, full: &Full<'_>, need: usize, totals: &mut Totals) -> bool {
+        let (cache, a) = (full.0, full.0.allocator());
+        let full_short = need.saturating_sub(a.full_available_size());
+        let window_short = need.saturating_sub(a.window_available_size());
+        if full_short > cache.evictable_size() || window_short > cache.swa_evictable_size() {
+            // Not even evicting everything would make the room: nothing is evicted.
+            return false;
+        }
+        if full_short > 0 || window_short > 0 {
+            let (f, w) = cache.evict_both(full_short, window_short);
+            totals.evicted_tokens += f as u64;
+            self.st.window_evicted += w as u64;
+        }
+        true
+    }
+
+    fn step(&mut self, full: &Full<'_>, req: &mut Request<SwaAllocator, Swa>) -> Result<(), ReplayError> {
+        let a = full.0.allocator();
+        self.st.peak_window = self.st.peak_window.max((a.window_size() - a.window_available_size()) as u64);
+        // The window KV of the whole pages that fell out of the window, a page of
+        // slack kept (SGLang's `maybe_evict_swa`).
+        let to = req.len().saturating_sub(self.window.saturating_add(self.ps)) / self.ps * self.ps;
+        if self.release && to > self.released {
+            let n = req.release_window(self.released..to).map_err(|e| ReplayError::internal("release_window", e))?;
+            self.st.released += n as u64;
+            self.released = to;
+        }
+        Ok(())
+    }
+
+    fn finish(
+        &mut self,
+        full: &Full<'_>,
+        req: Request<SwaAllocator, Swa>,
+        job: &Job<'_>,
+        totals: &mut Totals,
+    ) -> Result<(), ReplayError> {
+        finish_served(full, req, job, totals)?;
+        self.st.full_hit_tokens += self.kv_hit as u64;
+        Ok(())
+    }
 }
 
 /// Replay `trace` through `cache` one request at a time.
 ///
 /// For each request in file order (a request whose KV exceeds the full pool is
-/// rejected at once): match the prompt and lock the match (the window rule decides
-/// the hit; the full-KV match is counted beside it); `alloc_extend` the rest of the
-/// prompt and one `alloc_decode` per output token after the first, each after evicting
-/// both pools' shortfall; after the prefill and each decode step, release the window
-/// KV of the whole pages that fell out of the window, keeping a page of slack (SGLang's
+/// rejected at once), the request loop of [`run_sequential`](super::run_sequential)
+/// with the window's steps: the request is admitted (the window rule decides the hit;
+/// the full-KV match is counted beside it); it extends by the rest of the prompt and
+/// decodes one slot per output token after the first, each after evicting both pools'
+/// shortfall; after the prefill and each decode step it releases the window KV of the
+/// whole pages that fell out of the window, keeping a page of slack
+/// ([`release_window`](crate::radix::Request::release_window), SGLang's
 /// `maybe_evict_swa`: up to `seq_len - window - page_size`; not with
-/// `config.swa.release` off); then
-/// `cache_finished_req`. A request whose allocation still fails is rejected (its
-/// slots, lease and row are released).
+/// `config.swa.release` off); then it finishes. A request whose allocation still fails
+/// is rejected (aborted: its slots, lock and row go back).
 ///
 /// # Errors
 ///
 /// As [`run_sequential`](super::run_sequential); [`ReplayError::Invariant`] also when
 /// the window pool's use does not match the live cached tokens at the end.
 pub fn run_swa(
-    cache: &SwaRadixCache,
+    cache: &Arc<SwaRadixCache>,
     trace: &Trace,
     config: &ReplayConfig,
     progress: &(dyn Fn(u64) + Sync),
@@ -316,9 +361,10 @@ pub fn run_swa(
         )));
     }
     let mut tokens = buffer(max_kv.max(1), "the replay's token buffer")?;
-    let mut slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
+    let slots = buffer(max_kv.max(1), "the replay's slot buffer")?;
+    let mut steps =
+        Window { st: SwaTotals::default(), window, ps, release: config.swa.release, slots, kv_hit: 0, released: 0 };
     let mut totals = Totals::default();
-    let mut st = SwaTotals::default();
     let mut hist = Histograms::default();
     let mut timeline = Vec::new();
     if config.timeline {
@@ -330,49 +376,12 @@ pub fn run_swa(
     let start = Instant::now();
     for r in 0..trace.len() {
         let q = trace.request(r);
-        let (prompt, kv_len) = (q.input_length as usize, q.kv_len());
+        let kv_len = q.kv_len();
         if fits_in_pool(&full, kv_len) {
             trace.write_kv_tokens(r, &mut tokens);
-            let t = Instant::now();
-            let (lease, kv_hit) = cache.match_and_lock_kv(NAMESPACE, &tokens[..prompt], &mut slots[..prompt]);
-            hist.match_.record_since(t);
-            let hit = lease.len();
-            let mut row = cache.req_pool().alloc().map_err(|e| ReplayError::internal("request row", e))?;
-            write_row(&full, &mut row, 0, &slots[..hit])?;
-            let outcome = {
-                let mut room = |need: usize, totals: &mut Totals| {
-                    let (f, w) = make_room(cache, need);
-                    totals.evicted_tokens += f as u64;
-                    st.window_evicted += w as u64;
-                };
-                // The window KV released so far covers the row up to here (SGLang's
-                // `swa_evicted_seqlen`); a page of slack stays.
-                let mut released = hit;
-                let mut after = |row: &ReqRow, seq: usize| -> Result<(), ReplayError> {
-                    let a = cache.allocator();
-                    st.peak_window = st.peak_window.max((a.window_size() - a.window_available_size()) as u64);
-                    let to = seq.saturating_sub(window.saturating_add(ps)) / ps * ps;
-                    if config.swa.release && to > released {
-                        let n = cache
-                            .release_window(row, &lease, released..to)
-                            .map_err(|e| ReplayError::internal("release_window", e))?;
-                        st.released += n as u64;
-                        released = to;
-                    }
-                    Ok(())
-                };
-                serve(&full, &mut row, hit, prompt, kv_len, &mut totals, &mut hist, &mut room, &mut after)?
-            };
-            if let Some(held_end) = outcome {
-                release(&full, row, hit..held_end)?;
-                drop(lease);
+            let job = Job { tokens: &tokens[..kv_len], prompt: q.input_length as usize, output: q.output_length };
+            if !serve(&full, &mut steps, NAMESPACE, &job, &mut totals, &mut hist)? {
                 totals.rejected += 1;
-            } else {
-                let t = Instant::now();
-                let cached = full.cache_finished_req(NAMESPACE, &tokens[..kv_len], row, lease)?;
-                hist.finish.record_since(t);
-                totals.served(kv_len, ps, cached, prompt, hit, q.output_length);
-                st.full_hit_tokens += kv_hit as u64;
             }
         } else {
             totals.rejected += 1;
@@ -393,6 +402,7 @@ pub fn run_swa(
     }
     let wall = start.elapsed().as_secs_f64();
     progress(trace.len() as u64);
+    let st = steps.st;
     let mut report = finish_report(&full, config, totals, &hist, wall, timeline)?;
     let a = cache.allocator();
     let window_used = (a.window_size() - a.window_available_size()) as u64;
