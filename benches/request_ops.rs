@@ -7,7 +7,9 @@
 //!   `cache_finished_req` with a row and a lease the caller keeps);
 //! * `request`: the engine contract (`admit`, `Request::extend`, `Request::finish`).
 //!
-//! Both must find the same hits (asserted). Rounds alternate between the two, and the
+//! The same two again with the prompt allocated at admission and every later token by
+//! a decode step of its own (`decode steps`: the sequential replay's shape). Both must
+//! find the same hits (asserted). Rounds alternate between the two, and the
 //! medians and their ratio are printed per configuration (page size 16 and 1 at 1 M
 //! tokens, page size 16 at 150 M).
 //!
@@ -44,7 +46,7 @@ fn make_room(c: &Cache, hit: usize, kv: usize) {
     }
 }
 
-fn with_calls(c: &Cache, trace: &Trace, tokens: &mut [u32]) -> usize {
+fn with_calls(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
     let mut hits = 0;
     for r in 0..trace.len() {
         let q = trace.request(r);
@@ -77,6 +79,76 @@ fn with_requests(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
         make_room(c, hit, kv);
         if req.extend(kv - hit).is_err() {
             continue; // dropped: aborted
+        }
+        req.finish(&tokens[..kv]).unwrap();
+    }
+    hits
+}
+
+/// [`with_calls`], the prompt allocated at admission and every later token by one
+/// decode step (`alloc_decode` with the last slot the caller tracks, then a row write).
+fn decode_with_calls(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
+    let ps = c.page_size() as u32;
+    let mut hits = 0;
+    'requests: for r in 0..trace.len() {
+        let q = trace.request(r);
+        let (prompt, kv) = (q.input_length as usize, q.kv_len());
+        trace.write_kv_tokens(r, &mut tokens[..kv]);
+        let mut row = c.req_pool().alloc().unwrap();
+        let lease = c.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
+        let hit = lease.len();
+        hits += hit;
+        make_room(c, hit, prompt);
+        if c.alloc_extend_row(&mut row, hit, prompt).is_err() {
+            drop(lease);
+            c.req_pool().free(row).unwrap();
+            continue;
+        }
+        let mut last = c.req_pool().read(&row, prompt - 1..prompt).unwrap()[0];
+        let mut one = [0u32];
+        for seq in prompt + 1..=kv {
+            if (seq as u32 - 1) % ps == 0 {
+                make_room(c, seq - 1, seq);
+            }
+            if c.alloc_decode(&[seq as u32], &[last], &mut one).is_err() {
+                let held = c.req_pool().read(&row, hit..seq - 1).unwrap().to_vec();
+                c.allocator().free(&held).unwrap();
+                drop(lease);
+                c.req_pool().free(row).unwrap();
+                continue 'requests;
+            }
+            c.req_pool().write(&mut row, seq - 1, &one).unwrap();
+            last = one[0];
+        }
+        c.cache_finished_req(0, &tokens[..kv], row, lease, 0).unwrap();
+    }
+    hits
+}
+
+/// [`with_requests`], the prompt allocated at admission and every later token by one
+/// decode step (`RadixCache::decode` of a batch of one).
+fn decode_with_requests(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
+    let ps = c.page_size();
+    let mut hits = 0;
+    'requests: for r in 0..trace.len() {
+        let q = trace.request(r);
+        let (prompt, kv) = (q.input_length as usize, q.kv_len());
+        trace.write_kv_tokens(r, &mut tokens[..kv]);
+        let mut req = c.admit(0, &tokens[..prompt]).unwrap();
+        let hit = req.cached_len();
+        hits += hit;
+        make_room(c, hit, prompt);
+        if req.extend(prompt - hit).is_err() {
+            continue;
+        }
+        let mut one = [0u32];
+        while req.len() < kv {
+            if req.len() % ps == 0 {
+                make_room(c, req.len(), req.len() + 1);
+            }
+            if c.decode(&mut [&mut req], &mut one).is_err() {
+                continue 'requests;
+            }
         }
         req.finish(&tokens[..kv]).unwrap();
     }
@@ -129,27 +201,32 @@ fn main() {
         if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
             continue;
         }
-        let a = with_calls(&cache(ps, capacity, max_kv), &trace, &mut tokens);
-        let b = with_requests(&cache(ps, capacity, max_kv), &trace, &mut tokens);
-        assert_eq!(a, b, "{label}: the two loops disagree on hits");
-        let (mut calls, mut requests) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            let c = cache(ps, capacity, max_kv);
-            calls.push(time(cpu, || {
-                std::hint::black_box(with_calls(&c, &trace, &mut tokens));
-            }));
-            drop(c);
-            let c = cache(ps, capacity, max_kv);
-            requests.push(time(cpu, || {
-                std::hint::black_box(with_requests(&c, &trace, &mut tokens));
-            }));
+        type Loop = fn(&Arc<Cache>, &Trace, &mut [u32]) -> usize;
+        let loops: [(&str, Loop, Loop); 2] =
+            [("", with_calls, with_requests), (" decode steps", decode_with_calls, decode_with_requests)];
+        for (what, calls_loop, request_loop) in loops {
+            let a = calls_loop(&cache(ps, capacity, max_kv), &trace, &mut tokens);
+            let b = request_loop(&cache(ps, capacity, max_kv), &trace, &mut tokens);
+            assert_eq!(a, b, "{label}{what}: the two loops disagree on hits");
+            let (mut calls, mut requests) = (Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                let c = cache(ps, capacity, max_kv);
+                calls.push(time(cpu, || {
+                    std::hint::black_box(calls_loop(&c, &trace, &mut tokens));
+                }));
+                drop(c);
+                let c = cache(ps, capacity, max_kv);
+                requests.push(time(cpu, || {
+                    std::hint::black_box(request_loop(&c, &trace, &mut tokens));
+                }));
+            }
+            let (mc, mr) = (median(&mut calls), median(&mut requests));
+            println!(
+                "| {label}{what} (hits {a}) | {:.1} | {:.1} | {:.3} |",
+                mc.as_secs_f64() * 1e3,
+                mr.as_secs_f64() * 1e3,
+                mr.as_secs_f64() / mc.as_secs_f64()
+            );
         }
-        let (mc, mr) = (median(&mut calls), median(&mut requests));
-        println!(
-            "| {label} (hits {a}) | {:.1} | {:.1} | {:.3} |",
-            mc.as_secs_f64() * 1e3,
-            mr.as_secs_f64() * 1e3,
-            mr.as_secs_f64() / mc.as_secs_f64()
-        );
     }
 }

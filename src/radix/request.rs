@@ -124,6 +124,9 @@ pub struct Request<A: KvAllocator, V: Variant = Plain> {
     bigram: Option<u32>,
     /// Row positions written: the cache's up to the lease, the request's after.
     written: usize,
+    /// The row's slot at `written - 1` (0 for an empty row): the slot a decode step
+    /// continues.
+    last: u32,
     /// Tokens of the prompt it was admitted with.
     prompt_len: usize,
     priority: i64,
@@ -269,6 +272,7 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         let before = self.held();
         cache.extend_row(self.row.as_mut().expect("a live request holds its row"), from, to)?;
         self.written = to;
+        self.last = self.slots()[to - 1];
         cache.held.fetch_add(self.held() - before, Relaxed);
         Ok(())
     }
@@ -393,6 +397,8 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
         let row = self.row.as_mut().expect("a live request holds its row");
         V::checkpoint_request(&cache, ns, tokens, row, &mut lease, priority, &mut self.ext)?;
         self.lease = lease.key;
+        // The cached prefix now holds the tree's slots: the last may be one of them.
+        self.last = self.written.checked_sub(1).map_or(0, |p| self.slots()[p]);
         cache.held.fetch_sub(before - self.held(), Relaxed);
         Ok(())
     }
@@ -477,17 +483,20 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let lease = lease.0;
         let written = lease.len;
         let prompt_len = prompt.len();
-        Ok(Request {
+        let mut req = Request {
             cache: Arc::clone(self),
             row: Some(row),
             lease,
             namespace,
             bigram,
             written,
+            last: 0,
             prompt_len,
             priority: 0,
             ext,
-        })
+        };
+        req.last = written.checked_sub(1).map_or(0, |p| req.slots()[p]);
+        Ok(req)
     }
 
     /// Allocate one KV slot for every request of a decode batch, evicting the
@@ -507,26 +516,21 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let (what, end, len) = ("decode output slots", out.len(), batch.len());
             return Err(InvalidInput::LengthMismatch { what, got: end, expected: len }.into());
         }
+        if let [one] = batch {
+            return self.decode_one(one.as_mut(), &mut out[0]);
+        }
         let max = self.req_pool.max_context_len();
         let mut need = 0usize;
         for r in batch.iter_mut() {
             let r = r.as_mut();
-            let row = r.row().index() as u32;
-            if !core::ptr::eq(Arc::as_ptr(&r.cache), self) {
-                return Err(AllocError::Row(RowError::ForeignRow { row }));
-            }
-            if r.written >= max {
-                return Err(AllocError::Row(RowError::OutOfBounds {
-                    row,
-                    start: r.written,
-                    len: 1,
-                    max_context_len: max,
-                }));
-            }
+            self.check_decode(r, max)?;
             need += usize::from(r.written % self.ps == 0) * self.ps;
         }
-        self.make_room(need);
         const CHUNK: usize = 64;
+        if batch.len() > CHUNK {
+            // Room for the whole batch at once (each chunk also makes room for itself).
+            self.make_room(need);
+        }
         let (mut seq_lens, mut last_locs) = ([0u32; CHUNK], [0u32; CHUNK]);
         let mut done = 0;
         while done < batch.len() {
@@ -534,7 +538,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             for (i, r) in batch[done..done + n].iter_mut().enumerate() {
                 let r = r.as_mut();
                 seq_lens[i] = r.written as u32 + 1;
-                last_locs[i] = r.written.checked_sub(1).map_or(0, |p| r.slots()[p]);
+                last_locs[i] = r.last;
             }
             if let Err(e) = self.decode_slots(&seq_lens[..n], &last_locs[..n], &mut out[done..done + n]) {
                 // Give back the new pages of the chunks before; the slots that continued
@@ -556,9 +560,39 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             let wrote = self.req_pool.write(r.row.as_mut().expect("a live request holds its row"), at, &[slot]);
             debug_assert!(wrote.is_ok(), "a checked decode position failed to write: {wrote:?}");
             r.written += 1;
+            r.last = slot;
             if at % self.ps == 0 {
                 self.held.fetch_add(self.ps, Relaxed);
             }
+        }
+        Ok(())
+    }
+
+    /// A request of this cache with room for one more token in its row.
+    #[inline]
+    fn check_decode(&self, r: &Request<A, V>, max: usize) -> Result<(), AllocError> {
+        let row = r.row().index() as u32;
+        if !core::ptr::eq(Arc::as_ptr(&r.cache), self) {
+            return Err(AllocError::Row(RowError::ForeignRow { row }));
+        }
+        if r.written >= max {
+            return Err(AllocError::Row(RowError::OutOfBounds { row, start: r.written, len: 1, max_context_len: max }));
+        }
+        Ok(())
+    }
+
+    /// [`decode`](Self::decode) of a batch of one.
+    #[inline]
+    fn decode_one(&self, r: &mut Request<A, V>, out: &mut u32) -> Result<(), AllocError> {
+        self.check_decode(r, self.req_pool.max_context_len())?;
+        let at = r.written;
+        self.decode_slots(&[at as u32 + 1], &[r.last], core::slice::from_mut(out))?;
+        let wrote = self.req_pool.write(r.row.as_mut().expect("a live request holds its row"), at, &[*out]);
+        debug_assert!(wrote.is_ok(), "a checked decode position failed to write: {wrote:?}");
+        r.written += 1;
+        r.last = *out;
+        if at % self.ps == 0 {
+            self.held.fetch_add(self.ps, Relaxed);
         }
         Ok(())
     }
