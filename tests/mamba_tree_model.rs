@@ -34,9 +34,6 @@ fn op() -> impl Strategy<Value = MambaOp> {
         1 => (key(), any::<bool>()).prop_map(|(key, ns)| MambaOp::Peek { key, ns }),
         1 => any::<u8>().prop_map(|n| MambaOp::Evict { n }),
         2 => any::<u8>().prop_map(|n| MambaOp::EvictMamba { n }),
-        1 => Just(MambaOp::HoldState),
-        1 => any::<u8>().prop_map(|which| MambaOp::DropState { which }),
-        1 => any::<u8>().prop_map(|which| MambaOp::FreeTreeState { which }),
     ]
 }
 
@@ -97,7 +94,7 @@ proptest! {
 /// A fixed sequence through every operation, at every page size and policy: a
 /// tombstone made by a split and revived by a request that checkpoints there, a
 /// chunked prefill, two requests decoding in one batch, a finish past its checkpoint,
-/// refused finishes (a wrong count, a state saved past its tokens), state pressure.
+/// refused finishes (a wrong count, a state saved past its tokens).
 #[test]
 fn scripted_sequence_agrees() {
     let k = |v: &[u8]| v.to_vec();
@@ -110,15 +107,11 @@ fn scripted_sequence_agrees() {
         MambaOp::Start { key: k(&[1, 2, 0, 1, 2, 2]), ns: true, prefill: 1 },
         MambaOp::Decode { mask: 3, token: 2 },
         MambaOp::Serve { key: k(&[1, 2, 0, 1]), ns: false },
-        MambaOp::HoldState,
-        MambaOp::HoldState,
         MambaOp::EvictMamba { n: 1 },
         MambaOp::Finish { req: 0, cut: 3, miscount: 1 },
         MambaOp::SaveState { req: 0, at: 0x87 },
         MambaOp::Finish { req: 0, cut: 255, miscount: 2 },
         MambaOp::Checkpoint { req: 0, at: 1 },
-        MambaOp::DropState { which: 0 },
-        MambaOp::FreeTreeState { which: 3 },
         MambaOp::Peek { key: k(&[1, 2, 0, 1, 2]), ns: false },
         MambaOp::Abort { req: 0, drop: false },
         MambaOp::Evict { n: 3 },

@@ -459,13 +459,6 @@ impl MambaPool {
         }
     }
 
-    /// Cache held slot `slot` straight into a tree's hands (a request's checkpoint
-    /// handed over): [`cache`](Self::cache) and [`hold_for_tree`](Self::hold_for_tree)
-    /// in one store.
-    pub(crate) fn cache_for_tree(&self, slot: MambaSlot) -> Result<u32, SlotRefused> {
-        self.cache_as(slot, TREE | CACHED)
-    }
-
     /// Free a state a tree holds (its eviction). A state a reader pins at this instant
     /// is *doomed* instead: no new pin is accepted, and the last reader's unpin frees
     /// it. Either way the tree is done with it.

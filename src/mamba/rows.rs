@@ -95,11 +95,6 @@ impl HybridRow {
         &self.row
     }
 
-    /// The token row, writable: crate-only, so no caller can swap it for another.
-    pub(crate) fn req_row_mut(&mut self) -> &mut ReqRow {
-        &mut self.row
-    }
-
     /// The working Mamba state, unless it was taken. To write it, pass the row itself
     /// to [`MambaPool::component_mut`] (see [`HeldState`](super::HeldState)).
     pub fn mamba(&self) -> Option<&MambaSlot> {
@@ -224,13 +219,6 @@ impl HybridReqToTokenPool {
         } else {
             2
         }
-    }
-
-    /// The token table. Crate-only: through it a caller could allocate and free plain
-    /// rows of this pool's own table, which the Mamba tables know nothing about; rows
-    /// are read and written with [`read`](Self::read) and [`write`](Self::write).
-    pub(crate) fn tokens(&self) -> &ReqToTokenPool {
-        &self.tokens
     }
 
     /// Positions per row (`max_context_len`).

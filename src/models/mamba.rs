@@ -57,7 +57,6 @@ const ROW: usize = 28;
 /// Open requests at most (the cache's request rows).
 const MAX_REQS: usize = 4;
 /// States the driver holds outside requests, at most.
-const MAX_HELD: usize = 2;
 /// The salt of namespace 1.
 const SALT: u64 = 0x5a17;
 /// How many ops the `mamba_ops` fuzz target reads from one input.
@@ -177,19 +176,6 @@ pub enum MambaOp {
         /// States.
         n: u8,
     },
-    /// `alloc_state` for the driver to hold (pressure on the state pool).
-    HoldState,
-    /// Free a held state.
-    DropState {
-        /// Which held state.
-        which: u8,
-    },
-    /// Try to free one of the tree's own states by number through the cache's
-    /// `states()`: refused (`FreeErrorKind::Cached`), nothing changes.
-    FreeTreeState {
-        /// Which of the tree's states.
-        which: u8,
-    },
 }
 
 type Cache = MambaRadixCache<PagedAllocator, SlotPool>;
@@ -220,8 +206,6 @@ struct Run {
     cache: Arc<Cache>,
     model: Model,
     open: Vec<Open>,
-    /// States the driver holds.
-    states: Vec<u32>,
     shape: Shape,
     /// kvpool's namespace of namespace 1.
     salted: u64,
@@ -347,7 +331,7 @@ pub fn run_with(shape: Shape, ops: &[MambaOp], full_every: usize) -> Result<(), 
     let model = ReferenceMambaCache::new(make(), SlotPool::without_magazines(shape.states), shape.policy)
         .map_err(|e| e.to_string())?;
     let salted = cache_key(true).tree_key(&[]).0;
-    let mut run = Run { cache: Arc::new(cache), model, open: Vec::new(), states: Vec::new(), shape, salted };
+    let mut run = Run { cache: Arc::new(cache), model, open: Vec::new(), shape, salted };
     for (step, op) in ops.iter().enumerate() {
         run.apply(op, step)?;
         if (step + 1) % full_every == 0 || step + 1 == ops.len() {
@@ -360,10 +344,6 @@ pub fn run_with(shape: Shape, ops: &[MambaOp], full_every: usize) -> Result<(), 
     let end = ops.len();
     while !run.open.is_empty() {
         run.abort(run.open.len() - 1, end % 2 == 0);
-    }
-    for s in run.states.drain(..) {
-        run.cache.states().free(&[s]).map_err(|e| e.to_string())?;
-        run.model.states().free(&[s]).map_err(|e| e.to_string())?;
     }
     check("evict all", end, run.cache.evict(usize::MAX), run.model.evict(usize::MAX))?;
     run.compare(end)?;
@@ -485,25 +465,6 @@ impl Run {
             MambaOp::EvictMamba { n } => {
                 let n = *n as usize % 4;
                 check("evict_mamba", step, self.cache.evict_mamba(n), self.model.evict_mamba(n))?;
-            }
-            MambaOp::HoldState => {
-                if self.states.len() < MAX_HELD {
-                    let got = self.cache.alloc_state().ok();
-                    check("alloc_state", step, got, self.model.alloc_state())?;
-                    self.states.extend(got);
-                }
-            }
-            MambaOp::DropState { which } => {
-                let Some(i) = pick(*which, self.states.len()) else { return Ok(()) };
-                let s = self.states.swap_remove(i);
-                self.cache.states().free(&[s]).map_err(|e| e.to_string())?;
-                self.model.states().free(&[s]).map_err(|e| e.to_string())?;
-            }
-            MambaOp::FreeTreeState { which } => {
-                let tree = self.model.held_states();
-                let Some(i) = pick(*which, tree.len()) else { return Ok(()) };
-                let got = self.cache.states().free(&[tree[i]]).map_err(|e| (e.index, e.kind));
-                check("free of a tree's state", step, got, Err((tree[i], crate::error::FreeErrorKind::Cached)))?;
             }
         }
         Ok(())
@@ -803,14 +764,12 @@ impl Run {
         }
         mapped.sort();
         check("leaf paths", step, &mapped, &m.leaf_paths())?;
-        // Every state slot is the tree's, an open request's (running or saved), the
-        // driver's, or free: on both sides the same.
+        // Every state slot is the tree's, an open request's (running or saved), or free: on both sides the same.
         let mut expected: Vec<u32> = m.held_states();
         for o in &self.open {
             expected.push(o.running);
             expected.extend(o.saved.map(|(_, s)| s));
         }
-        expected.extend(&self.states);
         expected.sort_unstable();
         let allocated = |is: &dyn Fn(u32) -> bool| (1..=shape.states).filter(|&s| is(s)).collect::<Vec<_>>();
         check("allocated states", step, allocated(&|s| c.states().is_allocated(s)), expected.clone())?;

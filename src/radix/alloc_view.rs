@@ -12,10 +12,14 @@
 //! alone). A free racing with an insert of the same page means two callers each
 //! believe they own it, which no check of one call can settle.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+#[cfg(test)]
+use std::sync::atomic::AtomicBool;
 
 use crate::alloc::{KvAllocator, SwaAllocator, SwaWindow};
-use crate::error::{AllocError, FreeError, FreeErrorKind, InvalidInput, InvariantViolation};
+use crate::error::{InvalidInput, InvariantViolation};
+#[cfg(test)]
+use crate::error::{AllocError, FreeError, FreeErrorKind};
 
 /// A prefix cache's KV allocator (see [`RadixCache::allocator`](super::RadixCache::allocator)):
 /// every operation of the allocator, except that a free of a page the tree holds is
@@ -40,8 +44,10 @@ use crate::error::{AllocError, FreeError, FreeErrorKind, InvalidInput, Invariant
 pub struct CacheAllocator<'a, A> {
     alloc: &'a A,
     in_tree: &'a [AtomicU64],
-    /// Set once the caller allocates through the view (see [`RadixCache::check_invariants`](super::RadixCache::check_invariants)).
-    raw: &'a AtomicBool,
+    /// The cache's flag set when a unit test allocates through the view (the accounting
+    /// check then skips).
+    #[cfg(test)]
+    raw: Option<&'a AtomicBool>,
     ps: u32,
 }
 
@@ -54,13 +60,28 @@ impl<A> Clone for CacheAllocator<'_, A> {
 impl<A> Copy for CacheAllocator<'_, A> {}
 
 impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
-    pub(super) fn new(alloc: &'a A, in_tree: &'a [AtomicU64], raw: &'a AtomicBool) -> Self {
-        CacheAllocator { alloc, in_tree, raw, ps: alloc.page_size().max(1) }
+    pub(super) fn new(alloc: &'a A, in_tree: &'a [AtomicU64]) -> Self {
+        CacheAllocator {
+            alloc,
+            in_tree,
+            #[cfg(test)]
+            raw: None,
+            ps: alloc.page_size().max(1),
+        }
+    }
+
+    /// The view a unit test allocates through, noting it in `raw`.
+    #[cfg(test)]
+    pub(super) fn noting_raw(self, raw: &'a AtomicBool) -> Self {
+        CacheAllocator { raw: Some(raw), ..self }
     }
 
     /// Note that the caller holds slots no request accounts for.
+    #[cfg(test)]
     fn mark_raw(&self) {
-        mark_raw(self.raw);
+        if let Some(raw) = self.raw {
+            mark_raw(raw);
+        }
     }
 
     /// Whether the tree holds `page` (a snapshot).
@@ -92,6 +113,7 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     }
 
     /// The first slot of `slots` in a page the tree holds, as the error a free gives.
+    #[cfg(test)]
     fn refuse_cached(&self, slots: &[u32]) -> Result<(), FreeError> {
         let mut last = u32::MAX;
         for &slot in slots {
@@ -130,7 +152,8 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     /// # Errors
     ///
     /// As [`KvAllocator::alloc`].
-    pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+    #[cfg(test)]
+    pub(crate) fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
         self.mark_raw();
         self.alloc.alloc(out)
     }
@@ -143,7 +166,8 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     ///
     /// [`InvalidInput::LastLocCached`], else as [`KvAllocator::alloc_extend`]; nothing
     /// is allocated on error.
-    pub fn alloc_extend(
+    #[cfg(test)]
+    pub(crate) fn alloc_extend(
         &self,
         prefix_lens: &[u32],
         seq_lens: &[u32],
@@ -162,7 +186,8 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
-    pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+    #[cfg(test)]
+    pub(crate) fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let n = seq_lens.len().min(last_locs.len());
         self.check_continued_pages(&last_locs[..n], |i| (seq_lens[i].saturating_sub(1), seq_lens[i]))?;
         self.mark_raw();
@@ -193,7 +218,8 @@ impl<'a, A: KvAllocator> CacheAllocator<'a, A> {
     ///
     /// [`FreeErrorKind::Cached`] for the first slot in a page the tree holds, else as
     /// [`KvAllocator::free`]; nothing is freed on error.
-    pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+    #[cfg(test)]
+    pub(crate) fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         self.refuse_cached(slots)?;
         self.alloc.free(slots)
     }
@@ -251,7 +277,8 @@ impl CacheAllocator<'_, SwaAllocator> {
     ///
     /// [`FreeErrorKind::Cached`] for the first slot in a page the tree holds, else as
     /// [`SwaAllocator::free_swa`]; nothing is freed on error.
-    pub fn free_swa(&self, slots: &[u32]) -> Result<usize, FreeError> {
+    #[cfg(test)]
+    pub(crate) fn free_swa(&self, slots: &[u32]) -> Result<usize, FreeError> {
         self.refuse_cached(slots)?;
         self.alloc.free_swa(slots)
     }
@@ -271,6 +298,7 @@ impl<A> core::fmt::Debug for CacheAllocator<'_, A> {
 
 /// Note that slots were allocated outside any request (a load first: the flag is set
 /// once and read rarely, so its line stays shared).
+#[cfg(test)]
 pub(super) fn mark_raw(raw: &AtomicBool) {
     if !raw.load(Relaxed) {
         raw.store(true, Relaxed);

@@ -130,7 +130,7 @@ use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::{run_at, NewLeaf, Runs, Writer};
 use super::LatchHeld;
-use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
+use super::{CacheError, EvictionPolicy, Lease, MatchResult, Meta, RadixCache, RadixConfig, NIL, ROOT};
 use crate::alloc::{KvAllocator, KvFreeGroup};
 use crate::error::{ConfigError, Unit};
 use crate::kv::host::{HostKvPool, HostPoolClaim};
@@ -1008,6 +1008,8 @@ fn evict_host<A: KvAllocator>(w: &mut Writer<'_, A, Hi>, num: usize) -> usize {
     freed
 }
 
+// The hooks take the core's crate-private lease types: the trait is sealed and its hooks hidden.
+#[allow(private_interfaces)]
 impl Variant for Hi {
     type Node = HiNode;
     type State = HiState;
@@ -1742,7 +1744,8 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// # Errors
     ///
     /// As [`RadixCache::insert`]; nothing changes then.
-    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<usize, CacheError> {
+    #[cfg(test)]
+    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<usize, CacheError> {
         let r = self.write(|w| {
             w.check_insert_shape(key, slots)?;
             let cached = w.cached_len(namespace, key);
@@ -1775,7 +1778,7 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// is shorter than the load-back threshold or longer than `quota`, or the device
     /// has no room even after evicting all it can (then nothing is evicted and only the
     /// device prefix is locked).
-    pub fn match_and_load(
+    pub(crate) fn match_and_load(
         &self,
         namespace: u64,
         key: &[u32],
@@ -1966,41 +1969,6 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
         let r = self.write(|w| evict_host(w, num_tokens));
         crate::debug_check(self);
         r
-    }
-
-    /// SGLang's `cache_finished_req` with a host tier: as the plain cache's
-    /// [`cache_finished_req`](RadixCache::cache_finished_req) (the key's device prefix
-    /// beyond the lease is the request's duplicates, freed), with the insert rules of
-    /// the [module docs](self). Returns the device prefix the insert found.
-    ///
-    /// # Errors
-    ///
-    /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
-    pub fn cache_finished_req<'c>(
-        &'c self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, A, Hi>,
-    ) -> Result<usize, Unfinished<'c, A, Hi>> {
-        self.finish_with(namespace, token_ids, row, lease, 0, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
-    }
-
-    /// SGLang's `cache_unfinished_req` with a host tier (chunked prefill): as the plain
-    /// cache's [`cache_unfinished_req`](RadixCache::cache_unfinished_req), with the
-    /// insert rules of [`cache_finished_req`](Self::cache_finished_req).
-    ///
-    /// # Errors
-    ///
-    /// [`CacheError`]; nothing changed.
-    pub fn cache_unfinished_req(
-        &self,
-        namespace: u64,
-        token_ids: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, A, Hi>,
-    ) -> Result<(), CacheError> {
-        self.unfinished_with(&self.req_pool, namespace, token_ids, row, lease, 0, usize::MAX, |_| Ok(()), |_, _| ())
     }
 }
 

@@ -63,10 +63,14 @@ use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::Writer;
 use super::LatchHeld;
-use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT};
+use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, NIL, ROOT};
 use crate::alloc::KvAllocator;
-use crate::error::{AllocError, ConfigError, FreeError, FreeErrorKind, OutOfMemory, Unit};
-use crate::mamba::{HybridReqToTokenPool, HybridRow, MambaPool, MambaSlot};
+use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
+#[cfg(test)]
+use crate::error::FreeErrorKind;
+#[cfg(test)]
+use super::Unfinished;
+use crate::mamba::MambaPool;
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -76,12 +80,12 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 ///
 /// Implemented for [`SlotPool`] (numbers only: an engine whose states live on the GPU),
 /// [`MambaPool`] (with the state bytes), and an [`Arc`] of a [`MambaPool`] (shared with
-/// a [`HybridReqToTokenPool`]); sealed, so no other type can implement it.
+/// the engine's model runner); sealed, so no other type can implement it.
 ///
 /// # Who frees a state
 ///
-/// A state the tree took (by [`insert`](RadixCache::insert) or a request helper) is
-/// freed by the tree alone, when it evicts it. The cache's callers reach its pool
+/// A state the tree took (from a request's [`finish`](super::Request::finish) or
+/// [`checkpoint`](super::Request::checkpoint)) is freed by the tree alone, when it evicts it. The cache's callers reach its pool
 /// through [`states`](RadixCache::states), whose [`free`](CacheStates::free) refuses
 /// the tree's states ([`FreeErrorKind::Cached`]); a [`MambaPool`] marks them in its
 /// own state words, so its [`free`](MambaPool::free) refuses them too, through any
@@ -92,9 +96,8 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 ///
 /// The cache records which of its nodes holds which state, so a state handed to it
 /// twice is refused; but a second cache would not see the first one's records and
-/// could adopt a state the first holds. So a pool shared through an [`Arc`] (as
-/// [`for_hybrid_rows`](RadixCache::for_hybrid_rows) shares a
-/// [`HybridReqToTokenPool`]'s pool) serves one live cache at a time: building a second
+/// could adopt a state the first holds. So a pool shared through an [`Arc`] serves one
+/// live cache at a time: building a second
 /// cache over it is refused with [`ConfigError::Unsupported`] until the first is
 /// dropped, which gives the states it held back to the pool.
 ///
@@ -279,8 +282,8 @@ impl StatePool for SlotPool {
     }
 }
 
-/// A [`MambaPool`] shared with a [`HybridReqToTokenPool`] (its rows' working states):
-/// see [`for_hybrid_rows`](RadixCache::for_hybrid_rows).
+/// A [`MambaPool`] shared with the engine, which reads and writes the state bytes of
+/// the slots its requests hold ([`Request::state`](super::Request::state)).
 impl StatePool for Arc<MambaPool> {
     fn capacity(&self) -> u32 {
         (**self).capacity()
@@ -500,7 +503,8 @@ impl<P: StatePool> CacheStates<'_, P> {
     /// [`FreeError`] naming the first offending slot, nothing freed:
     /// [`FreeErrorKind::Cached`] for a state the tree holds, and the pool's errors
     /// (out of range, not allocated, named twice).
-    pub fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
+    #[cfg(test)]
+    pub(crate) fn free(&self, slots: &[u32]) -> Result<(), FreeError> {
         if let Some(&s) = slots.iter().find(|&&s| self.v.is_held(s)) {
             return Err(FreeError { index: s, kind: FreeErrorKind::Cached, rest_freed: false });
         }
@@ -582,6 +586,8 @@ fn states<'w, A: KvAllocator, P: StatePool>(w: &'w mut Writer<'_, A, Mamba<P>>) 
     Heap::new(&mut w.s.ext.order, &mut w.s.meta, w.c.policy)
 }
 
+// The hooks take the core's crate-private lease types: the trait is sealed and its hooks hidden.
+#[allow(private_interfaces)]
 impl<P: StatePool> Variant for Mamba<P> {
     type Node = MambaNode;
     type State = MambaState;
@@ -944,7 +950,7 @@ pub struct StateInsert {
 
 /// [`RadixCache::match_and_lock_checkpoint`]'s result.
 #[derive(Debug)]
-pub struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
+pub(crate) struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
     /// The lock on the path to the deepest node holding a state; `lease.len()` tokens
     /// can be resumed (KV and state).
     pub lease: Lease<'c, A, Mamba<P>>,
@@ -1023,7 +1029,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// that state; also how far the KV matched and where to checkpoint (see
     /// [`MambaMatch`]). Refreshes the recency of the returned path only, the root
     /// oldest; splits a node the KV match ends inside (the upper half has no state).
-    pub fn match_and_lock_checkpoint(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MambaMatch<'_, A, P> {
+    pub(crate) fn match_and_lock_checkpoint(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MambaMatch<'_, A, P> {
         let key = self.aligned(key, out.len());
         let (key, state, kv_len) = self.write(|w| {
             let (m, best, kv_len, _) = w.match_path(namespace, key, out);
@@ -1074,7 +1080,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     ///
     /// [`RowError::ForeignRow`](crate::error::RowError::ForeignRow) if the row is another
     /// pool's; nothing is matched or locked then.
-    pub fn match_and_lock_checkpoint_row(
+    pub(crate) fn match_and_lock_checkpoint_row(
         &self,
         namespace: u64,
         key: &[u32],
@@ -1102,7 +1108,8 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// The state slot a lease ends at: the checkpoint its request resumes from (fork it
     /// into the request's own slot; the lease keeps it from being freed). `None` for an
     /// empty lease or one from another cache.
-    pub fn lease_state(&self, lease: &Lease<'_, A, Mamba<P>>) -> Option<u32> {
+    #[cfg(test)]
+    pub(crate) fn lease_state(&self, lease: &Lease<'_, A, Mamba<P>>) -> Option<u32> {
         if lease.key.cache_id != self.id || lease.key.last_page == 0 {
             return None;
         }
@@ -1121,7 +1128,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// # Errors
     ///
     /// [`AllocError::OutOfMemory`] when the pool is empty and every state is locked.
-    pub fn alloc_state(&self) -> Result<u32, AllocError> {
+    pub(crate) fn alloc_state(&self) -> Result<u32, AllocError> {
         if let Ok(s) = self.variant.pool.alloc_one() {
             return Ok(s);
         }
@@ -1214,7 +1221,8 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// As the plain [`insert`](RadixCache::insert), and
     /// [`CacheError::StateNotOwned`] when `state` is not a slot the caller holds (free,
     /// out of range, or held by the tree already). Nothing changes on error.
-    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], state: u32) -> Result<StateInsert, CacheError> {
+    #[cfg(test)]
+    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], state: u32) -> Result<StateInsert, CacheError> {
         let r = self.write(|w| {
             Self::take_state(w, state)?;
             match w.insert(namespace, key, slots, 0) {
@@ -1238,7 +1246,8 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     ///
     /// [`Unfinished`] hands the row and lease back with the reason (the state stays the
     /// caller's); nothing changed.
-    pub fn cache_finished_req<'c>(
+    #[cfg(test)]
+    pub(crate) fn cache_finished_req<'c>(
         &'c self,
         namespace: u64,
         token_ids: &[u32],
@@ -1270,7 +1279,8 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// # Errors
     ///
     /// [`CacheError`]; nothing changed (the state stays the caller's).
-    pub fn cache_unfinished_req(
+    #[cfg(test)]
+    pub(crate) fn cache_unfinished_req(
         &self,
         namespace: u64,
         token_ids: &[u32],
@@ -1316,156 +1326,3 @@ impl StatePool for crate::mamba::MambaPool {
     }
 }
 
-/// A hybrid request that could not be cached: everything comes back unchanged.
-pub struct HybridUnfinished<'c, A: KvAllocator> {
-    /// Why.
-    pub error: CacheError,
-    /// The request's row, with every state it still owns.
-    pub row: HybridRow,
-    /// The request's lease, still held.
-    pub lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
-    /// The checkpoint that was to be cached, still the caller's.
-    pub state: MambaSlot,
-}
-
-impl<A: KvAllocator> fmt::Debug for HybridUnfinished<'_, A> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HybridUnfinished").field("error", &self.error).finish_non_exhaustive()
-    }
-}
-
-/// The request helpers of a hybrid engine whose rows come from a
-/// [`HybridReqToTokenPool`] over the cache's [`MambaPool`]: the checkpoint goes to the
-/// tree as a [`MambaSlot`] handle (cached by number on the way in, so the request can
-/// no longer write it), and the row is freed with every state it still owns.
-impl<A: KvAllocator> RadixCache<A, Mamba<Arc<MambaPool>>> {
-    /// A cache for requests whose rows come from `rows`: its states are `rows`' Mamba
-    /// pool, and the request helpers are [`cache_finished_hybrid`](Self::cache_finished_hybrid)
-    /// and [`cache_unfinished_hybrid`](Self::cache_unfinished_hybrid) (the cache's own
-    /// request rows, [`req_pool`](RadixCache::req_pool), are a single unused row).
-    ///
-    /// # Errors
-    ///
-    /// As [`with_checkpoints`](Self::with_checkpoints): in particular
-    /// [`ConfigError::Unsupported`] when another live cache holds `rows`' Mamba pool
-    /// already (two caches over one pool could both adopt one state).
-    pub fn for_hybrid_rows(
-        alloc: A,
-        rows: &HybridReqToTokenPool,
-        config: RadixConfig,
-        checkpoints: CheckpointConfig,
-    ) -> Result<Self, ConfigError>
-    where
-        A: crate::alloc::OwnedAllocator,
-    {
-        let own_rows = ReqToTokenPool::new(1, 1)?;
-        Self::with_checkpoints(alloc, own_rows, Arc::clone(rows.mamba_pool()), config, checkpoints)
-    }
-
-    /// Cache the handle in `held` by number and give it to node `end` (see
-    /// [`adopt_state`](Self::adopt_state)); `held` is empty afterwards.
-    fn adopt_handle(w: &mut Writer<'_, A, Mamba<Arc<MambaPool>>>, end: u32, held: &mut Option<MambaSlot>) -> bool {
-        let Some(handle) = held.take() else { return false };
-        // `check_hybrid` checked the handle is the pool's, so this cannot fail.
-        let Ok(slot) = w.c.variant.pool.cache_for_tree(handle) else { return false };
-        w.c.variant.mark(slot, true);
-        Self::adopt_state(w, end, slot)
-    }
-
-    fn check_hybrid(&self, rows: &HybridReqToTokenPool, state: &MambaSlot) -> Result<(), CacheError> {
-        if !Arc::ptr_eq(rows.mamba_pool(), &self.variant.pool) || self.variant.pool.own(state).is_err() {
-            return Err(CacheError::ForeignRows);
-        }
-        Ok(())
-    }
-
-    /// [`cache_finished_req`](RadixCache::cache_finished_req) for a hybrid row:
-    /// `token_ids` are the tokens up to the request's checkpoint (the row holds their
-    /// KV slots; the caller frees its slots past the checkpoint), `state` the state
-    /// there (the working state, or a track buffer taken with
-    /// [`HybridReqToTokenPool::take_checkpoint`]). The tree takes the state (keeps it or
-    /// frees it, see [`StateInsert`]); the row is freed with the states it still owns.
-    ///
-    /// # Errors
-    ///
-    /// [`HybridUnfinished`] hands everything back with the reason, nothing changed:
-    /// [`CacheError::ForeignRows`] for rows or a state of another pool, and the errors
-    /// of [`cache_finished_req`](RadixCache::cache_finished_req).
-    #[allow(clippy::result_large_err)]
-    pub fn cache_finished_hybrid<'c>(
-        &'c self,
-        rows: &HybridReqToTokenPool,
-        namespace: u64,
-        token_ids: &[u32],
-        row: HybridRow,
-        lease: Lease<'c, A, Mamba<Arc<MambaPool>>>,
-        state: MambaSlot,
-    ) -> Result<StateInsert, HybridUnfinished<'c, A>> {
-        if let Err(error) = self.check_hybrid(rows, &state) {
-            return Err(HybridUnfinished { error, row, lease, state });
-        }
-        let mut held = Some(state);
-        let r = self.finish(
-            rows.tokens(),
-            namespace,
-            token_ids,
-            row.req_row(),
-            &lease,
-            0,
-            usize::MAX,
-            |_| Ok(()),
-            |w, ins| Self::adopt_handle(w, ins.end, &mut held),
-        );
-        match r {
-            Ok((cached, state_kept)) => {
-                // Its lock was released by `finish`.
-                core::mem::forget(lease);
-                // The row is the pool's (its tokens were read above): freeing it cannot fail.
-                let freed = rows.free(row);
-                debug_assert!(freed.is_ok(), "a checked hybrid row failed to free: {freed:?}");
-                Ok(StateInsert { cached, state_kept })
-            }
-            Err(error) => {
-                let state = held.take().expect("a refused request keeps its state");
-                Err(HybridUnfinished { error, row, lease, state })
-            }
-        }
-    }
-
-    /// [`cache_unfinished_req`](RadixCache::cache_unfinished_req) for a hybrid row
-    /// (chunked prefill): `state` is a copy of the request's state after the
-    /// page-aligned part of `token_ids` (SGLang donates a copy: take it with
-    /// [`HybridReqToTokenPool::checkpoint`] and
-    /// [`take_checkpoint`](HybridReqToTokenPool::take_checkpoint)), which the tree
-    /// takes. Returns whether the tree kept it.
-    ///
-    /// # Errors
-    ///
-    /// The reason and the state, nothing changed.
-    pub fn cache_unfinished_hybrid(
-        &self,
-        rows: &HybridReqToTokenPool,
-        namespace: u64,
-        token_ids: &[u32],
-        row: &mut HybridRow,
-        lease: &mut Lease<'_, A, Mamba<Arc<MambaPool>>>,
-        state: MambaSlot,
-    ) -> Result<bool, (CacheError, MambaSlot)> {
-        if let Err(e) = self.check_hybrid(rows, &state) {
-            return Err((e, state));
-        }
-        let mut held = Some(state);
-        let r = self.unfinished_with(
-            rows.tokens(),
-            namespace,
-            token_ids,
-            row.req_row_mut(),
-            lease,
-            0,
-            usize::MAX,
-            |_| Ok(()),
-            |w, ins| Self::adopt_handle(w, ins.end, &mut held),
-        );
-        r.map_err(|e| (e, held.take().expect("a refused request keeps its state")))
-    }
-}

@@ -211,11 +211,12 @@ pub use hi::{
 };
 pub use key::CacheKey;
 pub use mamba::{
-    CacheStates, CheckpointConfig, Mamba, MambaMatch, MambaRadixCache, MambaRequest, StateInsert, StatePool,
+    CacheStates, CheckpointConfig, Mamba, MambaRadixCache, MambaRequest, StateInsert, StatePool,
 };
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use request::{Refused, Request};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
+
 pub use variant::{Plain, Variant};
 
 use writer::Writer;
@@ -401,7 +402,7 @@ pub(crate) struct LeaseKey {
 /// A lock on a matched path: the nodes from the match's last node up to the root are
 /// protected from eviction while the lease lives. Dropping it unlocks.
 #[must_use = "dropping a lease unlocks its path at once"]
-pub struct Lease<'c, A: KvAllocator, V: Variant = Plain> {
+pub(crate) struct Lease<'c, A: KvAllocator, V: Variant = Plain> {
     cache: &'c RadixCache<A, V>,
     key: LeaseKey,
 }
@@ -423,30 +424,20 @@ pub struct Lease<'c, A: KvAllocator, V: Variant = Plain> {
 /// ```
 #[derive(Debug)]
 #[must_use = "a detached lease keeps its path locked until released"]
-pub struct RawLease(LeaseKey);
-
-impl RawLease {
-    /// Tokens covered by the lease (the matched prefix length).
-    pub fn len(&self) -> usize {
-        self.0.len
-    }
-    /// Whether the lease covers nothing (an empty match; unlocking it is a no-op).
-    pub fn is_empty(&self) -> bool {
-        self.0.len == 0
-    }
-}
+pub(crate) struct RawLease(LeaseKey);
 
 impl<'c, A: KvAllocator, V: Variant> Lease<'c, A, V> {
     /// Tokens covered by the lease (SGLang's `cache_protected_len`).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.key.len
     }
     /// Whether the lease covers nothing.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.key.len == 0
     }
     /// Keep the lock but drop the borrow (for storing it in a `'static` structure).
-    pub fn detach(self) -> RawLease {
+    pub(crate) fn detach(self) -> RawLease {
         let key = self.key;
         core::mem::forget(self);
         RawLease(key)
@@ -467,7 +458,8 @@ impl<A: KvAllocator, V: Variant> fmt::Debug for Lease<'_, A, V> {
 }
 
 /// A request that could not be finished, handed back with the reason (nothing changed).
-pub struct Unfinished<'c, A: KvAllocator, V: Variant = Plain> {
+#[cfg(test)]
+pub(crate) struct Unfinished<'c, A: KvAllocator, V: Variant = Plain> {
     /// Why.
     pub error: CacheError,
     /// The request's row, still held.
@@ -476,12 +468,14 @@ pub struct Unfinished<'c, A: KvAllocator, V: Variant = Plain> {
     pub lease: Lease<'c, A, V>,
 }
 
+#[cfg(test)]
 impl<A: KvAllocator, V: Variant> fmt::Debug for Unfinished<'_, A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Unfinished").field("error", &self.error).finish()
     }
 }
 
+#[cfg(test)]
 impl<A: KvAllocator, V: Variant> fmt::Display for Unfinished<'_, A, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.error.fmt(f)
@@ -589,9 +583,10 @@ pub struct RadixCache<A: KvAllocator, V: Variant = Plain> {
     /// Tokens of KV capacity held by live [`Request`]s (their own pages). Plain `std`
     /// atomics: an account for `check_invariants`, not part of any protocol.
     held: std::sync::atomic::AtomicUsize,
-    /// Set once slots were allocated outside any request (the allocator view, the
-    /// cache's own allocation calls): the accounting check cannot tell a caller's
+    /// Set once a unit test allocated slots outside any request (the allocator view,
+    /// the cache's own allocation calls): the accounting check cannot tell the test's
     /// slots from a leak, and is skipped from then on.
+    #[cfg(test)]
     raw_used: std::sync::atomic::AtomicBool,
     events: Option<EventQueue>,
     id: u64,
@@ -850,6 +845,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             protected: AtomicUsize::new(0),
             total: AtomicUsize::new(0),
             held: std::sync::atomic::AtomicUsize::new(0),
+            #[cfg(test)]
             raw_used: std::sync::atomic::AtomicBool::new(false),
             events,
             id: cache_id(),
@@ -862,7 +858,10 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// The KV allocator, as callers may use it: a free of a page the tree holds is
     /// refused ([`CacheAllocator`]).
     pub fn allocator(&self) -> CacheAllocator<'_, A> {
-        CacheAllocator::new(&self.alloc, &self.in_tree, &self.raw_used)
+        let view = CacheAllocator::new(&self.alloc, &self.in_tree);
+        #[cfg(test)]
+        let view = view.noting_raw(&self.raw_used);
+        view
     }
 
     /// The request rows.
@@ -1202,7 +1201,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// Match and lock in one step, so no eviction can come between (the crux of using
     /// a prefix cache from several threads). The lease protects the matched path until
     /// dropped; `lease.len()` tokens of `out` hold the matched slots.
-    pub fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
+    pub(crate) fn match_and_lock(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> Lease<'_, A, V> {
         self.hints.admit();
         let key = self.aligned(key, out.len());
         let key = self.write(|w| {
@@ -1249,7 +1248,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// [`RowError::ForeignRow`] if the row is another pool's; nothing is matched or
     /// locked then.
-    pub fn match_and_lock_row(
+    pub(crate) fn match_and_lock_row(
         &self,
         namespace: u64,
         key: &[u32],
@@ -1281,7 +1280,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// [`CacheError::StaleMatch`] if the matched node was evicted since, or the match
     /// came from another cache. Nothing changes then.
-    pub fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A, V>, CacheError> {
+    #[cfg(test)]
+    pub(crate) fn lock(&self, m: &MatchResult) -> Result<Lease<'_, A, V>, CacheError> {
         if m.cache_id != self.id {
             return Err(CacheError::StaleMatch);
         }
@@ -1302,7 +1302,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// [`CacheError::StaleMatch`] if it belongs to another cache, or its node is gone
     /// (the cache was [`reset`](Self::reset) since); nothing changes then.
-    pub fn release(&self, lease: RawLease) -> Result<(), CacheError> {
+    #[cfg(test)]
+    pub(crate) fn release(&self, lease: RawLease) -> Result<(), CacheError> {
         self.release_key(lease.0)
     }
 
@@ -1312,7 +1313,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Errors
     ///
     /// Hands the lease back if it belongs to another cache.
-    pub fn attach(&self, lease: RawLease) -> Result<Lease<'_, A, V>, RawLease> {
+    #[cfg(test)]
+    pub(crate) fn attach(&self, lease: RawLease) -> Result<Lease<'_, A, V>, RawLease> {
         if lease.0.cache_id != self.id {
             return Err(lease);
         }
@@ -1372,7 +1374,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Errors
     ///
     /// As [`KvAllocator::alloc`]; an out-of-memory error also states the evictable tokens.
-    pub fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
+    #[cfg(test)]
+    pub(crate) fn alloc(&self, out: &mut [u32]) -> Result<(), AllocError> {
         alloc_view::mark_raw(&self.raw_used);
         // Validate before evicting: a call that cannot succeed changes nothing.
         let ps = self.ps;
@@ -1389,7 +1392,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     ///
     /// As [`KvAllocator::alloc_extend`]; an out-of-memory error also states the evictable
     /// tokens left.
-    pub fn alloc_extend(
+    #[cfg(test)]
+    pub(crate) fn alloc_extend(
         &self,
         prefix_lens: &[u32],
         seq_lens: &[u32],
@@ -1459,7 +1463,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// As [`alloc_extend`](Self::alloc_extend), and [`AllocError::Row`] if
     /// `prefix_len..seq_len` is past the row's end or the row is another pool's.
     /// Nothing is allocated on error.
-    pub fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+    #[cfg(test)]
+    pub(crate) fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
         alloc_view::mark_raw(&self.raw_used);
         self.extend_row(row, prefix_len, seq_len)
     }
@@ -1478,7 +1483,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Errors
     ///
     /// As [`alloc_extend`](Self::alloc_extend).
-    pub fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
+    #[cfg(test)]
+    pub(crate) fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         alloc_view::mark_raw(&self.raw_used);
         self.decode_slots(seq_lens, last_locs, out)
     }
@@ -1564,16 +1570,12 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// [`Request`]s = capacity, so KV taken and never given back is a violation. Exact
     /// at quiescence.
     ///
-    /// The accounting is checked while every slot outside the tree was allocated by a
-    /// request; once a caller allocates through [`allocator`](Self::allocator) or the
-    /// cache's own `alloc*` calls, it cannot tell the caller's slots from a leak and is
-    /// skipped.
-    ///
     /// # Errors
     ///
     /// [`InvariantViolation`] naming the broken invariant (a kvpool bug).
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let apart = self.write(|w| w.check().map(|()| V::held_apart(w)))?;
+        #[cfg(test)]
         if self.raw_used.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
@@ -1618,7 +1620,8 @@ impl<A: KvAllocator> RadixCache<A> {
     /// [`CacheError::Invalid`] if the lengths differ or are not whole pages, or a page's
     /// slots are not that page's slots in order; [`CacheError::SlotNotOwned`] if a new
     /// page is already in the tree or not allocated. Nothing changes on error.
-    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
+    #[cfg(test)]
+    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
         let r = self.write(|w| w.insert(namespace, key, slots, priority).map(|(cached, _)| cached));
         crate::debug_check(self);
         r
@@ -1633,7 +1636,8 @@ impl<A: KvAllocator> RadixCache<A> {
     /// # Errors
     ///
     /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
-    pub fn cache_finished_req<'c>(
+    #[cfg(test)]
+    pub(crate) fn cache_finished_req<'c>(
         &'c self,
         namespace: u64,
         token_ids: &[u32],
@@ -1652,7 +1656,8 @@ impl<A: KvAllocator> RadixCache<A> {
     /// # Errors
     ///
     /// [`CacheError`]; nothing changed.
-    pub fn cache_unfinished_req(
+    #[cfg(test)]
+    pub(crate) fn cache_unfinished_req(
         &self,
         namespace: u64,
         token_ids: &[u32],
@@ -1696,6 +1701,7 @@ pub(crate) struct Inserted<'k> {
 /// page-aligned ones); the rest is the request's tail.
 impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     #[allow(clippy::too_many_arguments)]
+    #[cfg(test)]
     fn finish_with<'c, R>(
         &'c self,
         namespace: u64,

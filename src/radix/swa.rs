@@ -76,11 +76,17 @@ use super::variant::Variant;
 use super::writer::Writer;
 use super::LatchHeld;
 use super::{
-    CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, Unfinished, NIL, ROOT,
+    CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, NIL, ROOT,
 };
 use crate::alloc::{KvAllocator, SwaAllocator};
-use crate::error::{ConfigError, InvalidInput};
+use crate::error::ConfigError;
+#[cfg(test)]
+use crate::error::InvalidInput;
+#[cfg(test)]
+use super::Unfinished;
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
+
+#[cfg(test)]
 use crate::slots::ascending_from;
 use crate::sync::atomic::{AtomicUsize, Ordering};
 
@@ -201,6 +207,8 @@ fn revive<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32) {
     windows(w).push(id);
 }
 
+// The hooks take the core's crate-private lease types: the trait is sealed and its hooks hidden.
+#[allow(private_interfaces)]
 impl Variant for Swa {
     type Node = SwaNode;
     type State = SwaState;
@@ -501,6 +509,7 @@ fn live_len(a: &SwaAllocator, slots: &[u32], from: usize, ps: usize) -> usize {
 
 /// The pages of an insert that [`live_len`] cut off: each a whole page of slots
 /// allocated in the full pool and not the tree's.
+#[cfg(test)]
 fn check_cut_pages<A: KvAllocator>(w: &Writer<'_, A, Swa>, cut: &[u32]) -> Result<(), CacheError> {
     let ps = w.c.ps;
     for page in cut.chunks(ps) {
@@ -695,7 +704,8 @@ impl RadixCache<SwaAllocator, Swa> {
     /// # Errors
     ///
     /// As the plain insert; nothing changes on error.
-    pub fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<SwaInsert, CacheError> {
+    #[cfg(test)]
+    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32]) -> Result<SwaInsert, CacheError> {
         let ps = self.ps;
         // A malformed insert (lengths that differ or are not whole pages) goes to the
         // core whole, whose check reports it; a well-formed one is cut after its last
@@ -721,6 +731,7 @@ impl RadixCache<SwaAllocator, Swa> {
     }
 
     /// How much of a request's page-aligned tokens an insert takes (see [`SwaInsert`]).
+    #[cfg(test)]
     fn request_limit(&self, token_ids: &[u32], row: &ReqRow, lease: &Lease<'_, SwaAllocator, Swa>) -> usize {
         window_limit(self, token_ids, row, lease.len())
     }
@@ -734,7 +745,8 @@ impl RadixCache<SwaAllocator, Swa> {
     /// # Errors
     ///
     /// [`Unfinished`] hands the row and lease back with the reason; nothing changed.
-    pub fn cache_finished_req<'c>(
+    #[cfg(test)]
+    pub(crate) fn cache_finished_req<'c>(
         &'c self,
         namespace: u64,
         token_ids: &[u32],
@@ -755,7 +767,8 @@ impl RadixCache<SwaAllocator, Swa> {
     /// # Errors
     ///
     /// [`CacheError`]; nothing changed.
-    pub fn cache_unfinished_req(
+    #[cfg(test)]
+    pub(crate) fn cache_unfinished_req(
         &self,
         namespace: u64,
         token_ids: &[u32],
@@ -779,7 +792,7 @@ impl RadixCache<SwaAllocator, Swa> {
     /// [`CacheError::Row`] for a range past the row, and [`CacheError::RowMismatch`]
     /// naming a slot that is not the request's own (free, or cached by the tree);
     /// nothing changes then.
-    pub fn release_window(
+    pub(crate) fn release_window(
         &self,
         row: &ReqRow,
         lease: &Lease<'_, SwaAllocator, Swa>,
@@ -811,23 +824,6 @@ impl RadixCache<SwaAllocator, Swa> {
         r
     }
 
-    /// [`match_and_lock`](RadixCache::match_and_lock) that also says how far the full
-    /// KV matched (`>=` the lease's length, which the window rule may end earlier; `out`
-    /// holds slots up to there, but only the lease's are locked).
-    pub fn match_and_lock_kv(
-        &self,
-        namespace: u64,
-        key: &[u32],
-        out: &mut [u32],
-    ) -> (Lease<'_, SwaAllocator, Swa>, usize) {
-        let key = self.aligned(key, out.len());
-        let (key, kv_len) = self.write(|w| {
-            let (m, _, kv_len, _) = w.match_path(namespace, key, out);
-            (w.lease_of(&m), kv_len)
-        });
-        crate::debug_check(self);
-        (Lease { cache: self, key }, kv_len)
-    }
 }
 
 impl super::Request<SwaAllocator, Swa> {

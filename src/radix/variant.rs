@@ -28,6 +28,7 @@ pub(crate) mod sealed {
 /// A kind of radix tree: what a node carries besides its KV pages (see the
 /// module docs of `src/radix/variant.rs`). Sealed: its hooks see the core's internals, and the core's
 /// invariants depend on them.
+#[allow(private_interfaces)] // the hidden hooks take the core's crate-private lease types
 pub trait Variant: sealed::Sealed + Sized + Send + Sync + 'static {
     /// What a node carries besides its pages (writer-only).
     #[doc(hidden)]
@@ -291,6 +292,8 @@ pub struct Plain;
 
 impl sealed::Sealed for Plain {}
 
+// The hooks take the core's crate-private lease types: the trait is sealed and its hooks hidden.
+#[allow(private_interfaces)]
 impl Variant for Plain {
     type Node = ();
     type State = ();

@@ -766,6 +766,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     }
 
     /// Read-only walk: how many leading tokens of `key` are cached (resident).
+    #[cfg(test)]
     pub(super) fn cached_len(&self, namespace: u64, key: &[u32]) -> usize {
         let ps = self.c.ps;
         let (mut pos, mut cur) = (0usize, 0u32);
@@ -788,6 +789,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
 
     /// The shape an insert needs: as many slots as tokens, whole pages, each page's slots
     /// that page's slots in order, in range.
+    #[cfg(test)]
     pub(super) fn check_insert_shape(&mut self, key: &[u32], slots: &[u32]) -> Result<(), CacheError> {
         self.check_shape_from(key, slots, 0)
     }
@@ -796,6 +798,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
     /// only from slot `from` (page-aligned) on: the caller compares `slots[..from]` with
     /// the tree's own slots, which are whole pages. Records the runs for the passes that
     /// follow ([`RowRuns`]).
+    #[cfg(test)]
     pub(super) fn check_shape_from(&mut self, key: &[u32], slots: &[u32], from: usize) -> Result<(), CacheError> {
         if key.len() != slots.len() {
             return Err(InvalidInput::LengthMismatch { what: "slots", got: slots.len(), expected: key.len() }.into());
@@ -847,6 +850,7 @@ impl<A: KvAllocator, V: Variant> Writer<'_, A, V> {
         }
     }
 
+    #[cfg(test)]
     pub(super) fn insert(
         &mut self,
         namespace: u64,
