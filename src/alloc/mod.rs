@@ -117,7 +117,7 @@ pub trait KvAllocator: Send + Sync {
     /// them; what was reported counts only on success.
     ///
     /// A prefix cache uses the report to cut a request's slots into runs without
-    /// reading them back ([`RadixCache::alloc_extend_row`](crate::radix::RadixCache::alloc_extend_row)).
+    /// reading them back ([`Request::extend`](crate::radix::Request::extend)).
     /// The default reports nothing and returns `false`; kvpool's allocators report
     /// one call per run, found while claiming (see [`PagedAllocator::alloc_extend_runs`]).
     ///

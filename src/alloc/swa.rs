@@ -154,7 +154,7 @@ impl SwaAllocator {
     ///
     /// Name only slots the caller owns: the window part of a page a prefix cache holds
     /// is the cache's (an [`SwaRadixCache`](crate::radix::SwaRadixCache) request frees
-    /// its window through [`release_window`](crate::radix::SwaRadixCache::release_window),
+    /// its window through [`release_window`](crate::radix::Request::release_window),
     /// which checks that).
     ///
     /// # Errors

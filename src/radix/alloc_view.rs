@@ -21,24 +21,26 @@ use crate::error::{InvalidInput, InvariantViolation};
 #[cfg(test)]
 use crate::error::{AllocError, FreeError, FreeErrorKind};
 
-/// A prefix cache's KV allocator (see [`RadixCache::allocator`](super::RadixCache::allocator)):
-/// every operation of the allocator, except that a free of a page the tree holds is
-/// refused with [`FreeErrorKind::Cached`], nothing freed.
+/// A read-only view of a prefix cache's KV allocator (see
+/// [`RadixCache::allocator`](super::RadixCache::allocator)): its sizes and slot states.
+/// Slots are allocated and freed by [`Request`](super::Request)s, which account for
+/// them; the cache owns its allocator exclusively.
 ///
 /// # Examples
 ///
 /// ```
+/// use std::sync::Arc;
 /// use kvpool::radix::{RadixCache, RadixConfig};
-/// use kvpool::error::FreeErrorKind;
 /// use kvpool::{ReqToTokenPool, TokenAllocator};
 ///
-/// let cache = RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?;
-/// let mut slots = [0u32; 4];
-/// cache.allocator().alloc(&mut slots)?;
-/// cache.insert(0, &[1, 2, 3, 4], &slots, 0)?;
-/// let e = cache.allocator().free(&slots[2..]).unwrap_err(); // the tree's now
-/// assert_eq!((e.index, e.kind), (slots[2], FreeErrorKind::Cached));
-/// assert_eq!(cache.evict(4), 4); // the cache frees them itself
+/// let cache = Arc::new(RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?);
+/// let mut req = cache.admit(0, &[1, 2, 3, 4])?;
+/// req.extend(4)?;
+/// let slots = req.slots().to_vec();
+/// assert_eq!(cache.allocator().available_size(), 60);
+/// req.finish(&[1, 2, 3, 4])?; // the tree's now
+/// assert!(slots.iter().all(|&s| cache.allocator().is_allocated(s)));
+/// assert_eq!(cache.allocator().available_size() + cache.total_size(), 64);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct CacheAllocator<'a, A> {

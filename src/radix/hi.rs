@@ -42,7 +42,7 @@
 //!   copy is removed with its host-only subtree;
 //! * host eviction ([`evict_host`](RadixCache::evict_host)) removes host-only leaves,
 //!   least recently used first;
-//! * [`match_and_load`](RadixCache::match_and_load) loads a host continuation back: device
+//! * a request's [admission](RadixCache::admit) loads a host continuation back: device
 //!   slots for all of it or nothing, skipped below the load-back threshold (SGLang's 10
 //!   tokens) or above a quota; the device prefix and the host copies being loaded are
 //!   locked while room is made, and a load that cannot get its slots even then evicts
@@ -92,15 +92,17 @@
 //! # Examples
 //!
 //! ```
+//! use std::sync::Arc;
 //! use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind, WritePolicy};
-//! use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+//! use kvpool::{PagedAllocator, ReqToTokenPool};
 //!
 //! // 8 device tokens, 8 host tokens, page size 2, back up at the first write hit.
 //! let tier = HostTier { host_pages: 4, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
-//! let cache = HiRadixCache::with_host_tier(PagedAllocator::new(8, 2)?, ReqToTokenPool::new(2, 8)?, RadixConfig::default(), tier)?;
-//! let mut a = [0u32; 4];
-//! cache.allocator().alloc(&mut a)?;
-//! assert_eq!(cache.insert(0, &[1, 2, 3, 4], &a)?, 0); // a backup starts at once
+//! let cache = Arc::new(HiRadixCache::with_host_tier(PagedAllocator::new(8, 2)?, ReqToTokenPool::new(2, 8)?, RadixConfig::default(), tier)?);
+//! let mut req = cache.admit(0, &[1, 2, 3, 4])?;
+//! req.extend(4)?;
+//! let a = req.slots().to_vec();
+//! assert_eq!(req.finish(&[1, 2, 3, 4])?, 0); // a backup starts at once
 //! let mut started = [Transfer::default(); 8];
 //! assert_eq!(cache.take_transfers(&mut started), 1);
 //! let backup = started[0];
@@ -114,9 +116,10 @@
 //! let mut out = [0u32; 4];
 //! let m = cache.match_tiers(0, &[1, 2, 3, 4], &mut out);
 //! assert_eq!((m.device.len(), m.host_len), (0, 4));
-//! // Load it back (device slots again) and lock it; the load is a transfer too.
-//! let (lease, hit) = cache.match_and_load(0, &[1, 2, 3, 4], &mut out, None);
-//! assert_eq!((lease.len(), hit.loaded), (4, 4));
+//! // A request for it loads it back (device slots again) and locks it; the load is a
+//! // transfer too, which the request waits for before reading those slots.
+//! let req = cache.admit(0, &[1, 2, 3, 4])?;
+//! assert_eq!((req.cached_len(), req.host_hit().loaded), (4, 4));
 //! assert_eq!(cache.take_transfers(&mut started), 1);
 //! assert_eq!(started[0].kind(), TransferKind::Load);
 //! cache.complete(started[0])?;
@@ -1505,13 +1508,13 @@ fn insert_host<A: KvAllocator>(
 /// What [`match_tiers`](RadixCache::match_tiers) found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HiMatch {
-    /// The device prefix (lockable with [`lock`](RadixCache::lock)).
+    /// The device prefix.
     pub device: MatchResult,
     /// Tokens of the host-only continuation after it.
     pub host_len: usize,
 }
 
-/// What [`match_and_load`](RadixCache::match_and_load) found on host.
+/// What a request's admission found on host ([`Request::host_hit`](super::Request::host_hit)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostHit {
     /// Tokens of the host-only continuation the key matched.
@@ -1896,11 +1899,12 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// # Examples
     ///
     /// ```
+    /// use std::sync::Arc;
     /// use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind};
     /// use kvpool::{PagedAllocator, ReqToTokenPool};
     ///
-    /// let cache = HiRadixCache::with_host_tier(
-    ///     PagedAllocator::new(64, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default(), HostTier::new(16))?;
+    /// let cache = Arc::new(HiRadixCache::with_host_tier(
+    ///     PagedAllocator::new(64, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default(), HostTier::new(16))?);
     /// let key: Vec<u32> = (1..=16).collect();
     /// let mut out = [0u32; 16];
     /// // Another engine stored these 16 tokens' KV: bring them to host.
@@ -1912,8 +1916,8 @@ impl<A: KvAllocator> RadixCache<A, Hi> {
     /// cache.transfer_pages(t[0], &mut device, &mut host)?;
     /// // ... fill host pages `host` from the store, then:
     /// cache.complete(t[0])?;
-    /// let (lease, hit) = cache.match_and_load(0, &key, &mut out, None);
-    /// assert_eq!((lease.len(), hit.loaded), (16, 16));
+    /// let req = cache.admit(0, &key)?; // loaded back to the device
+    /// assert_eq!((req.cached_len(), req.host_hit().loaded), (16, 16));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn insert_host(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> usize {

@@ -363,14 +363,13 @@ pub(super) fn deferred<A: KvAllocator, V: Variant>(w: &mut Writer<'_, A, V>, x: 
 }
 
 impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
-    /// Admissions so far: how many [`match_and_lock`](Self::match_and_lock) calls
-    /// this cache has served (the clock of [`hint_prefix`](Self::hint_prefix)).
+    /// Admissions so far: how many requests this cache has [admitted](Self::admit) (the clock of [`hint_prefix`](Self::hint_prefix)).
     pub fn admissions(&self) -> u64 {
         self.hints.now()
     }
 
     /// [`peek_prefix`](Self::peek_prefix), and mark the prefix found as wanted by an
-    /// upcoming admission: the `position`-th [`match_and_lock`](Self::match_and_lock)
+    /// upcoming admission: the `position`-th [admission](Self::admit)
     /// from now (1: the next one; 0 counts as 1). Under
     /// [`EvictionPolicy::Hinted`] the deepest matched node (hence its whole path) is
     /// evicted only after every unprotected leaf until that admission has happened;
@@ -379,20 +378,21 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// Lock-free like `peek_prefix`: it never takes the writer latch, and the mark is
     /// one compare-and-swap loop on a word of the node (see the `hints` module docs).
     /// It does not lock anything: the prefix may still be evicted (last), and a
-    /// request must still [`match_and_lock`](Self::match_and_lock) it to use it.
+    /// request must still be [admitted](Self::admit) to use it.
     ///
     /// # Examples
     ///
     /// ```
+    /// # use std::sync::Arc;
     /// # use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-    /// # use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+    /// # use kvpool::{ReqToTokenPool, TokenAllocator};
     /// let config = RadixConfig { policy: EvictionPolicy::Hinted, ..RadixConfig::default() };
-    /// let cache = RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, config)?;
-    /// let (mut a, mut b) = ([0u32; 2], [0u32; 2]);
-    /// cache.allocator().alloc(&mut a)?;
-    /// cache.insert(0, &[1, 2], &a, 0)?;
-    /// cache.allocator().alloc(&mut b)?;
-    /// cache.insert(0, &[3, 4], &b, 0)?;
+    /// let cache = Arc::new(RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, config)?);
+    /// for key in [[1, 2], [3, 4]] {
+    ///     let mut req = cache.admit(0, &key)?;
+    ///     req.extend(2)?;
+    ///     req.finish(&key)?;
+    /// }
     /// // [3, 4] is newer and as frequent, but the queue wants [1, 2]: [3, 4] goes.
     /// assert_eq!(cache.hint_prefix(0, &[1, 2], &mut [0; 2], 1), 2);
     /// assert_eq!(cache.evict(1), 2);

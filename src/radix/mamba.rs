@@ -9,9 +9,10 @@
 //! resume the recurrent layers there. So:
 //!
 //! * a match walks as far as the KV matches but returns only the prefix up to the
-//!   deepest node holding a state ([`RadixCache::match_prefix`] and
-//!   [`match_and_lock`](RadixCache::match_and_lock) on a Mamba cache; the state is
-//!   [`lease_state`](RadixCache::lease_state)); only that path's recency is refreshed;
+//!   deepest node holding a state ([`RadixCache::match_prefix`] and a request's
+//!   [admission](RadixCache::admit) on a Mamba cache; the state is the request's
+//!   [`resume_state`](super::Request::resume_state)); only that path's recency is
+//!   refreshed;
 //! * a split gives the upper half no state (a state is valid only at the end of its
 //!   node's tokens);
 //! * locking locks the KV of the whole path (as the plain cache) and the state of the
@@ -29,30 +30,30 @@
 //! # Examples
 //!
 //! ```
+//! use std::sync::Arc;
 //! use kvpool::radix::{MambaRadixCache, RadixConfig};
-//! use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+//! use kvpool::{ReqToTokenPool, SlotPool, TokenAllocator};
 //!
-//! let cache = MambaRadixCache::with_states(
+//! let cache = Arc::new(MambaRadixCache::with_states(
 //!     TokenAllocator::new(64)?,
 //!     ReqToTokenPool::new(4, 64)?,
 //!     SlotPool::without_magazines(8), // 8 state slots
 //!     RadixConfig::default(),
-//! )?;
-//! // A request computed 8 tokens and checkpointed its state after them.
-//! let mut kv = [0u32; 8];
-//! cache.allocator().alloc(&mut kv)?;
-//! let state = cache.alloc_state()?;
+//! )?);
+//! // A request computes 8 tokens and saves its state after them.
 //! let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
-//! assert!(cache.insert(0, &tokens, &kv, state)?.state_kept);
+//! let mut req = cache.admit(0, &tokens)?;
+//! let saved = req.save_state(8)?; // the model copies its running state there
+//! req.extend(8)?;
+//! assert!(req.finish(&tokens)?.state_kept);
 //!
 //! // Same start, then different: the KV of 4 tokens matches, but no state lies there.
-//! let mut out = [0u32; 8];
-//! let lease = cache.match_and_lock(0, &[1, 2, 3, 4, 9, 9, 9, 9], &mut out);
-//! assert_eq!(lease.len(), 0);
-//! drop(lease);
+//! let other = cache.admit(0, &[1, 2, 3, 4, 9, 9, 9, 9])?;
+//! assert_eq!((other.kv_hit(), other.cached_len()), (4, 0));
+//! drop(other);
 //! // The whole prompt again: the state after token 8 can be resumed from.
-//! let lease = cache.match_and_lock(0, &tokens, &mut out);
-//! assert_eq!((lease.len(), cache.lease_state(&lease)), (8, Some(state)));
+//! let again = cache.admit(0, &tokens)?;
+//! assert_eq!((again.cached_len(), again.resume_state()), (8, Some(saved)));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -85,11 +86,11 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 /// # Who frees a state
 ///
 /// A state the tree took (from a request's [`finish`](super::Request::finish) or
-/// [`checkpoint`](super::Request::checkpoint)) is freed by the tree alone, when it evicts it. The cache's callers reach its pool
-/// through [`states`](RadixCache::states), whose [`free`](CacheStates::free) refuses
-/// the tree's states ([`FreeErrorKind::Cached`]); a [`MambaPool`] marks them in its
-/// own state words, so its [`free`](MambaPool::free) refuses them too, through any
-/// `Arc` of it. That is why a [`SlotPool`], which keeps no such marks, is taken only by
+/// [`checkpoint`](super::Request::checkpoint)) is freed by the tree alone, when it
+/// evicts it; a request's own states go back when it ends. The cache's callers see its
+/// pool through [`states`](RadixCache::states), which frees nothing; a [`MambaPool`]
+/// marks the tree's states in its own state words, so its [`free`](MambaPool::free)
+/// refuses them ([`FreeErrorKind::Cached`](crate::error::FreeErrorKind::Cached)), through any `Arc` of it. That is why a [`SlotPool`], which keeps no such marks, is taken only by
 /// value: no other handle to it can exist.
 ///
 /// # One cache per pool
@@ -105,19 +106,19 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 /// use std::sync::Arc;
 /// use kvpool::mamba::{MambaConfig, MambaPool, StateDtype, StateShape};
 /// use kvpool::radix::{MambaRadixCache, RadixConfig};
-/// use kvpool::{ConfigError, FreeErrorKind, KvAllocator, ReqToTokenPool, TokenAllocator};
+/// use kvpool::{ConfigError, FreeErrorKind, ReqToTokenPool, TokenAllocator};
 ///
 /// let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
 /// let states = Arc::new(MambaPool::new(4, cfg)?);
 /// let mk = || MambaRadixCache::with_states(
 ///     TokenAllocator::new(64).unwrap(), ReqToTokenPool::new(2, 64).unwrap(),
 ///     Arc::clone(&states), RadixConfig::default());
-/// let first = mk()?;
+/// let first = Arc::new(mk()?);
 /// assert!(matches!(mk(), Err(ConfigError::Unsupported { .. })));
-/// let mut kv = [0u32; 4];
-/// first.allocator().alloc(&mut kv)?;
-/// let state = first.alloc_state()?;
-/// first.insert(0, &[1, 2, 3, 4], &kv, state)?;
+/// let mut req = first.admit(0, &[1, 2, 3, 4])?;
+/// let state = req.save_state(4)?;
+/// req.extend(4)?;
+/// req.finish(&[1, 2, 3, 4])?;
 /// // The tree's state: refused through the pool's own `Arc` as well.
 /// assert_eq!(states.free(&[state]).unwrap_err().kind, FreeErrorKind::Cached);
 /// drop(first);
@@ -438,27 +439,26 @@ impl<P: StatePool> Drop for Mamba<P> {
     }
 }
 
-/// A [`MambaRadixCache`]'s state pool as its callers reach it
-/// ([`states`](RadixCache::states)): its sizes, and a [`free`](Self::free) for the
-/// states a caller holds (from [`alloc_state`](RadixCache::alloc_state), or one the
-/// tree did not keep) that refuses the states the tree holds.
+/// A [`MambaRadixCache`]'s state pool as its callers see it
+/// ([`states`](RadixCache::states)): its sizes and which slots the tree holds. States
+/// are taken and given back by [`Request`](super::Request)s and the tree's eviction.
 ///
 /// # Examples
 ///
 /// ```
+/// use std::sync::Arc;
 /// use kvpool::radix::{MambaRadixCache, RadixConfig};
-/// use kvpool::{FreeErrorKind, KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
+/// use kvpool::{ReqToTokenPool, SlotPool, TokenAllocator};
 ///
-/// let cache = MambaRadixCache::with_states(
+/// let cache = Arc::new(MambaRadixCache::with_states(
 ///     TokenAllocator::new(64)?, ReqToTokenPool::new(2, 64)?,
-///     SlotPool::without_magazines(4), RadixConfig::default())?;
-/// let mut kv = [0u32; 4];
-/// cache.allocator().alloc(&mut kv)?;
-/// let (state, spare) = (cache.alloc_state()?, cache.alloc_state()?);
-/// cache.insert(0, &[1, 2, 3, 4], &kv, state)?;
-/// let e = cache.states().free(&[state]).unwrap_err();  // the tree's now
-/// assert_eq!(e.kind, FreeErrorKind::Cached);
-/// cache.states().free(&[spare])?;                      // the caller's own
+///     SlotPool::without_magazines(4), RadixConfig::default())?);
+/// let mut req = cache.admit(0, &[1, 2, 3, 4])?;  // takes a running state
+/// let state = req.save_state(4)?;                // and one to cache
+/// assert_eq!(cache.states().available(), 2);
+/// req.extend(4)?;
+/// req.finish(&[1, 2, 3, 4])?;                    // the running state goes back
+/// assert!(cache.states().is_held(state));        // the tree's now
 /// assert_eq!(cache.states().available(), 3);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -936,19 +936,20 @@ impl<A: KvAllocator, P: StatePool> super::Request<A, Mamba<P>> {
     }
 }
 
-/// What became of a state handed to a [`MambaRadixCache`] with an insert.
+/// What became of the state a request finished with on a [`MambaRadixCache`]
+/// ([`Request::finish`](super::Request::finish)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateInsert {
-    /// Leading tokens that were cached already (their KV slots are the caller's
-    /// duplicates, as for the plain [`insert`](RadixCache::insert)).
+    /// Leading tokens that were cached already (the request's own KV for them was a
+    /// duplicate, and was freed).
     pub cached: usize,
     /// Whether the tree kept the state (the node where the key ends had none). When it
-    /// did not (a state was there already, or the key is empty), the cache freed it
-    /// back to the pool: either way the caller no longer holds it.
+    /// did not (a state was there already, or nothing was cached), the cache freed it
+    /// back to the pool: either way the request no longer holds it.
     pub state_kept: bool,
 }
 
-/// [`RadixCache::match_and_lock_checkpoint`]'s result.
+/// A Mamba match and lock's result.
 #[derive(Debug)]
 pub(crate) struct MambaMatch<'c, A: KvAllocator, P: StatePool> {
     /// The lock on the path to the deepest node holding a state; `lease.len()` tokens
@@ -1044,37 +1045,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     }
 
     /// [`match_and_lock_checkpoint`](Self::match_and_lock_checkpoint) into request row
-    /// `row` (from position 0; the key is cut to the row's length), as
-    /// [`match_and_lock_row`](RadixCache::match_and_lock_row) does for the plain match:
-    /// the row remembers that its first `lease.len()` slots came from this lease, so the
-    /// finish need not compare them with the tree again. The KV matched past the lease
-    /// (`kv_len`) is written to the row too; a request that resumes from the state
-    /// allocates over it (`alloc_extend_row(row, lease.len(), ..)`).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use kvpool::radix::{MambaRadixCache, RadixConfig};
-    /// use kvpool::{KvAllocator, ReqToTokenPool, SlotPool, TokenAllocator};
-    ///
-    /// let states = SlotPool::without_magazines(4);
-    /// let rows = ReqToTokenPool::new(2, 256)?;
-    /// let c = MambaRadixCache::with_states(TokenAllocator::new(256)?, rows, states, RadixConfig::default())?;
-    /// let tokens: Vec<u32> = (1..=80).collect();
-    /// let mut slots = vec![0u32; 64];
-    /// c.allocator().alloc(&mut slots)?;
-    /// let state = c.alloc_state()?;
-    /// c.insert(0, &tokens[..64], &slots, state)?;
-    ///
-    /// let mut row = c.req_pool().alloc()?;
-    /// let m = c.match_and_lock_checkpoint_row(0, &tokens, &mut row)?;
-    /// assert_eq!((m.lease.len(), m.state), (64, Some(state)));
-    /// assert_eq!(c.req_pool().read(&row, 0..64)?, &slots);
-    /// c.alloc_extend_row(&mut row, 64, 80)?;
-    /// let checkpoint = c.alloc_state()?;
-    /// c.cache_finished_req(0, &tokens, row, m.lease, checkpoint).map_err(|e| e.error)?;
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
+    /// `row` (from position 0; the key is cut to the row's length): the row remembers
+    /// that its first `lease.len()` slots came from this lease, so the finish need not
+    /// compare them with the tree again. The KV matched past the lease (`kv_len`) is
+    /// written to the row too; a request that resumes from the state allocates over it.
     ///
     /// # Errors
     ///
@@ -1089,8 +1063,8 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
         self.match_into_row(key, row, |key, out| self.match_and_lock_checkpoint(namespace, key, out), |m| m.lease.key)
     }
 
-    /// The state pool, as the cache's callers use it: its [`free`](CacheStates::free)
-    /// takes back the states a caller holds and refuses the tree's.
+    /// The state pool, as the cache's callers see it: sizes, and which slots the tree
+    /// holds.
     pub fn states(&self) -> CacheStates<'_, P> {
         CacheStates { v: &self.variant }
     }

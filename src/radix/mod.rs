@@ -59,18 +59,17 @@
 //! pages and validates the record's `gen` afterwards (below).
 //!
 //! A request's row is checked before its pages are claimed: whole pages, each page's
-//! slots in order. The positions that [`alloc_extend_row`](RadixCache::alloc_extend_row)
-//! filled, and that nothing has written over since (the [`ReqRow`] handle remembers
-//! them, and any write from below their end makes it forget), are whole pages in order
-//! by construction. There only each page's first slot is read. Everything a caller
-//! wrote is read slot by slot.
+//! slots in order. The positions its [`extend`](Request::extend) and decode steps
+//! filled are whole pages in order by construction (the [`ReqRow`] handle remembers
+//! them, and any write from below their end makes it forget): there only each page's
+//! first slot is read.
 //!
-//! The leased prefix is compared with the tree's slots the same way: by default slot by
-//! slot, but not where [`match_and_lock_row`](RadixCache::match_and_lock_row) wrote it
-//! for the very lease the request finishes with. There the row holds the tree's slots
-//! by construction: the lease keeps the path from eviction, splits never move a slot,
-//! and the lease names the path's last node incarnation (page and epoch). The row
-//! handle remembers that incarnation until a write goes over the prefix.
+//! The leased prefix is compared with the tree's slots the same way: the admission
+//! wrote it into the row for the very lock the request finishes with, so the row holds
+//! the tree's slots by construction: the lock keeps the path from eviction, splits
+//! never move a slot, and the lock names the path's last node incarnation (page and
+//! epoch). The row handle remembers that incarnation until a write goes over the
+//! prefix.
 //!
 //! ## Why lookups stay correct with tokens written by runs
 //!
@@ -129,21 +128,19 @@
 //!   bucket lost a node, during the lookup: every restart is another thread's progress.
 //!
 //! * **Changes** — [`match_prefix`](RadixCache::match_prefix) (which updates recency and
-//!   may split), [`insert`](RadixCache::insert), [`evict`](RadixCache::evict), lock and
-//!   unlock, the request helpers — are applied one at a time under a writer latch (one
+//!   may split), [`evict`](RadixCache::evict), and every step of a [`Request`] that
+//!   touches the tree (admission, checkpoint, finish, abort) — are applied one at a time under a writer latch (one
 //!   atomic flag, taken with backoff). Critical sections are bounded (O(key length) or
 //!   O(evicted pages)), allocate nothing, and make no system calls. Lookups never touch the
 //!   latch, so routers keep reading at full speed while the scheduler writes. The latch
 //!   is the one place kvpool serializes; SGLang serializes the same operations behind
 //!   Python's GIL and the scheduler loop.
 //!
-//! * **Match and lock** happen in one critical section
-//!   ([`match_and_lock`](RadixCache::match_and_lock)), so no eviction can slip between them:
-//!   eviction runs under the same latch and only takes leaves whose lock count is 0.
-//!   A match result taken without a lock ([`MatchResult`]) can be locked later with
-//!   [`lock`](RadixCache::lock), which re-validates it (the last page must still end a node
-//!   in the same incarnation — a per-page epoch rules out ABA) and fails with
-//!   [`CacheError::StaleMatch`] if the node was evicted.
+//! * **Match and lock** happen in one critical section (a request's
+//!   [admission](RadixCache::admit)), so no eviction can slip between them: eviction
+//!   runs under the same latch and only takes leaves whose lock count is 0. A lock
+//!   names its path's last node by page and that page's epoch, so a reused page is
+//!   never mistaken for the node it once ended.
 //!
 //! # Variants: one core
 //!
@@ -169,22 +166,23 @@
 //! # Examples
 //!
 //! ```
+//! use std::sync::Arc;
 //! use kvpool::radix::{RadixCache, RadixConfig};
-//! use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+//! use kvpool::{ReqToTokenPool, TokenAllocator};
 //!
-//! let cache = RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(4, 32)?, RadixConfig::default())?;
-//! // A request computed tokens [1, 2, 3] into slots it allocated:
-//! let mut slots = [0u32; 3];
-//! cache.allocator().alloc(&mut slots)?;
-//! assert_eq!(cache.insert(0, &[1, 2, 3], &slots, 0)?, 0);
+//! let cache = Arc::new(RadixCache::new(TokenAllocator::new(64)?, ReqToTokenPool::new(4, 32)?, RadixConfig::default())?);
+//! // A request computes tokens [1, 2, 3] and finishes: the tree keeps their KV.
+//! let mut req = cache.admit(0, &[1, 2, 3])?;
+//! req.extend(3)?;
+//! let slots = req.slots().to_vec();
+//! req.finish(&[1, 2, 3])?;
 //! assert_eq!((cache.total_size(), cache.evictable_size()), (3, 3));
 //!
-//! // A later request with the same start reuses them.
-//! let mut hit = [0u32; 4];
-//! let lease = cache.match_and_lock(0, &[1, 2, 9, 9], &mut hit);
-//! assert_eq!(&hit[..lease.len()], &slots[..2]);
+//! // A later request with the same start reuses them, locked while it runs.
+//! let hit = cache.admit(0, &[1, 2, 9, 9])?;
+//! assert_eq!((hit.cached_len(), &hit.slots()[..2]), (2, &slots[..2]));
 //! assert_eq!(cache.protected_size(), 2);
-//! drop(lease); // unlocks
+//! drop(hit); // aborted: unlocks
 //! assert_eq!(cache.evict(3), 3);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -283,9 +281,8 @@ pub enum CacheError {
     },
     /// Hybrid request rows (or a state handle) of another Mamba pool than the cache's.
     ForeignRows,
-    /// [`reset`](RadixCache::reset) while leases are outstanding (detached ones: a
-    /// [`Lease`] borrows the cache). Their requests are still using the slots the
-    /// tree would free.
+    /// [`reset`](RadixCache::reset) while locks are held: their requests are still
+    /// using the slots the tree would free.
     Leased {
         /// Leases outstanding.
         leases: usize,
@@ -367,7 +364,8 @@ impl From<RowError> for CacheError {
 }
 
 /// The result of [`RadixCache::match_prefix`]: how many tokens matched and which node
-/// the match ended at. Not a lock: see [`RadixCache::lock`].
+/// the match ended at. Not a lock: a request that uses the slots is
+/// [admitted](RadixCache::admit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatchResult {
     len: usize,
@@ -407,21 +405,8 @@ pub(crate) struct Lease<'c, A: KvAllocator, V: Variant = Plain> {
     key: LeaseKey,
 }
 
-/// A lease without its borrow of the cache (see [`Lease::detach`]); give it back with
-/// [`RadixCache::release`] or turn it into a [`Lease`] again with
-/// [`RadixCache::attach`].
-///
-/// It is neither `Copy` nor `Clone`: every lock is released exactly once, so no caller
-/// can release a lock another lease still relies on.
-///
-/// ```compile_fail
-/// # use kvpool::radix::{RadixCache, RadixConfig};
-/// # use kvpool::{ReqToTokenPool, TokenAllocator};
-/// # let cache = RadixCache::new(TokenAllocator::new(8).unwrap(), ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default()).unwrap();
-/// let raw = cache.match_and_lock(0, &[1], &mut [0]).detach();
-/// cache.release(raw).unwrap();
-/// cache.release(raw).unwrap(); // error[E0382]: use of moved value
-/// ```
+/// A lease without its borrow of the cache (see [`Lease::detach`]): what a
+/// [`Request`] holds. Neither `Copy` nor `Clone`: every lock is released exactly once.
 #[derive(Debug)]
 #[must_use = "a detached lease keeps its path locked until released"]
 pub(crate) struct RawLease(LeaseKey);
@@ -1100,17 +1085,19 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// `out[..len]` and returns `len` (whole pages; the key is cut to `out.len()`).
     ///
     /// For routers and admission estimates. The slots are valid when it returns but not
-    /// protected afterwards: lock with [`match_and_lock`](Self::match_and_lock) to use them.
+    /// protected afterwards: a request that uses them is [admitted](Self::admit), which
+    /// matches again and locks.
     ///
     /// # Examples
     ///
     /// ```
+    /// # use std::sync::Arc;
     /// # use kvpool::radix::{RadixCache, RadixConfig};
-    /// # use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
-    /// let cache = RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, RadixConfig::default())?;
-    /// let mut s = [0u32; 2];
-    /// cache.allocator().alloc(&mut s)?;
-    /// cache.insert(7, &[5, 6], &s, 0)?;
+    /// # use kvpool::{ReqToTokenPool, TokenAllocator};
+    /// let cache = Arc::new(RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, RadixConfig::default())?);
+    /// let mut req = cache.admit(7, &[5, 6])?;
+    /// req.extend(2)?;
+    /// req.finish(&[5, 6])?;
     /// let mut out = [0u32; 3];
     /// assert_eq!(cache.peek_prefix(7, &[5, 6, 1], &mut out), 2);
     /// assert_eq!(cache.peek_prefix(8, &[5, 6, 1], &mut out), 0); // other namespace
@@ -1190,7 +1177,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// SGLang's `match_prefix`: the longest cached prefix of `key` (cut to whole pages and
     /// to `out.len()`), its slots written to `out[..len]`. Updates recency and hit counts
     /// along the path and splits the last node when the match ends inside it. Does not
-    /// lock: see [`match_and_lock`](Self::match_and_lock).
+    /// lock: a request that uses the slots is [admitted](Self::admit).
     pub fn match_prefix(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MatchResult {
         let key = self.aligned(key, out.len());
         let r = self.write(|w| w.match_path(namespace, key, out).0);
@@ -1218,31 +1205,8 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// [`match_and_lock`](Self::match_and_lock) writing the matched slots straight into
     /// the request's row (positions `0..lease.len()`; the key is cut to the row's
     /// length). The row remembers that those positions are the cache's own slots for
-    /// the lease's path until something writes over them, so
-    /// [`cache_finished_req`](Self::cache_finished_req) and
-    /// [`cache_unfinished_req`](Self::cache_unfinished_req) need not compare them with
-    /// the tree again (a row written by the caller still is, slot by slot).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use kvpool::radix::{RadixCache, RadixConfig};
-    /// use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
-    ///
-    /// let cache = RadixCache::new(PagedAllocator::new(256, 4)?, ReqToTokenPool::new(2, 64)?, RadixConfig::default())?;
-    /// let mut slots = [0u32; 8];
-    /// cache.allocator().alloc(&mut slots)?;
-    /// cache.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &slots, 0)?;
-    ///
-    /// let tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
-    /// let mut row = cache.req_pool().alloc()?;
-    /// let lease = cache.match_and_lock_row(0, &tokens, &mut row)?;
-    /// assert_eq!(lease.len(), 8);
-    /// assert_eq!(cache.req_pool().read(&row, 0..8)?, &slots);
-    /// cache.alloc_extend_row(&mut row, 8, 10)?;
-    /// assert_eq!(cache.cache_finished_req(0, &tokens, row, lease, 0).map_err(|e| e.error)?, 8);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
+    /// the lease's path until something writes over them, so the finish need not
+    /// compare them with the tree again.
     ///
     /// # Errors
     ///
@@ -1520,30 +1484,29 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// keep the pages their copies touch until they complete (see
     /// [the host tier's module docs](hi)).
     ///
-    /// As SGLang's `flush_cache`, only between requests: a detached lease
-    /// ([`RawLease`]) means a request still reads the slots its match locked, which the
-    /// reset would hand out again.
+    /// As SGLang's `flush_cache`, only between requests. It takes `&mut self`: a cache
+    /// shared with requests through an [`Arc`](std::sync::Arc) is reset through
+    /// [`Arc::get_mut`](std::sync::Arc::get_mut), which succeeds only once no
+    /// [`Request`] is alive.
     ///
     /// # Errors
     ///
-    /// [`CacheError::Leased`] while detached leases are outstanding (release them, or
-    /// finish their requests, first); nothing changes then.
+    /// [`CacheError::Leased`] while a lock is held (a kvpool bug once no request is
+    /// alive); nothing changes then.
     ///
     /// # Examples
     ///
     /// ```
-    /// use kvpool::radix::{CacheError, RadixCache, RadixConfig};
-    /// use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool};
+    /// use std::sync::Arc;
+    /// use kvpool::radix::{RadixCache, RadixConfig};
+    /// use kvpool::{PagedAllocator, ReqToTokenPool};
     ///
-    /// let mut cache = RadixCache::new(PagedAllocator::new(16, 1)?, ReqToTokenPool::new(2, 16)?, RadixConfig::default())?;
-    /// let mut s = [0u32; 4];
-    /// cache.allocator().alloc(&mut s)?;
-    /// cache.insert(0, &[1, 2, 3, 4], &s, 0)?;
-    /// let mut hit = [0u32; 4];
-    /// let lease = cache.match_and_lock(0, &[1, 2, 3, 4], &mut hit).detach();
-    /// assert_eq!(cache.reset(), Err(CacheError::Leased { leases: 1 }));
-    /// cache.release(lease)?;
-    /// cache.reset()?;
+    /// let mut cache = Arc::new(RadixCache::new(PagedAllocator::new(16, 1)?, ReqToTokenPool::new(2, 16)?, RadixConfig::default())?);
+    /// let mut req = cache.admit(0, &[1, 2, 3, 4])?;
+    /// req.extend(4)?;
+    /// assert!(Arc::get_mut(&mut cache).is_none()); // the request holds the cache
+    /// req.finish(&[1, 2, 3, 4])?;
+    /// Arc::get_mut(&mut cache).expect("no request is alive").reset()?;
     /// assert_eq!((cache.total_size(), cache.allocator().available_size()), (0, 16));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```

@@ -25,13 +25,15 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// # Examples
     ///
     /// ```
+    /// # use std::sync::Arc;
     /// # use kvpool::radix::{RadixCache, RadixConfig};
-    /// # use kvpool::{KvAllocator, ReqToTokenPool, TokenAllocator};
+    /// # use kvpool::{ReqToTokenPool, TokenAllocator};
     /// let cache = RadixCache::new(TokenAllocator::new(8)?, ReqToTokenPool::new(1, 8)?, RadixConfig::default())?
     ///     .with_partial_eviction(true);
-    /// let mut s = [0u32; 4];
-    /// cache.allocator().alloc(&mut s)?;
-    /// cache.insert(0, &[1, 2, 3, 4], &s, 0)?;
+    /// let cache = Arc::new(cache);
+    /// let mut req = cache.admit(0, &[1, 2, 3, 4])?;
+    /// req.extend(4)?;
+    /// req.finish(&[1, 2, 3, 4])?;
     /// assert_eq!(cache.evict(1), 1); // only the last token goes
     /// assert_eq!(cache.peek_prefix(0, &[1, 2, 3, 4], &mut [0; 4]), 3);
     /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -29,7 +29,8 @@
 //!   for the node's tokens (the tree's pages take the request's window pages; the
 //!   request's duplicate pages are then freed without them), and turns the leading part
 //!   of a new leaf whose window KV the request already released
-//!   ([`release_window`](RadixCache::release_window)) into a tombstone above a live leaf.
+//!   ([`release_window`](super::Request::release_window)) into a tombstone above a live
+//!   leaf.
 //!
 //! One difference from SGLang's older releases: there the counter restarted at a
 //! tombstone only when it had reached `window` already, so a short live node between
@@ -40,32 +41,33 @@
 //! # Examples
 //!
 //! ```
+//! use std::sync::Arc;
 //! use kvpool::alloc::SwaAllocator;
 //! use kvpool::radix::{RadixConfig, SwaRadixCache};
-//! use kvpool::{KvAllocator, ReqToTokenPool};
+//! use kvpool::ReqToTokenPool;
 //!
 //! // 64 full tokens, 16 window tokens, a window of 4 tokens.
-//! let cache = SwaRadixCache::with_window(
+//! let cache = Arc::new(SwaRadixCache::with_window(
 //!     SwaAllocator::new(64, 16, 1)?,
 //!     ReqToTokenPool::new(4, 64)?,
 //!     RadixConfig::default(),
 //!     4,
-//! )?;
-//! let mut a = [0u32; 8];
-//! cache.allocator().alloc(&mut a)?;
-//! cache.insert(0, &[1, 2, 3, 4, 5, 6, 7, 8], &a)?;
-//! let mut b = [0u32; 4];
-//! cache.allocator().alloc(&mut b)?;
-//! cache.insert(0, &[1, 2, 3, 4, 9, 9, 9, 9], &[a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]])?;
+//! )?);
+//! for prompt in [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]] {
+//!     let mut req = cache.admit(0, &prompt)?;
+//!     req.extend(8 - req.len())?;
+//!     req.finish(&prompt)?;
+//! }
 //!
-//! // Window pressure: the shared prefix [1, 2, 3, 4] keeps its full KV only.
-//! assert_eq!(cache.evict_swa(4), 4);
+//! // Window pressure, least recently used first: the leaf [5, 6, 7, 8] goes whole, and
+//! // the shared prefix [1, 2, 3, 4] keeps its full KV only.
+//! assert_eq!(cache.evict_swa(8), 8);
 //! assert_eq!(cache.tombstone_size(), 4);
 //! // A match may not end right after it (its window would be missing) ...
 //! let mut out = [0u32; 8];
 //! assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4], &mut out).len(), 0);
 //! // ... but may end 4 live tokens further.
-//! assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4, 5, 6, 7, 8], &mut out).len(), 8);
+//! assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4, 9, 9, 9, 9], &mut out).len(), 8);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -615,11 +617,12 @@ fn revive_from<A: KvAllocator>(w: &mut Writer<'_, A, Swa>, id: u32, src: &[u32])
     from > 0
 }
 
-/// What an [`insert`](RadixCache::insert) into an SWA cache did.
+/// What an insert into an SWA tree did (the reference tree's answer; an
+/// [`SwaRadixCache`] request's finish reports `cached`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SwaInsert {
     /// Leading tokens that were cached already (the caller's slots for them are
-    /// duplicates it frees, as with the plain [`insert`](RadixCache::insert); a
+    /// duplicates it frees, as with the plain insert; a
     /// tombstone there may have taken their window KV, which such a free then skips).
     pub cached: usize,
     /// Tokens now in the tree from the start of the key: the key, less trailing pages
@@ -828,8 +831,8 @@ impl RadixCache<SwaAllocator, Swa> {
 
 impl super::Request<SwaAllocator, Swa> {
     /// Free the window KV of the request's tokens in `range` that fell out of its
-    /// window (see [`RadixCache::release_window`]): only whole pages past its lock, and
-    /// only positions it holds. Returns the window tokens freed.
+    /// window (SGLang's sliding-window release during decode): only whole pages past its
+    /// lock, and only positions it holds. Returns the window tokens freed.
     ///
     /// # Errors
     ///
