@@ -1046,7 +1046,7 @@ impl Variant for Hi {
         priority: i64,
         _req: &mut HostHit,
     ) -> Result<usize, CacheError> {
-        c.finish(rows, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+        c.finish_kv(rows, namespace, tokens, row, lease, priority)
     }
 
     fn checkpoint_request<A: KvAllocator>(
@@ -1058,7 +1058,7 @@ impl Variant for Hi {
         priority: i64,
         _req: &mut HostHit,
     ) -> Result<(), CacheError> {
-        c.unfinished_with(&c.req_pool, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
+        c.checkpoint_kv(namespace, tokens, row, lease, priority)
     }
 
     fn extra_pages(&self) -> usize {

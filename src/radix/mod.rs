@@ -1692,6 +1692,33 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         aligned.min(limit.max(protected) / self.ps * self.ps)
     }
 
+    /// The finish of a tree whose nodes carry nothing a request hands over (the plain
+    /// tree, the host tier): cache `tokens`, return the tokens that were cached already.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish_kv(
+        &self,
+        rows: &ReqToTokenPool,
+        namespace: u64,
+        tokens: &[u32],
+        row: &ReqRow,
+        lease: &Lease<'_, A, V>,
+        priority: i64,
+    ) -> Result<usize, CacheError> {
+        self.finish(rows, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+    }
+
+    /// The checkpoint of a tree whose nodes carry nothing a request hands over.
+    pub(crate) fn checkpoint_kv(
+        &self,
+        namespace: u64,
+        tokens: &[u32],
+        row: &mut ReqRow,
+        lease: &mut Lease<'_, A, V>,
+        priority: i64,
+    ) -> Result<(), CacheError> {
+        self.unfinished_with(&self.req_pool, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
+    }
+
     #[allow(clippy::too_many_arguments)]
     /// Cache a finished request whose row is in `rows` (the cache's own request rows,
     /// or a hybrid pool's).

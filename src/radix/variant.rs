@@ -316,7 +316,7 @@ impl Variant for Plain {
         priority: i64,
         _req: &mut (),
     ) -> Result<usize, CacheError> {
-        c.finish(rows, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ()).map(|(n, ())| n)
+        c.finish_kv(rows, namespace, tokens, row, lease, priority)
     }
 
     fn checkpoint_request<A: KvAllocator>(
@@ -328,6 +328,6 @@ impl Variant for Plain {
         priority: i64,
         _req: &mut (),
     ) -> Result<(), CacheError> {
-        c.unfinished_with(&c.req_pool, namespace, tokens, row, lease, priority, usize::MAX, |_| Ok(()), |_, _| ())
+        c.checkpoint_kv(namespace, tokens, row, lease, priority)
     }
 }
