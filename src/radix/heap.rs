@@ -38,7 +38,7 @@ pub(crate) struct Heap<'a, N, S: Slot<N>> {
 }
 
 impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
-    pub fn new(heap: &'a mut Vec<u32>, meta: &'a mut [Meta<N>], policy: EvictionPolicy) -> Self {
+    pub(crate) fn new(heap: &'a mut Vec<u32>, meta: &'a mut [Meta<N>], policy: EvictionPolicy) -> Self {
         Heap { heap, meta, policy, slot: core::marker::PhantomData }
     }
 
@@ -94,11 +94,11 @@ impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
         self.set(pos, id);
     }
 
-    pub fn contains(&self, id: u32) -> bool {
+    pub(crate) fn contains(&self, id: u32) -> bool {
         self.pos_of(id) != NIL
     }
 
-    pub fn push(&mut self, id: u32) {
+    pub(crate) fn push(&mut self, id: u32) {
         debug_assert!(!self.contains(id));
         // Within the capacity reserved at construction: no reallocation.
         self.heap.push(id);
@@ -107,7 +107,7 @@ impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
         self.up(pos);
     }
 
-    pub fn remove(&mut self, id: u32) {
+    pub(crate) fn remove(&mut self, id: u32) {
         let pos = self.pos_of(id);
         if pos == NIL {
             return;
@@ -124,7 +124,7 @@ impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
     }
 
     /// Restore order after `id`'s key changed.
-    pub fn update(&mut self, id: u32) {
+    pub(crate) fn update(&mut self, id: u32) {
         let pos = self.pos_of(id);
         if pos != NIL {
             self.up(pos as usize);
@@ -134,7 +134,7 @@ impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
     }
 
     /// `new` takes `old`'s place (same key), `old` leaves.
-    pub fn replace(&mut self, old: u32, new: u32) {
+    pub(crate) fn replace(&mut self, old: u32, new: u32) {
         let pos = self.pos_of(old);
         S::set_pos(&mut self.meta[old as usize], NIL);
         if pos != NIL {
@@ -144,11 +144,11 @@ impl<'a, N, S: Slot<N>> Heap<'a, N, S> {
         }
     }
 
-    pub fn peek(&self) -> Option<u32> {
+    pub(crate) fn peek(&self) -> Option<u32> {
         self.heap.first().copied()
     }
 
-    pub fn pop(&mut self) -> Option<u32> {
+    pub(crate) fn pop(&mut self) -> Option<u32> {
         let top = self.peek()?;
         self.remove(top);
         Some(top)
