@@ -219,8 +219,9 @@ fn reuse_branching_node_starts_a_conversation() {
     put_unmatched(&c, &[1, 3]); // splits [1, 2]: [1] has one child, [2]: an extension (depth 1)
     put_unmatched(&c, &[1, 4]); // [1] has two children: a new conversation (depth 0)
     put_unmatched(&c, &[1, 3, 5]); // extends [3] (no children): depth 2
-                         // Scores at creation: [2] 1/3 (d0, 1 in 1 extended... before: 0 in 1), [3] 1/3,
-                         // [4] (1+1)/(2+2) = 1/2, [5] 1/3. Ties go least recently used: [2], then [5].
+
+    // Scores at creation: [2] 1/3 (d0, 1 in 1 extended... before: 0 in 1), [3] 1/3,
+    // [4] (1+1)/(2+2) = 1/2, [5] 1/3. Ties go least recently used: [2], then [5].
     assert_eq!(c.evict(2), 2);
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[1, 3, 5]), cached(&c, &[1, 4])), (1, 2, 2));
     c.check_invariants().unwrap();
