@@ -44,7 +44,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The byte offset of row `k` of page `p`, layer `l`, buffer `b` (issue 11's formulas).
+/// The byte offset of row `k` of page `p`, layer `l`, buffer `b` (the layouts' formulas, written out again).
 fn offset(cfg: &HostKvConfig, p: usize, l: usize, b: usize, k: usize) -> usize {
     let (ln, bn, ps, r, h) =
         (cfg.kv.layer_num as usize, cfg.buffers(), cfg.kv.page_size as usize, cfg.kv.row_bytes(), cfg.host_pages);
