@@ -1,24 +1,26 @@
-//! Hostile requests through every request helper of every tree variant: rows nothing
-//! was written to, short rows, rows of garbage or stale cells, token lists longer than
-//! the row or empty, slots 0 / `u32::MAX` / unallocated / in the tree's or another
-//! request's pages, with and without a lease, at page sizes 1, 2, 4 and 16.
+//! Hostile requests through every call of the request handle, on every tree variant:
+//! finish and checkpoint token lists one token too long or too short, or differing
+//! from the admitted prompt inside and past the locked prefix; chunks longer than the
+//! row; decode steps into a full pool; checkpoints of any length; Mamba states saved at
+//! positions off the page grid, past the tokens or not at all; window releases over any
+//! range (to `usize::MAX`); with cached keys, host keys, evictions and other requests'
+//! pages around, at page sizes 1, 2, 4 and 16.
 //!
 //! Every call returns `Ok` or a typed error, never panics (the test profile checks
 //! overflow), and an error changes nothing a caller can observe: the pools' free
-//! counts, the cache's sizes and paths, the variant's own sizes, the row's cells and
-//! the lease. Once everything is released and evicted, every pool is whole again.
+//! counts, the cache's sizes and paths, the variant's own sizes, and the request's
+//! length, lock and slots. A refused finish hands the request back. Once every request
+//! is finished or dropped and everything is evicted, every pool is whole again.
 #![cfg(not(loom))]
 
 use std::sync::Arc;
 
 use kvpool::alloc::SwaAllocator;
-use kvpool::mamba::{HybridReqToTokenPool, MambaConfig, MambaPool, StateDtype, StateShape};
-use kvpool::radix::mamba::HybridUnfinished;
 use kvpool::radix::{
-    CacheError, CheckpointConfig, HiRadixCache, HostTier, Lease, Mamba, MambaRadixCache, RadixCache, RadixConfig,
-    SwaRadixCache, Transfer, Unfinished, Variant,
+    CacheError, HiRadixCache, HostTier, Mamba, MambaRadixCache, RadixCache, RadixConfig, Request, SwaRadixCache,
+    Transfer, Variant,
 };
-use kvpool::{KvAllocator, PagedAllocator, ReqRow, ReqToTokenPool, SlotPool};
+use kvpool::{KvAllocator, PagedAllocator, ReqToTokenPool, SlotPool};
 use proptest::prelude::*;
 
 /// A request row's length, in pages.
@@ -27,96 +29,48 @@ const ROW_PAGES: usize = 6;
 const POOL_PAGES: usize = 40;
 /// Mamba states.
 const STATES: u32 = 16;
+/// Request rows.
+const ROWS: u32 = 6;
 
-/// What a page of the row is made to hold.
-#[derive(Clone, Copy, Debug)]
-enum Page {
-    /// What is there already (zeros, the lease's slots, the allocator's expansion).
-    Keep,
-    /// A fresh page of the request's own.
-    Own,
-    /// A page the tree holds.
-    Tree(u8),
-    /// A page another request holds.
-    Other(u8),
-    /// A page nobody holds (a stale slot).
-    Free(u8),
-    Zero,
-    Max,
-    /// The first page past the pool.
-    Past,
-    /// A fresh page of the request's own, off its page boundary.
-    Shift(u8),
-    /// A fresh page of the request's own, its slots backwards.
-    Reversed,
-    /// `x, x + 1, ...`
-    Raw(u32),
-    /// The page before it again.
-    Dup,
-    /// The first slots of a fresh page of the request's own, then zeros.
-    Partial(u8),
-}
-
-/// What one cell of the row is made to hold.
-#[derive(Clone, Copy, Debug)]
-enum Cell {
-    Zero,
-    Max,
-    Raw(u32),
-    Tree(u8),
-    Other(u8),
-    Free(u8),
-    /// The cell's slot moved by this much.
-    Near(i8),
-}
-
-/// The request's lease.
-#[derive(Clone, Copy, Debug)]
-enum LeaseOf {
-    /// An empty lease (nothing matched).
-    Empty,
-    /// A match of the request's tokens into its row (the row remembers it).
-    Row,
-    /// A match of the request's tokens, copied into its row by hand.
-    Copied,
-    /// A match of a cached key that need not be the request's, copied into its row.
-    Pre(u8),
-}
-
-/// Which helpers run, in order.
+/// What the request does after its admission and prefill.
 #[derive(Clone, Copy, Debug)]
 enum Then {
     Finish,
-    Unfinished,
-    UnfinishedThenFinish,
+    Checkpoint,
+    CheckpointThenFinish,
 }
 
 #[derive(Clone, Debug)]
 struct Case {
     ps: usize,
-    /// Keys cached first (page patterns).
+    /// Keys cached first by served requests (page patterns).
     pre: Vec<Vec<u8>>,
     /// The host tier's keys added on host first.
     host: Vec<Vec<u8>>,
-    /// Pages other requests hold.
+    /// Live requests holding a page each.
     others: u8,
     /// Pages evicted after the setup.
     evict: u8,
-    /// The request's tokens (page patterns), and its unaligned tail.
-    tokens: Vec<u8>,
+    /// The request's prompt (page patterns), and its unaligned tail.
+    prompt: Vec<u8>,
     tail: u8,
-    lease: LeaseOf,
-    /// Tokens allocated into the row after the lease ([`RadixCache::alloc_extend_row`]):
-    /// `u8::MAX` for up to the end of the request's tokens.
+    /// Tokens allocated after the admission: `u8::MAX` for the rest of the prompt.
     extend: Option<u8>,
-    pages: Vec<(u8, Page)>,
-    cells: Vec<(u16, Cell)>,
-    /// The helpers' namespace (the lease's is 0).
-    namespace: u64,
+    /// Decode steps after the prefill.
+    decode: u8,
+    /// Tokens of the finish's and checkpoint's token list replaced: (position, token);
+    /// an even position counts within the locked prefix (when there is one).
+    edits: Vec<(u16, u32)>,
+    /// The finish's token count off by this much.
+    off_by: i8,
     then: Then,
-    /// Which Mamba state the request hands over.
+    /// Tokens short of the request's length the checkpoint covers (`u8::MAX`: one
+    /// past it).
+    back: u8,
+    /// Where a Mamba request saves its state: 0 and 1 the tokens it caches next (cut to
+    /// whole pages), 2 nowhere, 3 one page past them, else that position.
     state: u8,
-    /// A sliding-window cache's `release_window` range, tried first.
+    /// A sliding-window request's `release_window` range, tried first.
     window: (usize, usize),
 }
 
@@ -124,44 +78,11 @@ fn key_of(pages: &[u8], ps: usize) -> Vec<u32> {
     pages.iter().flat_map(|&p| (0..ps).map(move |k| 1 + p as u32 * 64 + k as u32)).collect()
 }
 
-fn tokens_of(case: &Case) -> Vec<u32> {
-    let mut t = key_of(&case.tokens, case.ps);
+fn prompt_of(case: &Case) -> Vec<u32> {
+    let mut t = key_of(&case.prompt, case.ps);
     t.extend((0..case.tail as usize % case.ps).map(|k| 900 + k as u32));
+    t.truncate(ROW_PAGES * case.ps);
     t
-}
-
-fn page() -> impl Strategy<Value = Page> {
-    prop_oneof![
-        3 => Just(Page::Keep),
-        4 => Just(Page::Own),
-        2 => any::<u8>().prop_map(Page::Tree),
-        2 => any::<u8>().prop_map(Page::Other),
-        1 => any::<u8>().prop_map(Page::Free),
-        1 => Just(Page::Zero),
-        1 => Just(Page::Max),
-        1 => Just(Page::Past),
-        1 => any::<u8>().prop_map(Page::Shift),
-        1 => Just(Page::Reversed),
-        1 => raw().prop_map(Page::Raw),
-        1 => Just(Page::Dup),
-        1 => any::<u8>().prop_map(Page::Partial),
-    ]
-}
-
-fn raw() -> impl Strategy<Value = u32> {
-    prop_oneof![0u32..256, (u32::MAX - 64)..=u32::MAX, any::<u32>()]
-}
-
-fn cell() -> impl Strategy<Value = Cell> {
-    prop_oneof![
-        Just(Cell::Zero),
-        Just(Cell::Max),
-        raw().prop_map(Cell::Raw),
-        any::<u8>().prop_map(Cell::Tree),
-        any::<u8>().prop_map(Cell::Other),
-        any::<u8>().prop_map(Cell::Free),
-        any::<i8>().prop_map(Cell::Near),
-    ]
 }
 
 fn bound() -> impl Strategy<Value = usize> {
@@ -170,45 +91,37 @@ fn bound() -> impl Strategy<Value = usize> {
 
 fn case() -> impl Strategy<Value = Case> {
     let keys = || prop::collection::vec(prop::collection::vec(0u8..3, 1..5), 0..4);
-    let lease = prop_oneof![
-        1 => Just(LeaseOf::Empty),
-        3 => Just(LeaseOf::Row),
-        1 => Just(LeaseOf::Copied),
-        1 => any::<u8>().prop_map(LeaseOf::Pre),
-    ];
-    let then = prop_oneof![Just(Then::Finish), Just(Then::Unfinished), Just(Then::UnfinishedThenFinish)];
-    let setup = (prop::sample::select(vec![1usize, 2, 4, 16]), keys(), keys(), 0u8..4, 0u8..4);
+    let then = prop_oneof![Just(Then::Finish), Just(Then::Checkpoint), Just(Then::CheckpointThenFinish)];
+    let setup = (prop::sample::select(vec![1usize, 2, 4, 16]), keys(), keys(), 0u8..3, 0u8..4);
+    let token = prop_oneof![Just(0u32), Just(u32::MAX), 1u32..300];
     let request = (
         prop::collection::vec(0u8..3, 0..ROW_PAGES + 2),
         any::<u8>(),
-        lease,
         prop_oneof![1 => Just(None), 3 => Just(Some(u8::MAX)), 1 => any::<u8>().prop_map(Some)],
-        prop::collection::vec((any::<u8>(), page()), 0..4),
-        prop::collection::vec((any::<u16>(), cell()), 0..3),
-        prop_oneof![4 => Just(0u64), 1 => Just(1u64)],
+        0u8..4,
+        prop::collection::vec((any::<u16>(), token), 0..3),
+        prop_oneof![3 => Just(0i8), 1 => Just(-1i8), 1 => Just(1i8)],
         then,
+        prop_oneof![4 => 0u8..24, 1 => Just(u8::MAX)],
         any::<u8>(),
         (bound(), bound()),
     );
     (setup, request).prop_map(
-        |(
-            (ps, pre, host, others, evict),
-            (tokens, tail, lease, extend, pages, cells, namespace, then, state, window),
-        )| {
+        |((ps, pre, host, others, evict), (prompt, tail, extend, decode, edits, off_by, then, back, state, window))| {
             Case {
                 ps,
                 pre,
                 host,
                 others,
                 evict,
-                tokens,
+                prompt,
                 tail,
-                lease,
                 extend,
-                pages,
-                cells,
-                namespace,
+                decode,
+                edits,
+                off_by,
                 then,
+                back,
                 state,
                 window,
             }
@@ -216,7 +129,7 @@ fn case() -> impl Strategy<Value = Case> {
     )
 }
 
-/// Everything a caller can observe of a cache, a row and a lease.
+/// Everything a caller can observe of a cache and a request.
 #[derive(Debug, PartialEq)]
 struct Snap {
     kv_free: usize,
@@ -224,165 +137,52 @@ struct Snap {
     rows_free: usize,
     paths: Vec<(u64, Vec<u32>, Vec<u32>)>,
     extra: Vec<u64>,
-    row: Vec<u32>,
-    lease: usize,
+    /// The request's length, lock and slots.
+    request: (usize, usize, Vec<u32>),
 }
 
-fn snap<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, extra: Vec<u64>, row: Vec<u32>, lease: usize) -> Snap {
+fn snap<S: Subject>(s: &S, r: &Request<S::A, S::V>) -> Snap {
+    let c = s.cache();
     c.check_invariants().unwrap_or_else(|e| panic!("{e}\n{}", c.pretty_print()));
     Snap {
         kv_free: c.allocator().available_size(),
         sizes: (c.total_size(), c.evictable_size(), c.protected_size()),
         rows_free: c.req_pool().available_size(),
         paths: c.leaf_paths(),
-        extra,
-        row,
-        lease,
+        extra: s.extra(),
+        request: (r.len(), r.cached_len(), r.slots().to_vec()),
     }
 }
 
-/// The first slots of the tree's pages (device or host), and every slot of them.
-fn tree_slots<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>) -> Vec<u32> {
-    let mut s: Vec<u32> = c.leaf_paths().into_iter().flat_map(|(_, _, v)| v).collect();
-    s.sort_unstable();
-    s.dedup();
-    s
-}
-
-/// Allocate one page for the request; its first slot, recorded in `own`.
-fn own_page<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, own: &mut Vec<u32>) -> Option<u32> {
-    let mut p = vec![0u32; c.page_size()];
-    c.allocator().alloc(&mut p).ok()?;
-    own.push(p[0]);
-    Some(p[0])
-}
-
-/// A free page's first slot, searching from `from`.
-fn free_page<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, from: u8) -> Option<u32> {
-    let ps = c.page_size() as u32;
-    let n = (c.allocator().size() / c.page_size()) as u32;
-    (0..n).map(|k| 1 + (from as u32 + k) % n).find(|&p| !c.allocator().is_allocated(p * ps)).map(|p| p * ps)
-}
-
-/// The setup shared by the variants: the pages other requests hold.
-fn others<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, case: &Case) -> Vec<u32> {
-    let mut other = Vec::new();
-    for _ in 0..case.others {
-        own_page(c, &mut other);
-    }
-    other
-}
-
-/// The row's writes for `case.pages` and `case.cells`, planned on `img` (the row's
-/// cells now), which they update; pages taken for the request go to `own`.
-fn plan<A: KvAllocator, V: Variant>(
-    c: &RadixCache<A, V>,
-    case: &Case,
-    other: &[u32],
-    img: &mut [u32],
-    own: &mut Vec<u32>,
-) -> Vec<(usize, Vec<u32>)> {
-    let ps = case.ps;
-    let tree = tree_slots(c);
-    let tree_firsts: Vec<u32> = tree.iter().copied().filter(|s| s % ps as u32 == 0).collect();
-    let past = (c.allocator().size() / ps + 1) as u32 * ps as u32;
-    let pick = |v: &[u32], i: u8| (!v.is_empty()).then(|| v[i as usize % v.len()]);
-    let run = |first: u32| (0..ps as u32).map(|k| first.wrapping_add(k)).collect::<Vec<_>>();
-    let mut writes = Vec::new();
-    for &(at, p) in &case.pages {
-        let at = at as usize % ROW_PAGES * ps;
-        let slots = match p {
-            Page::Keep => None,
-            Page::Own => own_page(c, own).map(run),
-            Page::Tree(i) => pick(&tree_firsts, i).map(run),
-            Page::Other(i) => pick(other, i).map(run),
-            Page::Free(i) => free_page(c, i).map(run),
-            Page::Zero => Some(vec![0; ps]),
-            Page::Max => Some(vec![u32::MAX; ps]),
-            Page::Past => Some(run(past)),
-            Page::Shift(k) => own_page(c, own).map(|f| run(f + 1 + k as u32 % ps as u32)),
-            Page::Reversed => own_page(c, own).map(|f| run(f).into_iter().rev().collect()),
-            Page::Raw(x) => Some(run(x)),
-            Page::Dup => Some(img[at.saturating_sub(ps)..at.saturating_sub(ps) + ps].to_vec()),
-            Page::Partial(k) => own_page(c, own).map(|f| {
-                let mut s = run(f);
-                s[k as usize % ps..].iter_mut().for_each(|x| *x = 0);
-                s
-            }),
-        };
-        if let Some(s) = slots {
-            img[at..at + ps].copy_from_slice(&s);
-            writes.push((at, s));
-        }
-    }
-    for &(pos, cell) in &case.cells {
-        let pos = pos as usize % img.len();
-        let v = match cell {
-            Cell::Zero => 0,
-            Cell::Max => u32::MAX,
-            Cell::Raw(x) => x,
-            Cell::Tree(i) => pick(&tree, i).unwrap_or(0),
-            Cell::Other(i) => pick(other, i).map_or(0, |f| f + i as u32 % ps as u32),
-            Cell::Free(i) => free_page(c, i).map_or(past, |f| f + i as u32 % ps as u32),
-            Cell::Near(d) => img[pos].wrapping_add_signed(d as i32),
-        };
-        img[pos] = v;
-        writes.push((pos, vec![v]));
-    }
-    writes
-}
-
-/// A tree variant whose requests use the cache's own rows.
+/// A tree variant and its request's own calls.
 trait Subject {
     type A: KvAllocator;
     type V: Variant;
-    /// What a helper takes besides the row and lease (a Mamba state).
-    type Arg;
 
-    fn cache(&self) -> &RadixCache<Self::A, Self::V>;
-    /// Cache `key -> slots` (fresh slots the caller holds); the caller's duplicates
-    /// are freed.
-    fn seed(&self, key: &[u32], slots: &[u32]);
+    fn cache(&self) -> &Arc<RadixCache<Self::A, Self::V>>;
+    /// A request for `key` served and finished (a Mamba request saves its state at the
+    /// end of the key's whole pages first).
+    fn seed(&self, key: &[u32]) {
+        let Ok(mut r) = self.cache().admit(0, key) else { return };
+        if r.extend(key.len() - r.len()).is_ok() {
+            self.prepare(&mut r, key.len(), 0);
+            let _ = r.finish(key);
+        }
+    }
     /// The variant's own observables.
     fn extra(&self) -> Vec<u64>;
-    /// The argument for the next call (taken before the snapshot).
-    fn arg(&self, case: &Case) -> Self::Arg;
-    /// A refused call's argument, given back.
-    fn give_back(&self, arg: Self::Arg);
-    #[allow(clippy::type_complexity)]
-    fn finish<'c>(
-        &'c self,
-        ns: u64,
-        tokens: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, Self::A, Self::V>,
-        arg: Self::Arg,
-    ) -> Result<(), (Unfinished<'c, Self::A, Self::V>, Self::Arg)>;
-    fn unfinished(
-        &self,
-        ns: u64,
-        tokens: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, Self::A, Self::V>,
-        arg: Self::Arg,
-    ) -> Result<(), (CacheError, Self::Arg)>;
-    /// A match of `tokens` into `row` (the variant's own where it has one).
-    fn match_row<'c>(&'c self, tokens: &[u32], row: &mut ReqRow) -> Lease<'c, Self::A, Self::V> {
-        self.cache().match_and_lock_row(0, tokens, row).unwrap()
-    }
-    /// A variant's own request call before the helpers (`release_window`).
-    fn side(
-        &self,
-        _row: &ReqRow,
-        _lease: &Lease<'_, Self::A, Self::V>,
-        _case: &Case,
-    ) -> Option<Result<(), CacheError>> {
-        None
-    }
     /// Variant setup after the seeding (host keys).
     fn setup(&self, _case: &Case) {}
-    /// Release everything the variant holds apart from the tree, evict everything, and
-    /// check that every pool is whole.
+    /// The variant's call before the request caches `up_to` tokens (a Mamba state
+    /// saved, by the case's `state`); `Err` for a refused call.
+    fn prepare(&self, _r: &mut Request<Self::A, Self::V>, _up_to: usize, _state: u8) -> Option<Result<(), String>> {
+        None
+    }
+    /// A variant's own request call before anything is cached (`release_window`).
+    fn side(&self, _r: &mut Request<Self::A, Self::V>, _case: &Case) -> Option<Result<(), String>> {
+        None
+    }
+    /// Evict everything and check that every pool is whole.
     fn drain(&self) -> Result<(), String> {
         let c = self.cache();
         c.evict(usize::MAX);
@@ -403,24 +203,40 @@ fn invariants<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>) -> Result<(), Te
     c.check_invariants().map_err(|e| TestCaseError::fail(format!("{e}\n{}", c.pretty_print())))
 }
 
-fn row_cells<A: KvAllocator, V: Variant>(c: &RadixCache<A, V>, row: &ReqRow) -> Vec<u32> {
-    c.req_pool().row(row).unwrap().to_vec()
+/// A call that returned `r`: on error, nothing may have changed.
+fn check_call<S: Subject, T, E: core::fmt::Debug>(
+    s: &S,
+    req: &Request<S::A, S::V>,
+    before: &Snap,
+    what: &str,
+    r: &Result<T, E>,
+) -> Result<(), TestCaseError> {
+    match r {
+        Ok(_) => invariants(s.cache()),
+        Err(e) => {
+            let after = snap(s, req);
+            if *before != after {
+                return Err(TestCaseError::fail(format!(
+                    "{what} refused with {e:?} but changed the cache:\nbefore {before:?}\nafter  {after:?}\n{}",
+                    s.cache().pretty_print()
+                )));
+            }
+            Ok(())
+        }
+    }
 }
 
-fn check_call<A: KvAllocator, V: Variant>(
-    c: &RadixCache<A, V>,
-    before: &Snap,
-    after: Snap,
-    what: &str,
-    e: &CacheError,
+/// A variant's own call on the request: on error, nothing may have changed.
+fn variant_call<S: Subject>(
+    s: &S,
+    r: &mut Request<S::A, S::V>,
+    call: impl FnOnce(&S, &mut Request<S::A, S::V>) -> Option<Result<(), String>>,
 ) -> Result<(), TestCaseError> {
-    if *before != after {
-        return Err(TestCaseError::fail(format!(
-            "{what} refused with {e:?} but changed the cache:\nbefore {before:?}\nafter  {after:?}\n{}",
-            c.pretty_print()
-        )));
+    let before = snap(s, r);
+    match call(s, r) {
+        Some(e) => check_call(s, r, &before, "the variant's call", &e),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn run<S: Subject>(s: &S, case: &Case) -> Result<(), TestCaseError> {
@@ -428,110 +244,101 @@ fn run<S: Subject>(s: &S, case: &Case) -> Result<(), TestCaseError> {
     let ps = case.ps;
     assert_eq!(c.page_size(), ps);
     for key in &case.pre {
-        let key = key_of(key, ps);
-        let mut slots = vec![0u32; key.len()];
-        if c.allocator().alloc(&mut slots).is_ok() {
-            s.seed(&key, &slots);
-        }
+        s.seed(&key_of(key, ps));
     }
     s.setup(case);
-    let other = others(c, case);
+    let mut others = Vec::new();
+    for _ in 0..case.others {
+        if let Ok(mut o) = c.admit(0, &[]) {
+            if o.extend(ps).is_ok() {
+                others.push(o);
+            }
+        }
+    }
     if case.evict > 0 {
         c.evict(case.evict as usize * ps);
     }
-    let tokens = tokens_of(case);
-    let row_len = c.req_pool().max_context_len();
-    let mut own = Vec::new();
-    let mut row = c.req_pool().alloc().unwrap();
-    let mut lease = match case.lease {
-        LeaseOf::Empty => c.match_and_lock(0, &[], &mut []),
-        LeaseOf::Row => s.match_row(&tokens, &mut row),
-        LeaseOf::Copied | LeaseOf::Pre(_) => {
-            let key = match case.lease {
-                LeaseOf::Pre(i) if !case.pre.is_empty() => key_of(&case.pre[i as usize % case.pre.len()], ps),
-                _ => tokens.clone(),
-            };
-            let n = key.len().min(row_len);
-            let mut out = vec![0u32; n];
-            let lease = c.match_and_lock(0, &key[..n], &mut out);
-            c.req_pool().write(&mut row, 0, &out[..lease.len()]).unwrap();
-            lease
-        }
+    invariants(c)?;
+
+    let prompt = prompt_of(case);
+    let mut r = match c.admit(0, &prompt) {
+        Ok(r) => r,
+        Err(_) => return Ok(()), // no row or state left: refused, nothing to check
     };
     if let Some(n) = case.extend {
-        let from = lease.len();
-        let n = match n {
-            u8::MAX => tokens.len().saturating_sub(from),
-            n => n as usize,
-        }
-        .min(row_len - from);
-        if c.alloc_extend_row(&mut row, from, from + n).is_ok() {
-            let mut pages: Vec<u32> =
-                c.req_pool().read(&row, from..from + n).unwrap().iter().map(|&s| s / ps as u32 * ps as u32).collect();
-            pages.dedup();
-            own.extend(pages);
-        }
+        let n = if n == u8::MAX { prompt.len() - r.len() } else { n as usize };
+        let before = snap(s, &r);
+        let e = r.extend(n);
+        check_call(s, &r, &before, "extend", &e)?;
     }
-    let mut img = row_cells(c, &row);
-    for (at, slots) in plan(c, case, &other, &mut img, &mut own) {
-        c.req_pool().write(&mut row, at, &slots).unwrap();
+    for _ in 0..case.decode {
+        let before = snap(s, &r);
+        let e = c.decode(&mut [&mut r], &mut [0]);
+        check_call(s, &r, &before, "decode", &e)?;
     }
-    // A variant's own call first.
-    let before = snap(c, s.extra(), row_cells(c, &row), lease.len());
-    if let Some(r) = s.side(&row, &lease, case) {
-        let after = snap(c, s.extra(), row_cells(c, &row), lease.len());
-        if let Err(e) = r {
-            check_call(c, &before, after, "the variant's call", &e)?;
+    // The tokens whose KV the row holds: the prompt, then outputs, then the edits.
+    let mut tokens: Vec<u32> = prompt.iter().copied().chain(5000..).take(r.len()).collect();
+    for &(pos, t) in &case.edits {
+        let within = if pos % 2 == 0 && r.cached_len() > 0 { r.cached_len() } else { tokens.len() };
+        if within > 0 {
+            tokens[pos as usize / 2 % within] = t;
         }
     }
-    // The helpers.
-    let (unfinished, finish) = match case.then {
+    variant_call(s, &mut r, |s, r| s.side(r, case))?;
+
+    let (checkpoint, mut finish) = match case.then {
         Then::Finish => (false, true),
-        Then::Unfinished => (true, false),
-        Then::UnfinishedThenFinish => (true, true),
+        Then::Checkpoint => (true, false),
+        Then::CheckpointThenFinish => (true, true),
     };
-    let mut finish = finish;
-    if unfinished {
-        let arg = s.arg(case);
-        let before = snap(c, s.extra(), row_cells(c, &row), lease.len());
-        match s.unfinished(case.namespace, &tokens, &mut row, &mut lease, arg) {
-            Ok(()) => invariants(c)?,
-            Err((e, arg)) => {
-                let after = snap(c, s.extra(), row_cells(c, &row), lease.len());
-                check_call(c, &before, after, "cache_unfinished_req", &e)?;
-                s.give_back(arg);
-                finish = false;
-            }
+    if checkpoint {
+        let up_to = if case.back == u8::MAX { r.len() + 1 } else { r.len().saturating_sub(case.back as usize) };
+        let at = up_to.min(r.len());
+        variant_call(s, &mut r, |s, r| s.prepare(r, at, case.state))?;
+        let mut t = tokens.clone();
+        t.resize(up_to, 7);
+        let before = snap(s, &r);
+        let locked = r.cached_len();
+        let e = r.checkpoint(&t);
+        check_call(s, &r, &before, "checkpoint", &e)?;
+        if let Ok(()) = e {
+            // The lock moves forward, at most to the checkpoint's end.
+            prop_assert!(locked <= r.cached_len() && r.cached_len() <= up_to.max(locked));
+        } else {
+            finish = false;
         }
     }
     if finish {
-        let arg = s.arg(case);
-        let before = snap(c, s.extra(), row_cells(c, &row), lease.len());
-        match s.finish(case.namespace, &tokens, row, lease, arg) {
-            Ok(()) => invariants(c)?,
-            Err((u, arg)) => {
-                let after = snap(c, s.extra(), row_cells(c, &u.row), u.lease.len());
-                check_call(c, &before, after, "cache_finished_req", &u.error)?;
-                s.give_back(arg);
-                c.req_pool().free(u.row).unwrap();
+        let at = r.len();
+        variant_call(s, &mut r, |s, r| s.prepare(r, at, case.state))?;
+        let n = (tokens.len() as isize + case.off_by as isize).max(0) as usize;
+        let mut t = tokens.clone();
+        t.resize(n, 7);
+        let before = snap(s, &r);
+        match r.finish(&t) {
+            Ok(_) => {
+                prop_assert_eq!(n, tokens.len(), "a finish with a wrong count went through");
+                invariants(c)?;
+            }
+            Err(refused) => {
+                let back = refused.request;
+                check_call(s, &back, &before, "finish", &Err::<(), _>(refused.error))?;
+                drop(back);
             }
         }
     } else {
-        drop(lease);
-        c.req_pool().free(row).unwrap();
+        drop(r);
     }
-    // Everything the test holds goes back (refused where a helper cached or freed it).
-    for &p in own.iter().chain(&other) {
-        let _ = c.allocator().free(&[p]);
-    }
+    drop(others);
     invariants(c)?;
+    prop_assert_eq!(c.req_pool().available_size(), ROWS as usize);
     s.drain().map_err(|e| TestCaseError::fail(format!("{e}\n{}", c.pretty_print())))?;
     invariants(c)?;
     Ok(())
 }
 
 fn rows(ps: usize) -> ReqToTokenPool {
-    ReqToTokenPool::new(4, ROW_PAGES * ps).unwrap()
+    ReqToTokenPool::new(ROWS, ROW_PAGES * ps).unwrap()
 }
 
 fn kv(ps: usize) -> PagedAllocator {
@@ -540,113 +347,49 @@ fn kv(ps: usize) -> PagedAllocator {
 
 // ---- the plain cache ----
 
-struct PlainTree(RadixCache<PagedAllocator>);
+struct PlainTree(Arc<RadixCache<PagedAllocator>>);
 
 impl Subject for PlainTree {
     type A = PagedAllocator;
     type V = kvpool::radix::Plain;
-    type Arg = ();
 
-    fn cache(&self) -> &RadixCache<PagedAllocator> {
+    fn cache(&self) -> &Arc<RadixCache<PagedAllocator>> {
         &self.0
-    }
-    fn seed(&self, key: &[u32], slots: &[u32]) {
-        let cached = self.0.insert(0, key, slots, 0).unwrap();
-        self.0.allocator().free(&slots[..cached]).unwrap();
     }
     fn extra(&self) -> Vec<u64> {
         Vec::new()
-    }
-    fn arg(&self, _: &Case) {}
-    fn give_back(&self, _: ()) {}
-    fn finish<'c>(
-        &'c self,
-        ns: u64,
-        tokens: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, PagedAllocator>,
-        _: (),
-    ) -> Result<(), (Unfinished<'c, PagedAllocator>, ())> {
-        self.0.cache_finished_req(ns, tokens, row, lease, 0).map(drop).map_err(|u| (u, ()))
-    }
-    fn unfinished(
-        &self,
-        ns: u64,
-        tokens: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, PagedAllocator>,
-        _: (),
-    ) -> Result<(), (CacheError, ())> {
-        self.0.cache_unfinished_req(ns, tokens, row, lease, 0).map_err(|e| (e, ()))
     }
 }
 
 // ---- the Mamba cache over its own state pool ----
 
-struct MambaTree(MambaRadixCache<PagedAllocator>);
+struct MambaTree(Arc<MambaRadixCache<PagedAllocator>>);
 
 impl Subject for MambaTree {
     type A = PagedAllocator;
     type V = Mamba<SlotPool>;
-    /// The state, and whether the request holds it.
-    type Arg = (u32, bool);
 
-    fn cache(&self) -> &MambaRadixCache<PagedAllocator> {
+    fn cache(&self) -> &Arc<MambaRadixCache<PagedAllocator>> {
         &self.0
-    }
-    fn seed(&self, key: &[u32], slots: &[u32]) {
-        let Ok(state) = self.0.alloc_state() else {
-            self.0.allocator().free(slots).unwrap();
-            return;
-        };
-        let ins = self.0.insert(0, key, slots, state).unwrap();
-        self.0.allocator().free(&slots[..ins.cached]).unwrap();
     }
     fn extra(&self) -> Vec<u64> {
         let st = self.0.states();
         vec![st.available() as u64, self.0.mamba_evictable_size() as u64, self.0.mamba_protected_size() as u64]
     }
-    fn arg(&self, case: &Case) -> (u32, bool) {
-        let st = self.0.states();
-        let cap = st.capacity();
-        let find = |f: &dyn Fn(u32) -> bool| (1..=cap).find(|&s| f(s));
-        let own = || self.0.alloc_state().map_or((0, false), |s| (s, true));
-        match case.state % 6 {
-            0 | 1 => own(),
-            2 => (0, false),
-            3 => (u32::MAX, false),
-            4 => find(&|s| st.is_held(s)).map_or_else(own, |s| (s, false)),
-            _ => find(&|s| !st.is_allocated(s)).map_or((cap + 1, false), |s| (s, false)),
-        }
-    }
-    fn match_row<'c>(&'c self, tokens: &[u32], row: &mut ReqRow) -> Lease<'c, PagedAllocator, Mamba<SlotPool>> {
-        // Also writes the KV matched past the lease into the row (the tree's slots).
-        self.0.match_and_lock_checkpoint_row(0, tokens, row).unwrap().lease
-    }
-    fn give_back(&self, (state, own): (u32, bool)) {
-        if own {
-            self.0.states().free(&[state]).unwrap();
-        }
-    }
-    fn finish<'c>(
-        &'c self,
-        ns: u64,
-        tokens: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, PagedAllocator, Mamba<SlotPool>>,
-        arg: (u32, bool),
-    ) -> Result<(), (Unfinished<'c, PagedAllocator, Mamba<SlotPool>>, (u32, bool))> {
-        self.0.cache_finished_req(ns, tokens, row, lease, arg.0).map(drop).map_err(|u| (u, arg))
-    }
-    fn unfinished(
+    fn prepare(
         &self,
-        ns: u64,
-        tokens: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, PagedAllocator, Mamba<SlotPool>>,
-        arg: (u32, bool),
-    ) -> Result<(), (CacheError, (u32, bool))> {
-        self.0.cache_unfinished_req(ns, tokens, row, lease, arg.0).map(drop).map_err(|e| (e, arg))
+        r: &mut Request<PagedAllocator, Mamba<SlotPool>>,
+        up_to: usize,
+        state: u8,
+    ) -> Option<Result<(), String>> {
+        let ps = self.0.page_size();
+        let at = match state % 8 {
+            0 | 1 => up_to / ps * ps,
+            2 => return None,
+            3 => (up_to / ps + 1) * ps,
+            _ => state as usize,
+        };
+        Some(r.save_state(at).map(drop).map_err(|e| e.to_string()))
     }
     fn drain(&self) -> Result<(), String> {
         let c = &self.0;
@@ -669,20 +412,14 @@ impl Subject for MambaTree {
 
 // ---- the sliding-window cache ----
 
-struct SwaTree(SwaRadixCache);
+struct SwaTree(Arc<SwaRadixCache>);
 
 impl Subject for SwaTree {
     type A = SwaAllocator;
     type V = kvpool::radix::Swa;
-    type Arg = ();
 
-    fn cache(&self) -> &SwaRadixCache {
+    fn cache(&self) -> &Arc<SwaRadixCache> {
         &self.0
-    }
-    fn seed(&self, key: &[u32], slots: &[u32]) {
-        let ins = self.0.insert(0, key, slots).unwrap();
-        self.0.allocator().free(&slots[..ins.cached]).unwrap();
-        self.0.allocator().free(&slots[ins.inserted..]).unwrap();
     }
     fn extra(&self) -> Vec<u64> {
         let a = self.0.allocator();
@@ -696,35 +433,8 @@ impl Subject for SwaTree {
         .map(|x| x as u64)
         .to_vec()
     }
-    fn arg(&self, _: &Case) {}
-    fn give_back(&self, _: ()) {}
-    fn finish<'c>(
-        &'c self,
-        ns: u64,
-        tokens: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, SwaAllocator, kvpool::radix::Swa>,
-        _: (),
-    ) -> Result<(), (Unfinished<'c, SwaAllocator, kvpool::radix::Swa>, ())> {
-        self.0.cache_finished_req(ns, tokens, row, lease).map(drop).map_err(|u| (u, ()))
-    }
-    fn unfinished(
-        &self,
-        ns: u64,
-        tokens: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, SwaAllocator, kvpool::radix::Swa>,
-        _: (),
-    ) -> Result<(), (CacheError, ())> {
-        self.0.cache_unfinished_req(ns, tokens, row, lease).map_err(|e| (e, ()))
-    }
-    fn side(
-        &self,
-        row: &ReqRow,
-        lease: &Lease<'_, SwaAllocator, kvpool::radix::Swa>,
-        case: &Case,
-    ) -> Option<Result<(), CacheError>> {
-        Some(self.0.release_window(row, lease, case.window.0..case.window.1).map(drop))
+    fn side(&self, r: &mut Request<SwaAllocator, kvpool::radix::Swa>, case: &Case) -> Option<Result<(), String>> {
+        Some(r.release_window(case.window.0..case.window.1).map(drop).map_err(|e| e.to_string()))
     }
     fn drain(&self) -> Result<(), String> {
         let c = &self.0;
@@ -747,19 +457,30 @@ impl Subject for SwaTree {
 
 // ---- the host tier ----
 
-struct HiTree(HiRadixCache<PagedAllocator>);
+struct HiTree(Arc<HiRadixCache<PagedAllocator>>);
+
+impl HiTree {
+    /// Complete every transfer taken or queued.
+    fn complete_all(&self) -> Result<(), String> {
+        let mut t = [Transfer::default(); 8];
+        loop {
+            let n = self.0.take_transfers(&mut t);
+            if n == 0 {
+                return Ok(());
+            }
+            for &x in &t[..n] {
+                self.0.complete(x).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+}
 
 impl Subject for HiTree {
     type A = PagedAllocator;
     type V = kvpool::radix::Hi;
-    type Arg = ();
 
-    fn cache(&self) -> &HiRadixCache<PagedAllocator> {
+    fn cache(&self) -> &Arc<HiRadixCache<PagedAllocator>> {
         &self.0
-    }
-    fn seed(&self, key: &[u32], slots: &[u32]) {
-        let cached = self.0.insert(0, key, slots).unwrap();
-        self.0.allocator().free(&slots[..cached]).unwrap();
     }
     fn setup(&self, case: &Case) {
         for key in &case.host {
@@ -772,47 +493,13 @@ impl Subject for HiTree {
         let (host, flight) = (self.0.host_size() as u64, self.0.transfers_in_flight() as u64);
         vec![host, flight, k.written, k.loaded, k.device_evicted, k.host_evicted, k.backup_refused, k.prefetched]
     }
-    fn arg(&self, _: &Case) {}
-    fn give_back(&self, _: ()) {}
-    fn finish<'c>(
-        &'c self,
-        ns: u64,
-        tokens: &[u32],
-        row: ReqRow,
-        lease: Lease<'c, PagedAllocator, kvpool::radix::Hi>,
-        _: (),
-    ) -> Result<(), (Unfinished<'c, PagedAllocator, kvpool::radix::Hi>, ())> {
-        self.0.cache_finished_req(ns, tokens, row, lease).map(drop).map_err(|u| (u, ()))
-    }
-    fn unfinished(
-        &self,
-        ns: u64,
-        tokens: &[u32],
-        row: &mut ReqRow,
-        lease: &mut Lease<'_, PagedAllocator, kvpool::radix::Hi>,
-        _: (),
-    ) -> Result<(), (CacheError, ())> {
-        self.0.cache_unfinished_req(ns, tokens, row, lease).map_err(|e| (e, ()))
-    }
     fn drain(&self) -> Result<(), String> {
         let c = &self.0;
-        let mut t = [Transfer::default(); 8];
-        loop {
-            let n = c.take_transfers(&mut t);
-            if n == 0 {
-                break;
-            }
-            for &x in &t[..n] {
-                c.complete(x).map_err(|e| e.to_string())?;
-            }
-        }
+        self.complete_all()?;
         c.evict(usize::MAX);
         // Evicting may back nodes up (write-back) before they leave the device.
         while c.transfers_in_flight() > 0 {
-            let n = c.take_transfers(&mut t);
-            for &x in &t[..n] {
-                c.complete(x).map_err(|e| e.to_string())?;
-            }
+            self.complete_all()?;
         }
         c.evict_host(usize::MAX);
         let a = c.allocator();
@@ -829,324 +516,143 @@ impl Subject for HiTree {
     }
 }
 
-// ---- the hybrid rows (a Mamba cache over the rows' state pool) ----
-
-fn mamba_config() -> MambaConfig {
-    MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) }
-}
-
-type HybridCache = MambaRadixCache<PagedAllocator, Arc<MambaPool>>;
-
-fn hybrid_extra(c: &HybridCache, rows: &HybridReqToTokenPool, mamba: &MambaPool) -> Vec<u64> {
-    [mamba.available(), c.mamba_evictable_size(), c.mamba_protected_size(), rows.available_size()]
-        .map(|x| x as u64)
-        .to_vec()
-}
-
-fn hybrid_cells(rows: &HybridReqToTokenPool, row: &kvpool::HybridRow) -> Vec<u32> {
-    rows.read(row, 0..rows.max_context_len()).unwrap().to_vec()
-}
-
-/// The hybrid helpers, with the same requests (the row is written by hand: a hybrid
-/// row has no match into it nor an expansion).
-fn run_hybrid(case: &Case) -> Result<(), TestCaseError> {
-    let ps = case.ps;
-    let mamba = Arc::new(MambaPool::new(STATES, mamba_config()).unwrap());
-    let foreign = MambaPool::new(2, mamba_config()).unwrap();
-    let rows = HybridReqToTokenPool::new(4, ROW_PAGES * ps, Arc::clone(&mamba), 0).unwrap();
-    let c: HybridCache =
-        MambaRadixCache::for_hybrid_rows(kv(ps), &rows, RadixConfig::default(), CheckpointConfig::default()).unwrap();
-    for key in &case.pre {
-        let key = key_of(key, ps);
-        let mut slots = vec![0u32; key.len()];
-        if c.allocator().alloc(&mut slots).is_ok() {
-            let state = c.alloc_state().unwrap();
-            let ins = c.insert(0, &key, &slots, state).unwrap();
-            c.allocator().free(&slots[..ins.cached]).unwrap();
-        }
-    }
-    let other = others(&c, case);
-    if case.evict > 0 {
-        c.evict(case.evict as usize * ps);
-    }
-    let tokens = tokens_of(case);
-    let row_len = rows.max_context_len();
-    let mut own = Vec::new();
-    let mut row = rows.alloc().unwrap();
-    let mut lease = match case.lease {
-        LeaseOf::Empty => c.match_and_lock(0, &[], &mut []),
-        _ => {
-            let key = match case.lease {
-                LeaseOf::Pre(i) if !case.pre.is_empty() => key_of(&case.pre[i as usize % case.pre.len()], ps),
-                _ => tokens.clone(),
-            };
-            let n = key.len().min(row_len);
-            let mut out = vec![0u32; n];
-            let lease = c.match_and_lock(0, &key[..n], &mut out);
-            rows.write(&mut row, 0, &out[..lease.len()]).unwrap();
-            lease
-        }
-    };
-    if let Some(n) = case.extend {
-        // Fresh pages after the lease, written by hand.
-        let from = lease.len();
-        let n = match n {
-            u8::MAX => tokens.len().saturating_sub(from),
-            n => n as usize,
-        };
-        let pages = n.min(row_len - from).div_ceil(ps);
-        for k in 0..pages {
-            if let Some(f) = own_page(&c, &mut own) {
-                rows.write(&mut row, from + k * ps, &(f..f + ps as u32).collect::<Vec<_>>()).unwrap();
-            }
-        }
-    }
-    let mut img = hybrid_cells(&rows, &row);
-    for (at, slots) in plan(&c, case, &other, &mut img, &mut own) {
-        rows.write(&mut row, at, &slots).unwrap();
-    }
-    let state = || if case.state % 4 == 0 { foreign.alloc().unwrap() } else { mamba.alloc().unwrap() };
-    // A foreign pool's slot is refused here (and dropped with that pool).
-    let give_back = |s: kvpool::MambaSlot| drop(mamba.free_slot(s));
-    let (unfinished, mut finish) = match case.then {
-        Then::Finish => (false, true),
-        Then::Unfinished => (true, false),
-        Then::UnfinishedThenFinish => (true, true),
-    };
-    if unfinished {
-        let s = state();
-        let before = snap(&c, hybrid_extra(&c, &rows, &mamba), hybrid_cells(&rows, &row), lease.len());
-        match c.cache_unfinished_hybrid(&rows, case.namespace, &tokens, &mut row, &mut lease, s) {
-            Ok(_) => invariants(&c)?,
-            Err((e, s)) => {
-                let after = snap(&c, hybrid_extra(&c, &rows, &mamba), hybrid_cells(&rows, &row), lease.len());
-                check_call(&c, &before, after, "cache_unfinished_hybrid", &e)?;
-                give_back(s);
-                finish = false;
-            }
-        }
-    }
-    if finish {
-        let s = state();
-        let before = snap(&c, hybrid_extra(&c, &rows, &mamba), hybrid_cells(&rows, &row), lease.len());
-        match c.cache_finished_hybrid(&rows, case.namespace, &tokens, row, lease, s) {
-            Ok(_) => invariants(&c)?,
-            Err(HybridUnfinished { error, row, lease, state }) => {
-                let after = snap(&c, hybrid_extra(&c, &rows, &mamba), hybrid_cells(&rows, &row), lease.len());
-                check_call(&c, &before, after, "cache_finished_hybrid", &error)?;
-                give_back(state);
-                drop(lease);
-                rows.free(row).unwrap();
-            }
-        }
-    } else {
-        drop(lease);
-        rows.free(row).unwrap();
-    }
-    for &p in own.iter().chain(&other) {
-        let _ = c.allocator().free(&[p]);
-    }
-    invariants(&c)?;
-    c.evict(usize::MAX);
-    invariants(&c)?;
-    let a = c.allocator();
-    prop_assert_eq!((c.total_size(), a.available_size()), (0, a.size()), "{}", c.pretty_print());
-    prop_assert_eq!(mamba.available(), STATES as usize);
-    Ok(())
-}
-
 fn plain(ps: usize) -> PlainTree {
-    PlainTree(RadixCache::new(kv(ps), rows(ps), RadixConfig::default()).unwrap())
+    PlainTree(Arc::new(RadixCache::new(kv(ps), rows(ps), RadixConfig::default()).unwrap()))
 }
 
 fn mamba_tree(ps: usize) -> MambaTree {
     let states = SlotPool::without_magazines(STATES);
-    MambaTree(MambaRadixCache::with_states(kv(ps), rows(ps), states, RadixConfig::default()).unwrap())
+    MambaTree(Arc::new(MambaRadixCache::with_states(kv(ps), rows(ps), states, RadixConfig::default()).unwrap()))
 }
 
 fn swa(ps: usize) -> SwaTree {
     let alloc = SwaAllocator::new(POOL_PAGES * ps, POOL_PAGES / 2 * ps, ps as u32).unwrap();
-    SwaTree(SwaRadixCache::with_window(alloc, rows(ps), RadixConfig::default(), 2 * ps).unwrap())
+    SwaTree(Arc::new(SwaRadixCache::with_window(alloc, rows(ps), RadixConfig::default(), 2 * ps).unwrap()))
 }
 
 fn hi(ps: usize) -> HiTree {
-    HiTree(HiRadixCache::with_host_tier(kv(ps), rows(ps), RadixConfig::default(), HostTier::new(16)).unwrap())
+    let c = HiRadixCache::with_host_tier(kv(ps), rows(ps), RadixConfig::default(), HostTier::new(16));
+    HiTree(Arc::new(c.unwrap()))
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
-    fn plain_helpers_refuse_hostile_requests(case in case()) {
+    fn plain_requests_refuse_hostile_calls(case in case()) {
         run(&plain(case.ps), &case)?;
     }
 
     #[test]
-    fn mamba_helpers_refuse_hostile_requests(case in case()) {
+    fn mamba_requests_refuse_hostile_calls(case in case()) {
         run(&mamba_tree(case.ps), &case)?;
     }
 
     #[test]
-    fn hybrid_helpers_refuse_hostile_requests(case in case()) {
-        run_hybrid(&case)?;
-    }
-
-    #[test]
-    fn swa_helpers_refuse_hostile_requests(case in case()) {
+    fn swa_requests_refuse_hostile_calls(case in case()) {
         run(&swa(case.ps), &case)?;
     }
 
     #[test]
-    fn hi_helpers_refuse_hostile_requests(case in case()) {
+    fn hi_requests_refuse_hostile_calls(case in case()) {
         run(&hi(case.ps), &case)?;
     }
 }
 
-/// A fresh row nothing was written to, finished with 4 tokens and no lease: a typed
-/// error, the row and lease handed back, and no slot leaked.
+/// A request that allocated nothing, finished with its prompt: refused (it holds no
+/// token), handed back, and it finishes with no tokens, caching nothing.
 #[test]
-fn finishing_an_unwritten_row_is_refused() {
-    for ps in [1u32, 4] {
-        let cache = RadixCache::new(
-            PagedAllocator::new(64, ps).unwrap(),
-            ReqToTokenPool::new(2, 64).unwrap(),
-            RadixConfig::default(),
-        )
-        .unwrap();
+fn finishing_an_unextended_request_is_refused() {
+    fn check<S: Subject>(s: &S) {
+        let c = s.cache();
         let tokens = [1, 2, 3, 4];
-        let row = cache.req_pool().alloc().unwrap();
-        let lease = cache.match_and_lock(0, &tokens, &mut [0; 4]);
-        assert_eq!(lease.len(), 0);
-        let u = cache.cache_finished_req(0, &tokens, row, lease, 0).unwrap_err();
-        assert!(matches!(u.error, CacheError::Invalid(_)), "page size {ps}: {:?}", u.error);
-        assert_eq!(cache.req_pool().row(&u.row).unwrap(), &[0; 64][..]);
-        cache.req_pool().free(u.row).unwrap();
-        drop(u.lease);
-        assert_eq!(cache.req_pool().available_size(), 2);
-        assert_eq!(cache.allocator().available_size() + cache.total_size(), cache.allocator().size());
-        assert_eq!(cache.total_size(), 0);
-        cache.check_invariants().unwrap();
-
-        // The same through the chunked-prefill helper.
-        let mut row = cache.req_pool().alloc().unwrap();
-        let mut lease = cache.match_and_lock(0, &tokens, &mut [0; 4]);
-        let e = cache.cache_unfinished_req(0, &tokens, &mut row, &mut lease, 0).unwrap_err();
-        assert!(matches!(e, CacheError::Invalid(_)), "page size {ps}: {e:?}");
-        drop(lease);
-        cache.req_pool().free(row).unwrap();
-        assert_eq!(cache.allocator().available_size() + cache.total_size(), cache.allocator().size());
-        cache.check_invariants().unwrap();
+        let r = c.admit(0, &tokens).unwrap();
+        assert_eq!(r.len(), 0);
+        let before = snap(s, &r);
+        let refused = r.finish(&tokens).unwrap_err();
+        assert_eq!(refused.error, CacheError::TokenCount { tokens: 4, held: 0 });
+        assert_eq!(snap(s, &refused.request), before);
+        refused.request.finish(&[]).unwrap();
+        assert_eq!(c.total_size(), 0);
+        assert_eq!(c.req_pool().available_size(), ROWS as usize);
+        invariants(c).unwrap();
+        s.drain().unwrap();
+    }
+    for ps in [1, 4] {
+        check(&plain(ps));
+        check(&mamba_tree(ps));
+        check(&swa(ps));
+        check(&hi(ps));
     }
 }
 
-/// A request whose tokens leave its lease's path inside a leased node (the lease was
-/// matched for other tokens) is refused, by every helper of every variant, with nothing
-/// changed; with its own tokens it is cached.
+/// A request whose tokens leave its locked path inside a cached node (they differ from
+/// the prompt it was admitted with) is refused by the checkpoint and the finish of
+/// every variant, with nothing changed; with its own tokens it is cached.
 #[test]
-fn tokens_that_leave_the_leased_path_are_refused() {
-    fn check<S: Subject>(s: &S, ps: usize) {
+fn tokens_that_leave_the_locked_path_are_refused() {
+    fn check<S: Subject>(s: &S, ps: usize, checkpoint: bool) {
         let c = s.cache();
         let cached: Vec<u32> = (1..=4 * ps as u32).collect();
-        let mut slots = vec![0u32; cached.len()];
-        c.allocator().alloc(&mut slots).unwrap();
-        s.seed(&cached, &slots);
-        let mut other = cached.clone();
+        s.seed(&cached);
+        // One page more than the cached key, so that a checkpoint has something to cache.
+        let tokens: Vec<u32> = (1..=5 * ps as u32).collect();
+        let mut other = tokens.clone();
         other[2 * ps] = 999; // the third page differs: inside the one cached node
-        for unfinished in [false, true] {
-            let mut row = c.req_pool().alloc().unwrap();
-            let mut lease = s.match_row(&cached, &mut row);
-            assert_eq!(lease.len(), cached.len());
-            let arg = s.arg(&Case { state: 0, ..sample_case(ps) });
-            let before = snap(c, s.extra(), row_cells(c, &row), lease.len());
-            if unfinished {
-                let (e, arg) = s.unfinished(0, &other, &mut row, &mut lease, arg).unwrap_err();
-                assert!(matches!(e, CacheError::RowMismatch { .. }), "{e:?}");
-                assert_eq!(before, snap(c, s.extra(), row_cells(c, &row), lease.len()));
-                s.give_back(arg);
-                // Its own tokens go in.
-                let arg = s.arg(&Case { state: 0, ..sample_case(ps) });
-                assert!(s.unfinished(0, &cached, &mut row, &mut lease, arg).is_ok());
-                drop(lease);
-                c.req_pool().free(row).unwrap();
-            } else {
-                let (u, arg) = s.finish(0, &other, row, lease, arg).unwrap_err();
-                assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
-                assert_eq!(before, snap(c, s.extra(), row_cells(c, &u.row), u.lease.len()));
-                s.give_back(arg);
-                let arg = s.arg(&Case { state: 0, ..sample_case(ps) });
-                assert!(s.finish(0, &cached, u.row, u.lease, arg).is_ok());
+        {
+            let mut r = c.admit(0, &tokens).unwrap();
+            assert_eq!(r.cached_len(), cached.len());
+            r.extend(ps).unwrap();
+            if let Some(e) = s.prepare(&mut r, tokens.len(), 0) {
+                e.unwrap();
             }
+            let before = snap(s, &r);
+            if checkpoint {
+                let e = r.checkpoint(&other).unwrap_err();
+                assert!(matches!(e, CacheError::RowMismatch { .. }), "{e:?}");
+                assert_eq!(snap(s, &r), before);
+                r.checkpoint(&tokens).unwrap();
+                assert_eq!(r.cached_len(), tokens.len());
+                drop(r);
+            } else {
+                let refused = r.finish(&other).unwrap_err();
+                assert!(matches!(refused.error, CacheError::RowMismatch { .. }), "{:?}", refused.error);
+                assert_eq!(snap(s, &refused.request), before);
+                refused.request.finish(&tokens).unwrap();
+            }
+            invariants(c).unwrap();
         }
         s.drain().unwrap();
     }
     for ps in [1, 2, 4, 16] {
-        check(&plain(ps), ps);
-        check(&mamba_tree(ps), ps);
-        check(&swa(ps), ps);
-        check(&hi(ps), ps);
+        for checkpoint in [false, true] {
+            check(&plain(ps), ps, checkpoint);
+            check(&mamba_tree(ps), ps, checkpoint);
+            check(&swa(ps), ps, checkpoint);
+            check(&hi(ps), ps, checkpoint);
+        }
     }
 }
 
-fn sample_case(ps: usize) -> Case {
-    Case {
-        ps,
-        pre: Vec::new(),
-        host: Vec::new(),
-        others: 0,
-        evict: 0,
-        tokens: Vec::new(),
-        tail: 0,
-        lease: LeaseOf::Empty,
-        extend: None,
-        pages: Vec::new(),
-        cells: Vec::new(),
-        namespace: 0,
-        then: Then::Finish,
-        state: 0,
-        window: (0, 0),
-    }
-}
-
-/// `release_window` over a range whose start rounds up past `usize::MAX` frees nothing.
+/// A window release whose start rounds up past `usize::MAX`, or lies past the
+/// request's end, frees nothing; one whose end is past the request's end is refused.
 #[test]
 fn release_window_at_the_end_of_the_index_range_frees_nothing() {
     for ps in [1, 2, 4, 16] {
         let s = swa(ps);
         let c = &s.0;
-        let row = c.req_pool().alloc().unwrap();
-        let lease = c.match_and_lock(0, &[], &mut []);
-        for start in [usize::MAX, usize::MAX - 1, usize::MAX - ps, 0] {
-            let r = c.release_window(&row, &lease, start..usize::MAX);
-            // A range holding a whole page is past the row; one holding none frees nothing.
-            let whole_page = start.div_ceil(ps).checked_mul(ps).is_some_and(|f| f < usize::MAX / ps * ps);
-            if whole_page {
-                assert!(matches!(r, Err(CacheError::Row(_))), "{start}: {r:?}");
-            } else {
-                assert_eq!(r, Ok(0), "{start}");
-            }
+        let mut r = c.admit(0, &[]).unwrap();
+        r.extend(4 * ps).unwrap();
+        let before = snap(&s, &r);
+        let len = r.len();
+        for start in [usize::MAX, usize::MAX - 1, usize::MAX - ps, len] {
+            assert_eq!(r.release_window(start..len), Ok(0), "{start}");
+            let e = r.release_window(start..usize::MAX);
+            assert_eq!(e, Err(CacheError::TokenCount { tokens: usize::MAX, held: len }), "{start}");
         }
-        drop(lease);
-        c.req_pool().free(row).unwrap();
-        s.drain().unwrap();
-    }
-}
-
-/// A sliding-window insert whose slots are fewer (or more) than its tokens is refused.
-#[test]
-fn swa_insert_of_mismatched_lengths_is_refused() {
-    for ps in [1, 2, 4] {
-        let s = swa(ps);
-        let c = &s.0;
-        let key: Vec<u32> = (1..=4 * ps as u32).collect();
-        let mut slots = vec![0u32; key.len() + ps];
-        c.allocator().alloc(&mut slots).unwrap();
-        let unaligned = if ps > 1 { ps + 1 } else { 0 };
-        for (k, v) in [(&key[..], &slots[..2 * ps]), (&key[..], &slots[..]), (&key[..unaligned], &slots[..ps])] {
-            let e = c.insert(0, k, v).unwrap_err();
-            assert!(matches!(e, CacheError::Invalid(_)), "{} tokens, {} slots: {e:?}", k.len(), v.len());
-            assert_eq!(c.total_size(), 0);
-        }
-        c.allocator().free(&slots).unwrap();
+        assert_eq!(snap(&s, &r), before);
+        assert_eq!(r.release_window(0..len), Ok(len));
+        drop(r);
         s.drain().unwrap();
     }
 }

@@ -44,7 +44,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The byte offset of row `k` of page `p`, layer `l`, buffer `b` (issue 11's formulas).
+/// The byte offset of row `k` of page `p`, layer `l`, buffer `b` (the layouts' formulas, written out again).
 fn offset(cfg: &HostKvConfig, p: usize, l: usize, b: usize, k: usize) -> usize {
     let (ln, bn, ps, r, h) =
         (cfg.kv.layer_num as usize, cfg.buffers(), cfg.kv.page_size as usize, cfg.kv.row_bytes(), cfg.host_pages);
@@ -324,10 +324,12 @@ fn a_cache_claims_a_pool_only_between_callers_pages() {
             1,
         );
         let Ok(c) = c else { continue }; // a caller's pages were allocated then
+        let c = Arc::new(c);
         built += 1;
-        let mut a = [0u32; 4];
-        c.allocator().alloc(&mut a).unwrap();
-        c.insert(0, &[round as u32, 1, 2, 3], &a).unwrap();
+        let key = [round as u32, 1, 2, 3];
+        let mut r = c.admit(0, &key).unwrap();
+        r.extend(4).unwrap();
+        r.finish(&key).unwrap();
         assert_eq!(c.host_size(), 4);
         c.check_invariants().unwrap();
     }

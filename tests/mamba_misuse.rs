@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvpool::mamba::{
     Component, HybridReqToTokenPool, MambaConfig, MambaError, MambaPool, MambaSlot, StateDtype, StateShape,
 };
-use kvpool::radix::{CacheError, CheckpointConfig, MambaRadixCache, RadixConfig};
+use kvpool::radix::{CacheError, MambaRadixCache, RadixConfig, StatePool};
 use kvpool::{ConfigError, FreeErrorKind, ReqToTokenPool, RowError, SlotPool, TokenAllocator};
 
 fn cfg() -> MambaConfig {
@@ -219,8 +219,17 @@ fn a_state_row_too_large_for_usize_is_a_config_error() {
 // slot, two owners). A shared pool now serves one live cache at a time.
 // -------------------------------------------------------------------------------------
 
-/// The audit's case (`tests/audit_radix.rs`): cache B can no longer be built while A
-/// holds the pool, so A's state cannot be handed to it.
+/// A request for `tokens` served and finished with its state saved after them; returns
+/// the saved state's slot and whether the tree kept it.
+fn serve<P: StatePool>(c: &Arc<MambaRadixCache<TokenAllocator, P>>, tokens: &[u32]) -> (u32, bool) {
+    let mut r = c.admit(0, tokens).unwrap();
+    r.extend(tokens.len() - r.len()).unwrap();
+    let state = r.save_state(tokens.len()).unwrap();
+    (state, r.finish(tokens).unwrap().state_kept)
+}
+
+/// Cache B can no longer be built while A holds the pool, so A's state cannot be
+/// handed to it.
 #[test]
 fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
     let pool = Arc::new(MambaPool::new(4, cfg()).unwrap());
@@ -231,19 +240,13 @@ fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
             Arc::clone(&pool),
             RadixConfig::default(),
         )
+        .map(Arc::new)
     };
     let a = mk().unwrap();
-    let t = [1u32, 2, 3, 4];
-    let mut kv = [0u32; 4];
-    a.allocator().alloc(&mut kv).unwrap();
-    let state = a.alloc_state().unwrap();
-    assert!(a.insert(0, &t, &kv, state).unwrap().state_kept);
+    let (state, kept) = serve(&a, &[1, 2, 3, 4]);
+    assert!(kept && a.states().is_held(state) && pool.is_tree_held(state));
     // A second cache over the same pool.
     assert!(matches!(mk(), Err(ConfigError::Unsupported { .. })));
-    // A itself still refuses the state twice.
-    let mut kv2 = [0u32; 4];
-    a.allocator().alloc(&mut kv2).unwrap();
-    assert!(matches!(a.insert(0, &[9, 9, 9, 9], &kv2, state), Err(CacheError::StateNotOwned { .. })));
     a.check_invariants().unwrap();
     // Once A is gone, the pool may serve another cache; A's states went back with it.
     drop(a);
@@ -263,48 +266,56 @@ fn mamba_state_held_by_one_cache_is_adopted_by_another_sharing_the_pool() {
 }
 
 // -------------------------------------------------------------------------------------
-// A state the tree holds could be freed by number behind its back: `cache.states()`
-// was the pool itself (`&SlotPool` / `&MambaPool`), and an `Arc` of the pool reached
-// `MambaPool::free` directly. The slot went back to the free list while a node still
-// named it; the next `alloc_state` handed it to a request, and eviction later freed the
-// request's state (or a second node adopted it). Now `states()` is a view whose `free`
-// refuses the tree's states, a `MambaPool` marks them in its state words (so every path
-// to its `free` refuses them), and an `Arc<SlotPool>`, which keeps no marks, is no
-// longer a state pool.
+// A state the tree holds could be freed by number behind its back: an `Arc` of the
+// pool reached `MambaPool::free` directly. The slot went back to the free list while a
+// node still named it; the next request got it, and eviction later freed the request's
+// state (or a second node adopted it). Now a `MambaPool` marks the tree's states in its
+// state words (so every path to its `free` refuses them), and an `Arc<SlotPool>`, which
+// keeps no marks, is no longer a state pool.
 // -------------------------------------------------------------------------------------
 
-/// One state in the tree, one the caller's; `free` by number on each path.
-fn tree_and_spare<P: kvpool::radix::StatePool>(c: &MambaRadixCache<TokenAllocator, P>) -> (u32, u32) {
-    let mut kv = [0u32; 4];
-    c.allocator().alloc(&mut kv).unwrap();
-    let (state, spare) = (c.alloc_state().unwrap(), c.alloc_state().unwrap());
-    assert!(c.insert(0, &[1, 2, 3, 4], &kv, state).unwrap().state_kept);
-    (state, spare)
-}
-
+/// Every live request's state is its own: never one the tree holds, never another
+/// request's. The tree's state goes to a request only once evicted for it, and never
+/// while a request resumes from it.
 #[test]
-fn a_tree_held_state_cannot_be_freed_through_the_caches_view() {
-    let c = MambaRadixCache::with_states(
-        TokenAllocator::new(64).unwrap(),
-        ReqToTokenPool::new(2, 64).unwrap(),
-        SlotPool::without_magazines(4),
-        RadixConfig::default(),
-    )
-    .unwrap();
-    let (state, spare) = tree_and_spare(&c);
-    assert!(c.states().is_held(state) && !c.states().is_held(spare));
-    let e = c.states().free(&[spare, state]).unwrap_err();
-    assert_eq!((e.index, e.kind), (state, FreeErrorKind::Cached));
-    assert!(c.states().is_allocated(spare), "all or nothing: the spare is still the caller's");
-    // Before the fix the state went back to the free list here, and the next state the
-    // caller took was the tree's.
-    let next = c.alloc_state().unwrap();
-    assert_ne!(next, state);
-    c.states().free(&[spare, next]).unwrap();
+fn a_tree_held_state_is_never_a_live_requests() {
+    let c = Arc::new(
+        MambaRadixCache::with_states(
+            TokenAllocator::new(64).unwrap(),
+            ReqToTokenPool::new(4, 64).unwrap(),
+            SlotPool::without_magazines(4),
+            RadixConfig::default(),
+        )
+        .unwrap(),
+    );
+    let (state, kept) = serve(&c, &[1, 2, 3, 4]);
+    assert!(kept && c.states().is_held(state));
+    // A request resuming from it, and two more: the last free states.
+    let resuming = c.admit(0, &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!((resuming.cached_len(), resuming.resume_state()), (4, Some(state)));
+    let others: Vec<_> = (0..2).map(|i| c.admit(0, &[100 + i]).unwrap()).collect();
+    let mut running: Vec<u32> = others.iter().chain([&resuming]).map(|r| r.state()).collect();
+    assert!(running.iter().all(|&s| s != state && !c.states().is_held(s) && c.states().is_allocated(s)));
+    running.sort_unstable();
+    running.dedup();
+    assert_eq!(running.len(), 3, "two live requests share a state");
+    assert_eq!(c.states().available(), 0);
+    // No state is free and the tree's is locked by the request resuming from it: an
+    // admission is refused, nothing changed.
+    assert!(c.admit(0, &[7]).is_err());
+    assert!(c.states().is_held(state));
     c.check_invariants().unwrap();
-    // Eviction frees it, and then it is the pool's to hand out again.
-    assert_eq!(c.evict_mamba(1), 1);
-    assert!(!c.states().is_held(state) && !c.states().is_allocated(state));
+    // The resuming request ends: its running state is free again and goes to the next
+    // admission; the tree's, unlocked now, is evicted for the one after, which gets it.
+    drop(resuming);
+    let next = c.admit(0, &[8]).unwrap();
+    assert!(next.state() != state && c.states().is_held(state));
+    let last = c.admit(0, &[9]).unwrap();
+    assert_eq!(last.state(), state);
+    assert!(!c.states().is_held(state) && c.states().is_allocated(state));
+    assert!(c.admit(0, &[1, 2, 3, 4]).is_err(), "no state left for a request");
+    c.check_invariants().unwrap();
+    drop((next, last, others));
     assert_eq!(c.states().available(), 4);
     c.check_invariants().unwrap();
 }
@@ -312,26 +323,27 @@ fn a_tree_held_state_cannot_be_freed_through_the_caches_view() {
 #[test]
 fn a_tree_held_state_cannot_be_freed_through_the_mamba_pool() {
     let mamba = Arc::new(MambaPool::new(4, cfg()).unwrap());
-    let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 0).unwrap();
-    let cp = CheckpointConfig { chunk_size: 4, track_interval: 8 };
-    let c =
-        MambaRadixCache::for_hybrid_rows(TokenAllocator::new(64).unwrap(), &rows, RadixConfig::default(), cp).unwrap();
-    let (state, spare) = tree_and_spare(&c);
-    assert!(mamba.is_tree_held(state) && !mamba.is_tree_held(spare));
-    // The pool's own `free`, through the rows' `Arc`, the cache's view, and the trait.
-    for e in [
-        mamba.free(&[state]).unwrap_err(),
-        rows.mamba_pool().free(&[state]).unwrap_err(),
-        c.states().free(&[state]).unwrap_err(),
-        kvpool::radix::StatePool::free(c.states().pool(), &[state]).unwrap_err(),
-    ] {
+    let c = MambaRadixCache::with_states(
+        TokenAllocator::new(64).unwrap(),
+        ReqToTokenPool::new(2, 64).unwrap(),
+        Arc::clone(&mamba),
+        RadixConfig::default(),
+    );
+    let c = Arc::new(c.unwrap());
+    let (state, kept) = serve(&c, &[1, 2, 3, 4]);
+    assert!(kept && mamba.is_tree_held(state));
+    let r = c.admit(0, &[9]).unwrap();
+    assert!(!mamba.is_tree_held(r.state()) && mamba.is_allocated(r.state()));
+    // The pool's own `free` through the caller's `Arc`, and through the cache's view and
+    // the trait.
+    for e in [mamba.free(&[state]).unwrap_err(), StatePool::free(c.states().pool(), &[state]).unwrap_err()] {
         assert_eq!((e.index, e.kind), (state, FreeErrorKind::Cached));
     }
-    assert!(mamba.is_cached(state));
+    assert!(mamba.is_cached(state) && c.states().is_held(state));
     // A reader may still fork from it (copy-on-write), as before.
     let fork = mamba.fork_from(state).unwrap();
     mamba.free_slot(fork).unwrap();
-    mamba.free(&[spare]).unwrap();
+    drop(r);
     c.check_invariants().unwrap();
     mamba.check_invariants().unwrap();
     // Dropping the cache gives the tree's states back to the shared pool.
@@ -341,59 +353,47 @@ fn a_tree_held_state_cannot_be_freed_through_the_mamba_pool() {
     mamba.check_invariants().unwrap();
 }
 
-/// A request refused after its state was checked (here: its row disagrees with its
-/// lease) leaves the state the caller's: freeable, and not marked as the tree's.
+/// A finish refused after the request saved its state (here: tokens that disagree with
+/// its locked prefix) leaves the state the request's: not the tree's, and it goes back
+/// with the request; the request handed back finishes and the tree keeps it then.
 #[test]
-fn a_refused_finish_leaves_the_state_the_callers() {
+fn a_refused_finish_leaves_the_state_the_requests() {
     let mamba = Arc::new(MambaPool::new(4, cfg()).unwrap());
     let c = MambaRadixCache::with_states(
         TokenAllocator::new(64).unwrap(),
         ReqToTokenPool::new(2, 64).unwrap(),
         Arc::clone(&mamba),
         RadixConfig::default(),
-    )
-    .unwrap();
-    let (state, spare) = tree_and_spare(&c);
-    // A request matching the cached prompt, whose row then names other slots.
-    let mut row = c.req_pool().alloc().unwrap();
-    let m = c.match_and_lock_checkpoint_row(0, &[1, 2, 3, 4, 5, 6, 7, 8], &mut row).unwrap();
-    assert_eq!(m.lease.len(), 4);
-    let mut own = [0u32; 4];
-    c.allocator().alloc(&mut own).unwrap();
-    c.req_pool().write(&mut row, 0, &own).unwrap();
-    c.req_pool().write(&mut row, 4, &own).unwrap();
-    let u = c.cache_finished_req(0, &[1, 2, 3, 4, 5, 6, 7, 8], row, m.lease, spare).unwrap_err();
-    assert!(matches!(u.error, CacheError::RowMismatch { .. }), "{:?}", u.error);
-    assert!(!mamba.is_tree_held(spare) && !c.states().is_held(spare));
-    drop(u);
-    c.states().free(&[spare]).unwrap();
-    c.allocator().free(&own).unwrap();
+    );
+    let c = Arc::new(c.unwrap());
+    let (state, _) = serve(&c, &[1, 2, 3, 4]);
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    let mut r = c.admit(0, &tokens).unwrap();
+    assert_eq!(r.cached_len(), 4);
+    r.extend(4).unwrap();
+    let saved = r.save_state(8).unwrap();
+    let before = (mamba.available(), c.total_size(), c.leaf_paths());
+    let mut wrong = tokens;
+    wrong[0] = 99;
+    let refused = r.finish(&wrong).unwrap_err();
+    assert!(matches!(refused.error, CacheError::RowMismatch { .. }), "{:?}", refused.error);
+    assert!(mamba.is_allocated(saved) && !mamba.is_tree_held(saved) && !c.states().is_held(saved));
+    assert_eq!((mamba.available(), c.total_size(), c.leaf_paths()), before);
     assert!(mamba.is_tree_held(state));
     c.check_invariants().unwrap();
+    // Finished properly, the tree keeps it.
+    assert!(refused.request.finish(&tokens).unwrap().state_kept);
+    assert!(mamba.is_tree_held(saved));
+    c.check_invariants().unwrap();
+    // A refused request dropped gives its states back.
+    let mut r = c.admit(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]).unwrap();
+    r.extend(4).unwrap();
+    let saved = r.save_state(12).unwrap();
+    let refused = r.finish(&[0; 11]).unwrap_err();
+    assert!(matches!(refused.error, CacheError::TokenCount { .. }), "{:?}", refused.error);
+    drop(refused);
+    assert!(!mamba.is_allocated(saved));
+    assert_eq!(mamba.available(), 2);
+    c.check_invariants().unwrap();
     mamba.check_invariants().unwrap();
-}
-/// The same through `for_hybrid_rows`: two caches over hybrid rows sharing one
-/// `MambaPool` (or one cache over it and one through `with_states`).
-#[test]
-fn a_second_cache_over_hybrid_rows_mamba_pool_is_refused() {
-    let mamba = Arc::new(MambaPool::new(4, cfg()).unwrap());
-    let rows = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 2).unwrap();
-    let rows2 = HybridReqToTokenPool::new(2, 64, Arc::clone(&mamba), 2).unwrap();
-    let cp = CheckpointConfig { chunk_size: 4, track_interval: 8 };
-    let mk = |r: &HybridReqToTokenPool| {
-        MambaRadixCache::for_hybrid_rows(TokenAllocator::new(64).unwrap(), r, RadixConfig::default(), cp)
-    };
-    let a = mk(&rows).unwrap();
-    assert!(matches!(mk(&rows), Err(ConfigError::Unsupported { .. })));
-    assert!(matches!(mk(&rows2), Err(ConfigError::Unsupported { .. })));
-    let direct = MambaRadixCache::with_states(
-        TokenAllocator::new(64).unwrap(),
-        ReqToTokenPool::new(1, 64).unwrap(),
-        Arc::clone(&mamba),
-        RadixConfig::default(),
-    );
-    assert!(matches!(direct, Err(ConfigError::Unsupported { .. })));
-    drop(a);
-    let b = mk(&rows2).unwrap();
-    b.check_invariants().unwrap();
 }

@@ -1,34 +1,48 @@
-//! Issue 13: the hinted policy's protection rules and order, and partial-leaf eviction,
-//! through the public API.
+//! The hinted policy's protection rules and order, the reuse policy, and partial-leaf
+//! eviction, through the public API.
 #![cfg(not(loom))]
 
 use kvpool::radix::{EvictionPolicy, KvEvent, RadixCache, RadixConfig};
 use kvpool::{ReqToTokenPool, TokenAllocator};
 
-fn cache(policy: EvictionPolicy, size: usize) -> RadixCache<TokenAllocator> {
+use std::sync::Arc;
+
+type Cache = RadixCache<TokenAllocator>;
+
+fn cache(policy: EvictionPolicy, size: usize) -> Cache {
     let config = RadixConfig { policy, event_capacity: Some(1024), ..RadixConfig::default() };
     RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(2, 64).unwrap(), config).unwrap()
 }
 
-fn put(c: &RadixCache<TokenAllocator>, key: &[u32]) {
-    let mut s = vec![0u32; key.len()];
-    c.allocator().alloc(&mut s).unwrap();
-    let cached = c.insert(0, key, &s, 0).unwrap();
-    c.allocator().free(&s[..cached]).unwrap();
+/// A request for `key` served and finished: `key` is cached. Its admission is one tick
+/// of the admission clock, and a hit on whatever prefix of `key` was cached.
+fn put(c: &Arc<Cache>, key: &[u32]) {
+    let mut r = c.admit(0, key).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
+    r.finish(key).unwrap();
 }
 
-fn cached(c: &RadixCache<TokenAllocator>, key: &[u32]) -> usize {
+fn cached(c: &Cache, key: &[u32]) -> usize {
     c.peek_prefix(0, key, &mut vec![0; key.len()])
 }
 
-/// Admit (match and lock, then unlock) `key`: one tick of the admission clock.
-fn admit(c: &RadixCache<TokenAllocator>, key: &[u32]) {
-    drop(c.match_and_lock(0, key, &mut vec![0; key.len()]));
+/// A request admitted before any of `key` was cached (its match found nothing), so
+/// finished after the requests before it: `key` is cached with no hit on its cached
+/// prefix (the finish frees the request's duplicates of it).
+fn put_unmatched(c: &Arc<Cache>, key: &[u32]) {
+    let mut r = c.admit(0, &[]).unwrap();
+    r.extend(key.len()).unwrap();
+    r.finish(key).unwrap();
+}
+
+/// Admit `key` and abort: one tick of the admission clock.
+fn admit(c: &Arc<Cache>, key: &[u32]) {
+    c.admit(0, key).unwrap().abort();
 }
 
 #[test]
 fn a_hinted_prefix_goes_after_every_other_leaf() {
-    let c = cache(EvictionPolicy::Hinted, 64);
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     put(&c, &[5, 6]);
@@ -46,17 +60,18 @@ fn a_hinted_prefix_goes_after_every_other_leaf() {
 
 #[test]
 fn protection_ends_with_the_admission_it_was_for() {
-    let c = cache(EvictionPolicy::Hinted, 64);
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     put(&c, &[7, 8]);
+    let clock = c.admissions();
     // Wanted by the second admission from now.
     c.hint_prefix(0, &[1, 2], &mut [0; 2], 2);
     admit(&c, &[7, 8]); // the first: [1, 2] still wanted
     assert_eq!(c.evict(1), 2);
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (2, 0));
     admit(&c, &[9]); // the second: the protection is over
-    assert_eq!(c.admissions(), 2);
+    assert_eq!(c.admissions(), clock + 2);
     // [1, 2] is older and less frequent than [7, 8] (hit once): it goes now.
     assert_eq!(c.evict(1), 2);
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[7, 8])), (0, 2));
@@ -65,7 +80,7 @@ fn protection_ends_with_the_admission_it_was_for() {
 
 #[test]
 fn among_protected_leaves_the_one_wanted_last_goes_first() {
-    let c = cache(EvictionPolicy::Hinted, 64);
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     c.hint_prefix(0, &[1, 2], &mut [0; 2], 5);
@@ -73,7 +88,7 @@ fn among_protected_leaves_the_one_wanted_last_goes_first() {
     assert_eq!(c.evict(1), 2);
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (0, 2));
     // A later hint of the same node keeps the later stamp.
-    let c = cache(EvictionPolicy::Hinted, 64);
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     c.hint_prefix(0, &[1, 2], &mut [0; 2], 6);
@@ -85,7 +100,7 @@ fn among_protected_leaves_the_one_wanted_last_goes_first() {
 
 #[test]
 fn frequency_with_aging_orders_unprotected_leaves() {
-    let c = cache(EvictionPolicy::Hinted, 64);
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     admit(&c, &[1, 2]); // [1, 2]: one hit
@@ -105,7 +120,7 @@ fn frequency_with_aging_orders_unprotected_leaves() {
 
 #[test]
 fn hints_are_ignored_by_the_other_policies() {
-    let c = cache(EvictionPolicy::Lru, 64);
+    let c = Arc::new(cache(EvictionPolicy::Lru, 64));
     put(&c, &[1, 2]);
     put(&c, &[3, 4]);
     assert_eq!(c.hint_prefix(0, &[1, 2], &mut [0; 2], 3), 2);
@@ -115,7 +130,7 @@ fn hints_are_ignored_by_the_other_policies() {
 
 #[test]
 fn partial_eviction_cuts_the_tail_and_keeps_the_order() {
-    let c = cache(EvictionPolicy::Lru, 64).with_partial_eviction(true);
+    let c = Arc::new(cache(EvictionPolicy::Lru, 64).with_partial_eviction(true));
     assert!(c.partial_eviction());
     put(&c, &[1, 2, 3, 4, 5, 6]);
     put(&c, &[7, 8, 9, 10]);
@@ -137,17 +152,17 @@ fn partial_eviction_cuts_the_tail_and_keeps_the_order() {
     assert_eq!(c.evictable_size() + c.protected_size(), c.total_size());
     c.check_invariants().unwrap();
     // Whole leaves by default.
-    let w = cache(EvictionPolicy::Lru, 64);
+    let w = Arc::new(cache(EvictionPolicy::Lru, 64));
     put(&w, &[1, 2, 3, 4, 5, 6]);
     assert_eq!(w.evict(2), 6);
 }
 
 #[test]
 fn partial_eviction_never_cuts_a_locked_path() {
-    let c = cache(EvictionPolicy::Lru, 64).with_partial_eviction(true);
+    let c = Arc::new(cache(EvictionPolicy::Lru, 64).with_partial_eviction(true));
     put(&c, &[1, 2, 3, 4]);
     put(&c, &[1, 2, 7, 8]);
-    let lease = c.match_and_lock(0, &[1, 2, 3, 4], &mut [0; 4]);
+    let lease = c.admit(0, &[1, 2, 3, 4]).unwrap();
     // Only [7, 8] is evictable; asking for more than it frees all of it and stops.
     assert_eq!(c.evict(3), 2);
     assert_eq!(cached(&c, &[1, 2, 3, 4]), 4);
@@ -159,20 +174,22 @@ fn partial_eviction_never_cuts_a_locked_path() {
 
 /// `EvictionPolicy::Reuse`: a conversation that was continued outlives newer one-shot
 /// prompts, because continued depths have been extended more often than fresh prompts.
+/// (The turns are cached without hits, so the scores below are the depth estimates
+/// alone.)
 /// Hinted (LRU among equals) evicts the conversation's leaf instead; without the depth
 /// rule every leaf is a fresh prompt whose estimate only falls, and the newest go first.
 #[test]
 fn reuse_keeps_the_conversation_that_was_continued() {
-    let c = cache(EvictionPolicy::Reuse, 64);
+    let c = Arc::new(cache(EvictionPolicy::Reuse, 64));
     // Conversation A: three turns (depths 0, 1, 2); B: two turns (depths 0, 1).
-    put(&c, &[1, 2]);
-    put(&c, &[1, 2, 3]);
-    put(&c, &[1, 2, 3, 4]);
-    put(&c, &[5]);
-    put(&c, &[5, 6]);
+    put_unmatched(&c, &[1, 2]);
+    put_unmatched(&c, &[1, 2, 3]);
+    put_unmatched(&c, &[1, 2, 3, 4]);
+    put_unmatched(&c, &[5]);
+    put_unmatched(&c, &[5, 6]);
     // One-shot prompts (depth 0): depth 0 has now been extended 2 times in 6.
     for k in [7, 8, 9, 10] {
-        put(&c, &[k]);
+        put_unmatched(&c, &[k]);
     }
     // Scores (p when last touched): [4] 1/3 (depth 2, never extended yet), its parent
     // [3] 1/3 (depth 1 before it was extended), [1, 2] 2/3, [6] 2/4 (depth 1, extended
@@ -185,9 +202,9 @@ fn reuse_keeps_the_conversation_that_was_continued() {
     c.check_invariants().unwrap();
 
     // Under Hinted: least recently used among equals, all of A goes.
-    let h = cache(EvictionPolicy::Hinted, 64);
+    let h = Arc::new(cache(EvictionPolicy::Hinted, 64));
     for key in [&[1, 2][..], &[1, 2, 3], &[1, 2, 3, 4], &[5], &[5, 6], &[7], &[8], &[9], &[10]] {
-        put(&h, key);
+        put_unmatched(&h, key);
     }
     assert_eq!(h.evict(3), 4); // [4], [3], then [1, 2] whole
     assert_eq!((cached(&h, &[1, 2, 3, 4]), cached(&h, &[5, 6]), cached(&h, &[10])), (0, 2, 1));
@@ -197,13 +214,14 @@ fn reuse_keeps_the_conversation_that_was_continued() {
 /// starts a conversation: it does not count as an extension of that node.
 #[test]
 fn reuse_branching_node_starts_a_conversation() {
-    let c = cache(EvictionPolicy::Reuse, 64);
-    put(&c, &[1, 2]);
-    put(&c, &[1, 3]); // splits [1, 2]: [1] has one child, [2]: an extension (depth 1)
-    put(&c, &[1, 4]); // [1] has two children: a new conversation (depth 0)
-    put(&c, &[1, 3, 5]); // extends [3] (no children): depth 2
-                         // Scores at creation: [2] 1/3 (d0, 1 in 1 extended... before: 0 in 1), [3] 1/3,
-                         // [4] (1+1)/(2+2) = 1/2, [5] 1/3. Ties go least recently used: [2], then [5].
+    let c = Arc::new(cache(EvictionPolicy::Reuse, 64));
+    put_unmatched(&c, &[1, 2]);
+    put_unmatched(&c, &[1, 3]); // splits [1, 2]: [1] has one child, [2]: an extension (depth 1)
+    put_unmatched(&c, &[1, 4]); // [1] has two children: a new conversation (depth 0)
+    put_unmatched(&c, &[1, 3, 5]); // extends [3] (no children): depth 2
+
+    // Scores at creation: [2] 1/3 (d0, 1 in 1 extended... before: 0 in 1), [3] 1/3,
+    // [4] (1+1)/(2+2) = 1/2, [5] 1/3. Ties go least recently used: [2], then [5].
     assert_eq!(c.evict(2), 2);
     assert_eq!((cached(&c, &[1, 2]), cached(&c, &[1, 3, 5]), cached(&c, &[1, 4])), (1, 2, 2));
     c.check_invariants().unwrap();
@@ -217,10 +235,13 @@ fn reuse_branching_node_starts_a_conversation() {
 #[test]
 fn a_split_protection_expires_on_both_halves() {
     for policy in EvictionPolicy::KVPOOL_ONLY {
-        let c = cache(policy, 64);
+        let c = Arc::new(cache(policy, 64));
         put(&c, &[1, 2, 3, 4]);
-        c.hint_prefix(0, &[1, 2, 3, 4], &mut [0; 4], 1);
-        put(&c, &[1, 2, 7]); // splits [1, 2, 3, 4] into [1, 2] and [3, 4], both wanted
+        // Wanted by the second admission from now: the first is that of a request
+        // which matched nothing and whose finish caches [1, 2, 7], splitting
+        // [1, 2, 3, 4] into [1, 2] and [3, 4], both wanted (and neither hit).
+        c.hint_prefix(0, &[1, 2, 3, 4], &mut [0; 4], 2);
+        put_unmatched(&c, &[1, 2, 7]);
         admit(&c, &[1, 2, 7]); // the admission the hint was for
         put(&c, &[5, 6]);
         // [3, 4] is older than [5, 6] and as frequent: it goes first now.
@@ -231,28 +252,30 @@ fn a_split_protection_expires_on_both_halves() {
 }
 
 /// A hint protects only within the horizon: the admissions whose prompts, at the mean
-/// prompt length so far, fill half the pool. Here 64 slots and 8-token prompts: 4
-/// admissions. A hint further ahead waits in its word and protects once the clock
-/// brings it within the horizon.
+/// prompt length so far, fill half the pool. Here 64 slots and 8-token prompts (the
+/// cached ones too): 4 admissions. A hint further ahead waits in its word and protects
+/// once the clock brings it within the horizon.
 #[test]
 fn a_hint_beyond_the_horizon_protects_only_once_within_it() {
     let prompt = |k: u32| (100 * k..100 * k + 8).collect::<Vec<u32>>();
-    let c = cache(EvictionPolicy::Hinted, 64);
-    put(&c, &[1, 2]);
-    put(&c, &[3, 4]);
-    admit(&c, &prompt(1)); // mean prompt 8: horizon 64 / (2 * 8) = 4 admissions
-    c.hint_prefix(0, &[1, 2], &mut [0; 2], 6); // wanted 6 admissions ahead: not yet
-    assert_eq!(c.evict(1), 2);
-    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (0, 2), "[1, 2] was beyond the horizon");
+    let (a, b) = (prompt(1), prompt(2));
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
+    put(&c, &a);
+    put(&c, &b);
+    admit(&c, &prompt(3)); // mean prompt 8: horizon 64 / (2 * 8) = 4 admissions
+    assert_eq!(c.admissions(), 3);
+    c.hint_prefix(0, &a, &mut [0; 8], 6); // wanted 6 admissions ahead: not yet
+    assert_eq!(c.evict(1), 8);
+    assert_eq!((cached(&c, &a), cached(&c, &b)), (0, 8), "a was beyond the horizon");
 
-    let c = cache(EvictionPolicy::Hinted, 64);
-    put(&c, &[1, 2]);
-    put(&c, &[3, 4]);
-    admit(&c, &prompt(1));
-    c.hint_prefix(0, &[1, 2], &mut [0; 2], 6); // the admission 7
-    admit(&c, &prompt(2));
-    admit(&c, &prompt(3)); // now 3: 4 ahead, within the horizon
-    assert_eq!(c.evict(1), 2);
-    assert_eq!((cached(&c, &[1, 2]), cached(&c, &[3, 4])), (2, 0), "[1, 2] is protected now");
+    let c = Arc::new(cache(EvictionPolicy::Hinted, 64));
+    put(&c, &a);
+    put(&c, &b);
+    admit(&c, &prompt(3));
+    c.hint_prefix(0, &a, &mut [0; 8], 6); // the admission 9
+    admit(&c, &prompt(4));
+    admit(&c, &prompt(5)); // now 5: 4 ahead, within the horizon
+    assert_eq!(c.evict(1), 8);
+    assert_eq!((cached(&c, &a), cached(&c, &b)), (8, 0), "a is protected now");
     c.check_invariants().unwrap();
 }
