@@ -1,4 +1,4 @@
-//! Issue 13: what a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`]
+//! What a scheduler knows beyond recency, for [`EvictionPolicy::Hinted`]
 //! and [`EvictionPolicy::Reuse`].
 //!
 //! # Hints: "this prefix is wanted soon"
@@ -9,7 +9,7 @@
 //! look-up (as [`peek_prefix`](RadixCache::peek_prefix): lock-free, no latch, no
 //! split, no recency update) that then records on the deepest matched node the
 //! admission it is wanted by, `stamp = admissions so far + position`. The cache counts
-//! admissions itself: every [`match_and_lock`](RadixCache::match_and_lock) is one.
+//! admissions itself: every request [admitted](RadixCache::admit) is one.
 //!
 //! The record is one atomic word per node record, `gen << 32 | stamp` (both cut to 32
 //! bits), written with a compare-and-swap loop that keeps the later stamp for the same
@@ -120,7 +120,7 @@ impl Expiry {
 pub(super) struct Hints {
     /// Per node record: `gen << 32 | stamp` (both cut to 32 bits), 0 for none.
     words: Box<[AtomicU64]>,
-    /// Admissions so far (`match_and_lock` calls).
+    /// Admissions so far.
     now: AtomicU64,
     /// The prompt tokens of those admissions (latch holder only), for the horizon.
     prompt_tokens: AtomicU64,
