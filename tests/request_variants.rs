@@ -206,3 +206,63 @@ fn host_tier_accounting_counts_the_pages_a_reset_leaves_to_transfers() {
     assert_eq!(c.allocator().available_size(), 16);
     c.check_invariants().unwrap();
 }
+
+/// Over a `MambaPool` a request owns its running state's bytes: it writes them through
+/// the pool as their only holder, nobody can read or free them by number meanwhile, a
+/// save copies them into a frozen state, and the next request on the prefix starts
+/// from a fork of that copy. Everything goes back on finish, abort, drop.
+#[test]
+fn mamba_pool_requests_own_their_state_bytes() {
+    use kvpool::mamba::{Component, MambaConfig, MambaError, MambaPool, StateDtype, StateShape};
+    use kvpool::FreeErrorKind;
+
+    let cfg = || MambaConfig { layers: 2, conv: vec![], temporal: StateShape::new(&[4], StateDtype::F32) };
+    let pool = Arc::new(MambaPool::new(6, cfg()).unwrap());
+    let (kv, rows) = (PagedAllocator::new(256, 4).unwrap(), ReqToTokenPool::new(4, 128).unwrap());
+    let c = Arc::new(MambaRadixCache::with_states(kv, rows, Arc::clone(&pool), RadixConfig::default()).unwrap());
+    let first = |p: &MambaPool, slot: u32| {
+        p.read_cached(slot, 1, Component::Temporal, |b| f32::from_le_bytes(b[..4].try_into().unwrap()))
+    };
+    let tokens: Vec<u32> = (1..=16).collect();
+
+    let mut r = c.admit(0, &tokens).unwrap();
+    assert_eq!((r.resume_state(), pool.available()), (None, 5));
+    pool.component_mut::<f32>(&mut r, 1, Component::Temporal).unwrap()[0] = 1.5;
+    // Held by the request alone: not readable nor freeable by number.
+    assert_eq!(first(&pool, r.state()), Err(MambaError::NotCached { slot: r.state() }));
+    assert_eq!(pool.free(&[r.state()]).unwrap_err().kind, FreeErrorKind::InUse);
+    let saved = r.save_state(16).unwrap();
+    assert_eq!(first(&pool, saved), Ok(1.5));
+    // The saved copy is frozen: the running state goes on.
+    pool.component_mut::<f32>(&mut r, 1, Component::Temporal).unwrap()[0] = 2.5;
+    assert_eq!(first(&pool, saved), Ok(1.5));
+    // Saving again copies anew and frees the previous copy.
+    let again = r.save_state(16).unwrap();
+    assert_eq!((first(&pool, again), pool.is_allocated(saved) && saved != again), (Ok(2.5), false));
+    assert_eq!(pool.available(), 4);
+    r.extend(16).unwrap();
+    assert_eq!(r.finish(&tokens).unwrap(), StateInsert { cached: 0, state_kept: true });
+    assert_eq!(pool.available(), 5, "the running state went back; the tree holds the saved one");
+    assert_eq!(pool.free(&[again]).unwrap_err().kind, FreeErrorKind::Cached);
+
+    // The next request on the prefix starts from a fork of the cached state.
+    let mut next = c.admit(0, &tokens).unwrap();
+    assert_eq!((next.cached_len(), next.resume_state()), (16, Some(again)));
+    assert_eq!(pool.component::<f32>(&next, 1, Component::Temporal).unwrap()[0], 2.5);
+    pool.component_mut::<f32>(&mut next, 1, Component::Temporal).unwrap()[0] = 9.0;
+    assert_eq!(first(&pool, again), Ok(2.5), "the cached state is never written");
+    // Another pool does not take this request's state for its own.
+    let other = MambaPool::new(2, cfg()).unwrap();
+    assert!(matches!(other.component::<f32>(&next, 1, Component::Temporal), Err(MambaError::ForeignSlot { .. })));
+    drop(next);
+    assert_eq!(pool.available(), 5);
+    c.check_invariants().unwrap();
+
+    // Over a `SlotPool` the states live with the engine: no bytes to reach.
+    let numbers = mamba(64, 2);
+    let r = numbers.admit(0, &[1, 2, 3, 4]).unwrap();
+    assert_eq!(pool.component::<f32>(&r, 0, Component::Temporal), Err(MambaError::NoStateBytes));
+    drop(r);
+    drop(c);
+    assert_eq!(pool.available(), 6, "the cache gave its states back when dropped");
+}

@@ -55,6 +55,7 @@ mod rows;
 
 pub use layers::{HybridLayerMap, LayerError, LayerKind};
 pub use pool::{HeldState, MambaPool, MambaSlot, SlotRefused};
+pub(crate) use pool::sealed::Holder;
 pub use rows::{HybridAllocError, HybridFreeError, HybridReqToTokenPool, HybridRow};
 
 use core::fmt;
@@ -221,6 +222,9 @@ pub enum MambaError {
     /// The row's working state was taken ([`HybridReqToTokenPool::take_mamba`]), so it
     /// has none to read or write.
     NoWorkingState,
+    /// A request of a Mamba cache whose state pool holds slot numbers only (a
+    /// [`SlotPool`](crate::SlotPool)): its states live with the engine.
+    NoStateBytes,
     /// A request row index past the pool.
     BadRow {
         /// The row asked for.
@@ -253,6 +257,9 @@ impl fmt::Display for MambaError {
                 f.write_str("the row has no track buffer there (none configured, or it was taken)")
             }
             MambaError::NoWorkingState => f.write_str("the row's working Mamba state was taken"),
+            MambaError::NoStateBytes => {
+                f.write_str("the cache's state pool holds slot numbers only: the request's state lives with the engine")
+            }
             MambaError::BadRow { row, rows } => write!(f, "request row {row} out of range: the pool has {rows} rows"),
         }
     }

@@ -66,12 +66,10 @@ use super::writer::Writer;
 use super::LatchHeld;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, NIL, ROOT};
 use crate::alloc::KvAllocator;
-use crate::error::{AllocError, ConfigError, FreeError, OutOfMemory, Unit};
-#[cfg(test)]
-use crate::error::FreeErrorKind;
+use crate::error::{AllocError, ConfigError, FreeError, FreeErrorKind, OutOfMemory, Unit};
 #[cfg(test)]
 use super::Unfinished;
-use crate::mamba::MambaPool;
+use crate::mamba::{MambaPool, MambaSlot};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -148,7 +146,8 @@ pub trait StatePool: sealed::SharedPool + Send + Sync + 'static {
 }
 
 mod sealed {
-    use crate::error::FreeError;
+    use crate::error::{FreeError, OutOfMemory};
+    use crate::mamba::MambaSlot;
 
     /// The private half of [`StatePool`](super::StatePool).
     pub trait SharedPool {
@@ -164,6 +163,18 @@ mod sealed {
         fn free_held(&self, slot: u32) -> Result<(), FreeError>;
         /// The pool's own invariants.
         fn check_pool(&self) -> Result<(), crate::error::InvariantViolation>;
+        /// A running state for a request: its number, and for a pool with the state
+        /// bytes the handle through which the request alone reads and writes it.
+        fn alloc_running(&self) -> Result<(u32, Option<MambaSlot>), OutOfMemory>;
+        /// Fork cached state `src` into a request's running state (a pool with the
+        /// bytes copies them; with numbers only, the engine copies).
+        fn fork_into(&self, src: u32, running: Option<&mut MambaSlot>);
+        /// A state for a request to cache with: with the bytes, a copy of its running
+        /// state now (`prev`, a state saved before, is freed then); with numbers only,
+        /// `prev` kept or a fresh number (the engine copies).
+        fn save_running(&self, running: Option<&MambaSlot>, prev: Option<u32>) -> Result<u32, OutOfMemory>;
+        /// Give a request's running state back.
+        fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError>;
     }
 }
 
@@ -183,6 +194,16 @@ impl sealed::SharedPool for SlotPool {
     }
     fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
         self.check_invariants()
+    }
+    fn alloc_running(&self) -> Result<(u32, Option<MambaSlot>), OutOfMemory> {
+        Ok((self.alloc_one()?, None))
+    }
+    fn fork_into(&self, _src: u32, _running: Option<&mut MambaSlot>) {}
+    fn save_running(&self, _running: Option<&MambaSlot>, prev: Option<u32>) -> Result<u32, OutOfMemory> {
+        prev.map_or_else(|| self.alloc_one(), Ok)
+    }
+    fn free_running(&self, slot: u32, _handle: Option<MambaSlot>) -> Result<(), FreeError> {
+        self.free(&[slot])
     }
 }
 
@@ -204,6 +225,43 @@ impl sealed::SharedPool for MambaPool {
     fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
         self.check_invariants()
     }
+    fn alloc_running(&self) -> Result<(u32, Option<MambaSlot>), OutOfMemory> {
+        let handle = self.alloc()?;
+        Ok((handle.index(), Some(handle)))
+    }
+    fn fork_into(&self, src: u32, running: Option<&mut MambaSlot>) {
+        if let Some(dst) = running {
+            // `src` is the state at the end of the request's locked prefix: the lock
+            // keeps it cached, and the copy pins it.
+            let r = self.copy_from(&[src], &mut [dst]);
+            debug_assert!(r.is_ok(), "the fork of a locked state failed: {r:?}");
+        }
+    }
+    fn save_running(&self, running: Option<&MambaSlot>, prev: Option<u32>) -> Result<u32, OutOfMemory> {
+        let mut copy = self.alloc()?;
+        if let Some(src) = running {
+            let r = self.copy_slot(src, &mut copy);
+            debug_assert!(r.is_ok(), "a copy between two held states of the pool failed: {r:?}");
+        }
+        // Cached by number: frozen from now on, as a state the tree may take must be.
+        // (`copy` is this pool's own handle, so `cache` cannot refuse it.)
+        let slot = match self.cache(copy) {
+            Ok(slot) => slot,
+            Err(refused) => {
+                let _ = self.free_slot(refused.slot);
+                return Err(OutOfMemory { requested: 1, available: 0, evictable: None, unit: Unit::MambaSlots });
+            }
+        };
+        if let Some(prev) = prev {
+            let r = self.free(&[prev]);
+            debug_assert!(r.is_ok(), "a request's saved state failed to free: {r:?}");
+        }
+        Ok(slot)
+    }
+    fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError> {
+        let not_held = FreeError { index: slot, kind: FreeErrorKind::NotAllocated, rest_freed: false };
+        self.free_slot(handle.ok_or(not_held)?).map_err(|_| not_held)
+    }
 }
 
 /// The pool behind the `Arc`, shared (only `Arc<MambaPool>` is a [`StatePool`]).
@@ -222,6 +280,18 @@ impl<P: sealed::SharedPool> sealed::SharedPool for Arc<P> {
     }
     fn check_pool(&self) -> Result<(), crate::error::InvariantViolation> {
         (**self).check_pool()
+    }
+    fn alloc_running(&self) -> Result<(u32, Option<MambaSlot>), OutOfMemory> {
+        (**self).alloc_running()
+    }
+    fn fork_into(&self, src: u32, running: Option<&mut MambaSlot>) {
+        (**self).fork_into(src, running);
+    }
+    fn save_running(&self, running: Option<&MambaSlot>, prev: Option<u32>) -> Result<u32, OutOfMemory> {
+        (**self).save_running(running, prev)
+    }
+    fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError> {
+        (**self).free_running(slot, handle)
     }
 }
 
@@ -606,9 +676,14 @@ impl<P: StatePool> Variant for Mamba<P> {
         row: &mut ReqRow,
     ) -> Result<(super::RawLease, MambaRequest), AllocError> {
         let m = c.match_and_lock_checkpoint_row(namespace, prompt, row).map_err(AllocError::Row)?;
-        let running = c.alloc_state()?; // on error the lease unlocks as it drops
+        // On error the lease unlocks as it drops.
+        let (running, mut handle) = c.with_state_room(|| c.variant.pool.alloc_running())?;
+        if let Some(src) = m.state {
+            c.variant.pool.fork_into(src, handle.as_mut());
+        }
         let req = MambaRequest {
             running: Some(running),
+            handle,
             resume: m.state,
             kv_len: m.kv_len,
             branching_len: m.branching_len,
@@ -702,9 +777,13 @@ impl<P: StatePool> Variant for Mamba<P> {
     }
 
     fn release_request(&self, req: &mut MambaRequest) {
-        for s in [req.running.take(), req.saved.take().map(|(_, s)| s)].into_iter().flatten() {
+        if let Some(s) = req.running.take() {
+            let freed = self.pool.free_running(s, req.handle.take());
+            debug_assert!(freed.is_ok(), "a request's running state failed to free: {freed:?}");
+        }
+        if let Some((_, s)) = req.saved.take() {
             let freed = self.pool.free(&[s]);
-            debug_assert!(freed.is_ok(), "a request's state failed to free: {freed:?}");
+            debug_assert!(freed.is_ok(), "a request's saved state failed to free: {freed:?}");
         }
     }
 
@@ -878,6 +957,8 @@ impl<P: StatePool> Variant for Mamba<P> {
 #[derive(Debug, Default)]
 pub struct MambaRequest {
     running: Option<u32>,
+    /// The running state's handle, with a pool that holds the state bytes.
+    handle: Option<crate::mamba::MambaSlot>,
     resume: Option<u32>,
     kv_len: usize,
     branching_len: Option<usize>,
@@ -885,8 +966,12 @@ pub struct MambaRequest {
 }
 
 impl<A: KvAllocator, P: StatePool> super::Request<A, Mamba<P>> {
-    /// The request's own running state slot, taken at admission: fork the
-    /// [`resume_state`](Self::resume_state) into it before computing.
+    /// The request's own running state slot, taken at admission. Over a [`MambaPool`]
+    /// the admission forked the [`resume_state`](Self::resume_state) into it already
+    /// (SGLang's copy-on-write fork), and the request reads and writes its bytes
+    /// through the pool, passing itself as the holder (`pool.component_mut(&mut req,
+    /// ..)`: see [`HeldState`](crate::mamba::HeldState)). Over a [`SlotPool`] the
+    /// states live with the engine, which forks the resume state into this slot itself.
     pub fn state(&self) -> u32 {
         self.ext_ref().running.unwrap_or(0)
     }
@@ -910,13 +995,18 @@ impl<A: KvAllocator, P: StatePool> super::Request<A, Mamba<P>> {
         self.ext_ref().branching_len
     }
 
-    /// The state slot the request saves its state into after token `at` (a whole
-    /// number of pages): copy the running state there when the computation reaches
-    /// `at`. The finish caches the request's tokens up to `at` with it; a
-    /// [`checkpoint`](Self::checkpoint) of exactly `at` tokens caches them with it and
-    /// keeps running. Saving again moves the position and keeps the slot. Takes a slot
-    /// the first time (evicting the least recently used unlocked state when none is
-    /// free).
+    /// Save the request's state after token `at` (a whole number of pages) for caching,
+    /// and return the slot it is saved in. The finish caches the request's tokens up to
+    /// `at` with it; a [`checkpoint`](Self::checkpoint) of exactly `at` tokens caches
+    /// them with it and keeps running. A slot is taken (evicting the least recently
+    /// used unlocked state when none is free).
+    ///
+    /// * Over a [`MambaPool`] the running state is copied into a fresh slot at the call,
+    ///   so call it when the computation has reached `at`; the copy is frozen (cached by
+    ///   number). Saving again saves a new copy and frees the previous one.
+    /// * Over a [`SlotPool`] the engine copies its running state into the returned slot
+    ///   when the computation reaches `at`. Saving again moves the position and keeps
+    ///   the slot.
     ///
     /// # Errors
     ///
@@ -927,12 +1017,24 @@ impl<A: KvAllocator, P: StatePool> super::Request<A, Mamba<P>> {
         if at % ps != 0 {
             return Err(crate::error::InvalidInput::NotPageAligned { count: at, page_size: ps as u32 }.into());
         }
-        let slot = match self.ext().saved {
-            Some((_, s)) => s,
-            None => self.cache().alloc_state()?,
-        };
-        self.ext().saved = Some((at, slot));
+        let (cache, ext) = self.cache_and_ext();
+        let prev = ext.saved.map(|(_, s)| s);
+        let slot = cache.with_state_room(|| cache.variant.pool.save_running(ext.handle.as_ref(), prev))?;
+        ext.saved = Some((at, slot));
         Ok(slot)
+    }
+}
+
+/// A request's running state, for a [`MambaPool`]'s byte accessors
+/// ([`component`](MambaPool::component), [`component_mut`](MambaPool::component_mut),
+/// [`copy_from`](MambaPool::copy_from), ...): the request holds it alone, so `&req`
+/// reads it and `&mut req` writes it. With a [`SlotPool`] (numbers only) those
+/// accessors answer [`MambaError::NoStateBytes`](crate::mamba::MambaError::NoStateBytes).
+impl<A: KvAllocator, P: StatePool> crate::mamba::HeldState for super::Request<A, Mamba<P>> {}
+
+impl<A: KvAllocator, P: StatePool> crate::mamba::Holder for super::Request<A, Mamba<P>> {
+    fn held(&self) -> Result<&crate::mamba::MambaSlot, crate::mamba::MambaError> {
+        self.ext_ref().handle.as_ref().ok_or(crate::mamba::MambaError::NoStateBytes)
     }
 }
 
@@ -1102,12 +1204,19 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// # Errors
     ///
     /// [`AllocError::OutOfMemory`] when the pool is empty and every state is locked.
+    #[cfg(test)]
     pub(crate) fn alloc_state(&self) -> Result<u32, AllocError> {
-        if let Ok(s) = self.variant.pool.alloc_one() {
-            return Ok(s);
+        self.with_state_room(|| self.variant.pool.alloc_one())
+    }
+
+    /// Run `take` (which takes one state slot, nothing on error); when the pool is
+    /// empty, evict the least recently used unlocked state and run it once more.
+    pub(crate) fn with_state_room<T>(&self, take: impl Fn() -> Result<T, OutOfMemory>) -> Result<T, AllocError> {
+        if let Ok(t) = take() {
+            return Ok(t);
         }
         self.evict_mamba(1);
-        self.variant.pool.alloc_one().map_err(|mut oom| {
+        take().map_err(|mut oom| {
             oom.evictable = Some(self.mamba_evictable_size());
             oom.unit = Unit::Indices;
             AllocError::OutOfMemory(oom)

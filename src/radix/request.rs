@@ -418,12 +418,13 @@ impl<A: KvAllocator, V: Variant> Request<A, V> {
     }
 
     /// What the variant's request holds (the Mamba tree: its states).
-    pub(super) fn ext(&mut self) -> &mut V::Request {
-        &mut self.ext
-    }
-
     pub(super) fn ext_ref(&self) -> &V::Request {
         &self.ext
+    }
+
+    /// The cache and what the variant's request holds, together.
+    pub(super) fn cache_and_ext(&mut self) -> (&RadixCache<A, V>, &mut V::Request) {
+        (&self.cache, &mut self.ext)
     }
 
     /// The request's row and lock, for a variant's own request calls.
