@@ -320,23 +320,18 @@ impl SwaAllocator {
 const STAGE: usize = 256;
 
 impl SwaWindow {
-    /// Tokens per page (the full pool's).
-    pub fn page_size(&self) -> u32 {
-        self.pages.page_size
-    }
-
     /// Token capacity of the window pool.
     pub fn size(&self) -> usize {
         KvAllocator::size(&self.pages)
     }
 
     /// Free tokens in the window pool.
-    pub fn available_size(&self) -> usize {
+    pub(crate) fn available_size(&self) -> usize {
         self.pages.available_size()
     }
 
     /// Entries of the mapping: one per full slot, page 0 included.
-    pub fn mapping_len(&self) -> usize {
+    pub(crate) fn mapping_len(&self) -> usize {
         self.map.len() * self.pages.page_size as usize
     }
 
@@ -353,7 +348,7 @@ impl SwaWindow {
     /// The window slot of full slot `slot`, `None` when it has none (or is out of
     /// range).
     #[inline]
-    pub fn slot_of(&self, slot: u32) -> Option<u32> {
+    pub(crate) fn slot_of(&self, slot: u32) -> Option<u32> {
         let ps = self.pages.page_size;
         self.page_of(slot / ps).map(|w| w * ps + slot % ps)
     }
@@ -387,7 +382,7 @@ impl SwaWindow {
 
     /// Whether full page `page` has its window part.
     #[inline]
-    pub fn is_mapped(&self, page: u32) -> bool {
+    pub(crate) fn is_mapped(&self, page: u32) -> bool {
         self.page_of(page).is_some()
     }
 

@@ -243,7 +243,7 @@ impl HostKvConfig {
     /// `lb = l * B + b` starts at `p * page_stride + lb * lb_stride`. Each saturates at
     /// `usize::MAX` when the pool's size overflows (a configuration
     /// [`validate`](Self::validate) refuses).
-    pub fn strides(&self) -> (usize, usize) {
+    pub(crate) fn strides(&self) -> (usize, usize) {
         match self.checked_sizes() {
             Some((_, _, page_stride, lb_stride, _)) => (page_stride, lb_stride),
             None => (usize::MAX, usize::MAX),
@@ -565,7 +565,7 @@ impl HostKvPool {
     }
 
     /// Pages in the pool (`host_pages`).
-    pub fn capacity_pages(&self) -> usize {
+    pub(crate) fn capacity_pages(&self) -> usize {
         self.cfg.host_pages
     }
 

@@ -104,7 +104,7 @@ pub enum RowStore {
 
 impl RowStore {
     /// Bytes stored for `src_bytes` bytes of source.
-    pub fn stored_bytes(self, src_bytes: usize) -> usize {
+    pub(crate) fn stored_bytes(self, src_bytes: usize) -> usize {
         match self {
             RowStore::Copy => src_bytes,
             RowStore::Fp8E4m3 { src, .. } => src_bytes / src.bytes(),
@@ -112,7 +112,7 @@ impl RowStore {
     }
 
     /// Bytes of source per stored element (1 for a copy).
-    pub fn src_elem_bytes(self) -> usize {
+    pub(crate) fn src_elem_bytes(self) -> usize {
         match self {
             RowStore::Copy => 1,
             RowStore::Fp8E4m3 { src, .. } => src.bytes(),
@@ -150,7 +150,7 @@ impl KvLayout {
 
     /// Elements per row, or `None` when that overflows `usize` (only possible where
     /// `usize` is narrower than 64 bits).
-    pub fn checked_row_elems(self) -> Option<usize> {
+    pub(crate) fn checked_row_elems(self) -> Option<usize> {
         match self {
             KvLayout::Mha { head_num, head_dim } => (head_num as usize).checked_mul(head_dim as usize),
             KvLayout::Mla { kv_lora_rank, qk_rope_head_dim } => {
@@ -234,19 +234,19 @@ impl KvConfig {
     }
 
     /// Bytes per row, or `None` when that overflows `usize`.
-    pub fn checked_row_bytes(&self) -> Option<usize> {
+    pub(crate) fn checked_row_bytes(&self) -> Option<usize> {
         self.layout.checked_row_elems()?.checked_mul(self.dtype.bytes())
     }
 
     /// Bytes of one layer's buffer, or `None` when that (or the rows) overflows `usize`.
-    pub fn checked_layer_bytes(&self) -> Option<usize> {
+    pub(crate) fn checked_layer_bytes(&self) -> Option<usize> {
         self.size.checked_add(self.page_size as usize)?.checked_mul(self.checked_row_bytes()?)
     }
 
     /// Bytes of the whole cache, or `None` when that (or any part of it) overflows
     /// `usize`. A configuration that [`validate`](Self::validate) accepts always has
     /// `Some`, at most `isize::MAX`.
-    pub fn checked_total_bytes(&self) -> Option<usize> {
+    pub(crate) fn checked_total_bytes(&self) -> Option<usize> {
         self.checked_layer_bytes()?.checked_mul(self.layer_num as usize)?.checked_mul(self.layout.buffers())
     }
 

@@ -100,7 +100,7 @@ impl StateShape {
     }
 
     /// Elements (the product of the dimensions), `None` on overflow.
-    pub fn elements(&self) -> Option<usize> {
+    pub(crate) fn elements(&self) -> Option<usize> {
         self.dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
     }
 }

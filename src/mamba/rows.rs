@@ -90,11 +90,6 @@ impl HybridRow {
         self.row.index()
     }
 
-    /// The token row (read it with [`HybridReqToTokenPool::read`]).
-    pub fn req_row(&self) -> &ReqRow {
-        &self.row
-    }
-
     /// The working Mamba state, unless it was taken. To write it, pass the row itself
     /// to [`MambaPool::component_mut`] (see [`HeldState`](super::HeldState)).
     pub fn mamba(&self) -> Option<&MambaSlot> {
@@ -213,7 +208,8 @@ impl HybridReqToTokenPool {
     }
 
     /// SGLang's track buffer count: 2 (ping-pong), 1 with speculative decoding.
-    pub fn track_buffers_for(speculative: bool) -> usize {
+    #[cfg(test)]
+    pub(crate) fn track_buffers_for(speculative: bool) -> usize {
         if speculative {
             1
         } else {
@@ -264,11 +260,6 @@ impl HybridReqToTokenPool {
     /// before a `clear`).
     fn owns(&self, row: &HybridRow) -> Result<(), RowError> {
         self.tokens.read(&row.row, 0..0).map(|_| ())
-    }
-
-    /// The Mamba pool the states come from.
-    pub fn mamba_pool(&self) -> &Arc<MambaPool> {
-        &self.mamba
     }
 
     /// Number of rows.

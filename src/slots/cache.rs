@@ -73,7 +73,7 @@
 
 use core::ops::Deref;
 
-use super::owned::{pop_runs, push_runs, ranges, take_tail, RunSink};
+use super::owned::{pop_runs, push_runs, take_tail, RunSink};
 use super::{SlotPool, Slots};
 use crate::error::SlotsError;
 
@@ -190,8 +190,9 @@ impl<P: Deref<Target = SlotPool>> SlotCache<P> {
     }
 
     /// The stock as ranges of consecutive indices, bottom of the stack first.
-    pub fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
-        ranges(&self.stock.runs[..self.stock.nruns])
+    #[cfg(feature = "models")]
+    pub(crate) fn runs(&self) -> impl ExactSizeIterator<Item = core::ops::RangeInclusive<u32>> + '_ {
+        super::owned::ranges(&self.stock.runs[..self.stock.nruns])
     }
 
     /// The pool, dereferenced once per operation (so that every step of it sees the

@@ -95,7 +95,7 @@ impl SlotPool {
     /// assert!(pool.all_allocated(5, 0));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn all_allocated(&self, first: u32, count: u32) -> bool {
+    pub(crate) fn all_allocated(&self, first: u32, count: u32) -> bool {
         if count == 0 {
             return true;
         }

@@ -80,7 +80,7 @@ pub enum Seal {
 
 impl Seal {
     /// The seal a header's field names (`None`: none this version has).
-    pub fn from_wire(v: u32) -> Option<Seal> {
+    pub(crate) fn from_wire(v: u32) -> Option<Seal> {
         match v {
             1 => Some(Seal::Crc32),
             2 => Some(Seal::HmacSha256),
