@@ -233,6 +233,8 @@ fn mamba_pool_requests_own_their_state_bytes() {
     assert_eq!(pool.free(&[r.state()]).unwrap_err().kind, FreeErrorKind::InUse);
     let saved = r.save_state(16).unwrap();
     assert_eq!(first(&pool, saved), Ok(1.5));
+    // The saved copy is the cache's: nobody frees it by number behind the request.
+    assert_eq!(pool.free(&[saved]).unwrap_err().kind, FreeErrorKind::Cached);
     // The saved copy is frozen: the running state goes on.
     pool.component_mut::<f32>(&mut r, 1, Component::Temporal).unwrap()[0] = 2.5;
     assert_eq!(first(&pool, saved), Ok(1.5));
@@ -254,7 +256,14 @@ fn mamba_pool_requests_own_their_state_bytes() {
     // Another pool does not take this request's state for its own.
     let other = MambaPool::new(2, cfg()).unwrap();
     assert!(matches!(other.component::<f32>(&next, 1, Component::Temporal), Err(MambaError::ForeignSlot { .. })));
-    drop(next);
+    // A refused finish keeps the saved state the request's; the abort frees it.
+    let saved_next = next.save_state(16).unwrap();
+    next.extend(4).unwrap();
+    let refused = next.finish(&tokens).unwrap_err();
+    assert_eq!(refused.error, CacheError::TokenCount { tokens: 16, held: 20 });
+    assert_eq!(pool.free(&[saved_next]).unwrap_err().kind, FreeErrorKind::Cached);
+    assert_eq!(pool.available(), 3);
+    drop(refused);
     assert_eq!(pool.available(), 5);
     c.check_invariants().unwrap();
 

@@ -361,6 +361,13 @@ impl MambaPool {
         self.cache_as(slot, CACHED)
     }
 
+    /// Cache held slot `slot` straight into a cache's hands (a request's saved state,
+    /// which its tree takes or frees): [`cache`](Self::cache) and
+    /// [`hold_for_tree`](Self::hold_for_tree) in one store.
+    pub(crate) fn cache_for_tree(&self, slot: MambaSlot) -> Result<u32, SlotRefused> {
+        self.cache_as(slot, TREE | CACHED)
+    }
+
     /// [`cache`](Self::cache) into state word `word` (`CACHED`, or `TREE | CACHED`).
     fn cache_as(&self, slot: MambaSlot, word: u32) -> Result<u32, SlotRefused> {
         if let Err(error) = self.own(&slot) {

@@ -175,6 +175,11 @@ mod sealed {
         fn save_running(&self, running: Option<&MambaSlot>, prev: Option<u32>) -> Result<u32, OutOfMemory>;
         /// Give a request's running state back.
         fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError>;
+        /// The tree takes a state a request saved ([`save_running`](Self::save_running)):
+        /// `false`, nothing changed, when `slot` is not one.
+        fn hold_saved(&self, slot: u32) -> bool;
+        /// Free a state a request saved and did not hand to the tree.
+        fn free_saved(&self, slot: u32) -> Result<(), FreeError>;
     }
 }
 
@@ -203,6 +208,12 @@ impl sealed::SharedPool for SlotPool {
         prev.map_or_else(|| self.alloc_one(), Ok)
     }
     fn free_running(&self, slot: u32, _handle: Option<MambaSlot>) -> Result<(), FreeError> {
+        self.free(&[slot])
+    }
+    fn hold_saved(&self, slot: u32) -> bool {
+        self.is_allocated(slot)
+    }
+    fn free_saved(&self, slot: u32) -> Result<(), FreeError> {
         self.free(&[slot])
     }
 }
@@ -243,9 +254,10 @@ impl sealed::SharedPool for MambaPool {
             let r = self.copy_slot(src, &mut copy);
             debug_assert!(r.is_ok(), "a copy between two held states of the pool failed: {r:?}");
         }
-        // Cached by number: frozen from now on, as a state the tree may take must be.
-        // (`copy` is this pool's own handle, so `cache` cannot refuse it.)
-        let slot = match self.cache(copy) {
+        // Cached by number and marked as a cache's: frozen from now on, as a state the
+        // tree may take must be, and refused to anyone freeing it by number. (`copy` is
+        // this pool's own handle, so this cannot refuse it.)
+        let slot = match self.cache_for_tree(copy) {
             Ok(slot) => slot,
             Err(refused) => {
                 let _ = self.free_slot(refused.slot);
@@ -253,10 +265,16 @@ impl sealed::SharedPool for MambaPool {
             }
         };
         if let Some(prev) = prev {
-            let r = self.free(&[prev]);
+            let r = self.free_tree_held(prev);
             debug_assert!(r.is_ok(), "a request's saved state failed to free: {r:?}");
         }
         Ok(slot)
+    }
+    fn hold_saved(&self, slot: u32) -> bool {
+        self.is_tree_held(slot)
+    }
+    fn free_saved(&self, slot: u32) -> Result<(), FreeError> {
+        self.free_tree_held(slot)
     }
     fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError> {
         let not_held = FreeError { index: slot, kind: FreeErrorKind::NotAllocated, rest_freed: false };
@@ -292,6 +310,12 @@ impl<P: sealed::SharedPool> sealed::SharedPool for Arc<P> {
     }
     fn free_running(&self, slot: u32, handle: Option<MambaSlot>) -> Result<(), FreeError> {
         (**self).free_running(slot, handle)
+    }
+    fn hold_saved(&self, slot: u32) -> bool {
+        (**self).hold_saved(slot)
+    }
+    fn free_saved(&self, slot: u32) -> Result<(), FreeError> {
+        (**self).free_saved(slot)
     }
 }
 
@@ -472,6 +496,7 @@ impl<P: StatePool> Mamba<P> {
 
     /// The tree takes `state` from its caller (the writer, with the tree's own record
     /// of it checked). `false`, nothing changed, when it is not the caller's to give.
+    #[cfg(test)]
     fn take(&self, state: u32) -> bool {
         let taken = self.pool.hold(state);
         if taken {
@@ -480,7 +505,23 @@ impl<P: StatePool> Mamba<P> {
         taken
     }
 
+    /// The tree takes the state a request saved: as [`take`](Self::take), but the
+    /// pool already counts it as the cache's.
+    fn take_saved(&self, state: u32) -> bool {
+        let taken = self.pool.hold_saved(state);
+        if taken {
+            self.mark(state, true);
+        }
+        taken
+    }
+
+    /// Undo [`take_saved`](Self::take_saved): the request's again.
+    fn give_back_saved(&self, state: u32) {
+        self.mark(state, false);
+    }
+
     /// Undo [`take`](Self::take).
+    #[cfg(test)]
     fn give_back(&self, state: u32) {
         self.mark(state, false);
         self.pool.release(state);
@@ -723,7 +764,7 @@ impl<P: StatePool> Variant for Mamba<P> {
                 lease,
                 priority,
                 at,
-                |w| RadixCache::take_into(w, state, &taken),
+                |w| RadixCache::take_saved_into(w, state, &taken),
                 |w, ins| RadixCache::adopt_state(w, ins.end, state),
             )
             .map(|(cached, state_kept)| StateInsert { cached, state_kept });
@@ -733,7 +774,7 @@ impl<P: StatePool> Variant for Mamba<P> {
                 Ok(done)
             }
             Err(e) => {
-                c.untake(state, &taken);
+                c.untake_saved(state, &taken);
                 Err(e)
             }
         }
@@ -761,7 +802,7 @@ impl<P: StatePool> Variant for Mamba<P> {
             lease,
             priority,
             tokens.len(),
-            |w| RadixCache::take_into(w, state, &taken),
+            |w| RadixCache::take_saved_into(w, state, &taken),
             |w, ins| RadixCache::adopt_state(w, ins.end, state),
         );
         match r {
@@ -770,7 +811,7 @@ impl<P: StatePool> Variant for Mamba<P> {
                 Ok(())
             }
             Err(e) => {
-                c.untake(state, &taken);
+                c.untake_saved(state, &taken);
                 Err(e)
             }
         }
@@ -782,7 +823,7 @@ impl<P: StatePool> Variant for Mamba<P> {
             debug_assert!(freed.is_ok(), "a request's running state failed to free: {freed:?}");
         }
         if let Some((_, s)) = req.saved.take() {
-            let freed = self.pool.free(&[s]);
+            let freed = self.pool.free_saved(s);
             debug_assert!(freed.is_ok(), "a request's saved state failed to free: {freed:?}");
         }
     }
@@ -1256,6 +1297,7 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// Check that `state` is the caller's to give (not the tree's already, allocated)
     /// and take it: from here the caller can no longer free it. A refused request gives
     /// it back ([`Mamba::give_back`]).
+    #[cfg(test)]
     fn take_state(w: &Writer<'_, A, Mamba<P>>, state: u32) -> Result<(), CacheError> {
         let free_of_tree = state != 0 && (state as usize) < w.s.ext.owner.len() && w.s.ext.owner[state as usize] == NIL;
         if free_of_tree && w.c.variant.take(state) {
@@ -1283,15 +1325,34 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
 
     /// A request helper's `check` that takes `state` and notes it in `taken`, so that
     /// [`untake`](Self::untake) gives it back if the request is refused later.
+    #[cfg(test)]
     fn take_into(w: &Writer<'_, A, Mamba<P>>, state: u32, taken: &core::cell::Cell<bool>) -> Result<(), CacheError> {
         Self::take_state(w, state)?;
         taken.set(true);
         Ok(())
     }
 
+    #[cfg(test)]
     fn untake(&self, state: u32, taken: &core::cell::Cell<bool>) {
         if taken.get() {
             self.variant.give_back(state);
+        }
+    }
+
+    /// [`take_into`](Self::take_into) for the state a request saved.
+    fn take_saved_into(w: &Writer<'_, A, Mamba<P>>, state: u32, taken: &core::cell::Cell<bool>) -> Result<(), CacheError> {
+        let free_of_tree = state != 0 && (state as usize) < w.s.ext.owner.len() && w.s.ext.owner[state as usize] == NIL;
+        if !(free_of_tree && w.c.variant.take_saved(state)) {
+            return Err(CacheError::StateNotOwned { state });
+        }
+        taken.set(true);
+        Ok(())
+    }
+
+    /// [`untake`](Self::untake) for the state a request saved.
+    fn untake_saved(&self, state: u32, taken: &core::cell::Cell<bool>) {
+        if taken.get() {
+            self.variant.give_back_saved(state);
         }
     }
 
