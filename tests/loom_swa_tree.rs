@@ -114,7 +114,7 @@ fn lock_racing_evict_swa() {
             // The window pass skipped the locked [1,2] and removed the leaf [3,4].
             assert_eq!(freed, 2);
             assert_eq!(sizes, (3, 0, 2, 2), "(total, tombstones, swa protected, protected)");
-            assert_eq!(c.allocator().window_slot(kv[0]).is_some(), true, "a leased window was freed");
+            assert!(c.allocator().window_slot(kv[0]).is_some(), "a leased window was freed");
             s.hit("locked_first");
         } else {
             assert_eq!(n, 0);
