@@ -1,7 +1,9 @@
-//! Lookup throughput with 1, 2, 4, 8 reader threads while one writer thread inserts and
-//! evicts, for kvpool's `RadixCache::peek_prefix` (lock-free) and for the reference tree
-//! behind a `Mutex` (how engines share SGLang's/TGI's tree between scheduler and router
-//! threads). The writer inserts one 2048-token prompt (evicting as needed), then pauses 200 µs.
+//! Lookup throughput with 1, 2, 4, 8 reader threads while one writer thread caches
+//! prompts and evicts, for kvpool's `RadixCache::peek_prefix` (lock-free) and for the
+//! reference tree behind a `Mutex` (how engines share SGLang's/TGI's tree between
+//! scheduler and router threads). The writer caches one 2048-token prompt (kvpool: a
+//! request admitted, prefilled and finished; the reference: an insert; both evicting as
+//! needed), then pauses 200 µs.
 //! Each criterion iteration is one lookup per reader thread; the reported throughput
 //! counts lookups of all readers together.
 //!
@@ -46,19 +48,25 @@ fn prompt(i: u64) -> Vec<u32> {
 
 trait Shared: Send + Sync + 'static {
     fn lookup(&self, key: &[u32], out: &mut [u32]) -> usize;
-    fn write_one(&self, key: &[u32]);
+    fn write_one(self: &Arc<Self>, key: &[u32]);
+}
+
+/// One request through kvpool's cache: admitted (matching and locking its cached
+/// prefix), prefilled (evicting the shortfall), finished (cached). Dropped, that is
+/// aborted, when there is no room.
+fn serve(cache: &Arc<RadixCache<PagedAllocator>>, key: &[u32]) {
+    let Ok(mut r) = cache.admit(0, key) else { return };
+    if r.extend(key.len() - r.len()).is_ok() {
+        r.finish(key).unwrap();
+    }
 }
 
 impl Shared for RadixCache<PagedAllocator> {
     fn lookup(&self, key: &[u32], out: &mut [u32]) -> usize {
         self.peek_prefix(0, key, out)
     }
-    fn write_one(&self, key: &[u32]) {
-        let mut slots = vec![0u32; key.len()];
-        if self.alloc(&mut slots).is_ok() {
-            let dup = self.insert(0, key, &slots, 0).unwrap();
-            self.allocator().free(&slots[..dup]).unwrap();
-        }
+    fn write_one(self: &Arc<Self>, key: &[u32]) {
+        serve(self, key);
     }
 }
 
@@ -68,7 +76,7 @@ impl Shared for Mutex<ReferenceRadixCache<PagedAllocator>> {
         out[..v.len()].copy_from_slice(&v);
         v.len()
     }
-    fn write_one(&self, key: &[u32]) {
+    fn write_one(self: &Arc<Self>, key: &[u32]) {
         let mut c = self.lock().unwrap();
         let mut slots = vec![0u32; key.len()];
         let avail = c.allocator().available_size();
@@ -172,20 +180,20 @@ fn lookup_depth(c: &mut Criterion) {
     let mut group = c.benchmark_group("lookup_depth");
     group.measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_millis(500)).sample_size(20);
     for shape in ["wide", "deep"] {
-        let cache = RadixCache::new(
-            PagedAllocator::new(CAPACITY, PS).unwrap(),
-            ReqToTokenPool::new(1, PROMPT).unwrap(),
-            RadixConfig::default(),
-        )
-        .unwrap();
+        let cache = Arc::new(
+            RadixCache::new(
+                PagedAllocator::new(CAPACITY, PS).unwrap(),
+                ReqToTokenPool::new(1, PROMPT).unwrap(),
+                RadixConfig::default(),
+            )
+            .unwrap(),
+        );
         let keys = depth_keys(shape);
         for k in &keys {
-            let mut slots = vec![0u32; k.len()];
-            cache.alloc(&mut slots).unwrap();
-            let dup = cache.insert(0, k, &slots, 0).unwrap();
-            cache.allocator().free(&slots[..dup]).unwrap();
+            serve(&cache, k);
         }
         let mut out = vec![0u32; PROMPT];
+        assert!(keys.iter().all(|k| cache.peek_prefix(0, k, &mut out) == k.len()), "{shape}: a key is not cached");
         let mut i = 0usize;
         group.throughput(Throughput::Elements(1));
         group.bench_function(shape, |b| {

@@ -1,17 +1,19 @@
-//! What the request handle costs: the `cache_ops` work of every request of the bundled
-//! Mooncake trace (match and lock the prompt, evict the shortfall, allocate the rest of
-//! its KV, finish it) written twice against the same `RadixCache` configuration, in one
-//! process, on the same tokens:
+//! What a request costs through kvpool's engine contract: the `cache_ops` work of every
+//! request of the bundled Mooncake trace (match and lock the prompt, evict the
+//! shortfall, allocate the rest of its KV, finish it) on two caches of the same
+//! configuration, in one process, on the same tokens:
 //!
-//! * `calls`: the cache's lower-level calls (`match_and_lock_row`, `alloc_extend_row`,
-//!   `cache_finished_req` with a row and a lease the caller keeps);
-//! * `request`: the engine contract (`admit`, `Request::extend`, `Request::finish`).
+//! * `reference`: the SGLang-shaped reference tree (`kvpool::replay::ReferenceCache`:
+//!   `kvpool::baseline::ReferenceRadixCache` behind a mutex, its own allocator and
+//!   request rows), through the replay's request contract;
+//! * `request`: `RadixCache` through its request handle (`admit`, `Request::extend`,
+//!   `RadixCache::decode`, `Request::finish`).
 //!
 //! The same two again with the prompt allocated at admission and every later token by
 //! a decode step of its own (`decode steps`: the sequential replay's shape). Both must
-//! find the same hits (asserted). Rounds alternate between the two, and the
-//! medians and their ratio are printed per configuration (page size 16 and 1 at 1 M
-//! tokens, page size 16 at 150 M).
+//! find the same hits (asserted: the handle caches what SGLang's calls cache). Rounds
+//! alternate between the two, and the medians and their ratio are printed per
+//! configuration (page size 16 and 1 at 1 M tokens, page size 16 at 150 M).
 //!
 //! ```sh
 //! cargo bench --bench request_ops                  # 7 rounds each
@@ -25,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use kvpool::alloc::plan_extend;
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
-use kvpool::replay::Trace;
+use kvpool::replay::{ReferenceCache, Trace};
 use kvpool::{PagedAllocator, ReqToTokenPool};
 
 type Cache = RadixCache<PagedAllocator>;
@@ -36,33 +38,52 @@ fn cache(page_size: u32, capacity: usize, max_kv: usize) -> Arc<Cache> {
     Arc::new(RadixCache::new(alloc, ReqToTokenPool::new(1, max_kv).unwrap(), config).unwrap())
 }
 
-/// Evict what request `hit..kv` lacks (as the replay and SGLang do before allocating).
-fn make_room(c: &Cache, hit: usize, kv: usize) {
-    let ps = c.page_size() as u32;
+/// The tokens to evict before request `hit..kv` allocates (as the replay and SGLang
+/// do before allocating), with `available` tokens free.
+fn shortfall(ps: u32, available: usize, hit: usize, kv: usize) -> usize {
     let need = plan_extend(ps, &[hit as u32], &[kv as u32]).unwrap().new_pages * ps as usize;
-    let avail = c.allocator().available_size();
-    if avail < need {
-        c.evict(need - avail);
+    need.saturating_sub(available)
+}
+
+/// Evict what request `hit..kv` lacks.
+fn make_room(c: &Cache, hit: usize, kv: usize) {
+    let short = shortfall(c.page_size() as u32, c.allocator().available_size(), hit, kv);
+    if short > 0 {
+        c.evict(short);
     }
 }
 
-fn with_calls(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
+/// [`make_room`] on the reference tree.
+fn make_room_reference(c: &ReferenceCache, hit: usize, kv: usize) {
+    use kvpool::replay::ReplayCache;
+    let short = shortfall(c.page_size(), c.available_tokens(), hit, kv);
+    if short > 0 {
+        c.evict(short);
+    }
+}
+
+fn reference(page_size: u32, capacity: usize, max_kv: usize) -> ReferenceCache {
+    ReferenceCache::new(capacity, page_size, EvictionPolicy::Lru, 1, max_kv).unwrap()
+}
+
+/// The `cache_ops` loop over the reference tree, through the replay's contract (its
+/// requests hold a row and a lock on the tree's node; the tree is behind a mutex).
+fn with_reference(c: &ReferenceCache, trace: &Trace, tokens: &mut [u32]) -> usize {
+    use kvpool::replay::{ReplayCache, ReplayRequest};
     let mut hits = 0;
     for r in 0..trace.len() {
         let q = trace.request(r);
         let (prompt, kv) = (q.input_length as usize, q.kv_len());
         trace.write_kv_tokens(r, &mut tokens[..kv]);
-        let mut row = c.req_pool().alloc().unwrap();
-        let lease = c.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
-        let hit = lease.len();
+        let mut req = c.admit(0, &tokens[..prompt]).unwrap();
+        let hit = req.cached_len();
         hits += hit;
-        make_room(c, hit, kv);
-        if c.alloc_extend_row(&mut row, hit, kv).is_err() {
-            drop(lease);
-            c.req_pool().free(row).unwrap();
+        make_room_reference(c, hit, kv);
+        if c.extend(&mut req, kv - hit).is_err() {
+            c.abort(req);
             continue;
         }
-        c.cache_finished_req(0, &tokens[..kv], row, lease, 0).unwrap();
+        c.finish(req, &tokens[..kv]).unwrap();
     }
     hits
 }
@@ -85,42 +106,35 @@ fn with_requests(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
     hits
 }
 
-/// [`with_calls`], the prompt allocated at admission and every later token by one
-/// decode step (`alloc_decode` with the last slot the caller tracks, then a row write).
-fn decode_with_calls(c: &Arc<Cache>, trace: &Trace, tokens: &mut [u32]) -> usize {
-    let ps = c.page_size() as u32;
+/// [`with_reference`], the prompt allocated at admission and every later token by one
+/// decode step (a batch of one).
+fn decode_with_reference(c: &ReferenceCache, trace: &Trace, tokens: &mut [u32]) -> usize {
+    use kvpool::replay::{ReplayCache, ReplayRequest};
+    let ps = c.page_size() as usize;
     let mut hits = 0;
     'requests: for r in 0..trace.len() {
         let q = trace.request(r);
         let (prompt, kv) = (q.input_length as usize, q.kv_len());
         trace.write_kv_tokens(r, &mut tokens[..kv]);
-        let mut row = c.req_pool().alloc().unwrap();
-        let lease = c.match_and_lock_row(0, &tokens[..prompt], &mut row).unwrap();
-        let hit = lease.len();
+        let mut req = c.admit(0, &tokens[..prompt]).unwrap();
+        let hit = req.cached_len();
         hits += hit;
-        make_room(c, hit, prompt);
-        if c.alloc_extend_row(&mut row, hit, prompt).is_err() {
-            drop(lease);
-            c.req_pool().free(row).unwrap();
+        make_room_reference(c, hit, prompt);
+        if c.extend(&mut req, prompt - hit).is_err() {
+            c.abort(req);
             continue;
         }
-        let mut last = c.req_pool().read(&row, prompt - 1..prompt).unwrap()[0];
         let mut one = [0u32];
-        for seq in prompt + 1..=kv {
-            if (seq as u32 - 1) % ps == 0 {
-                make_room(c, seq - 1, seq);
+        while req.len() < kv {
+            if req.len() % ps == 0 {
+                make_room_reference(c, req.len(), req.len() + 1);
             }
-            if c.alloc_decode(&[seq as u32], &[last], &mut one).is_err() {
-                let held = c.req_pool().read(&row, hit..seq - 1).unwrap().to_vec();
-                c.allocator().free(&held).unwrap();
-                drop(lease);
-                c.req_pool().free(row).unwrap();
+            if c.decode(&mut [&mut req], &mut one).is_err() {
+                c.abort(req);
                 continue 'requests;
             }
-            c.req_pool().write(&mut row, seq - 1, &one).unwrap();
-            last = one[0];
         }
-        c.cache_finished_req(0, &tokens[..kv], row, lease, 0).unwrap();
+        c.finish(req, &tokens[..kv]).unwrap();
     }
     hits
 }
@@ -195,24 +209,25 @@ fn main() {
     let max_kv = trace.max_kv_len();
     let mut tokens = vec![0u32; max_kv];
     println!("request_ops: {rounds} alternating rounds, {} clock", if cpu { "thread CPU" } else { "wall" });
-    println!("| configuration | calls ms (median) | request ms (median) | request / calls |");
+    println!("| configuration | reference ms (median) | request ms (median) | request / reference |");
     println!("|---|---|---|---|");
     for (label, ps, capacity) in [("ps16_1M", 16, 1 << 20), ("ps1_1M", 1, 1 << 20), ("ps16_150M", 16, 150_000_000)] {
         if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
             continue;
         }
+        type RefLoop = fn(&ReferenceCache, &Trace, &mut [u32]) -> usize;
         type Loop = fn(&Arc<Cache>, &Trace, &mut [u32]) -> usize;
-        let loops: [(&str, Loop, Loop); 2] =
-            [("", with_calls, with_requests), (" decode steps", decode_with_calls, decode_with_requests)];
-        for (what, calls_loop, request_loop) in loops {
-            let a = calls_loop(&cache(ps, capacity, max_kv), &trace, &mut tokens);
+        let loops: [(&str, RefLoop, Loop); 2] =
+            [("", with_reference, with_requests), (" decode steps", decode_with_reference, decode_with_requests)];
+        for (what, reference_loop, request_loop) in loops {
+            let a = reference_loop(&reference(ps, capacity, max_kv), &trace, &mut tokens);
             let b = request_loop(&cache(ps, capacity, max_kv), &trace, &mut tokens);
             assert_eq!(a, b, "{label}{what}: the two loops disagree on hits");
-            let (mut calls, mut requests) = (Vec::new(), Vec::new());
+            let (mut refs, mut requests) = (Vec::new(), Vec::new());
             for _ in 0..rounds {
-                let c = cache(ps, capacity, max_kv);
-                calls.push(time(cpu, || {
-                    std::hint::black_box(calls_loop(&c, &trace, &mut tokens));
+                let c = reference(ps, capacity, max_kv);
+                refs.push(time(cpu, || {
+                    std::hint::black_box(reference_loop(&c, &trace, &mut tokens));
                 }));
                 drop(c);
                 let c = cache(ps, capacity, max_kv);
@@ -220,7 +235,7 @@ fn main() {
                     std::hint::black_box(request_loop(&c, &trace, &mut tokens));
                 }));
             }
-            let (mc, mr) = (median(&mut calls), median(&mut requests));
+            let (mc, mr) = (median(&mut refs), median(&mut requests));
             println!(
                 "| {label}{what} (hits {a}) | {:.1} | {:.1} | {:.3} |",
                 mc.as_secs_f64() * 1e3,

@@ -9,8 +9,8 @@
 //!
 //! | model | what it proves |
 //! |---|---|
-//! | `evict_racing_write_through` | an eviction racing an insert whose backup is in flight never takes the node while the copy may still read its device pages: it frees nothing until the caller has started to complete the transfer, and after that it moves the node to host |
-//! | `load_racing_host_eviction` | a host eviction racing a load-back never frees the host copy being loaded: evicted first, the load finds nothing; loaded first, the node is on the device (locked while in flight) and the host keeps its copy; sizes exact either way |
+//! | `evict_racing_write_through` | an eviction racing a finish whose backup is in flight never takes the node while the copy may still read its device pages: it frees nothing until the caller has started to complete the transfer, and after that it moves the node to host |
+//! | `load_racing_host_eviction` | a host eviction racing a load-back (an admission) never frees the host copy being loaded: evicted first, the load finds nothing; loaded first, the node is on the device (locked while in flight) and the host keeps its copy; sizes exact either way |
 //! | `host_eviction_racing_write_back` | under `write_back`, a host eviction racing the device eviction that writes a node back (device pages freed at once, host pages in flight) never frees the host pages before the caller began to complete the write-back |
 //! | `peek_racing_insert_host` | a lookup racing `insert_host` (a host-only leaf published under a device node) returns the device part only: the leaf's mark is set before it is published |
 //! | `peek_racing_republish` | a lock-free `peek_prefix` racing the device eviction of a backed-up node (republished under its host pages with the host mark, its host-only child re-keyed under its new last page) returns 2 tokens with the cached slots or 0, never host pages as slots (the mark was once set after the republish: this model caught it) |
@@ -21,19 +21,24 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::radix::{HiRadixCache, HostTier, RadixConfig, Transfer, TransferKind, WritePolicy};
+use kvpool::radix::{Hi, HiRadixCache, HostTier, RadixConfig, Request, Transfer, TransferKind, WritePolicy};
 use kvpool::{PagedAllocator, ReqToTokenPool};
 use loom_common::Outcomes;
 
-fn cache(device: usize, host_pages: u32) -> HiRadixCache<PagedAllocator> {
-    let tier = HostTier { host_pages, write_policy: WritePolicy::WriteThrough, load_back_threshold: 1 };
-    HiRadixCache::with_host_tier(
-        PagedAllocator::new(device, 1).unwrap(),
-        ReqToTokenPool::new(1, 4).unwrap(),
-        RadixConfig::default(),
-        tier,
+type Cache = HiRadixCache<PagedAllocator>;
+
+/// A `write_through` cache (in a std `Arc`: a request holds one).
+fn cache(device: usize, host_pages: u32) -> std::sync::Arc<Cache> {
+    with_policy(device, host_pages, WritePolicy::WriteThrough)
+}
+
+fn with_policy(device: usize, host_pages: u32, write_policy: WritePolicy) -> std::sync::Arc<Cache> {
+    let tier = HostTier { host_pages, write_policy, load_back_threshold: 1 };
+    let rows = ReqToTokenPool::new(2, 4).unwrap();
+    std::sync::Arc::new(
+        HiRadixCache::with_host_tier(PagedAllocator::new(device, 1).unwrap(), rows, RadixConfig::default(), tier)
+            .unwrap(),
     )
-    .unwrap()
 }
 
 /// Take the one transfer started; its kind.
@@ -43,28 +48,37 @@ fn take_one(c: &HiRadixCache<PagedAllocator>) -> Transfer {
     buf[0]
 }
 
-fn insert_fresh(c: &HiRadixCache<PagedAllocator>, key: &[u32]) -> Vec<u32> {
-    let mut s = vec![0u32; key.len()];
-    c.allocator().alloc(&mut s).unwrap();
-    let dup = c.insert(0, key, &s).unwrap();
-    c.allocator().free(&s[..dup]).unwrap();
-    s
+/// A request for `key`, admitted and extended to its end (not finished).
+fn prefilled(c: &std::sync::Arc<Cache>, key: &[u32]) -> Request<PagedAllocator, Hi> {
+    let mut r = c.admit(0, key).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
+    r
 }
 
-/// Insert `[1,2]` (its backup starts, the node locked) and complete the transfer, racing
-/// `evict(2)`. The eviction frees nothing while the backup is in flight; once it
+/// Cache `key` through a request; returns the slots that hold it.
+fn cache_key(c: &std::sync::Arc<Cache>, key: &[u32]) -> Vec<u32> {
+    let r = prefilled(c, key);
+    let slots = r.slots().to_vec();
+    r.finish(key).unwrap();
+    slots
+}
+
+/// Finish a request for `[1,2]` (admitted and prefilled before the threads start): its
+/// backup starts, the node locked; then complete the transfer, racing `evict(2)`. The eviction frees nothing while the backup is in flight; once it
 /// frees, the transfer's completion had begun.
 #[test]
 fn evict_racing_write_through() {
     let seen = Outcomes::new(&["before_insert", "in_flight", "after_complete"]);
     let s = seen.clone();
     loom_common::model("evict_racing_write_through", move || {
-        let c = Arc::new(cache(4, 4));
+        let c = cache(4, 4);
+        let req = prefilled(&c, &[1, 2]);
         let inserted = Arc::new(AtomicBool::new(false));
         let completing = Arc::new(AtomicBool::new(false));
         let (c2, ins, comp) = (c.clone(), inserted.clone(), completing.clone());
         let writer = thread::spawn(move || {
-            let kv = insert_fresh(&c2, &[1, 2]);
+            let kv = req.slots().to_vec();
+            assert_eq!(req.finish(&[1, 2]).unwrap(), 0);
             ins.store(true, Ordering::SeqCst);
             let t = take_one(&c2);
             assert_eq!(t.kind(), TransferKind::Backup);
@@ -108,33 +122,34 @@ fn evict_racing_write_through() {
     seen.expect_seen("evict_racing_write_through", &["in_flight", "after_complete"]);
 }
 
-/// `[1,2]` is on host only. A load-back (match, load, lock; lease dropped; transfer
-/// completed) races `evict_host(2)`: the host copy being loaded is never freed.
+/// `[1,2]` is on host only. A load-back (an admission: match, load, lock; the request
+/// dropped; the transfer completed) races `evict_host(2)`: the host copy being loaded
+/// is never freed.
 #[test]
 fn load_racing_host_eviction() {
     let seen = Outcomes::new(&["host_evicted_first", "loaded_first"]);
     let s = seen.clone();
     loom_common::model("load_racing_host_eviction", move || {
         let c = cache(4, 2);
-        insert_fresh(&c, &[1, 2]);
+        cache_key(&c, &[1, 2]);
         c.complete(take_one(&c)).unwrap();
         assert_eq!(c.evict(2), 2);
         assert_eq!(c.host_size(), 2);
-        let c = Arc::new(c);
         let c2 = c.clone();
         let evictor = thread::spawn(move || c2.evict_host(2));
         let c3 = c.clone();
         let loader = thread::spawn(move || {
+            let req = c3.admit(0, &[1, 2]).unwrap();
+            let (n, hit) = (req.cached_len(), req.host_hit());
             let mut out = [0u32; 2];
-            let (lease, hit) = c3.match_and_load(0, &[1, 2], &mut out, None);
-            let n = lease.len();
-            drop(lease);
+            out[..n].copy_from_slice(req.slots());
+            drop(req);
             if hit.loaded > 0 {
                 let t = take_one(&c3);
                 assert_eq!(t.kind(), TransferKind::Load);
                 let (mut dev, mut host) = ([0u32; 2], [0u32; 2]);
                 c3.transfer_pages(t, &mut dev, &mut host).unwrap();
-                assert_eq!(dev, out, "the load fills the lease's slots");
+                assert_eq!(dev, out, "the load fills the request's cached slots");
                 // In flight: the node is locked on the device, its host copy held.
                 assert_eq!(c3.host_size(), 2, "the host copy being loaded is gone");
                 c3.complete(t).unwrap();
@@ -174,13 +189,12 @@ fn peek_racing_republish() {
     let s = seen.clone();
     loom_common::model("peek_racing_republish", move || {
         let c = cache(4, 4);
-        let kv = insert_fresh(&c, &[1, 2, 3]);
+        let kv = cache_key(&c, &[1, 2, 3]);
         c.complete(take_one(&c)).unwrap();
         let mut out = [0u32; 3];
         c.match_tiers(0, &[1, 2, 9], &mut out); // split: [1,2] -> [3]
         assert_eq!(c.evict(1), 1); // [3] to host
         assert_eq!((c.node_count(), c.total_size()), (2, 2));
-        let c = Arc::new(c);
         let c2 = c.clone();
         let writer = thread::spawn(move || c2.evict(2));
         let c3 = c.clone();
@@ -211,17 +225,9 @@ fn host_eviction_racing_write_back() {
     let seen = Outcomes::new(&["before_evict", "in_flight", "after_complete"]);
     let s = seen.clone();
     loom_common::model("host_eviction_racing_write_back", move || {
-        let tier = HostTier { host_pages: 2, write_policy: WritePolicy::WriteBack, load_back_threshold: 1 };
-        let c = HiRadixCache::with_host_tier(
-            PagedAllocator::new(4, 1).unwrap(),
-            ReqToTokenPool::new(1, 4).unwrap(),
-            RadixConfig::default(),
-            tier,
-        )
-        .unwrap();
-        insert_fresh(&c, &[1, 2]);
+        let c = with_policy(4, 2, WritePolicy::WriteBack);
+        cache_key(&c, &[1, 2]);
         assert_eq!(c.transfers_in_flight(), 0);
-        let c = Arc::new(c);
         let evicted = Arc::new(AtomicBool::new(false));
         let completing = Arc::new(AtomicBool::new(false));
         let (c2, ev, comp) = (c.clone(), evicted.clone(), completing.clone());
@@ -269,9 +275,8 @@ fn peek_racing_insert_host() {
     let s = seen.clone();
     loom_common::model("peek_racing_insert_host", move || {
         let c = cache(4, 4);
-        let kv = insert_fresh(&c, &[1, 2]);
+        let kv = cache_key(&c, &[1, 2]);
         c.complete(take_one(&c)).unwrap();
-        let c = Arc::new(c);
         let c2 = c.clone();
         let writer = thread::spawn(move || {
             let mut out = [0u32; 4];

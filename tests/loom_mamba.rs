@@ -14,7 +14,6 @@
 //! |---------------------|---------------------------------------------------------------------|
 //! | `pin_races_free`    | a reader sees the cached bytes whole, or is refused; a free of a pinned slot is refused (`InUse`); no write overlaps a read |
 //! | `tree_eviction_races_a_reader` | a tree's state evicted while a reader forks from it is freed exactly once: at the eviction, or by the reader's unpin if it pinned first; the reader's copy is whole |
-//! | `caller_free_races_tree_insert` | a caller freeing a state by number while handing it to a tree: exactly one of them gets it (the free, or the tree's insert), never both |
 
 mod loom_common;
 
@@ -23,7 +22,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::mamba::{Component, MambaConfig, MambaError, MambaPool, StateDtype, StateShape};
-use kvpool::radix::{CacheError, MambaRadixCache, RadixConfig};
+use kvpool::radix::{MambaRadixCache, RadixConfig};
 use kvpool::{FreeErrorKind, ReqToTokenPool, TokenAllocator};
 // Outcome counters live across executions, outside loom's model: std atomics.
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -103,9 +102,12 @@ fn pin_races_free() {
     assert!(refused > 0 && freed > 0);
 }
 
-/// The pool is shared through a `std` `Arc` (the cache's state pool type); its atomics
-/// are loom's, which is what the model checks.
-fn two_state_cache() -> (std::sync::Arc<MambaPool>, Arc<MambaRadixCache<TokenAllocator, std::sync::Arc<MambaPool>>>) {
+type Cache = MambaRadixCache<TokenAllocator, std::sync::Arc<MambaPool>>;
+
+/// The pool is shared through a `std` `Arc` (the cache's state pool type), and so is
+/// the cache (a request holds one); their atomics are loom's, which is what the model
+/// checks.
+fn two_state_cache() -> (std::sync::Arc<MambaPool>, std::sync::Arc<Cache>) {
     let cfg = MambaConfig { layers: 1, conv: vec![], temporal: StateShape::new(&[2], StateDtype::F32) };
     let pool = std::sync::Arc::new(MambaPool::new(2, cfg).unwrap());
     let cache = MambaRadixCache::with_states(
@@ -115,7 +117,22 @@ fn two_state_cache() -> (std::sync::Arc<MambaPool>, Arc<MambaRadixCache<TokenAll
         RadixConfig::default(),
     )
     .unwrap();
-    (pool, Arc::new(cache))
+    (pool, std::sync::Arc::new(cache))
+}
+
+/// Fill layer 0's temporal state of `slot` with `v`, by number through the pool's
+/// buffer, as a compute kernel writes the state a request saves.
+///
+/// The caller must hold `slot` (a request's saved state before it is cached): nothing
+/// else reads or writes it meanwhile.
+fn fill_state(pool: &MambaPool, slot: u32, v: u8) {
+    let (base, len) = pool.buffer_ptr(Component::Temporal).unwrap();
+    // One layer: the buffer is `size + 1` rows, row `slot` at `slot * row`.
+    let row = len / (pool.size() + 1);
+    assert!((slot as usize + 1) * row <= len);
+    // SAFETY: the range is inside the buffer (asserted), and the caller holds the slot,
+    // so no one else accesses these bytes while they are written.
+    unsafe { core::ptr::write_bytes(base.add(slot as usize * row), v, row) };
 }
 
 #[test]
@@ -124,12 +141,14 @@ fn tree_eviction_races_a_reader() {
     let seen = std::sync::Arc::clone(&outcomes);
     loom_common::model("tree_eviction_races_a_reader", move || {
         let (pool, cache) = two_state_cache();
-        let mut kv = [0u32; 2];
-        cache.allocator().alloc(&mut kv).unwrap();
-        let mut s = pool.alloc().unwrap();
-        pool.component_mut::<u8>(&mut s, 0, Component::Temporal).unwrap().fill(7);
-        let state = pool.cache(s).unwrap();
-        assert!(cache.insert(0, &[1, 2], &kv, state).unwrap().state_kept);
+        // A request caches [1, 2] with the state it saved (filled with 7s); its running
+        // state goes back.
+        let mut req = cache.admit(0, &[1, 2]).unwrap();
+        let state = req.save_state(2).unwrap();
+        fill_state(&pool, state, 7);
+        req.extend(2).unwrap();
+        assert!(req.finish(&[1, 2]).unwrap().state_kept);
+        assert!(pool.is_tree_held(state));
 
         let reader = {
             let pool = std::sync::Arc::clone(&pool);
@@ -147,7 +166,7 @@ fn tree_eviction_races_a_reader() {
             })
         };
         let evictor = {
-            let cache = Arc::clone(&cache);
+            let cache = std::sync::Arc::clone(&cache);
             thread::spawn(move || assert_eq!(cache.evict_mamba(1), 1))
         };
         let forked = reader.join().unwrap();
@@ -162,55 +181,4 @@ fn tree_eviction_races_a_reader() {
     let (refused, forked) = (outcomes[0].load(Ordering::Relaxed), outcomes[1].load(Ordering::Relaxed));
     println!("tree_eviction_races_a_reader: fork refused in {refused} executions, done in {forked}");
     assert!(refused > 0 && forked > 0);
-}
-
-#[test]
-fn caller_free_races_tree_insert() {
-    let outcomes = std::sync::Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
-    let seen = std::sync::Arc::clone(&outcomes);
-    loom_common::model("caller_free_races_tree_insert", move || {
-        let (pool, cache) = two_state_cache();
-        let mut kv = [0u32; 2];
-        cache.allocator().alloc(&mut kv).unwrap();
-        let state = cache.alloc_state().unwrap();
-
-        let inserter = {
-            let cache = Arc::clone(&cache);
-            thread::spawn(move || match cache.insert(0, &[1, 2], &kv, state) {
-                Ok(ins) => {
-                    assert!(ins.state_kept);
-                    true
-                }
-                Err(e) => {
-                    assert_eq!(e, CacheError::StateNotOwned { state });
-                    false
-                }
-            })
-        };
-        let freer = {
-            let pool = std::sync::Arc::clone(&pool);
-            thread::spawn(move || match pool.free(&[state]) {
-                Ok(()) => true,
-                Err(e) => {
-                    assert_eq!(e.kind, FreeErrorKind::Cached, "only the tree can have it");
-                    false
-                }
-            })
-        };
-        let inserted = inserter.join().unwrap();
-        let freed = freer.join().unwrap();
-        assert!(inserted != freed, "inserted {inserted}, freed {freed}: one state, one owner");
-        seen[usize::from(inserted)].fetch_add(1, Ordering::Relaxed);
-        if !inserted {
-            cache.allocator().free(&kv).unwrap();
-        }
-        assert_eq!(pool.is_tree_held(state), inserted);
-        pool.check_invariants().unwrap();
-        cache.check_invariants().unwrap();
-    });
-    let (freed, inserted) = (outcomes[0].load(Ordering::Relaxed), outcomes[1].load(Ordering::Relaxed));
-    println!(
-        "caller_free_races_tree_insert: freed by the caller in {freed} executions, taken by the tree in {inserted}"
-    );
-    assert!(freed > 0 && inserted > 0);
 }

@@ -28,14 +28,13 @@
 //! | `peek_racing_evict`             | a lookup before, inside or after an eviction returns the whole prefix or nothing; after it, nothing; a lookup that read the node and then saw it retired retries (observed) |
 //! | `peek_racing_split`             | a lookup before, inside or after a split finds the whole cached prefix (it failed until a split's swap bumped the bucket's removal version) |
 //! | `peek_racing_split_returns_a_valid_prefix` | a lookup racing a split returns a prefix of the right slots; before or after it, all of them |
-//! | `peek_racing_insert`            | a lookup racing an insert of a new leaf finds the old prefix or the new one, both seen inside the insert |
-//! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens returns the old slots only before the eviction, else nothing |
+//! | `peek_racing_insert`            | a lookup racing a finish that inserts a new leaf finds the old prefix or the new one, both seen inside the finish |
+//! | `peek_racing_evict_and_reuse`   | ABA: a lookup racing the eviction of its node and the reuse of its slots (and record) for other tokens by a request returns the old slots only before the eviction, else nothing |
 //! | `peek_across_a_reused_parent_page` | a two-level path whose parent is evicted and whose last page ends another parent with a matching child: a lookup returns the old path whole, its parent, or nothing, never old slots joined to the new child |
-//! | `lock_racing_evict`             | a locked node is never evicted; both orders are reached     |
-//! | `lock_of_a_match_racing_evict_and_reinsert` | `lock` of an unlocked match succeeds only before the eviction of its node, and is refused after it even once the same tokens are back in the same slots (ABA) |
-//! | `lock_racing_evict_mamba`       | Mamba variant: a state locked by a lease is never freed by `evict_mamba`; a lease taken after it finds no state and returns nothing; both orders reached |
+//! | `lock_racing_evict`             | an admission's locked node is never evicted; both orders are reached |
+//! | `lock_racing_evict_mamba`       | Mamba variant: a state an admitted request resumes from is never freed by `evict_mamba`; an admission after it finds no state and locks nothing; both orders reached |
 //! | `peek_racing_mamba_eviction`    | Mamba variant: a lookup racing `evict_mamba` (a tombstoning, then a leaf's removal cascading through its tombstone parent) returns a prefix of the cached slots: all of them before, none after |
-//! | `concurrent_overlapping_inserts`| two inserts of overlapping keys: exact sizes, no slot lost; both orders reached |
+//! | `concurrent_overlapping_inserts`| two finishes of overlapping keys: exact sizes, no slot lost; both orders reached |
 //! | `request_moves_between_threads` | a request handle admitted and extended on a scheduler thread, finished on an output thread it moves to, while a router looks up: the router sees the cached prefix or the finished request's whole pages, never its uncached slots; the accounting is exact after |
 //! | `event_queue_producer_consumer` | events are handed over once and in order, across a lap of the ring; a full queue drops and counts |
 
@@ -45,27 +44,40 @@ use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-use kvpool::radix::{CacheError, EventQueue, KvEvent, MambaRadixCache, RadixCache, RadixConfig};
+use kvpool::radix::{EventQueue, KvEvent, MambaRadixCache, RadixCache, RadixConfig, Request};
 use kvpool::{ReqToTokenPool, SlotPool, TokenAllocator};
 use loom_common::Outcomes;
 
-fn cache(size: usize) -> RadixCache<TokenAllocator> {
-    RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(1, 4).unwrap(), RadixConfig::default())
-        .unwrap()
+type Cache = RadixCache<TokenAllocator>;
+
+/// A cache of `size` KV slots and 2 request rows (the cache in a std `Arc`: a request
+/// holds one).
+fn cache(size: usize) -> std::sync::Arc<Cache> {
+    let rows = ReqToTokenPool::new(2, 4).unwrap();
+    std::sync::Arc::new(RadixCache::new(TokenAllocator::new(size).unwrap(), rows, RadixConfig::default()).unwrap())
 }
 
-/// A Mamba cache of 4 KV slots and 2 state slots.
-fn mamba_cache() -> MambaRadixCache<TokenAllocator> {
-    let (kv, rows) = (TokenAllocator::new(4).unwrap(), ReqToTokenPool::new(1, 4).unwrap());
-    MambaRadixCache::with_states(kv, rows, SlotPool::without_magazines(2), RadixConfig::default()).unwrap()
+/// A Mamba cache of 4 KV slots and `states` state slots.
+fn mamba_cache(states: u32) -> std::sync::Arc<MambaRadixCache<TokenAllocator>> {
+    let (kv, rows) = (TokenAllocator::new(4).unwrap(), ReqToTokenPool::new(2, 4).unwrap());
+    let states = SlotPool::without_magazines(states);
+    std::sync::Arc::new(MambaRadixCache::with_states(kv, rows, states, RadixConfig::default()).unwrap())
 }
 
-fn insert_fresh(c: &RadixCache<TokenAllocator>, key: &[u32]) -> Vec<u32> {
-    let mut s = vec![0u32; key.len()];
-    c.allocator().alloc(&mut s).unwrap();
-    let dup = c.insert(0, key, &s, 0).unwrap();
-    c.allocator().free(&s[..dup]).unwrap();
-    s
+/// A request for `key`, admitted and extended to its end (not finished): the slots it
+/// will cache are `slots()`.
+fn prefilled(c: &std::sync::Arc<Cache>, key: &[u32]) -> Request<TokenAllocator> {
+    let mut r = c.admit(0, key).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
+    r
+}
+
+/// Cache `key` through a request; returns the slots that hold it.
+fn cache_key(c: &std::sync::Arc<Cache>, key: &[u32]) -> Vec<u32> {
+    let r = prefilled(c, key);
+    let slots = r.slots().to_vec();
+    r.finish(key).unwrap();
+    slots
 }
 
 /// Two flags around the writer's call, so the reader can tell where it ran.
@@ -132,8 +144,8 @@ fn peek_racing_evict() {
     let seen = Outcomes::new(&["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
     let s = seen.clone();
     loom_common::model("peek_racing_evict", move || {
-        let c = Arc::new(cache(4));
-        let slots = insert_fresh(&c, &[1, 2]);
+        let c = cache(4);
+        let slots = cache_key(&c, &[1, 2]);
         let span = Span::new();
         let (c1, span1) = (c.clone(), span.clone());
         let writer = thread::spawn(move || assert_eq!(span1.write(|| c1.evict(2)), 2));
@@ -223,8 +235,8 @@ fn peek_racing_split_returns_a_valid_prefix() {
 /// One execution of a lookup of `[1, 2, 3]` racing a split of the node `[1, 2, 3]`:
 /// returns (matched, out, the cached slots, where the lookup ran).
 fn race_peek_with_split() -> (usize, [u32; 3], Vec<u32>, Place) {
-    let c = Arc::new(cache(6));
-    let slots = insert_fresh(&c, &[1, 2, 3]);
+    let c = cache(6);
+    let slots = cache_key(&c, &[1, 2, 3]);
     let span = Span::new();
     let (c1, span1) = (c.clone(), span.clone());
     let writer = thread::spawn(move || {
@@ -245,26 +257,30 @@ fn race_peek_with_split() -> (usize, [u32; 3], Vec<u32>, Place) {
     (n, out, slots, place)
 }
 
-/// A lookup racing an insert that hangs a new leaf `[3, 4]` under the cached `[1, 2]`
+/// A lookup racing a finish that hangs a new leaf `[3, 4]` under the cached `[1, 2]`
 /// finds `[1, 2]` and, once the leaf is published, all of `[1, 2, 3, 4]` with the
-/// inserted slots; never a half-published leaf. Both results are seen inside the insert.
+/// request's slots; never a half-published leaf. Both results are seen inside the
+/// finish. (The request is admitted and prefilled before the threads start: the writer's
+/// whole part is the finish, the insert and the lock's release.)
 #[test]
 fn peek_racing_insert() {
     let seen = Outcomes::new(&["before", "inside_old", "inside_new", "after"]);
     let s = seen.clone();
     loom_common::model("peek_racing_insert", move || {
-        let c = Arc::new(cache(6));
-        let prefix = insert_fresh(&c, &[1, 2]);
+        let c = cache(6);
+        let prefix = cache_key(&c, &[1, 2]);
+        let req = prefilled(&c, &[1, 2, 3, 4]);
+        let inserted = req.slots().to_vec();
         let span = Span::new();
-        let (c1, span1) = (c.clone(), span.clone());
-        let writer = thread::spawn(move || span1.write(|| insert_fresh(&c1, &[1, 2, 3, 4])));
+        let span1 = span.clone();
+        let writer = thread::spawn(move || span1.write(|| assert_eq!(req.finish(&[1, 2, 3, 4]).unwrap(), 2)));
         let (c2, span2) = (c.clone(), span.clone());
         let reader = thread::spawn(move || {
             let mut out = [0u32; 4];
             let (n, place) = span2.read(|| c2.peek_prefix(0, &[1, 2, 3, 4], &mut out));
             (n, out, place)
         });
-        let inserted = writer.join().unwrap();
+        writer.join().unwrap();
         let (n, out, place) = reader.join().unwrap();
         assert_eq!(out[..2], prefix[..], "wrong slots for the cached prefix: {out:?}");
         match (place, n) {
@@ -284,7 +300,9 @@ fn peek_racing_insert() {
 }
 
 /// ABA: the writer evicts `[1, 2]` and at once caches `[3, 4]` in the same two slots
-/// (the only ones) and, most likely, the same node record. A lookup of `[1, 2]` returns
+/// (the only ones) and, most likely, the same node record: a request for `[3, 4]`,
+/// admitted before the threads start (nothing matched, no slot yet), allocates them and
+/// finishes. A lookup of `[1, 2]` returns
 /// those slots only if it validated before the eviction (never after it finished), and
 /// returns nothing otherwise — never slots that now hold `[3, 4]`.
 #[test]
@@ -292,14 +310,18 @@ fn peek_racing_evict_and_reuse() {
     let seen = Outcomes::new(&["before_hit", "inside_hit", "inside_miss", "after_miss", "retried"]);
     let s = seen.clone();
     loom_common::model("peek_racing_evict_and_reuse", move || {
-        let c = Arc::new(cache(2));
-        let slots = insert_fresh(&c, &[1, 2]);
+        let c = cache(2);
+        let slots = cache_key(&c, &[1, 2]);
+        let mut req = c.admit(0, &[3, 4]).unwrap();
         let span = Span::new();
         let (c1, span1) = (c.clone(), span.clone());
         let writer = thread::spawn(move || {
             span1.write(|| {
                 assert_eq!(c1.evict(2), 2);
-                insert_fresh(&c1, &[3, 4])
+                req.extend(2).unwrap();
+                let reused = req.slots().to_vec();
+                req.finish(&[3, 4]).unwrap();
+                reused
             })
         });
         let (c2, span2) = (c.clone(), span.clone());
@@ -340,14 +362,17 @@ fn peek_racing_evict_and_reuse() {
 /// never continues below a parent that was evicted while it read, so it never returns
 /// the old parent's (freed) slots joined to a child of the new one.
 ///
-/// Before: `A = [1, 5]` in slots `[2, 1]`, its child `B = [2]` in slot `4`. The writer
-/// evicts both, then caches `A' = [9]` in slot `1` (A's last page) with a child
-/// `B' = [2]` in slot `3`: `B'` is keyed by `(page 1, [2])`, exactly what a lookup of
-/// `[1, 5, 2]` asks for below `A`. A lookup that validated `A`, then found `B'` under
-/// page 1, would return `[2, 1, 3]` while slot 2 is free, if it validated each node only
-/// when it read it and the deepest one at the end (this model fails so). The parent's
-/// generation is re-checked after its child is found, so the lookup returns
-/// `[2, 1, 4]`, `[2, 1]` (the leaf went first) or nothing.
+/// Before: `A = [1, 5]` in slots `[2, 1]`, its child `B = [2]` in slot `4` (a request
+/// steered into those slots by blocker requests, checkpointed at `[1, 5]` and finished).
+/// The writer evicts both, then a request for `[9, 2]` (admitted before the threads
+/// start, nothing matched) allocates slots `[1, 2]`, checkpoints `A' = [9]` in slot `1`
+/// (A's last page) and finishes with the child `B' = [2]` in slot `2`: `B'` is keyed by
+/// `(page 1, [2])`, exactly what a lookup of `[1, 5, 2]` asks for below `A`. A lookup
+/// that validated `A`, then found `B'` under page 1, would return `[2, 1, 2]` (A's
+/// slots joined to the other tree's child), if it validated each node only when it read
+/// it and the deepest one at the end (this model failed so with raw inserts in the
+/// writer). The parent's generation is re-checked after its child is found, so the
+/// lookup returns `[2, 1, 4]`, `[2, 1]` (the leaf went first) or nothing.
 #[test]
 fn peek_across_a_reused_parent_page() {
     let seen = Outcomes::new(&["before_whole", "inside_whole", "inside_parent", "inside_miss", "after_miss"]);
@@ -357,22 +382,32 @@ fn peek_across_a_reused_parent_page() {
     // writer's publication against the reader's checks.
     builder.preemption_bound = Some(builder.preemption_bound.map_or(2, |b| b.min(2)));
     loom_common::model_with("peek_across_a_reused_parent_page", builder, move || {
-        let c = Arc::new(cache(4));
-        let mut hand = [0u32; 4];
-        c.allocator().alloc(&mut hand).unwrap();
-        assert_eq!(c.insert(0, &[1, 5], &[2, 1], 0).unwrap(), 0);
-        assert_eq!(c.insert(0, &[1, 5, 2], &[2, 1, 4], 0).unwrap(), 2);
-        c.allocator().free(&[3]).unwrap();
+        let c = cache(4);
+        // A in slots [2, 1] -> [4]: blockers hold the slots it must not get (the
+        // allocator hands out its lowest free slot).
+        let mut a = c.admit(0, &[1, 5, 2]).unwrap();
+        let mut blocker = c.admit(0, &[]).unwrap();
+        blocker.extend(1).unwrap();
+        a.extend(1).unwrap();
+        blocker.abort();
+        a.extend(1).unwrap();
+        let mut blocker = c.admit(0, &[]).unwrap();
+        blocker.extend(1).unwrap();
+        a.extend(1).unwrap();
+        blocker.abort();
+        assert_eq!(a.slots(), [2, 1, 4], "the model's layout");
+        a.checkpoint(&[1, 5]).unwrap();
+        a.finish(&[1, 5, 2]).unwrap();
+        let mut b = c.admit(0, &[9, 2]).unwrap();
         let span = Span::new();
         let (c1, span1) = (c.clone(), span.clone());
         let writer = thread::spawn(move || {
             span1.write(|| {
                 assert_eq!(c1.evict(100), 3);
-                let mut hand = [0u32; 4];
-                c1.allocator().alloc(&mut hand).unwrap();
-                assert_eq!(c1.insert(0, &[9], &[1], 0).unwrap(), 0);
-                assert_eq!(c1.insert(0, &[9, 2], &[1, 3], 0).unwrap(), 1);
-                c1.allocator().free(&[2, 4]).unwrap();
+                b.extend(2).unwrap();
+                assert_eq!(b.slots(), [1, 2], "the model's layout");
+                b.checkpoint(&[9]).unwrap();
+                assert_eq!(b.finish(&[9, 2]).unwrap(), 1);
             })
         });
         let (c2, span2) = (c.clone(), span.clone());
@@ -401,7 +436,7 @@ fn peek_across_a_reused_parent_page() {
         c.check_invariants().unwrap();
         let mut now = [0u32; 2];
         assert_eq!(c.peek_prefix(0, &[9, 2], &mut now), 2);
-        assert_eq!(now, [1, 3]);
+        assert_eq!(now, [1, 2]);
     });
     seen.expect_seen(
         "peek_across_a_reused_parent_page",
@@ -409,66 +444,66 @@ fn peek_across_a_reused_parent_page() {
     );
 }
 
-/// Match-and-lock racing eviction: a locked node is never evicted; the lease's slots
-/// stay cached and allocated until it is released. Both orders are reached.
+/// An admission (match and lock) racing eviction: a locked node is never evicted; the
+/// request's cached slots stay cached and allocated until it ends. Both orders are
+/// reached.
 #[test]
 fn lock_racing_evict() {
     let seen = Outcomes::new(&["locked_first", "evicted_first"]);
     let s = seen.clone();
     loom_common::model("lock_racing_evict", move || {
-        let c = Arc::new(cache(4));
-        let slots = insert_fresh(&c, &[1, 2]);
+        let c = cache(4);
+        let slots = cache_key(&c, &[1, 2]);
         let c2 = c.clone();
         let t = thread::spawn(move || c2.evict(2));
-        let mut out = [0u32; 2];
-        let lease = c.match_and_lock(0, &[1, 2], &mut out);
+        let req = c.admit(0, &[1, 2]).unwrap();
         let freed = t.join().unwrap();
-        if lease.len() == 2 {
-            assert_eq!(out[..], slots[..]);
+        if req.cached_len() == 2 {
+            assert_eq!(req.slots(), &slots[..]);
             assert_eq!(freed, 0, "evicted a locked node");
             assert_eq!(c.total_size(), 2);
             assert!(slots.iter().all(|&s| c.allocator().is_allocated(s)));
             s.hit("locked_first");
         } else {
-            assert_eq!((lease.len(), freed), (0, 2));
+            assert_eq!((req.cached_len(), freed), (0, 2));
             s.hit("evicted_first");
         }
-        drop(lease);
+        drop(req);
         c.check_invariants().unwrap();
     });
     seen.expect_seen("lock_racing_evict", &["locked_first", "evicted_first"]);
 }
 
-/// Mamba variant: match-and-lock racing `evict_mamba`. A lease ending at a state keeps
-/// the state allocated and unfreeable until released; once the state is gone the match
-/// finds no checkpoint and returns nothing (the leaf went whole: a leaf is never a
-/// tombstone). Both orders are reached.
+/// Mamba variant: an admission racing `evict_mamba`. A request resuming from a state
+/// keeps the state allocated and unfreeable until it ends; once the state is gone the
+/// admission finds no state to resume from and locks nothing (the leaf went whole: a
+/// leaf is never a tombstone). Both orders are reached.
 #[test]
 fn lock_racing_evict_mamba() {
     let seen = Outcomes::new(&["locked_first", "evicted_first"]);
     let s = seen.clone();
     loom_common::model("lock_racing_evict_mamba", move || {
-        let c = Arc::new(mamba_cache());
-        let mut kv = [0u32; 2];
-        c.allocator().alloc(&mut kv).unwrap();
-        let state = c.alloc_state().unwrap();
-        assert!(c.insert(0, &[1, 2], &kv, state).unwrap().state_kept);
+        let c = mamba_cache(2);
+        // [1, 2] cached with a state (the request's running state goes back).
+        let mut r = c.admit(0, &[1, 2]).unwrap();
+        let state = r.save_state(2).unwrap();
+        r.extend(2).unwrap();
+        assert!(r.finish(&[1, 2]).unwrap().state_kept);
         let c2 = c.clone();
         let t = thread::spawn(move || c2.evict_mamba(1));
-        let mut out = [0u32; 2];
-        let lease = c.match_and_lock(0, &[1, 2], &mut out);
+        let req = c.admit(0, &[1, 2]).unwrap();
         let freed = t.join().unwrap();
-        if lease.len() == 2 {
+        if req.cached_len() == 2 {
             assert_eq!(freed, 0, "freed a locked state");
-            assert_eq!(c.lease_state(&lease), Some(state));
+            assert_eq!(req.resume_state(), Some(state));
             assert!(c.states().is_allocated(state));
             s.hit("locked_first");
         } else {
-            assert_eq!((lease.len(), freed, c.total_size()), (0, 1, 0));
+            assert_eq!((req.cached_len(), req.resume_state(), freed, c.total_size()), (0, None, 1, 0));
             assert!(!c.states().is_allocated(state));
             s.hit("evicted_first");
         }
-        drop(lease);
+        drop(req);
         c.check_invariants().unwrap();
     });
     seen.expect_seen("lock_racing_evict_mamba", &["locked_first", "evicted_first"]);
@@ -483,12 +518,16 @@ fn peek_racing_mamba_eviction() {
     let seen = Outcomes::new(&["whole", "none", "upper_only"]);
     let s = seen.clone();
     loom_common::model("peek_racing_mamba_eviction", move || {
-        let c = Arc::new(mamba_cache());
-        let mut kv = [0u32; 4];
-        c.allocator().alloc(&mut kv).unwrap();
-        let (s1, s2) = (c.alloc_state().unwrap(), c.alloc_state().unwrap());
-        c.insert(0, &[1, 2], &kv[..2], s1).unwrap();
-        c.insert(0, &[1, 2, 3, 4], &kv, s2).unwrap();
+        // [1, 2] with a state, and [3, 4] under it with another: one request that
+        // checkpoints at 2 and finishes at 4 (a running state and two saved ones).
+        let c = mamba_cache(3);
+        let mut r = c.admit(0, &[1, 2, 3, 4]).unwrap();
+        r.extend(4).unwrap();
+        let kv = r.slots().to_vec();
+        r.save_state(2).unwrap();
+        r.checkpoint(&[1, 2]).unwrap();
+        r.save_state(4).unwrap();
+        assert!(r.finish(&[1, 2, 3, 4]).unwrap().state_kept);
         let span = Span::new();
         let (c2, sp) = (c.clone(), span.clone());
         let t = thread::spawn(move || sp.write(|| c2.evict_mamba(2)));
@@ -503,90 +542,29 @@ fn peek_racing_mamba_eviction() {
             (2, _) => s.hit("upper_only"),
             _ => panic!("a lookup returned {n} tokens"),
         }
-        assert_eq!((c.total_size(), c.states().available()), (0, 2));
+        assert_eq!((c.total_size(), c.states().available()), (0, 3));
         c.check_invariants().unwrap();
     });
     seen.expect_seen("peek_racing_mamba_eviction", &["whole", "none"]);
 }
 
-/// A match taken without a lock, locked later while another thread evicts its node and
-/// caches the same key in the same slots again: `lock` succeeds only if it came before
-/// the eviction, and refuses the match (`StaleMatch`) after it — also once the same
-/// tokens are back in the same slots (the per-page epoch rules out that ABA).
-#[test]
-fn lock_of_a_match_racing_evict_and_reinsert() {
-    let seen = Outcomes::new(&["locked_before_evict", "stale", "stale_after_reinsert_same_slots"]);
-    let s = seen.clone();
-    loom_common::model("lock_of_a_match_racing_evict_and_reinsert", move || {
-        let c = Arc::new(cache(2));
-        let slots = insert_fresh(&c, &[1, 2]);
-        let mut out = [0u32; 2];
-        let m = c.match_prefix(0, &[1, 2], &mut out);
-        assert_eq!(m.len(), 2);
-        let span = Span::new();
-        let (c1, span1) = (c.clone(), span.clone());
-        let writer = thread::spawn(move || {
-            span1.write(|| {
-                let freed = c1.evict(2);
-                if freed == 2 {
-                    insert_fresh(&c1, &[1, 2]);
-                }
-                freed
-            })
-        });
-        let (c2, span2) = (c.clone(), span.clone());
-        let reader = thread::spawn(move || {
-            let (locked, place) = span2.read(|| c2.lock(&m).map(|lease| lease.detach()));
-            (locked, place)
-        });
-        let freed = writer.join().unwrap();
-        let (locked, place) = reader.join().unwrap();
-        match locked {
-            Ok(lease) => {
-                assert_ne!(place, Place::After, "locked a match whose node was evicted");
-                assert_eq!(freed, 0, "evicted a locked node");
-                assert_eq!(lease.len(), 2);
-                c.release(lease).unwrap();
-                s.hit("locked_before_evict");
-            }
-            Err(e) => {
-                assert_eq!(e, CacheError::StaleMatch);
-                assert_ne!(place, Place::Before, "refused a match whose node was cached throughout");
-                assert_eq!(freed, 2);
-                let mut now = [0u32; 2];
-                assert_eq!(c.peek_prefix(0, &[1, 2], &mut now), 2);
-                let mut sorted = now;
-                sorted.sort_unstable();
-                assert_eq!(sorted, [1, 2], "the reinsert did not reuse the slots");
-                s.hit(if now[..] == slots[..] && place == Place::After {
-                    "stale_after_reinsert_same_slots"
-                } else {
-                    "stale"
-                });
-            }
-        }
-        c.check_invariants().unwrap();
-        assert_eq!(c.protected_size(), 0);
-    });
-    seen.expect_seen(
-        "lock_of_a_match_racing_evict_and_reinsert",
-        &["locked_before_evict", "stale", "stale_after_reinsert_same_slots"],
-    );
-}
-
-/// Two threads insert overlapping keys at once; each frees its duplicates. The tree
-/// ends valid with exact sizes and no slot lost or doubly owned, whichever insert
-/// went first (both orders are reached).
+/// Two threads finish requests with overlapping keys at once (both admitted and
+/// prefilled before, when nothing was cached); the later finish frees its duplicates.
+/// The tree ends valid with exact sizes and no slot lost or doubly owned, whichever
+/// finish went first (both orders are reached).
 #[test]
 fn concurrent_overlapping_inserts() {
     let seen = Outcomes::new(&["thread_first", "main_first"]);
     let s = seen.clone();
     loom_common::model("concurrent_overlapping_inserts", move || {
-        let c = Arc::new(cache(8));
-        let c2 = c.clone();
-        let t = thread::spawn(move || insert_fresh(&c2, &[1, 2, 3]));
-        let mine = insert_fresh(&c, &[1, 2, 4]);
-        let theirs = t.join().unwrap();
+        let c = cache(8);
+        let (theirs_req, mine_req) = (prefilled(&c, &[1, 2, 3]), prefilled(&c, &[1, 2, 4]));
+        let (theirs, mine) = (theirs_req.slots().to_vec(), mine_req.slots().to_vec());
+        let t = thread::spawn(move || theirs_req.finish(&[1, 2, 3]).unwrap());
+        let mine_found = mine_req.finish(&[1, 2, 4]).unwrap();
+        let theirs_found = t.join().unwrap();
+        assert_eq!(mine_found + theirs_found, 2, "exactly one finish found [1, 2] cached");
+        assert_eq!(c.req_pool().available_size(), 2);
         c.check_invariants().unwrap();
         assert_eq!(c.total_size(), 4);
         assert_eq!(c.evictable_size(), 4);
@@ -675,7 +653,7 @@ fn request_moves_between_threads() {
     let seen = Outcomes::new(&["prefix", "whole"]);
     let s = seen.clone();
     loom_common::model("request_moves_between_threads", move || {
-        let c = std::sync::Arc::new(cache(4));
+        let c = cache(4);
         let mut first = c.admit(0, &[1, 2]).unwrap();
         first.extend(2).unwrap();
         let cached = first.slots().to_vec();
@@ -712,7 +690,7 @@ fn request_moves_between_threads() {
         }
         c.check_invariants().unwrap();
         assert_eq!((c.total_size(), c.protected_size(), c.allocator().available_size()), (3, 0, 1));
-        assert_eq!(c.req_pool().available_size(), 1);
+        assert_eq!(c.req_pool().available_size(), 2);
     });
     seen.expect_seen("request_moves_between_threads", &["prefix", "whole"]);
 }

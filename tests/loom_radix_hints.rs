@@ -14,30 +14,33 @@
 
 mod loom_common;
 
-use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::radix::{EvictionPolicy, RadixCache, RadixConfig};
 use kvpool::{ReqToTokenPool, TokenAllocator};
 use loom_common::Outcomes;
 
-fn hinted(size: usize) -> RadixCache<TokenAllocator> {
+type Cache = RadixCache<TokenAllocator>;
+
+/// A hinted cache of `size` KV slots (in a std `Arc`: a request holds one).
+fn hinted(size: usize) -> std::sync::Arc<Cache> {
     let config = RadixConfig { policy: EvictionPolicy::Hinted, ..RadixConfig::default() };
-    RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(1, 4).unwrap(), config).unwrap()
+    let rows = ReqToTokenPool::new(2, 4).unwrap();
+    std::sync::Arc::new(RadixCache::new(TokenAllocator::new(size).unwrap(), rows, config).unwrap())
 }
 
-fn insert_fresh(c: &RadixCache<TokenAllocator>, key: &[u32]) -> Vec<u32> {
-    let mut s = vec![0u32; key.len()];
-    c.allocator().alloc(&mut s).unwrap();
-    let dup = c.insert(0, key, &s, 0).unwrap();
-    c.allocator().free(&s[..dup]).unwrap();
-    s
+/// Cache `key` through a request; returns the slots that hold it.
+fn cache_key(c: &std::sync::Arc<Cache>, key: &[u32]) -> Vec<u32> {
+    let mut r = c.admit(0, key).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
+    let slots = r.slots().to_vec();
+    r.finish(key).unwrap();
+    slots
 }
 
-/// One admission: a match (and its lease, released at once) of a key nobody caches.
-fn admit(c: &RadixCache<TokenAllocator>) {
-    let mut out = [0u32; 2];
-    drop(c.match_and_lock(0, &[9, 9], &mut out));
+/// One admission of a key nobody caches, aborted at once.
+fn admit(c: &std::sync::Arc<Cache>) {
+    drop(c.admit(0, &[9, 9]).unwrap());
 }
 
 /// Leaves A = [1, 2] (no hits) and B = [3, 4] (one hit): unprotected, A goes first.
@@ -51,11 +54,10 @@ fn racing_hints_keep_the_later_admission() {
     // asserts the result in every schedule loom explores (at least two, both routers
     // interleaved: `loom_common::model` fails otherwise).
     loom_common::model("racing_hints_keep_the_later_admission", move || {
-        let c = Arc::new(hinted(4));
-        let a = insert_fresh(&c, &[1, 2]);
-        insert_fresh(&c, &[3, 4]);
-        let mut out = [0u32; 2];
-        drop(c.match_and_lock(0, &[3, 4], &mut out)); // B: one hit (one admission)
+        let c = hinted(4);
+        let a = cache_key(&c, &[1, 2]);
+        cache_key(&c, &[3, 4]);
+        drop(c.admit(0, &[3, 4]).unwrap()); // B: one hit (one admission)
         let (c1, c2) = (c.clone(), c.clone());
         let far = thread::spawn(move || {
             let mut out = [0u32; 2];
@@ -78,8 +80,9 @@ fn racing_hints_keep_the_later_admission() {
 }
 
 /// A = [1, 2] is cached. A router hints A (wanted at the 5th admission from now) while
-/// the writer evicts A and caches [3, 4], which takes A's slots and, the free list being
-/// last-in first-out, A's node record. Then [5, 6] is cached. The eviction of two
+/// the writer evicts A and caches [3, 4] (a request admitted before the threads start,
+/// which allocates and finishes), which takes A's node record, the free list being
+/// last-in first-out. Then [5, 6] is cached (one admission more). The eviction of two
 /// tokens must take [3, 4] (older, no hits) however the hint landed: before the
 /// eviction (folded away with A, or left in the word with A's generation), or after it
 /// (the look-up validated A's old generation, or found nothing and posted nothing).
@@ -88,12 +91,16 @@ fn hint_racing_evict_and_reuse() {
     let seen = Outcomes::new(&["hint_found_a", "hint_found_nothing"]);
     let s = seen.clone();
     loom_common::model("hint_racing_evict_and_reuse", move || {
-        let c = Arc::new(hinted(4));
-        insert_fresh(&c, &[1, 2]);
+        let c = hinted(4);
+        cache_key(&c, &[1, 2]);
+        let mut req = c.admit(0, &[3, 4]).unwrap();
         let c1 = c.clone();
         let writer = thread::spawn(move || {
             assert_eq!(c1.evict(2), 2);
-            insert_fresh(&c1, &[3, 4])
+            req.extend(2).unwrap();
+            let reused = req.slots().to_vec();
+            req.finish(&[3, 4]).unwrap();
+            reused
         });
         let c2 = c.clone();
         let router = thread::spawn(move || {
@@ -102,7 +109,7 @@ fn hint_racing_evict_and_reuse() {
         });
         let reused = writer.join().unwrap();
         let found = router.join().unwrap();
-        let fresh = insert_fresh(&c, &[5, 6]);
+        let fresh = cache_key(&c, &[5, 6]);
         assert_eq!(c.evict(2), 2);
         let mut now = [0u32; 2];
         assert_eq!(c.peek_prefix(0, &[3, 4], &mut now), 0, "a stale hint protected the record's new node");

@@ -3,9 +3,9 @@
 //! capacities). Run with `scripts/loom.sh loom_swa_tree`.
 //!
 //! The tree in every model (window 2 tokens, page size 1): `[1,2] -> {[3,4], [5]}`,
-//! built by inserting `[1,2,3,4]` and then `[1,2,5]` (the split re-times `[3,4]`, so
-//! `[1,2]` is the least recently used node of the window order, then `[3,4]`, then
-//! `[5]`).
+//! built by two requests admitted on the empty tree, finishing `[1,2,3,4]` and then
+//! `[1,2,5]` (the second finish's split re-times `[3,4]`, so `[1,2]` is the least
+//! recently used node of the window order, then `[3,4]`, then `[5]`).
 //!
 //! As in `tests/loom_radix.rs`, the writer is spawned first and the reader second, the
 //! main thread only joins, so loom's first schedule stores before it loads and
@@ -14,9 +14,9 @@
 //!
 //! | model | what it proves |
 //! |---|---|
-//! | `lock_racing_evict_swa` | a lease's window part is never tombstoned: locked first, the window pass skips `[1,2]` and removes the leaf `[3,4]` instead; evicted first, `[1,2]` is a tombstone and the match returns nothing; sizes exact after the join in both orders |
+//! | `lock_racing_evict_swa` | an admitted request's locked window part is never tombstoned: locked first, the window pass skips `[1,2]` and removes the leaf `[3,4]` instead; evicted first, `[1,2]` is a tombstone and the admission matches nothing; sizes exact after the join in both orders |
 //! | `peek_racing_tombstoning` | a lock-free `peek_prefix` of `[1,2,5]` racing the window pass that tombstones `[1,2]` returns 3 (the state before) or 0 (after), never 2 or garbage slots; before it, 3; after it, 0 |
-//! | `peek_racing_revival` | a `peek_prefix` of `[1,2,5]` racing an insert of `[1,2,6]` that revives the tombstone `[1,2]` with the inserter's window KV returns 0 (before) or 3 (after, with the tree's slots) |
+//! | `peek_racing_revival` | a `peek_prefix` of `[1,2,5]` racing the finish of a request for `[1,2,6]` that revives the tombstone `[1,2]` with the request's window KV returns 0 (before) or 3 (after, with the tree's slots) |
 
 mod loom_common;
 
@@ -25,27 +25,36 @@ use loom::sync::Arc;
 use loom::thread;
 
 use kvpool::alloc::SwaAllocator;
-use kvpool::radix::{RadixConfig, SwaRadixCache};
+use kvpool::radix::{RadixConfig, Request, Swa, SwaRadixCache};
 use kvpool::ReqToTokenPool;
 use loom_common::Outcomes;
 
+/// A request for `key`, admitted and extended to its end (not finished).
+fn prefilled(c: &std::sync::Arc<SwaRadixCache>, key: &[u32]) -> Request<SwaAllocator, Swa> {
+    let mut r = c.admit(0, key).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
+    r
+}
+
 /// A cache of `size` full and window tokens, window 2, holding `[1,2] -> {[3,4], [5]}`
 /// (`size - 5` tokens stay free); returns it and the slots of `[1,2,3,4,5]`.
-fn tree(size: usize) -> (SwaRadixCache, [u32; 5]) {
-    let c = SwaRadixCache::with_window(
-        SwaAllocator::new(size, size, 1).unwrap(),
-        ReqToTokenPool::new(1, 4).unwrap(),
-        RadixConfig::default(),
-        2,
-    )
-    .unwrap();
-    let (mut kv, mut second) = ([0u32; 4], [0u32; 3]);
-    c.allocator().alloc(&mut kv).unwrap();
-    c.allocator().alloc(&mut second).unwrap();
-    assert_eq!(c.insert(0, &[1, 2, 3, 4], &kv).unwrap().cached, 0);
-    assert_eq!(c.insert(0, &[1, 2, 5], &second).unwrap().cached, 2);
-    c.allocator().free(&second[..2]).unwrap(); // the second insert's duplicates
-    (c, [kv[0], kv[1], kv[2], kv[3], second[2]])
+fn tree(size: usize) -> (std::sync::Arc<SwaRadixCache>, [u32; 5]) {
+    let c = std::sync::Arc::new(
+        SwaRadixCache::with_window(
+            SwaAllocator::new(size, size, 1).unwrap(),
+            ReqToTokenPool::new(2, 4).unwrap(),
+            RadixConfig::default(),
+            2,
+        )
+        .unwrap(),
+    );
+    // Both admitted before either finishes: the second finish's insert makes the split
+    // (an admission that matched `[1,2]` would touch it after the split instead).
+    let (first, second) = (prefilled(&c, &[1, 2, 3, 4]), prefilled(&c, &[1, 2, 5]));
+    let (kv, fifth) = (first.slots().to_vec(), second.slots()[2]);
+    assert_eq!(first.finish(&[1, 2, 3, 4]).unwrap(), 0);
+    assert_eq!(second.finish(&[1, 2, 5]).unwrap(), 2); // its `[1,2]` slots were duplicates
+    (c, [kv[0], kv[1], kv[2], kv[3], fifth])
 }
 
 /// Two flags around the writer's call, so the reader can tell where it ran.
@@ -83,33 +92,29 @@ impl Span {
     }
 }
 
-/// `match_and_lock([1,2])` racing `evict_swa(2)`: the window part of a lease is never
-/// tombstoned, and the sizes are exact after the join in both orders.
+/// An admission of `[1,2]` (match and lock) racing `evict_swa(2)`: the window part of
+/// the request's lock is never tombstoned, and the sizes are exact after the join in
+/// both orders.
 #[test]
 fn lock_racing_evict_swa() {
     let seen = Outcomes::new(&["locked_first", "evicted_first"]);
     let s = seen.clone();
     loom_common::model("lock_racing_evict_swa", move || {
         let (c, kv) = tree(7);
-        let c = Arc::new(c);
         let c2 = c.clone();
         let writer = thread::spawn(move || c2.evict_swa(2));
         let c3 = c.clone();
-        let reader = thread::spawn(move || {
-            let mut out = [0u32; 2];
-            let lease = c3.match_and_lock(0, &[1, 2], &mut out);
-            let n = lease.len();
-            (lease.detach(), n, out)
-        });
+        let reader = thread::spawn(move || c3.admit(0, &[1, 2]).unwrap());
         let freed = writer.join().unwrap();
-        let (raw, n, out) = reader.join().unwrap();
+        let req = reader.join().unwrap();
+        let n = req.cached_len();
         let sizes = (c.total_size(), c.tombstone_size(), c.swa_protected_size(), c.protected_size());
         if n == 2 {
-            assert_eq!(out, [kv[0], kv[1]]);
+            assert_eq!(req.slots(), [kv[0], kv[1]]);
             // The window pass skipped the locked [1,2] and removed the leaf [3,4].
             assert_eq!(freed, 2);
             assert_eq!(sizes, (3, 0, 2, 2), "(total, tombstones, swa protected, protected)");
-            assert_eq!(c.allocator().window_slot(kv[0]).is_some(), true, "a leased window was freed");
+            assert!(c.allocator().window_slot(kv[0]).is_some(), "a leased window was freed");
             s.hit("locked_first");
         } else {
             assert_eq!(n, 0);
@@ -118,7 +123,7 @@ fn lock_racing_evict_swa() {
             assert_eq!(c.allocator().window_slot(kv[0]), None);
             s.hit("evicted_first");
         }
-        c.release(raw).unwrap();
+        drop(req);
         assert_eq!((c.swa_protected_size(), c.protected_size()), (0, 0));
         c.check_invariants().unwrap();
     });
@@ -134,7 +139,6 @@ fn peek_racing_tombstoning() {
     let s = seen.clone();
     loom_common::model("peek_racing_tombstoning", move || {
         let (c, kv) = tree(7);
-        let c = Arc::new(c);
         let span = Arc::new(Span::default());
         let (c2, sp) = (c.clone(), span.clone());
         let writer = thread::spawn(move || sp.write(|| c2.evict_swa(1)));
@@ -162,27 +166,28 @@ fn peek_racing_tombstoning() {
     seen.expect_seen("peek_racing_tombstoning", &["before_3", "inside_3", "inside_0", "after_0"]);
 }
 
-/// A lock-free lookup of `[1,2,5]` racing an insert of `[1,2,6]` whose slots bring
-/// window KV for `[1,2]`, which revives the tombstone (the tree's pages take the
-/// inserter's window pages): the lookup returns 0 (before) or 3 (after), with the
-/// tree's own slots.
+/// A lock-free lookup of `[1,2,5]` racing the finish of a request for `[1,2,6]` (admitted
+/// and prefilled before the threads start: the tombstone matched nothing, so its slots
+/// for `[1,2]` bring window KV), which revives the tombstone (the tree's pages take the
+/// request's window pages): the lookup returns 0 (before) or 3 (after), with the tree's
+/// own slots.
 #[test]
 fn peek_racing_revival() {
     let seen = Outcomes::new(&["before_0", "inside_0", "inside_3", "after_3"]);
     let s = seen.clone();
-    loom_common::model("peek_racing_revival", move || {
+    let mut builder = loom::model::Builder::new();
+    // Every atomic access counts against loom's branch limit (1,000 by default), the
+    // single-threaded setup's and the final `check_invariants`' too: the two requests
+    // that build the tree and the one that revives it go past it.
+    builder.max_branches = 4_000;
+    loom_common::model_with("peek_racing_revival", builder, move || {
         let (c, kv) = tree(10);
         assert_eq!(c.evict_swa(1), 2);
-        let mut fresh = [0u32; 3];
-        c.allocator().alloc(&mut fresh).unwrap();
-        let c = Arc::new(c);
+        let req = prefilled(&c, &[1, 2, 6]);
+        assert_eq!(req.cached_len(), 0);
         let span = Arc::new(Span::default());
-        let (c2, sp) = (c.clone(), span.clone());
-        let writer = thread::spawn(move || {
-            let r = sp.write(|| c2.insert(0, &[1, 2, 6], &fresh).unwrap());
-            c2.allocator().free(&fresh[..r.cached]).unwrap();
-            r.cached
-        });
+        let sp = span.clone();
+        let writer = thread::spawn(move || sp.write(|| req.finish(&[1, 2, 6]).unwrap()));
         let (c3, sp) = (c.clone(), span.clone());
         let reader = thread::spawn(move || {
             let mut out = [0u32; 3];

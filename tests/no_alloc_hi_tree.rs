@@ -1,15 +1,17 @@
-//! Zero heap allocations in the host-tier radix cache's hot paths: `match_and_load`
-//! (splits, load-backs that evict for room), `alloc_extend` evicting the shortfall
-//! (backed-up nodes moving to host, write-back backups, host eviction for room, nodes
-//! removed with their host subtrees), `peek_prefix`, `cache_unfinished_req`,
-//! `cache_finished_req` (backups at write hits, host-only nodes taking the request's
-//! slots), `evict_host`, dropping a lease, `insert_host` (prefetches), and the transfers: taking them, reading
+//! Zero heap allocations in the host-tier radix cache's hot paths, through the request
+//! handle: admissions (splits, load-backs that evict for room), extends evicting the
+//! shortfall (backed-up nodes moving to host, write-back backups, host eviction for
+//! room, nodes removed with their host subtrees), checkpoints and finishes (backups at
+//! write hits, host-only nodes taking the request's slots); `peek_prefix`, `evict`,
+//! `evict_host`, `insert_host` (prefetches), and the transfers: taking them, reading
 //! their page pairs, completing them (some right away, some a request later, so that
 //! evictions and loads meet pages in flight). The counting global allocator of
 //! `tests/alloc_common` counts this thread's allocations.
 #![cfg(not(loom))]
 
 mod alloc_common;
+
+use std::sync::Arc;
 
 use alloc_common::allocations;
 use kvpool::radix::{EvictionPolicy, HiRadixCache, HostTier, RadixConfig, Transfer, WritePolicy};
@@ -42,32 +44,22 @@ impl Flight {
     }
 }
 
-/// One request's life: match, load back and lock, allocate the rest (evicting), cache a
-/// chunk, finish.
-fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new: &mut [u32], f: &mut Flight) {
+/// One request's life: admit (matching, loading back and locking), extend by the rest
+/// (evicting), checkpoint a chunk, finish.
+fn serve(cache: &Arc<HiRadixCache<PagedAllocator>>, key: &[u32], hit: &mut [u32], f: &mut Flight) {
     let ps = cache.page_size();
-    let mut row = cache.req_pool().alloc().unwrap();
     if f.calls % 4 == 3 {
         // Another engine's KV for this key, brought to host (a prefetch).
         let _ = cache.insert_host(0, key, hit);
         let _ = cache.host_backed_len(0, key);
     }
-    let (mut lease, _) = cache.match_and_load(0, key, hit, None);
+    let mut r = cache.admit(0, key).unwrap();
     f.step(cache, false);
-    let h = lease.len();
-    cache.req_pool().write(&mut row, 0, &hit[..h]).unwrap();
-    let last = if h > 0 { hit[h - 1] } else { 0 };
-    let out = &mut new[..key.len() - h];
-    let avail = cache.allocator().available_size();
-    if avail < out.len() + ps {
-        cache.evict(out.len() + ps - avail);
-    }
-    cache.alloc_extend(&[h as u32], &[key.len() as u32], &[last], out).unwrap();
-    cache.req_pool().write(&mut row, h, out).unwrap();
+    r.extend(key.len() - r.len()).unwrap();
     let _ = cache.peek_prefix(0, key, hit);
-    let chunk = (key.len() / 2).max(h) / ps * ps;
-    cache.cache_unfinished_req(0, &key[..chunk], &mut row, &mut lease).unwrap();
-    cache.cache_finished_req(0, key, row, lease).unwrap();
+    let chunk = (key.len() / 2).max(r.cached_len()) / ps * ps;
+    r.checkpoint(&key[..chunk]).unwrap();
+    r.finish(key).unwrap();
     f.calls += 1;
     f.step(cache, f.calls % 3 != 0);
 }
@@ -75,13 +67,15 @@ fn serve(cache: &HiRadixCache<PagedAllocator>, key: &[u32], hit: &mut [u32], new
 fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u64) {
     let ps_us = ps as usize;
     let tier = HostTier { host_pages, write_policy, load_back_threshold: ps_us };
-    let cache = HiRadixCache::with_host_tier(
-        PagedAllocator::new(40 * ps_us, ps).unwrap(),
-        ReqToTokenPool::new(2, 64 * ps_us).unwrap(),
-        RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() },
-        tier,
-    )
-    .unwrap();
+    let cache = Arc::new(
+        HiRadixCache::with_host_tier(
+            PagedAllocator::new(40 * ps_us, ps).unwrap(),
+            ReqToTokenPool::new(2, 64 * ps_us).unwrap(),
+            RadixConfig { policy: EvictionPolicy::Lru, event_capacity: None, ..RadixConfig::default() },
+            tier,
+        )
+        .unwrap(),
+    );
     let base: Vec<u32> = (0..12 * ps).collect();
     let mut keys = Vec::new();
     for k in 0..6u32 {
@@ -93,16 +87,15 @@ fn exercise(ps: u32, write_policy: WritePolicy, host_pages: u32) -> (u64, u64, u
         keys.push(key);
     }
     let mut hit = vec![0u32; 12 * ps_us];
-    let mut new = vec![0u32; 12 * ps_us];
     let mut f = Flight { held: [Transfer::default(); 256], n: 0, dev: [0; 64], host: [0; 64], calls: 0 };
     // Warm up (first touches of every arena), then count.
     for key in &keys {
-        serve(&cache, key, &mut hit, &mut new, &mut f);
+        serve(&cache, key, &mut hit, &mut f);
     }
     let (n, ()) = allocations(|| {
         for round in 0..6 {
             for key in &keys {
-                serve(&cache, key, &mut hit, &mut new, &mut f);
+                serve(&cache, key, &mut hit, &mut f);
             }
             cache.evict(8 * ps_us);
             f.step(&cache, round % 3 != 2);

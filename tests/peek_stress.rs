@@ -1,23 +1,25 @@
 //! Lock-free lookups racing a writer that evicts a two-node path and reuses its parent's
 //! last page for another parent with a matching child, on real threads.
 //!
-//! The writer cycles between two trees over the same four pages:
+//! The writer cycles between two trees over the same four pages, each built by a request
+//! (a checkpoint at the parent, then the finish adds the child), steered into its pages
+//! by a blocker request that holds the pages it must not get:
 //!
-//! * `[1, 5] -> [2]` in pages `[2, 1] -> [4]`;
-//! * `[9] -> [2]` in pages `[1] -> [3]`: page 1, which ended `[1, 5]`, now ends `[9]`,
+//! * `[1, 5] -> [2]` in pages `[2, 1] -> [3]`;
+//! * `[9] -> [2]` in pages `[1] -> [4]`: page 1, which ended `[1, 5]`, now ends `[9]`,
 //!   and its child starts with the page `[2]` that a lookup of `[1, 5, 2]` asks for
 //!   below page 1.
 //!
 //! Readers look both keys up without pause and check every answer against the one tree
-//! it may come from: `[1, 5, 2]` finds pages `[2, 1, 4]`, `[2, 1]` or nothing, `[9, 2]`
-//! finds `[1, 3]`, `[1]` or nothing. A lookup that validated `[1, 5]`, then continued
-//! under page 1 after the writer's swap, would return `[2, 1, 3]`: slots of page 2, free
+//! it may come from: `[1, 5, 2]` finds pages `[2, 1, 3]`, `[2, 1]` or nothing, `[9, 2]`
+//! finds `[1, 4]`, `[1]` or nothing. A lookup that validated `[1, 5]`, then continued
+//! under page 1 after the writer's swap, would return `[2, 1, 4]`: slots of page 2, free
 //! by then, joined to a child of the other tree. The loom model
 //! `peek_across_a_reused_parent_page` (tests/loom_radix.rs) checks every interleaving
 //! of one such swap; this runs many swaps with page sizes 1 and 16.
 //!
 //! Bounded by a count of writer cycles, not by time: `KVPOOL_STRESS_CYCLES` sets it
-//! (default 300,000 per page size, a few seconds: enough that a lookup which re-checks
+//! (default 300,000 per page size, several seconds: enough that a lookup which re-checks
 //! only the deepest node, not each parent, fails it on a 2-core machine). A longer run:
 //! `KVPOOL_STRESS_CYCLES=2000000 cargo test --release --test peek_stress`.
 
@@ -54,7 +56,7 @@ fn race(ps: usize) {
     let cache = Arc::new(
         RadixCache::new(
             PagedAllocator::new(4 * ps, ps as u32).unwrap(),
-            ReqToTokenPool::new(1, 4 * ps).unwrap(),
+            ReqToTokenPool::new(2, 4 * ps).unwrap(),
             RadixConfig::default(),
         )
         .unwrap(),
@@ -65,8 +67,8 @@ fn race(ps: usize) {
         .map(|r| {
             let (c, done, found) = (cache.clone(), done.clone(), found.clone());
             thread::spawn(move || {
-                let (a, a_slots) = (key(ps, &[1, 5, 2]), slots(ps, &[2, 1, 4]));
-                let (b, b_slots) = (key(ps, &[9, 2]), slots(ps, &[1, 3]));
+                let (a, a_slots) = (key(ps, &[1, 5, 2]), slots(ps, &[2, 1, 3]));
+                let (b, b_slots) = (key(ps, &[9, 2]), slots(ps, &[1, 4]));
                 let mut out = vec![0u32; 3 * ps];
                 let mut i = r;
                 while !done.load(Ordering::Relaxed) {
@@ -88,21 +90,32 @@ fn race(ps: usize) {
         })
         .collect();
 
-    let mut hand = vec![0u32; 4 * ps];
     let (k15, k152) = (key(ps, &[1, 5]), key(ps, &[1, 5, 2]));
-    let (s15, s152) = (slots(ps, &[2, 1]), slots(ps, &[2, 1, 4]));
     let (k9, k92) = (key(ps, &[9]), key(ps, &[9, 2]));
-    let (s9, s92) = (slots(ps, &[1]), slots(ps, &[1, 3]));
+    let (s152, s92) = (slots(ps, &[2, 1, 3]), slots(ps, &[1, 4]));
     for _ in 0..cycles() {
-        cache.allocator().alloc(&mut hand).unwrap();
-        cache.insert(0, &k15, &s15, 0).unwrap();
-        cache.insert(0, &k152, &s152, 0).unwrap();
-        cache.allocator().free(&slots(ps, &[3])).unwrap();
+        // `[1, 5] -> [2]` in pages `[2, 1] -> [3]`: a blocker holds page 1 while the
+        // request takes its first page (the allocator hands out its lowest free page).
+        let mut blocker = cache.admit(0, &[]).unwrap();
+        blocker.extend(ps).unwrap();
+        let mut a = cache.admit(0, &k152).unwrap();
+        a.extend(ps).unwrap();
+        blocker.abort();
+        a.extend(2 * ps).unwrap();
+        assert_eq!(a.slots(), &s152[..], "the writer's layout");
+        a.checkpoint(&k15).unwrap();
+        a.finish(&k152).unwrap();
         assert_eq!(cache.evict(usize::MAX), 3 * ps);
-        cache.allocator().alloc(&mut hand).unwrap();
-        cache.insert(0, &k9, &s9, 0).unwrap();
-        cache.insert(0, &k92, &s92, 0).unwrap();
-        cache.allocator().free(&slots(ps, &[2, 4])).unwrap();
+        // `[9] -> [2]` in pages `[1] -> [4]`: the blocker holds pages 2 and 3.
+        let mut b = cache.admit(0, &k92).unwrap();
+        b.extend(ps).unwrap();
+        let mut blocker = cache.admit(0, &[]).unwrap();
+        blocker.extend(2 * ps).unwrap();
+        b.extend(ps).unwrap();
+        blocker.abort();
+        assert_eq!(b.slots(), &s92[..], "the writer's layout");
+        b.checkpoint(&k9).unwrap();
+        b.finish(&k92).unwrap();
         assert_eq!(cache.evict(usize::MAX), 2 * ps);
     }
     done.store(true, Ordering::Relaxed);

@@ -25,7 +25,7 @@ use shuttle::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use shuttle::sync::Arc;
 use shuttle::thread;
 
-use kvpool::radix::{RadixCache, RadixConfig, RawLease};
+use kvpool::radix::{RadixCache, RadixConfig, Request};
 use kvpool::{ReqToTokenPool, TokenAllocator};
 use shuttle_common::{random_in, random_key, schedules, Outcomes, Shadow};
 
@@ -45,17 +45,24 @@ const DIVERGE: u32 = 9;
 
 type Cache = RadixCache<TokenAllocator>;
 
-/// A key locked for the whole run: (key, its slots, the lease).
-type Pinned = (Vec<u32>, Vec<u32>, RawLease);
+/// Request rows: the pinned requests', the splitter's and the writer's.
+const ROWS: u32 = PINNED as u32 + 2;
 
-/// Allocate slots for `key` (evicting if short), record what they hold, insert, free
-/// the duplicates.
-fn insert(c: &Cache, shadow: &Shadow, ns: u64, key: &[u32]) {
-    let mut slots = vec![0u32; key.len()];
-    c.alloc(&mut slots).expect("the cache can always evict enough");
-    shadow.record(&slots, key);
-    let dup = c.insert(ns, key, &slots, 0).unwrap();
-    c.allocator().free(&slots[..dup]).unwrap();
+/// A key locked for the whole run (by a request the main thread holds): the key and its
+/// slots.
+type Pinned = (Vec<u32>, Vec<u32>);
+
+/// Cache `key` through a request: admit it, allocate the rest (evicting if short), write
+/// the tokens into the request's own slots (the shadow holds them as the request's
+/// until it finishes), finish (its duplicates are freed).
+fn insert(c: &std::sync::Arc<Cache>, shadow: &Shadow, ns: u64, key: &[u32]) {
+    let mut r = c.admit(ns, key).unwrap();
+    r.extend(key.len() - r.len()).expect("the cache can always evict enough");
+    let (hit, id) = (r.cached_len(), r.row_index() as u32 + 1);
+    shadow.claim(id, &r.slots()[hit..], &key[hit..]);
+    // Handed to the cache: the shadow lets go first (a lookup may find them once cached).
+    shadow.unclaim(id, &r.slots()[hit..]);
+    r.finish(key).unwrap();
 }
 
 fn random_len_key() -> Vec<u32> {
@@ -67,10 +74,10 @@ const LABELS: &[&str] = &["nodes", "peeks", "found", "pinned_short", "doomed_fou
 /// One schedule. `strict`: a short lookup of a pinned key fails the test (else it is
 /// counted as `pinned_short`).
 fn scenario(strict: bool, seen: &Outcomes) {
-    let c = Arc::new(
+    let c = std::sync::Arc::new(
         RadixCache::new(
             TokenAllocator::new(SIZE).unwrap(),
-            ReqToTokenPool::new(1, 16).unwrap(),
+            ReqToTokenPool::new(ROWS, 16).unwrap(),
             RadixConfig::default(),
         )
         .unwrap(),
@@ -88,23 +95,24 @@ fn scenario(strict: bool, seen: &Outcomes) {
     for _ in 0..c.node_count() {
         seen.hit("nodes"); // summed over schedules: the mean tree size is nodes / schedules
     }
-    // Pin a few keys: their nodes are locked, so they stay cached with the same slots
-    // through every split, insert and eviction.
-    let mut pinned = vec![];
+    // Pin a few keys: requests admitted for them lock their nodes, so they stay cached
+    // with the same slots through every split, insert and eviction.
+    let (mut pinned, mut pins) = (vec![], vec![]);
     for _ in 0..PINNED {
         let key = keys[random_in(0..KEYS)].clone();
-        let mut out = vec![0u32; key.len()];
-        let lease = c.match_and_lock(0, &key, &mut out).detach();
-        assert_eq!(lease.len(), key.len());
+        let req = c.admit(0, &key).unwrap();
+        assert_eq!(req.cached_len(), key.len());
+        let out = req.slots().to_vec();
         shadow.lock(&out);
-        pinned.push((key, out, lease));
+        pinned.push((key, out));
+        pins.push(req);
     }
     let pinned: Arc<Vec<Pinned>> = Arc::new(pinned);
     let purged = Arc::new(AtomicBool::new(false));
 
     let mut threads = vec![];
     // The splitter: matches that end inside nodes (each splits one, unless an earlier
-    // split already cut there), and match-and-lock.
+    // split already cut there), some of them admissions (match and lock; aborted).
     {
         let (c, keys, pinned, seen) = (c.clone(), keys.clone(), pinned.clone(), seen.clone());
         threads.push(thread::spawn(move || {
@@ -116,8 +124,8 @@ fn scenario(strict: bool, seen: &Outcomes) {
                 key.push(DIVERGE);
                 let mut out = vec![0u32; key.len()];
                 if round % 4 == 0 {
-                    let lease = c.match_and_lock(0, &key, &mut out);
-                    assert!(lease.len() < key.len());
+                    let req: Request<TokenAllocator> = c.admit(0, &key).unwrap();
+                    assert!(req.cached_len() < key.len());
                 } else {
                     assert!(c.match_prefix(0, &key, &mut out).len() < key.len());
                 }
@@ -152,7 +160,7 @@ fn scenario(strict: bool, seen: &Outcomes) {
                 seen.hit("peeks");
                 match round % 3 {
                     0 => {
-                        let (key, slots, _) = &pinned[random_in(0..PINNED)];
+                        let (key, slots) = &pinned[random_in(0..PINNED)];
                         let mut out = vec![0u32; key.len() + 1];
                         let mut query = key.clone();
                         query.push(1);
@@ -195,10 +203,9 @@ fn scenario(strict: bool, seen: &Outcomes) {
         t.join().unwrap();
     }
 
-    let pinned = Arc::try_unwrap(pinned).unwrap_or_else(|_| panic!("every thread joined"));
-    for (_, slots, lease) in pinned {
-        shadow.unlock(&slots);
-        c.release(lease).unwrap();
+    for ((_, slots), req) in pinned.iter().zip(pins) {
+        shadow.unlock(slots);
+        req.abort();
     }
     c.check_invariants().unwrap();
     assert_eq!(c.protected_size(), 0);
@@ -268,25 +275,31 @@ fn path_slots(g: usize, i: usize, j: usize) -> [u32; 4] {
 }
 
 /// One schedule: a writer lays generation after generation over the same slots (evict
-/// everything, then insert the new tree into fixed slots); two readers look up paths of
-/// the current, previous and next generations. Each answer must be a prefix of the one
-/// path its key names: the parent's tokens belong to one generation only.
+/// everything, then cache the new tree, a request per path, into fixed slots); two
+/// readers look up paths of the current, previous and next generations. Each answer
+/// must be a prefix of the one path its key names: the parent's tokens belong to one
+/// generation only.
 fn reused_parent_pages(seen: &Outcomes) {
     let size = PARENTS * SUBTREE;
-    let c = Arc::new(
+    let c = std::sync::Arc::new(
         RadixCache::new(TokenAllocator::new(size).unwrap(), ReqToTokenPool::new(1, 8).unwrap(), RadixConfig::default())
             .unwrap(),
     );
-    let lay = move |c: &Cache, g: usize| {
+    // The allocator hands out its lowest free slots, and everything is free: requests
+    // laid in the order of their slots get those slots (asserted).
+    let lay = move |c: &std::sync::Arc<Cache>, g: usize| {
         c.evict(usize::MAX);
         assert_eq!(c.allocator().available_size(), size);
-        let mut hand = vec![0u32; size];
-        c.allocator().alloc(&mut hand).unwrap();
-        for i in 0..PARENTS {
-            for j in 0..2 {
+        for q in 0..PARENTS {
+            let i = (0..PARENTS).find(|&i| position(g, i) == q).expect("a permutation");
+            // The child whose slots come first in this generation, then the other.
+            for j in [g & 1, 1 - (g & 1)] {
                 let mut key = parent_key(g, i).to_vec();
                 key.extend(child_key(j));
-                c.insert(0, &key, &path_slots(g, i, j), 0).unwrap();
+                let mut r = c.admit(0, &key).unwrap();
+                r.extend(key.len() - r.len()).unwrap();
+                assert_eq!(r.slots(), path_slots(g, i, j), "generation {g} parent {i} child {j}: the layout");
+                r.finish(&key).unwrap();
             }
         }
         assert_eq!(c.allocator().available_size(), 0);
