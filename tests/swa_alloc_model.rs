@@ -127,7 +127,7 @@ proptest! {
                 prop_assert!(w.is_some(), "full page {} has no window page", p);
                 prop_assert!(window_used.insert(w.unwrap()), "window slot {:?} mapped twice", w);
             }
-            prop_assert_eq!(swa.window().available_size(), window.available_size());
+            prop_assert_eq!(swa.window_available_size(), window.available_size());
             if batch.len() == 1 {
                 let breaks: Vec<usize> = (1..got.len()).filter(|&i| got[i] != got[i - 1].wrapping_add(1)).collect();
                 prop_assert_eq!(&reported, &breaks);

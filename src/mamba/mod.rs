@@ -54,8 +54,8 @@ mod pool;
 mod rows;
 
 pub use layers::{HybridLayerMap, LayerError, LayerKind};
-pub use pool::{HeldState, MambaPool, MambaSlot, SlotRefused};
 pub(crate) use pool::sealed::Holder;
+pub use pool::{HeldState, MambaPool, MambaSlot, SlotRefused};
 pub use rows::{HybridAllocError, HybridFreeError, HybridReqToTokenPool, HybridRow};
 
 use core::fmt;

@@ -12,14 +12,14 @@
 //! alone). A free racing with an insert of the same page means two callers each
 //! believe they own it, which no check of one call can settle.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 #[cfg(test)]
 use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::alloc::{KvAllocator, SwaAllocator, SwaWindow};
-use crate::error::{InvalidInput, InvariantViolation};
 #[cfg(test)]
 use crate::error::{AllocError, FreeError, FreeErrorKind};
+use crate::error::{InvalidInput, InvariantViolation};
 
 /// A read-only view of a prefix cache's KV allocator (see
 /// [`RadixCache::allocator`](super::RadixCache::allocator)): its sizes and slot states.

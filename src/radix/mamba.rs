@@ -64,11 +64,11 @@ use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::Writer;
 use super::LatchHeld;
+#[cfg(test)]
+use super::Unfinished;
 use super::{CacheError, EvictionPolicy, Lease, Meta, RadixCache, RadixConfig, NIL, ROOT};
 use crate::alloc::KvAllocator;
 use crate::error::{AllocError, ConfigError, FreeError, FreeErrorKind, OutOfMemory, Unit};
-#[cfg(test)]
-use super::Unfinished;
 use crate::mamba::{MambaPool, MambaSlot};
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 use crate::slots::SlotPool;
@@ -1173,7 +1173,12 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// that state; also how far the KV matched and where to checkpoint (see
     /// [`MambaMatch`]). Refreshes the recency of the returned path only, the root
     /// oldest; splits a node the KV match ends inside (the upper half has no state).
-    pub(crate) fn match_and_lock_checkpoint(&self, namespace: u64, key: &[u32], out: &mut [u32]) -> MambaMatch<'_, A, P> {
+    pub(crate) fn match_and_lock_checkpoint(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        out: &mut [u32],
+    ) -> MambaMatch<'_, A, P> {
         let key = self.aligned(key, out.len());
         let (key, state, kv_len) = self.write(|w| {
             let (m, best, kv_len, _) = w.match_path(namespace, key, out);
@@ -1340,7 +1345,11 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     }
 
     /// [`take_into`](Self::take_into) for the state a request saved.
-    fn take_saved_into(w: &Writer<'_, A, Mamba<P>>, state: u32, taken: &core::cell::Cell<bool>) -> Result<(), CacheError> {
+    fn take_saved_into(
+        w: &Writer<'_, A, Mamba<P>>,
+        state: u32,
+        taken: &core::cell::Cell<bool>,
+    ) -> Result<(), CacheError> {
         let free_of_tree = state != 0 && (state as usize) < w.s.ext.owner.len() && w.s.ext.owner[state as usize] == NIL;
         if !(free_of_tree && w.c.variant.take_saved(state)) {
             return Err(CacheError::StateNotOwned { state });
@@ -1366,7 +1375,13 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
     /// [`CacheError::StateNotOwned`] when `state` is not a slot the caller holds (free,
     /// out of range, or held by the tree already). Nothing changes on error.
     #[cfg(test)]
-    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], state: u32) -> Result<StateInsert, CacheError> {
+    pub(crate) fn insert(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        state: u32,
+    ) -> Result<StateInsert, CacheError> {
         let r = self.write(|w| {
             Self::take_state(w, state)?;
             match w.insert(namespace, key, slots, 0) {
@@ -1469,4 +1484,3 @@ impl StatePool for crate::mamba::MambaPool {
         self.is_cached(slot)
     }
 }
-

@@ -208,9 +208,7 @@ pub use hi::{
     DEFAULT_LOAD_BACK_THRESHOLD,
 };
 pub use key::CacheKey;
-pub use mamba::{
-    CacheStates, CheckpointConfig, Mamba, MambaRadixCache, MambaRequest, StateInsert, StatePool,
-};
+pub use mamba::{CacheStates, CheckpointConfig, Mamba, MambaRadixCache, MambaRequest, StateInsert, StatePool};
 pub use policy::{EvictionPolicy, UnknownPolicy};
 pub use request::{Refused, Request};
 pub use swa::{Swa, SwaInsert, SwaRadixCache};
@@ -1428,7 +1426,12 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// `prefix_len..seq_len` is past the row's end or the row is another pool's.
     /// Nothing is allocated on error.
     #[cfg(test)]
-    pub(crate) fn alloc_extend_row(&self, row: &mut ReqRow, prefix_len: usize, seq_len: usize) -> Result<(), AllocError> {
+    pub(crate) fn alloc_extend_row(
+        &self,
+        row: &mut ReqRow,
+        prefix_len: usize,
+        seq_len: usize,
+    ) -> Result<(), AllocError> {
         alloc_view::mark_raw(&self.raw_used);
         self.extend_row(row, prefix_len, seq_len)
     }
@@ -1584,7 +1587,13 @@ impl<A: KvAllocator> RadixCache<A> {
     /// slots are not that page's slots in order; [`CacheError::SlotNotOwned`] if a new
     /// page is already in the tree or not allocated. Nothing changes on error.
     #[cfg(test)]
-    pub(crate) fn insert(&self, namespace: u64, key: &[u32], slots: &[u32], priority: i64) -> Result<usize, CacheError> {
+    pub(crate) fn insert(
+        &self,
+        namespace: u64,
+        key: &[u32],
+        slots: &[u32],
+        priority: i64,
+    ) -> Result<usize, CacheError> {
         let r = self.write(|w| w.insert(namespace, key, slots, priority).map(|(cached, _)| cached));
         crate::debug_check(self);
         r

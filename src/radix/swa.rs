@@ -77,15 +77,13 @@ use super::heap::{self, Heap, Slot};
 use super::variant::Variant;
 use super::writer::Writer;
 use super::LatchHeld;
-use super::{
-    CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, NIL, ROOT,
-};
+#[cfg(test)]
+use super::Unfinished;
+use super::{CacheError, EvictionPolicy, Inserted, Lease, Lookup, Meta, RadixCache, RadixConfig, NIL, ROOT};
 use crate::alloc::{KvAllocator, SwaAllocator};
 use crate::error::ConfigError;
 #[cfg(test)]
 use crate::error::InvalidInput;
-#[cfg(test)]
-use super::Unfinished;
 use crate::req_to_token::{ReqRow, ReqToTokenPool};
 
 #[cfg(test)]
@@ -826,7 +824,6 @@ impl RadixCache<SwaAllocator, Swa> {
         crate::debug_check(self);
         r
     }
-
 }
 
 impl super::Request<SwaAllocator, Swa> {
