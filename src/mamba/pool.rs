@@ -283,9 +283,9 @@ impl MambaPool {
         self.states.get(slot as usize).is_some_and(|s| live(s.load(Ordering::Acquire)))
     }
 
-    /// Whether `slot` is a cached state a radix tree holds (a
-    /// [`MambaRadixCache`](crate::radix::MambaRadixCache) over this pool took it): only
-    /// that tree frees it, so [`free`](Self::free) refuses it.
+    /// Whether `slot` is a cached state a [`MambaRadixCache`](crate::radix::MambaRadixCache)
+    /// over this pool holds: its tree's, or one of its requests saved for caching. Only
+    /// the cache frees it, so [`free`](Self::free) refuses it.
     pub fn is_tree_held(&self, slot: u32) -> bool {
         self.states.get(slot as usize).is_some_and(|s| {
             let w = s.load(Ordering::Acquire);

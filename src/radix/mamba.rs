@@ -1464,9 +1464,10 @@ impl<A: KvAllocator, P: StatePool> RadixCache<A, Mamba<P>> {
 }
 
 /// kvpool's [`MambaPool`](crate::mamba::MambaPool) as the tree's state pool: the tree
-/// holds *cached* states by number (a request hands one over with
-/// [`MambaPool::cache`](crate::mamba::MambaPool::cache)); `alloc_one` hands out a
-/// zeroed state already cached, and `free` takes cached states back.
+/// holds *cached* states by number; a request's running state is held through a
+/// handle, and the states it saves are cached copies. `alloc_one` hands out a zeroed
+/// state already cached, `free` takes cached states back, and `is_allocated` counts
+/// held and cached states.
 impl StatePool for crate::mamba::MambaPool {
     fn capacity(&self) -> u32 {
         self.size() as u32
@@ -1481,6 +1482,6 @@ impl StatePool for crate::mamba::MambaPool {
         crate::mamba::MambaPool::free(self, slots)
     }
     fn is_allocated(&self, slot: u32) -> bool {
-        self.is_cached(slot)
+        crate::mamba::MambaPool::is_allocated(self, slot)
     }
 }
