@@ -538,14 +538,12 @@ impl DeltaPlanner {
     }
 
     /// The full entries of a staged block.
-    #[cfg(feature = "models")]
-    pub(crate) fn full_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaEntry] {
+    pub fn full_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaEntry] {
         bytemuck::cast_slice(&block[HEAD..HEAD + FULL_WORDS * staged.full])
     }
 
     /// The page entries of a staged block.
-    #[cfg(feature = "models")]
-    pub(crate) fn page_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaPage] {
+    pub fn page_entries<'b>(&self, block: &'b [u32], staged: &StagedDelta) -> &'b [DeltaPage] {
         let at = HEAD + FULL_WORDS * self.capacity;
         bytemuck::cast_slice(&block[at..at + PAGE_WORDS * staged.paged])
     }

@@ -83,18 +83,6 @@ fn starts_whole_block(w: usize, first: u32, count: u32) -> bool {
 impl SlotPool {
     /// Whether every index of `first..first + count` is handed out (`false` if any is
     /// out of range or free). One load per 64 indices; a snapshot under concurrency.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// let pool = kvpool::SlotPool::new(100);
-    /// let mut a = [0u32; 70];
-    /// pool.alloc(&mut a)?; // 1..=70
-    /// assert!(pool.all_allocated(1, 70));
-    /// assert!(!pool.all_allocated(65, 10)); // 71..=74 are free
-    /// assert!(pool.all_allocated(5, 0));
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
     pub(crate) fn all_allocated(&self, first: u32, count: u32) -> bool {
         if count == 0 {
             return true;
