@@ -150,7 +150,7 @@ impl KvLayout {
 
     /// Elements per row, or `None` when that overflows `usize` (only possible where
     /// `usize` is narrower than 64 bits).
-    pub(crate) fn checked_row_elems(self) -> Option<usize> {
+    pub fn checked_row_elems(self) -> Option<usize> {
         match self {
             KvLayout::Mha { head_num, head_dim } => (head_num as usize).checked_mul(head_dim as usize),
             KvLayout::Mla { kv_lora_rank, qk_rope_head_dim } => {
@@ -234,19 +234,19 @@ impl KvConfig {
     }
 
     /// Bytes per row, or `None` when that overflows `usize`.
-    pub(crate) fn checked_row_bytes(&self) -> Option<usize> {
+    pub fn checked_row_bytes(&self) -> Option<usize> {
         self.layout.checked_row_elems()?.checked_mul(self.dtype.bytes())
     }
 
     /// Bytes of one layer's buffer, or `None` when that (or the rows) overflows `usize`.
-    pub(crate) fn checked_layer_bytes(&self) -> Option<usize> {
+    pub fn checked_layer_bytes(&self) -> Option<usize> {
         self.size.checked_add(self.page_size as usize)?.checked_mul(self.checked_row_bytes()?)
     }
 
     /// Bytes of the whole cache, or `None` when that (or any part of it) overflows
     /// `usize`. A configuration that [`validate`](Self::validate) accepts always has
     /// `Some`, at most `isize::MAX`.
-    pub(crate) fn checked_total_bytes(&self) -> Option<usize> {
+    pub fn checked_total_bytes(&self) -> Option<usize> {
         self.checked_layer_bytes()?.checked_mul(self.layer_num as usize)?.checked_mul(self.layout.buffers())
     }
 

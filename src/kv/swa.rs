@@ -331,7 +331,7 @@ impl MappingTable for [AtomicU32] {
 
 /// The mapping of an [`SwaAllocator`](crate::alloc::SwaAllocator) (its
 /// [`window()`](crate::alloc::SwaAllocator::window)), read entry by entry with
-/// `Acquire` as [`SwaWindow::slot_of`] does.
+/// `Acquire` as [`SwaAllocator::window_slot`](crate::alloc::SwaAllocator::window_slot) does.
 impl MappingTable for SwaWindow {
     fn entries(&self) -> usize {
         self.mapping_len()

@@ -87,9 +87,10 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 /// [`checkpoint`](super::Request::checkpoint)) is freed by the tree alone, when it
 /// evicts it; a request's own states go back when it ends. The cache's callers see its
 /// pool through [`states`](RadixCache::states), which frees nothing; a [`MambaPool`]
-/// marks the tree's states in its own state words, so its [`free`](MambaPool::free)
-/// refuses them ([`FreeErrorKind::Cached`](crate::error::FreeErrorKind::Cached)), through any `Arc` of it. That is why a [`SlotPool`], which keeps no such marks, is taken only by
-/// value: no other handle to it can exist.
+/// marks the cache's states in its own state words, so its [`free`](MambaPool::free)
+/// refuses them ([`FreeErrorKind::Cached`]), through any `Arc` of it. That is why a
+/// [`SlotPool`], which keeps no such marks, is taken only by value: no other handle to
+/// it can exist.
 ///
 /// # One cache per pool
 ///
