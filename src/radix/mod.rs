@@ -1458,6 +1458,15 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
 
     /// [`alloc_decode`](Self::alloc_decode) for [`Request`]s, which account for what
     /// they allocate.
+    /// The decode step of one live request whose next token starts a page
+    /// (`seq_len - 1` a whole number of pages; `last_loc` its last slot, or 0): its
+    /// shape holds by construction, so only the page is made room for and allocated.
+    pub(crate) fn decode_page(&self, seq_len: u32, last_loc: u32, out: &mut u32) -> Result<(), AllocError> {
+        self.make_room(self.ps);
+        let out = core::slice::from_mut(out);
+        self.alloc.alloc_decode(&[seq_len], &[last_loc], out).map_err(|e| self.with_evictable(e))
+    }
+
     fn decode_slots(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let need = self.alloc.decode_need(seq_lens)?;
         let req = |i: usize| (seq_lens[i] - 1, seq_lens[i]);

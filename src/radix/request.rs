@@ -587,7 +587,15 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     fn decode_one(&self, r: &mut Request<A, V>, out: &mut u32) -> Result<(), AllocError> {
         self.check_decode(r, self.req_pool.max_context_len())?;
         let at = r.written;
-        self.decode_slots(&[at as u32 + 1], &[r.last], core::slice::from_mut(out))?;
+        if at % self.ps != 0 {
+            // Inside the request's own last page (a cached prefix is whole pages, so a
+            // request whose last token continues a page wrote that page itself): the
+            // next slot of the page, as the allocator's decode would place it, with
+            // nothing to allocate.
+            *out = r.last + 1;
+        } else {
+            self.decode_page(at as u32 + 1, r.last, out)?;
+        }
         let wrote = self.req_pool.write(r.row.as_mut().expect("a live request holds its row"), at, &[*out]);
         debug_assert!(wrote.is_ok(), "a checked decode position failed to write: {wrote:?}");
         r.written += 1;
