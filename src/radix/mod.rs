@@ -1461,10 +1461,19 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     /// The decode step of one live request whose next token starts a page
     /// (`seq_len - 1` a whole number of pages; `last_loc` its last slot, or 0): its
     /// shape holds by construction, so only the page is made room for and allocated.
+    ///
+    /// The page is asked for first and room made only when none is free (an
+    /// allocation that fails changes nothing), so a step with free pages reads no
+    /// free count; what is evicted is what making room first would evict.
     pub(crate) fn decode_page(&self, seq_len: u32, last_loc: u32, out: &mut u32) -> Result<(), AllocError> {
-        self.make_room(self.ps);
         let out = core::slice::from_mut(out);
-        self.alloc.alloc_decode(&[seq_len], &[last_loc], out).map_err(|e| self.with_evictable(e))
+        match self.alloc.alloc_decode(&[seq_len], &[last_loc], out) {
+            Err(AllocError::OutOfMemory(_)) => {
+                self.make_room(self.ps);
+                self.alloc.alloc_decode(&[seq_len], &[last_loc], out).map_err(|e| self.with_evictable(e))
+            }
+            r => r,
+        }
     }
 
     fn decode_slots(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
