@@ -1453,36 +1453,35 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
     #[cfg(test)]
     pub(crate) fn alloc_decode(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         alloc_view::mark_raw(&self.raw_used);
-        self.decode_slots(seq_lens, last_locs, out)
-    }
-
-    /// [`alloc_decode`](Self::alloc_decode) for [`Request`]s, which account for what
-    /// they allocate.
-    /// The decode step of one live request whose next token starts a page
-    /// (`seq_len - 1` a whole number of pages; `last_loc` its last slot, or 0): its
-    /// shape holds by construction, so only the page is made room for and allocated.
-    ///
-    /// The page is asked for first and room made only when none is free (an
-    /// allocation that fails changes nothing), so a step with free pages reads no
-    /// free count; what is evicted is what making room first would evict.
-    pub(crate) fn decode_page(&self, seq_len: u32, last_loc: u32, out: &mut u32) -> Result<(), AllocError> {
-        let out = core::slice::from_mut(out);
-        match self.alloc.alloc_decode(&[seq_len], &[last_loc], out) {
-            Err(AllocError::OutOfMemory(_)) => {
-                self.make_room(self.ps);
-                self.alloc.alloc_decode(&[seq_len], &[last_loc], out).map_err(|e| self.with_evictable(e))
-            }
-            r => r,
-        }
-    }
-
-    fn decode_slots(&self, seq_lens: &[u32], last_locs: &[u32], out: &mut [u32]) -> Result<(), AllocError> {
         let need = self.alloc.decode_need(seq_lens)?;
         let req = |i: usize| (seq_lens[i] - 1, seq_lens[i]);
         crate::alloc::check_batch_shape(&self.alloc, seq_lens.len(), last_locs, out.len(), seq_lens.len(), req)?;
         self.allocator().check_continued_pages(last_locs, req)?;
-        self.make_room(need);
-        self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+        self.decode_slots(seq_lens, last_locs, out, need)
+    }
+
+    /// The decode slots of live [`Request`]s (`seq_lens[i] - 1` tokens written, ending
+    /// at `last_locs[i]`, their own when it continues a page), `need` the tokens of
+    /// the pages they start: their shape holds by construction, so no batch check is
+    /// repeated here (the allocator checks what it reads).
+    ///
+    /// The slots are asked for first and room made only when the allocator is short
+    /// (an allocation that fails changes nothing), so a step with free pages reads no
+    /// free count; what is evicted is what making room first would evict.
+    pub(crate) fn decode_slots(
+        &self,
+        seq_lens: &[u32],
+        last_locs: &[u32],
+        out: &mut [u32],
+        need: usize,
+    ) -> Result<(), AllocError> {
+        match self.alloc.alloc_decode(seq_lens, last_locs, out) {
+            Err(AllocError::OutOfMemory(_)) => {
+                self.make_room(need);
+                self.alloc.alloc_decode(seq_lens, last_locs, out).map_err(|e| self.with_evictable(e))
+            }
+            r => r,
+        }
     }
 
     /// The page-aligned length of a request's tokens and the length its lease protects,

@@ -536,12 +536,14 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
         let mut done = 0;
         while done < batch.len() {
             let n = (batch.len() - done).min(CHUNK);
+            let mut chunk_need = 0usize;
             for (i, r) in batch[done..done + n].iter_mut().enumerate() {
                 let r = r.as_mut();
                 seq_lens[i] = r.written as u32 + 1;
                 last_locs[i] = r.last;
+                chunk_need += usize::from(r.written % self.ps == 0) * self.ps;
             }
-            if let Err(e) = self.decode_slots(&seq_lens[..n], &last_locs[..n], &mut out[done..done + n]) {
+            if let Err(e) = self.decode_slots(&seq_lens[..n], &last_locs[..n], &mut out[done..done + n], chunk_need) {
                 // Give back the new pages of the chunks before; the slots that continued
                 // a request's page stay in that page, which stays the request's.
                 let mut group = self.alloc.free_group();
@@ -594,7 +596,7 @@ impl<A: KvAllocator, V: Variant> RadixCache<A, V> {
             // nothing to allocate.
             *out = r.last + 1;
         } else {
-            self.decode_page(at as u32 + 1, r.last, out)?;
+            self.decode_slots(&[at as u32 + 1], &[r.last], core::slice::from_mut(out), self.ps)?;
         }
         let wrote = self.req_pool.write(r.row.as_mut().expect("a live request holds its row"), at, &[*out]);
         debug_assert!(wrote.is_ok(), "a checked decode position failed to write: {wrote:?}");
